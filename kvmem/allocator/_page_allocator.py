@@ -1,0 +1,241 @@
+"""PageAllocator: which physical pages are free, who holds the rest, and which lifetime each is in.
+
+::
+
+    free_stack[:num_free]      page ids ready to hand out (top of the stack at the end)
+    refcounts[page]            holders of a live page (0 when free)
+    tags[page]                 lifetime tag of a live page (0 when free); from one 64-bit counter,
+                               so no two lifetimes of any pages ever share a tag
+
+All state is numpy; allocating or freeing k pages costs a constant number of numpy calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.errors import IntegrityError, InvalidFreeError, OutOfPagesError
+
+__all__ = ["AllocatorStats", "PageAllocator"]
+
+PageIds = npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorStats:
+    """A snapshot of allocator counters; it does not change when the allocator does."""
+
+    num_pages: int
+    num_free: int
+    num_used: int
+    num_shared: int  # live pages with more than one holder
+    num_allocations: int  # page lifetimes started so far (== last tag handed out)
+    num_frees: int  # page lifetimes ended so far
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_pages
+
+
+def as_page_ids(pages: npt.ArrayLike) -> PageIds:
+    """``pages`` as a flat int32 array, without copying when it already is one."""
+    return np.asarray(pages, dtype=np.int32).reshape(-1)
+
+
+class PageAllocator:
+    """Reference-counted pages ``0 .. num_pages-1`` with a fresh tag for every lifetime.
+
+    Parameters
+    ----------
+    num_pages:
+        Number of physical pages managed.
+
+    Attributes
+    ----------
+    refcounts: ``[num_pages]``, int32, read-only view
+        Holders of each page; 0 for a free page.
+    tags: ``[num_pages]``, int64, read-only view
+        Lifetime tag of each live page (> 0); 0 for a free page.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
+            raise TypeError(f"num_pages must be an int, got {type(num_pages).__name__}")
+        if num_pages <= 0 or num_pages > np.iinfo(np.int32).max:
+            raise ValueError(f"num_pages must be in 1..{np.iinfo(np.int32).max}, got {num_pages}")
+        self.num_pages = int(num_pages)
+        # Reversed so that the first allocation hands out 0, 1, 2, ...
+        self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
+        self._num_free = self.num_pages
+        self._refcounts = np.zeros(self.num_pages, dtype=np.int32)
+        self._tags = np.zeros(self.num_pages, dtype=np.int64)
+        self._last_tag = 0
+        self._num_frees = 0
+        # Pages whose tag changed since the last pop_changed_pages(): lets a device mirror of the
+        # tags update only what changed.
+        self._changed: list[PageIds] = []
+        self.refcounts = self._refcounts.view()
+        self.refcounts.flags.writeable = False
+        self.tags = self._tags.view()
+        self.tags.flags.writeable = False
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._num_free
+
+    def can_allocate(self, num: int) -> bool:
+        return 0 <= num <= self._num_free
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(
+            num_pages=self.num_pages,
+            num_free=self._num_free,
+            num_used=self.num_used,
+            num_shared=int(np.count_nonzero(self._refcounts > 1)),
+            num_allocations=self._last_tag,
+            num_frees=self._num_frees,
+        )
+
+    # -- mutations ---------------------------------------------------------------------------
+
+    def allocate(self, num: int) -> PageIds:
+        """Take ``num`` free pages, each with one holder and a fresh tag; all or nothing.
+
+        Returns
+        -------
+        pages: ``[num]``, int32
+
+        Raises
+        ------
+        OutOfPagesError
+            Fewer than ``num`` pages are free; nothing changed.
+        """
+        if num < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({num})")
+        if num > self._num_free:
+            raise OutOfPagesError(num, self._num_free)
+        start = self._num_free - num
+        pages = self._free_stack[start : self._num_free][::-1].copy()
+        self._num_free = start
+        self._refcounts[pages] = 1
+        self._tags[pages] = np.arange(self._last_tag + 1, self._last_tag + 1 + num, dtype=np.int64)
+        self._last_tag += num
+        self._changed.append(pages)
+        return pages
+
+    def share(self, pages: npt.ArrayLike) -> None:
+        """Add one holder to each listed live page (a page listed twice gains two)."""
+        pages = as_page_ids(pages)
+        self._require_live(pages, "share")
+        np.add.at(self._refcounts, pages, 1)
+
+    def free(self, pages: npt.ArrayLike) -> PageIds:
+        """Remove one holder from each listed page; pages left with none become free.
+
+        The whole call is validated before anything changes.
+
+        Returns
+        -------
+        released: ``[k]``, int32
+            The pages that lost their last holder (now free, tag 0).
+
+        Raises
+        ------
+        InvalidFreeError
+            A page is out of range, already free, or listed more times than it has holders.
+        """
+        pages = as_page_ids(pages)
+        if pages.size == 0:
+            return pages.copy()
+        self._require_live(pages, "free")
+        uniq, counts = np.unique(pages, return_counts=True)
+        remaining = self._refcounts[uniq] - counts
+        if (remaining < 0).any():
+            bad = uniq[remaining < 0]
+            raise InvalidFreeError(
+                f"free() lists pages {bad.tolist()[:16]} more times than they have holders "
+                f"(holders {self._refcounts[bad].tolist()[:16]}, listed "
+                f"{counts[remaining < 0].tolist()[:16]}); nothing was freed. Two release paths "
+                "are probably freeing the same page: free each holder's reference once."
+            )
+        self._refcounts[uniq] = remaining
+        released = uniq[remaining == 0]
+        self._tags[released] = 0
+        self._free_stack[self._num_free : self._num_free + released.size] = released
+        self._num_free += released.size
+        self._num_frees += released.size
+        self._changed.append(released)
+        return released
+
+    def pop_changed_pages(self) -> PageIds:
+        """Pages whose tag changed since the last call (unique, int32), and forget them."""
+        if not self._changed:
+            return np.empty(0, dtype=np.int32)
+        changed = np.unique(np.concatenate(self._changed))
+        self._changed.clear()
+        return changed
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def _require_live(self, pages: PageIds, action: str) -> None:
+        out_of_range = (pages < 0) | (pages >= self.num_pages)
+        if out_of_range.any():
+            raise InvalidFreeError(
+                f"{action}() got page ids {pages[out_of_range].tolist()[:16]} outside "
+                f"0..{self.num_pages - 1}; nothing changed. Pass ids returned by allocate()."
+            )
+        free = self._refcounts[pages] == 0
+        if free.any():
+            raise InvalidFreeError(
+                f"{action}() got pages {np.unique(pages[free]).tolist()[:16]} that are free "
+                "(no holder); nothing changed. A page may only be shared or freed while it is "
+                "allocated: this is a double free or a use after free."
+            )
+
+    def check(self) -> None:
+        """Verify the allocator's own invariants; raise IntegrityError listing every offender.
+
+        Conservation (free + used == total), no page twice in the free stack, free pages have
+        refcount 0 and tag 0, live pages have refcount > 0 and tag > 0.
+        """
+        problems: list[str] = []
+        free_ids = self._free_stack[: self._num_free]
+        bad_ids = free_ids[(free_ids < 0) | (free_ids >= self.num_pages)]
+        if bad_ids.size:
+            problems.append(f"free stack holds out-of-range ids {bad_ids.tolist()[:16]}")
+            free_ids = free_ids[(free_ids >= 0) & (free_ids < self.num_pages)]
+        in_free = np.bincount(free_ids, minlength=self.num_pages)
+        dup = np.flatnonzero(in_free > 1)
+        if dup.size:
+            problems.append(f"pages {dup.tolist()[:16]} appear more than once in the free stack")
+        is_free = in_free > 0
+        num_live = int(np.count_nonzero(self._refcounts > 0))
+        if int(np.count_nonzero(is_free)) + num_live != self.num_pages:
+            lost = np.flatnonzero(~is_free & (self._refcounts == 0))
+            problems.append(
+                f"conservation broken: {int(is_free.sum())} free + {num_live} live != "
+                f"{self.num_pages} total; pages neither free nor held: {lost.tolist()[:16]}"
+            )
+        free_held = np.flatnonzero(is_free & (self._refcounts != 0))
+        if free_held.size:
+            problems.append(f"free pages {free_held.tolist()[:16]} have refcount != 0")
+        free_tagged = np.flatnonzero(is_free & (self._tags != 0))
+        if free_tagged.size:
+            problems.append(f"free pages {free_tagged.tolist()[:16]} have tag != 0")
+        live_untagged = np.flatnonzero(~is_free & (self._tags <= 0))
+        if live_untagged.size:
+            problems.append(f"live pages {live_untagged.tolist()[:16]} have tag <= 0")
+        negative = np.flatnonzero(self._refcounts < 0)
+        if negative.size:
+            problems.append(f"pages {negative.tolist()[:16]} have negative refcounts")
+        if problems:
+            raise IntegrityError("PageAllocator.check() failed: " + "; ".join(problems))

@@ -1,0 +1,227 @@
+"""The batched mapping check: does every page a request is about to read still belong to it?
+
+For each request ``b`` of a batch, the kernel will read pages ``0 .. num_pages[b]-1`` from its
+row of the metadata (a padded block table, or FlashInfer CSR). Entry ``(b, j)`` is good when the
+page id is in range, the page is live (tag != 0) and its tag equals the tag the request recorded
+when the page was mapped. Block-table entries past ``num_pages[b]`` must be the pad value.
+
+One function per metadata format, each in a numpy form and a torch form (tensors on any device)
+that return identical results. The torch form is imported lazily so this module needs no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BadEntries",
+    "Reason",
+    "check_block_table",
+    "check_block_table_torch",
+    "check_csr",
+    "check_csr_torch",
+]
+
+PAD = -1
+
+
+class Reason:
+    """Why an entry failed (the ``reason`` codes of :class:`BadEntries`)."""
+
+    OUT_OF_RANGE = 1  # page id outside 0..num_pages-1
+    FREED = 2  # page is free (tag 0): freed behind the request's back
+    REALLOCATED = 3  # page is live with another tag: freed and handed to someone else
+    UNMAPPED = 4  # the request never recorded a page at this position
+    PADDING = 5  # block-table entry past the request's pages is not the pad value
+    LENGTH = 6  # CSR lists a different number of pages than the request maps
+
+    NAMES = {
+        1: "page id out of range",
+        2: "page was freed (tag 0) while still mapped",
+        3: "page was reallocated to another lifetime (tag changed)",
+        4: "no page was recorded at this position",
+        5: "padding entry is not the pad value",
+        6: "metadata lists a different number of pages than the request maps",
+    }
+
+
+class BadEntries(NamedTuple):
+    """Every failing entry of a check, as parallel int64 arrays of length ``k``.
+
+    batch_index: ``[k]`` — index into the batch (not the page-table row)
+    position: ``[k]`` — page position within the request (-1 for a LENGTH failure)
+    page: ``[k]`` — page id found in the metadata (-1 when none)
+    expected_tag: ``[k]`` — tag the request recorded (0 when none)
+    found_tag: ``[k]`` — tag the page carries now (-1 when the id is out of range)
+    reason: ``[k]`` — a :class:`Reason` code
+    """
+
+    batch_index: npt.NDArray[np.int64]
+    position: npt.NDArray[np.int64]
+    page: npt.NDArray[np.int64]
+    expected_tag: npt.NDArray[np.int64]
+    found_tag: npt.NDArray[np.int64]
+    reason: npt.NDArray[np.int64]
+
+    @property
+    def num_bad(self) -> int:
+        return int(self.batch_index.size)
+
+
+def _reasons(xp: Any, page: Any, in_range: Any, found: Any, expected: Any) -> Any:
+    """Reason code per entry (0 = good); works for numpy and torch alike."""
+    reason = xp.where(found != expected, Reason.REALLOCATED, 0)
+    reason = xp.where(found == 0, Reason.FREED, reason)
+    reason = xp.where(expected == 0, Reason.UNMAPPED, reason)
+    return xp.where(in_range, reason, Reason.OUT_OF_RANGE)
+
+
+def _lookup_np(
+    page: npt.NDArray[Any], tags: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+    in_range = (page >= 0) & (page < tags.shape[0])
+    found = np.where(in_range, tags[np.clip(page, 0, tags.shape[0] - 1)], -1)
+    return in_range, found
+
+
+def check_block_table(
+    block_table: npt.NDArray[np.int32],
+    num_pages: npt.NDArray[np.integer[Any]],
+    expected_tags: npt.NDArray[np.int64],
+    tags: npt.NDArray[np.int64],
+) -> BadEntries:
+    """Check a padded block table against the recorded tags.
+
+    Parameters
+    ----------
+    block_table: ``[B, W]``, int32 — what the kernel reads, PAD past each row's pages
+    num_pages: ``[B]``, int — pages the kernel reads per row
+    expected_tags: ``[B, >= W]``, int64 — tag recorded per (request, position); 0 = none
+    tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
+    """
+    width = block_table.shape[1]
+    inside = np.arange(width) < np.asarray(num_pages)[:, None]
+    in_range, found = _lookup_np(block_table, tags)
+    reason = _reasons(np, block_table, in_range, found, expected_tags[:, :width])
+    reason = np.where(inside, reason, np.where(block_table != PAD, Reason.PADDING, 0))
+    b, j = np.nonzero(reason)
+    return BadEntries(
+        b.astype(np.int64),
+        j.astype(np.int64),
+        block_table[b, j].astype(np.int64),
+        np.where(inside[b, j], expected_tags[b, j], 0).astype(np.int64),
+        found[b, j].astype(np.int64),
+        reason[b, j].astype(np.int64),
+    )
+
+
+def check_csr(
+    kv_indptr: npt.NDArray[np.int32],
+    kv_indices: npt.NDArray[np.int32],
+    num_pages: npt.NDArray[np.integer[Any]],
+    expected_tags: npt.NDArray[np.int64],
+    tags: npt.NDArray[np.int64],
+) -> BadEntries:
+    """Check FlashInfer CSR metadata against the recorded tags.
+
+    Parameters
+    ----------
+    kv_indptr: ``[B + 1]``, int32; kv_indices: ``[nnz]``, int32 — what the kernel reads
+    num_pages: ``[B]``, int — pages each request should read
+    expected_tags: ``[B, max_pages]``, int64 — tag recorded per (request, position); 0 = none
+    tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
+    """
+    counts = np.diff(kv_indptr.astype(np.int64))
+    b = np.repeat(np.arange(counts.size), counts)
+    j = np.arange(kv_indices.size) - np.repeat(kv_indptr[:-1].astype(np.int64), counts)
+    j_ok = j < expected_tags.shape[1]
+    expected = np.where(j_ok, expected_tags[b, np.minimum(j, expected_tags.shape[1] - 1)], 0)
+    in_range, found = _lookup_np(kv_indices, tags)
+    reason = _reasons(np, kv_indices, in_range, found, expected)
+    bad = np.flatnonzero(reason)
+    wrong_len = np.flatnonzero(counts != np.asarray(num_pages))
+    minus = np.full(wrong_len.size, -1, dtype=np.int64)
+    return BadEntries(
+        np.concatenate([b[bad], wrong_len]).astype(np.int64),
+        np.concatenate([j[bad], minus]).astype(np.int64),
+        np.concatenate([kv_indices[bad].astype(np.int64), minus]),
+        np.concatenate([expected[bad], np.zeros_like(minus)]).astype(np.int64),
+        np.concatenate([found[bad], minus]).astype(np.int64),
+        np.concatenate([reason[bad], np.full_like(minus, Reason.LENGTH)]).astype(np.int64),
+    )
+
+
+# -- torch forms: same logic on tensors of any device ------------------------------------------
+
+
+def _to_numpy(*tensors: torch.Tensor) -> list[npt.NDArray[np.int64]]:
+    return [t.to("cpu", copy=False).numpy().astype(np.int64) for t in tensors]
+
+
+def _lookup_torch(page: torch.Tensor, tags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    in_range = (page >= 0) & (page < tags.shape[0])
+    found = torch.where(in_range, tags[page.long().clamp(0, tags.shape[0] - 1)], -1)
+    return in_range, found
+
+
+def check_block_table_torch(
+    block_table: torch.Tensor,
+    num_pages: torch.Tensor,
+    expected_tags: torch.Tensor,
+    tags: torch.Tensor,
+) -> BadEntries:
+    """:func:`check_block_table` on torch tensors (all on one device); one host sync at the end."""
+    import torch
+
+    width = block_table.shape[1]
+    inside = torch.arange(width, device=block_table.device) < num_pages[:, None]
+    in_range, found = _lookup_torch(block_table, tags)
+    expected = expected_tags[:, :width]
+    reason = _reasons(torch, block_table, in_range, found, expected)
+    reason = torch.where(inside, reason, (block_table != PAD).long() * Reason.PADDING)
+    b, j = torch.nonzero(reason, as_tuple=True)
+    arrays = _to_numpy(
+        b, j, block_table[b, j], torch.where(inside[b, j], expected[b, j], 0), found[b, j],
+        reason[b, j],
+    )
+    return BadEntries(*arrays)
+
+
+def check_csr_torch(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_pages: torch.Tensor,
+    expected_tags: torch.Tensor,
+    tags: torch.Tensor,
+) -> BadEntries:
+    """:func:`check_csr` on torch tensors (all on one device); one host sync at the end."""
+    import torch
+
+    counts = kv_indptr[1:].long() - kv_indptr[:-1].long()
+    b = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    j = torch.arange(kv_indices.numel(), device=counts.device) - kv_indptr[:-1].long()[b]
+    max_pages = expected_tags.shape[1]
+    expected = torch.where(j < max_pages, expected_tags[b, j.clamp(max=max_pages - 1)], 0)
+    in_range, found = _lookup_torch(kv_indices, tags)
+    reason = _reasons(torch, kv_indices, in_range, found, expected)
+    bad = torch.nonzero(reason, as_tuple=True)[0]
+    wrong_len = torch.nonzero(counts != num_pages.long(), as_tuple=True)[0]
+    parts = _to_numpy(b[bad], j[bad], kv_indices[bad], expected[bad], found[bad], reason[bad],
+                      wrong_len)
+    minus = np.full(parts[6].size, -1, dtype=np.int64)
+    return BadEntries(
+        np.concatenate([parts[0], parts[6]]),
+        np.concatenate([parts[1], minus]),
+        np.concatenate([parts[2], minus]),
+        np.concatenate([parts[3], np.zeros_like(minus)]),
+        np.concatenate([parts[4], minus]),
+        np.concatenate([parts[5], np.full_like(minus, Reason.LENGTH)]),
+    )

@@ -1,0 +1,191 @@
+"""Trackers: the request side of the integrity check.
+
+When a page is mapped into a request, a tracker may record the tag the page carries then. Before
+decode, it checks a whole batch against the live tags in one vectorized operation.
+
+* :class:`NoOpTracker` (the default) records nothing and checks nothing. Its ``enabled`` is
+  False, and callers test that flag first so that they do not even build a tracker's inputs.
+* :class:`CheckingTracker` keeps ``expected_tags[row, position]`` (int64, 0 = nothing recorded),
+  one row per page-table row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.integrity._check import (
+    BadEntries,
+    Reason,
+    check_block_table,
+    check_block_table_torch,
+    check_csr,
+    check_csr_torch,
+)
+
+__all__ = ["CheckingTracker", "IntegrityReport", "NoOpTracker", "Tracker"]
+
+
+def _empty_entries() -> BadEntries:
+    empty = np.empty(0, dtype=np.int64)
+    return BadEntries(empty, empty, empty, empty, empty, empty)
+
+
+@dataclass(frozen=True)
+class IntegrityReport:
+    """Result of verifying a batch.
+
+    failed: the ids (request ids when given, else page-table rows) of requests with a bad
+        entry, in batch order, each once.
+    entries: every bad entry; ``entries.batch_index`` indexes the verified batch.
+    """
+
+    ids: tuple[Any, ...] = ()
+    entries: BadEntries = field(default_factory=_empty_entries)
+
+    @property
+    def ok(self) -> bool:
+        return self.entries.num_bad == 0
+
+    @property
+    def failed(self) -> tuple[Any, ...]:
+        order = np.unique(self.entries.batch_index)
+        return tuple(self.ids[i] for i in order.tolist())
+
+    def reasons(self) -> dict[Any, str]:
+        """One readable line per failed request: its first bad entry and how many there are."""
+        out: dict[Any, str] = {}
+        e = self.entries
+        for i in np.unique(e.batch_index).tolist():
+            k = int(np.flatnonzero(e.batch_index == i)[0])
+            n = int(np.count_nonzero(e.batch_index == i))
+            out[self.ids[i]] = (
+                f"{Reason.NAMES[int(e.reason[k])]}: position {int(e.position[k])}, page "
+                f"{int(e.page[k])}, expected tag {int(e.expected_tag[k])}, found tag "
+                f"{int(e.found_tag[k])} ({n} bad entr{'y' if n == 1 else 'ies'})"
+            )
+        return out
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What a manager needs from a tracker. Callers skip all tracker work when not ``enabled``."""
+
+    enabled: bool
+
+    def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
+        """Remember that ``rows[i]`` maps, at ``positions[i]``, a page whose tag is ``tags[i]``."""
+
+    def forget(self, rows: npt.ArrayLike) -> None:
+        """Drop everything recorded for these rows (the request was released)."""
+
+    def verify(
+        self,
+        rows: npt.ArrayLike,
+        num_pages: Any,
+        tags: Any,
+        *,
+        block_table: Any = None,
+        kv_indptr: Any = None,
+        kv_indices: Any = None,
+        ids: tuple[Any, ...] | None = None,
+    ) -> IntegrityReport:
+        """Check the metadata the kernel will read for ``rows``."""
+        ...
+
+
+class NoOpTracker:
+    """Records nothing, checks nothing, costs nothing. The default."""
+
+    enabled = False
+
+    def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
+        pass
+
+    def forget(self, rows: npt.ArrayLike) -> None:
+        pass
+
+    def verify(
+        self,
+        rows: npt.ArrayLike,
+        num_pages: Any,
+        tags: Any,
+        *,
+        block_table: Any = None,
+        kv_indptr: Any = None,
+        kv_indices: Any = None,
+        ids: tuple[Any, ...] | None = None,
+    ) -> IntegrityReport:
+        return IntegrityReport()
+
+
+class CheckingTracker:
+    """Records the expected tag of every (request row, page position) and verifies batches.
+
+    Parameters
+    ----------
+    max_seqs, max_pages_per_seq: the shape of the page table it shadows.
+
+    Attributes
+    ----------
+    expected_tags: ``[max_seqs, max_pages_per_seq]``, int64 — 0 where nothing is recorded
+    """
+
+    enabled = True
+
+    def __init__(self, max_seqs: int, max_pages_per_seq: int) -> None:
+        self.expected_tags = np.zeros((max_seqs, max_pages_per_seq), dtype=np.int64)
+
+    def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
+        self.expected_tags[rows, positions] = tags
+
+    def forget(self, rows: npt.ArrayLike) -> None:
+        self.expected_tags[rows] = 0
+
+    def verify(
+        self,
+        rows: npt.ArrayLike,
+        num_pages: Any,
+        tags: Any,
+        *,
+        block_table: Any = None,
+        kv_indptr: Any = None,
+        kv_indices: Any = None,
+        ids: tuple[Any, ...] | None = None,
+    ) -> IntegrityReport:
+        """Check one batch's metadata against the recorded tags, in one vectorized pass.
+
+        Give either ``block_table`` (``[B, W]`` int32, PAD past each row's pages) or CSR
+        (``kv_indptr [B+1]``, ``kv_indices [nnz]``, int32): the very arrays the kernel reads.
+        numpy arrays are checked with numpy; torch tensors on their own device.
+
+        Parameters
+        ----------
+        rows: ``[B]`` — page-table rows of the batch
+        num_pages: ``[B]`` — pages the kernel will read per row
+        tags: ``[num_physical_pages]``, int64 — live tags (the allocator's, or a device mirror)
+        ids: labels for the report (request ids); defaults to ``rows``
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        expected = self.expected_tags[rows]
+        if (block_table is None) == (kv_indptr is None):
+            raise ValueError("verify() needs exactly one of block_table or kv_indptr/kv_indices")
+        if isinstance(tags, np.ndarray):
+            if block_table is not None:
+                entries = check_block_table(block_table, np.asarray(num_pages), expected, tags)
+            else:
+                entries = check_csr(kv_indptr, kv_indices, np.asarray(num_pages), expected, tags)
+        else:
+            import torch
+
+            device = tags.device
+            expected_t = torch.as_tensor(expected, device=device)
+            num_pages_t = torch.as_tensor(num_pages, device=device)
+            if block_table is not None:
+                entries = check_block_table_torch(block_table, num_pages_t, expected_t, tags)
+            else:
+                entries = check_csr_torch(kv_indptr, kv_indices, num_pages_t, expected_t, tags)
+        return IntegrityReport(tuple(rows.tolist()) if ids is None else tuple(ids), entries)
