@@ -32,7 +32,8 @@ Int64Array = npt.NDArray[np.int64]
 class CSRMetadata(NamedTuple):
     """FlashInfer paged-KV metadata for a batch of ``B`` rows.
 
-    kv_indptr: ``[B + 1]``, int32 — row ``b``'s pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``
+    kv_indptr: ``[B + 1]``, int32 — row ``b``'s pages are
+        ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``
     kv_indices: ``[nnz]``, int32 — page ids
     kv_last_page_len: ``[B]``, int32 — tokens in each row's last page, in ``1..page_size``
     """
@@ -136,10 +137,11 @@ class PageTable:
 
     def set_num_tokens(self, row: int, num_tokens: int) -> None:
         """Declare that ``num_tokens`` of the row's slots hold tokens (e.g. after a prefix hit)."""
-        if not 0 <= num_tokens <= int(self.num_pages[row]) * self.page_size:
+        num_slots = int(self.num_pages[row]) * self.page_size
+        if not 0 <= num_tokens <= num_slots:
             raise KVMemError(
-                f"row {row} maps {self.num_pages[row]} pages ({self.num_pages[row] * self.page_size}"
-                f" slots) and cannot hold {num_tokens} tokens"
+                f"row {row} maps {self.num_pages[row]} pages ({num_slots} slots) and cannot hold "
+                f"{num_tokens} tokens; map more pages first"
             )
         self.num_tokens[row] = num_tokens
 
@@ -214,8 +216,13 @@ class PageTable:
         pages = self.pages[token_rows, positions // self.page_size].astype(np.int64)
         return pages * self.page_size + positions % self.page_size
 
-    def token_slots(self, rows: npt.ArrayLike, start: npt.ArrayLike, count: npt.ArrayLike) -> Int64Array:
-        """Slots of tokens ``start .. start+count-1`` of each row, row by row: ``[sum(count)]``, int64."""
+    def token_slots(
+        self, rows: npt.ArrayLike, start: npt.ArrayLike, count: npt.ArrayLike
+    ) -> Int64Array:
+        """Slots of tokens ``start .. start+count-1`` of each row, row by row.
+
+        Returns ``[sum(count)]``, int64.
+        """
         rows = np.asarray(rows, dtype=np.int32).reshape(-1)
         start = np.broadcast_to(np.asarray(start, dtype=np.int64), rows.shape)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), rows.shape)

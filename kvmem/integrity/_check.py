@@ -11,7 +11,7 @@ that return identical results. The torch form is imported lazily so this module 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +41,7 @@ class Reason:
     PADDING = 5  # block-table entry past the request's pages is not the pad value
     LENGTH = 6  # CSR lists a different number of pages than the request maps
 
-    NAMES = {
+    NAMES: ClassVar[dict[int, str]] = {
         1: "page id out of range",
         2: "page was freed (tag 0) while still mapped",
         3: "page was reallocated to another lifetime (tag changed)",
@@ -137,7 +137,8 @@ def check_csr(
     expected_tags: ``[B, max_pages]``, int64 — tag recorded per (request, position); 0 = none
     tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
     """
-    counts = np.diff(kv_indptr.astype(np.int64))
+    indptr = kv_indptr.astype(np.int64)
+    counts = indptr[1:] - indptr[:-1]
     b = np.repeat(np.arange(counts.size), counts)
     j = np.arange(kv_indices.size) - np.repeat(kv_indptr[:-1].astype(np.int64), counts)
     j_ok = j < expected_tags.shape[1]

@@ -140,10 +140,10 @@ class CheckingTracker:
         self.expected_tags = np.zeros((max_seqs, max_pages_per_seq), dtype=np.int64)
 
     def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
-        self.expected_tags[rows, positions] = tags
+        self.expected_tags[np.asarray(rows), np.asarray(positions)] = np.asarray(tags)
 
     def forget(self, rows: npt.ArrayLike) -> None:
-        self.expected_tags[rows] = 0
+        self.expected_tags[np.asarray(rows)] = 0
 
     def verify(
         self,
