@@ -157,15 +157,19 @@ class PageAllocator:
         if pages.size == 0:
             return pages.copy()
         self._require_live(pages, "free")
-        uniq, counts = np.unique(pages, return_counts=True)
-        remaining = self._refcounts[uniq] - counts
+        uniq = np.sort(pages)
+        if uniq.size > 1 and (uniq[1:] == uniq[:-1]).any():
+            # A page listed k times loses k holders: group the repeats first.
+            uniq, counts = np.unique(uniq, return_counts=True)
+            remaining = self._refcounts[uniq] - counts
+        else:
+            remaining = self._refcounts[uniq] - 1  # live pages have >= 1 holder: never negative
         if (remaining < 0).any():
             bad = uniq[remaining < 0]
             raise InvalidFreeError(
                 f"free() lists pages {bad.tolist()[:16]} more times than they have holders "
-                f"(holders {self._refcounts[bad].tolist()[:16]}, listed "
-                f"{counts[remaining < 0].tolist()[:16]}); nothing was freed. Two release paths "
-                "are probably freeing the same page: free each holder's reference once."
+                f"(holders {self._refcounts[bad].tolist()[:16]}); nothing was freed. Two release "
+                "paths are probably freeing the same page: free each holder's reference once."
             )
         self._refcounts[uniq] = remaining
         released = uniq[remaining == 0]

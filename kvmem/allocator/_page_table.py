@@ -70,7 +70,7 @@ class PageTable:
     Attributes
     ----------
     pages: ``[max_seqs, max_pages_per_seq]``, int32 — page ids, PAD past ``num_pages[row]``
-    num_pages: ``[max_seqs]``, int32 — pages mapped per row
+    num_pages: ``[max_seqs]``, int64 — pages mapped per row
     num_tokens: ``[max_seqs]``, int64 — tokens with a slot per row
     """
 
@@ -86,10 +86,13 @@ class PageTable:
         self.max_pages_per_seq = int(max_pages_per_seq)
         self.page_size = int(page_size)
         self.pages = np.full((self.max_seqs, self.max_pages_per_seq), PAD, dtype=np.int32)
-        self.num_pages = np.zeros(self.max_seqs, dtype=np.int32)
+        self._flat_pages = self.pages.reshape(-1)  # a view: page (row, col) is [row * width + col]
+        self.num_pages = np.zeros(self.max_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(self.max_seqs, dtype=np.int64)
         self._free_rows = list(range(self.max_seqs - 1, -1, -1))
         self._live = np.zeros(self.max_seqs, dtype=bool)
+        self._stamp = np.zeros(self.max_seqs, dtype=np.int64)  # scratch for the distinct check
+        self._arange = np.arange(max(self.max_seqs, self.max_pages_per_seq), dtype=np.int64)
 
     # -- rows -----------------------------------------------------------------------------------
 
@@ -102,24 +105,36 @@ class PageTable:
 
     def add_row(self) -> int:
         """Open an empty row for a new request."""
-        if not self._free_rows:
+        return int(self.add_rows(1)[0])
+
+    def add_rows(self, num: int) -> Int32Array:
+        """Open ``num`` empty rows: ``[num]``, int32."""
+        if num > len(self._free_rows):
             raise KVMemError(
-                f"all {self.max_seqs} page-table rows are in use; release a request first or "
-                "build the table with a larger max_seqs"
+                f"asked for {num} page-table rows but {len(self._free_rows)} of {self.max_seqs} "
+                "are free; release requests first or build the table with a larger max_seqs"
             )
-        row = self._free_rows.pop()
-        self._live[row] = True
-        return row
+        rows = np.array(self._free_rows[len(self._free_rows) - num :][::-1], dtype=np.int32)
+        del self._free_rows[len(self._free_rows) - num :]
+        self._live[rows] = True
+        return rows
 
     def remove_row(self, row: int) -> Int32Array:
         """Close a row; returns the pages it mapped (the caller frees them)."""
-        self._require_live_rows(np.array([row]))
-        pages = self.pages[row, : self.num_pages[row]].copy()
-        self.pages[row, : self.num_pages[row]] = PAD
-        self.num_pages[row] = 0
-        self.num_tokens[row] = 0
-        self._live[row] = False
-        self._free_rows.append(row)
+        return self.remove_rows(np.array([row], dtype=np.int32))
+
+    def remove_rows(self, rows: npt.ArrayLike) -> Int32Array:
+        """Close distinct rows; returns their pages, row by row (the caller frees them)."""
+        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        self._require_live_rows(rows)
+        width = int(self.num_pages[rows].max()) if rows.size else 0
+        block = self.pages[rows, :width]
+        pages = block[block != PAD]  # mapped pages are never PAD, and PAD follows them
+        self.pages[rows, :width] = PAD
+        self.num_pages[rows] = 0
+        self.num_tokens[rows] = 0
+        self._live[rows] = False
+        self._free_rows.extend(rows.tolist())
         return pages
 
     def map_pages(self, row: int, pages: npt.ArrayLike) -> None:
@@ -158,15 +173,15 @@ class PageTable:
 
     # -- growth (the decode step) --------------------------------------------------------------
 
-    def pages_needed(self, rows: Int32Array, num_new_tokens: npt.ArrayLike) -> Int32Array:
-        """Pages each row must gain to hold ``num_new_tokens`` more tokens: ``[B]``, int32."""
+    def pages_needed(self, rows: npt.ArrayLike, num_new_tokens: npt.ArrayLike) -> Int64Array:
+        """Pages each row must gain to hold ``num_new_tokens`` more tokens: ``[B]``, int64."""
         rows = np.asarray(rows)
         end = self.num_tokens[rows] + np.asarray(num_new_tokens, dtype=np.int64)
         needed = (end + self.page_size - 1) // self.page_size - self.num_pages[rows]
-        return np.maximum(needed, 0).astype(np.int32)
+        return np.maximum(needed, 0)
 
     def grow(
-        self, rows: npt.ArrayLike, num_new_tokens: npt.ArrayLike, allocator: PageAllocator
+        self, rows: npt.ArrayLike, num_new_tokens: int | npt.ArrayLike, allocator: PageAllocator
     ) -> GrowResult:
         """Give each row ``num_new_tokens`` more token slots, allocating pages only where a row
         crosses a page boundary. All or nothing: on any error nothing changes.
@@ -182,39 +197,71 @@ class PageTable:
         GrowResult with the int64 slot mapping of the new tokens (row by row).
         """
         rows = np.asarray(rows, dtype=np.int32).reshape(-1)
-        new = np.broadcast_to(np.asarray(num_new_tokens, dtype=np.int64), rows.shape)
         self._require_live_rows(rows)
-        if (new < 0).any():
-            raise ValueError(f"num_new_tokens must be >= 0, got {new[new < 0].tolist()[:8]}")
+        if np.ndim(num_new_tokens) == 0 and 0 <= int(num_new_tokens) <= self.page_size:  # type: ignore[arg-type]
+            return self._grow_by_at_most_one_page(rows, int(num_new_tokens), allocator)  # type: ignore[arg-type]
+        new = np.asarray(num_new_tokens, dtype=np.int64)
+        if new.ndim == 0:
+            new = np.full(rows.size, int(new), dtype=np.int64)
+        if new.shape != rows.shape or (new < 0).any():
+            raise ValueError(
+                f"num_new_tokens must be an int >= 0 or one per row ({rows.size}), got {new!r}"
+            )
         needed = self.pages_needed(rows, new)
+        self._require_room(rows, needed)
+        total = int(needed.sum())
+        new_pages = allocator.allocate(total)  # raises OutOfPagesError before any change
+        # Row and column of every new page: repeat each row by its count, columns count up.
+        page_rows = np.repeat(rows, needed)
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(needed) - needed, needed)
+        page_cols = np.repeat(self.num_pages[rows], needed) + offsets
+        self._flat_pages[page_rows * self.max_pages_per_seq + page_cols] = new_pages
+        self.num_pages[rows] += needed
+        start = self.num_tokens[rows]
+        self.num_tokens[rows] = start + new
+        slot_mapping = self.slot_mapping(*self._token_positions(rows, start, new))
+        return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
+
+    def _grow_by_at_most_one_page(
+        self, rows: Int32Array, num_new: int, allocator: PageAllocator
+    ) -> GrowResult:
+        """The decode step: every row gains ``num_new <= page_size`` tokens, so at most one page."""
+        start = self.num_tokens[rows]
+        num_pages = self.num_pages[rows]
+        grow_idx = np.flatnonzero(start + num_new > num_pages * self.page_size)
+        page_rows = rows[grow_idx]
+        page_cols = num_pages[grow_idx]
+        if page_cols.size and int(page_cols.max()) >= self.max_pages_per_seq:
+            self._require_room(page_rows, np.ones(page_rows.size, dtype=np.int64))
+        new_pages = allocator.allocate(grow_idx.size)
+        self._flat_pages[page_rows * self.max_pages_per_seq + page_cols] = new_pages
+        self.num_pages[page_rows] = page_cols + 1
+        self.num_tokens[rows] = start + num_new
+        if num_new != 1:
+            start = (start[:, None] + self._arange[:num_new]).reshape(-1)
+            rows = np.repeat(rows, num_new)
+        slot_mapping = self.slot_mapping(rows, start)
+        return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
+
+    def _require_room(self, rows: Int32Array, needed: Int64Array) -> None:
         too_long = self.num_pages[rows] + needed > self.max_pages_per_seq
         if too_long.any():
             raise KVMemError(
                 f"rows {rows[too_long].tolist()[:8]} would need more than max_pages_per_seq="
                 f"{self.max_pages_per_seq} pages; finish those requests or raise the limit"
             )
-        total = int(needed.sum())
-        new_pages = allocator.allocate(total)  # raises OutOfPagesError before any change
-        # Row and column of every new page: repeat each row by its count, columns count up.
-        page_rows = np.repeat(rows, needed)
-        first = np.repeat(self.num_pages[rows], needed)
-        offsets = np.arange(total, dtype=np.int32) - np.repeat(np.cumsum(needed) - needed, needed)
-        page_cols = (first + offsets).astype(np.int32)
-        self.pages[page_rows, page_cols] = new_pages
-        self.num_pages[rows] += needed
-        start = self.num_tokens[rows].copy()
-        self.num_tokens[rows] += new
-        slot_mapping = self.slot_mapping(*self._token_positions(rows, start, new))
-        return GrowResult(slot_mapping, new_pages, page_rows, page_cols)
 
     # -- metadata ------------------------------------------------------------------------------
 
     def slot_mapping(self, token_rows: npt.ArrayLike, positions: npt.ArrayLike) -> Int64Array:
         """Slots of tokens given by (row, position): ``[T]``, int64."""
-        token_rows = np.asarray(token_rows)
+        token_rows = np.asarray(token_rows, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
-        pages = self.pages[token_rows, positions // self.page_size].astype(np.int64)
-        return pages * self.page_size + positions % self.page_size
+        page_index = token_rows * self.max_pages_per_seq + positions // self.page_size
+        slots = self._flat_pages[page_index].astype(np.int64)
+        slots *= self.page_size
+        slots += positions % self.page_size
+        return slots
 
     def token_slots(
         self, rows: npt.ArrayLike, start: npt.ArrayLike, count: npt.ArrayLike
@@ -238,22 +285,18 @@ class PageTable:
         )
         return token_rows, np.repeat(start, count) + within
 
-    def _used_pages(self, rows: Int32Array, seq_lens: npt.ArrayLike | None) -> Int64Array:
-        lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
-        return (lens + self.page_size - 1) // self.page_size
-
     def csr(self, rows: npt.ArrayLike, seq_lens: npt.ArrayLike | None = None) -> CSRMetadata:
         """FlashInfer CSR over the pages that hold each row's first ``seq_lens`` tokens
         (default: all its tokens). Every row must hold at least one token.
         """
         rows = np.asarray(rows, dtype=np.int32).reshape(-1)
         lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
-        used = self._used_pages(rows, lens)
+        used = (lens + self.page_size - 1) // self.page_size
         indptr = np.zeros(rows.size + 1, dtype=np.int32)
         np.cumsum(used, out=indptr[1:])
-        # Gather row b's first used[b] columns in one fancy-index.
-        cols = np.arange(int(indptr[-1]), dtype=np.int64) - np.repeat(indptr[:-1], used)
-        indices = self.pages[np.repeat(rows, used), cols]
+        width = int(used.max()) if used.size else 0
+        # One masked gather of the rows' first `width` columns (C order keeps rows contiguous).
+        indices = self.pages[rows, :width][self._arange[:width] < used[:, None]]
         last_len = (lens - 1) % self.page_size + 1
         return CSRMetadata(indptr, indices, last_len.astype(np.int32))
 
@@ -264,18 +307,24 @@ class PageTable:
         ``seq_lens`` tokens, PAD after. ``width`` defaults to the widest row.
         """
         rows = np.asarray(rows, dtype=np.int32).reshape(-1)
-        used = self._used_pages(rows, seq_lens)
+        lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
+        used = (lens + self.page_size - 1) // self.page_size
         if width is None:
             width = int(used.max()) if used.size else 0
-        table = self.pages[rows, :width].copy()
+        table = self.pages[rows, :width]
         table[np.arange(width) >= used[:, None]] = PAD
         return table
 
-    def _require_live_rows(self, rows: npt.NDArray[np.integer]) -> None:
-        bad = (rows < 0) | (rows >= self.max_seqs)
-        if not bad.any():
-            bad = ~self._live[rows]
-        if bad.any():
-            raise KVMemError(f"rows {rows[bad].tolist()[:8]} are not live rows of this page table")
-        if np.unique(rows).size != rows.size:
+    def _require_live_rows(self, rows: Int32Array) -> None:
+        try:
+            live = self._live[rows]
+        except IndexError:
+            live = np.zeros(rows.size, dtype=bool)
+        if rows.size and (int(rows.min()) < 0 or not live.all()):
+            raise KVMemError(f"rows {rows.tolist()[:16]} include rows that are not live")
+        # Distinct rows: stamping each row with its batch index reads every index back only
+        # when no row appears twice (cheaper than np.unique on the per-step path).
+        index = self._arange[: rows.size]
+        self._stamp[rows] = index
+        if (self._stamp[rows] != index).any():
             raise ValueError(f"rows must be distinct, got {rows.tolist()[:16]}")

@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmem import IntegrityError, InvalidFreeError, OutOfPagesError, PageAllocator
+
+
+def snapshot(alloc: PageAllocator) -> tuple[bytes, ...]:
+    """Every byte of allocator state, to prove a failed call changed nothing."""
+    return (
+        alloc._free_stack.tobytes(),
+        alloc._refcounts.tobytes(),
+        alloc._tags.tobytes(),
+        bytes([alloc._num_free % 256]),
+        str((alloc._num_free, alloc._last_tag, alloc._num_frees)).encode(),
+    )
+
+
+def test_allocate_gives_fresh_tags_and_one_holder() -> None:
+    alloc = PageAllocator(8)
+    pages = alloc.allocate(3)
+    assert pages.dtype == np.int32
+    assert pages.tolist() == [0, 1, 2]
+    assert alloc.refcounts[pages].tolist() == [1, 1, 1]
+    assert alloc.tags[pages].tolist() == [1, 2, 3]
+    assert alloc.num_free == 5 and alloc.num_used == 3
+    alloc.check()
+
+
+def test_tags_never_repeat_across_lifetimes() -> None:
+    alloc = PageAllocator(4)
+    seen: set[int] = set()
+    for _ in range(50):
+        pages = alloc.allocate(4)
+        tags = alloc.tags[pages].tolist()
+        assert not seen & set(tags)
+        seen |= set(tags)
+        alloc.free(pages)
+        assert alloc.tags.tolist() == [0, 0, 0, 0]
+    assert alloc.stats().num_allocations == 200
+
+
+def test_free_returns_released_pages_and_zeroes_tags() -> None:
+    alloc = PageAllocator(4)
+    pages = alloc.allocate(2)
+    alloc.share(pages[:1])
+    released = alloc.free(pages)
+    assert released.tolist() == [int(pages[1])]
+    assert alloc.refcounts[pages].tolist() == [1, 0]
+    assert alloc.tags[pages[1]] == 0 and alloc.tags[pages[0]] > 0
+    assert alloc.free(pages[:1]).tolist() == [int(pages[0])]
+    assert alloc.num_free == 4
+    alloc.check()
+
+
+def test_share_counts_duplicates() -> None:
+    alloc = PageAllocator(2)
+    page = alloc.allocate(1)
+    alloc.share([page[0], page[0]])
+    assert alloc.refcounts[page[0]] == 3
+    assert alloc.stats().num_shared == 1
+    alloc.free([page[0], page[0], page[0]])
+    assert alloc.num_free == 2
+
+
+def test_public_arrays_are_read_only() -> None:
+    alloc = PageAllocator(2)
+    with pytest.raises(ValueError):
+        alloc.refcounts[0] = 5
+    with pytest.raises(ValueError):
+        alloc.tags[0] = 5
+
+
+def test_out_of_pages_changes_nothing_and_says_why() -> None:
+    alloc = PageAllocator(4)
+    alloc.allocate(3)
+    before = snapshot(alloc)
+    assert not alloc.can_allocate(2)
+    with pytest.raises(OutOfPagesError, match="asked for 2 pages but only 1 are free") as info:
+        alloc.allocate(2)
+    assert (info.value.num_requested, info.value.num_free) == (2, 1)
+    assert snapshot(alloc) == before
+
+
+@pytest.mark.parametrize(
+    "bad_free",
+    [
+        pytest.param(lambda pages: [pages[0], pages[0]], id="listed-twice-one-holder"),
+        pytest.param(lambda pages: [pages[1], 3], id="one-free-page-in-call"),
+        pytest.param(lambda pages: [pages[0], 99], id="out-of-range"),
+        pytest.param(lambda pages: [-1], id="negative"),
+    ],
+)
+def test_bad_free_changes_nothing(bad_free) -> None:  # type: ignore[no-untyped-def]
+    alloc = PageAllocator(4)
+    pages = alloc.allocate(2).tolist()
+    before = snapshot(alloc)
+    with pytest.raises(InvalidFreeError):
+        alloc.free(bad_free(pages))
+    assert snapshot(alloc) == before
+    alloc.check()
+
+
+def test_double_free_across_calls_is_rejected() -> None:
+    alloc = PageAllocator(4)
+    pages = alloc.allocate(2)
+    alloc.free(pages)
+    before = snapshot(alloc)
+    with pytest.raises(InvalidFreeError, match="double free"):
+        alloc.free(pages[:1])
+    assert snapshot(alloc) == before
+
+
+def test_share_of_free_page_is_rejected() -> None:
+    alloc = PageAllocator(4)
+    before = snapshot(alloc)
+    with pytest.raises(InvalidFreeError):
+        alloc.share([2])
+    assert snapshot(alloc) == before
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        PageAllocator(0)
+    with pytest.raises(TypeError):
+        PageAllocator(2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        PageAllocator(4).allocate(-1)
+
+
+def test_pop_changed_pages() -> None:
+    alloc = PageAllocator(8)
+    a = alloc.allocate(3)
+    alloc.free(a[:1])
+    assert alloc.pop_changed_pages().tolist() == [0, 1, 2]
+    assert alloc.pop_changed_pages().size == 0
+    alloc.share(a[1:2])
+    assert alloc.pop_changed_pages().size == 0  # sharing keeps the tag
+
+
+def test_stats_is_a_frozen_snapshot() -> None:
+    alloc = PageAllocator(8)
+    stats = alloc.stats()
+    alloc.allocate(2)
+    assert stats.num_free == 8 and alloc.stats().num_free == 6
+    assert alloc.stats().usage == 0.25
+    with pytest.raises(AttributeError):
+        stats.num_free = 1  # type: ignore[misc]
+
+
+# -- check() fires on every corruption it exists for --------------------------------------------
+
+
+def corrupt(alloc: PageAllocator, how: str) -> None:
+    if how == "leak":  # a page neither free nor held (deferred free never completed)
+        alloc._free_stack[alloc._num_free - 1] = alloc._free_stack[0]
+        alloc._num_free -= 1
+    elif how == "duplicate-free":
+        alloc._free_stack[1] = alloc._free_stack[0]
+    elif how == "free-with-refcount":
+        alloc._refcounts[int(alloc._free_stack[0])] = 1
+    elif how == "free-with-tag":
+        alloc._tags[int(alloc._free_stack[0])] = 7
+    elif how == "live-without-tag":
+        alloc._tags[0] = 0
+
+
+@pytest.mark.parametrize(
+    "how", ["leak", "duplicate-free", "free-with-refcount", "free-with-tag", "live-without-tag"]
+)
+def test_check_fires(how: str) -> None:
+    alloc = PageAllocator(8)
+    alloc.allocate(2)
+    alloc.check()  # silent on a correct allocator
+    corrupt(alloc, how)
+    with pytest.raises(IntegrityError, match="check\\(\\) failed"):
+        alloc.check()
+
+
+def test_large_batches_in_one_call() -> None:
+    """100k pages allocated, shared and freed in single calls."""
+    alloc = PageAllocator(200_000)
+    pages = alloc.allocate(100_000)
+    assert np.unique(pages).size == 100_000
+    alloc.share(pages)
+    assert alloc.free(pages).size == 0
+    assert alloc.free(pages).size == 100_000
+    alloc.check()

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmem import PAD, KVMemError, OutOfPagesError, PageAllocator, PageTable
+
+
+def make(page_size: int = 4) -> tuple[PageAllocator, PageTable]:
+    return PageAllocator(64), PageTable(max_seqs=8, max_pages_per_seq=16, page_size=page_size)
+
+
+def reference_slots(table: PageTable, row: int, start: int, count: int) -> list[int]:
+    ps = table.page_size
+    return [int(table.pages[row, t // ps]) * ps + t % ps for t in range(start, start + count)]
+
+
+def test_grow_allocates_only_at_page_boundaries() -> None:
+    alloc, table = make()
+    rows = np.array([table.add_row() for _ in range(3)])
+    table.grow(rows, [4, 3, 1], alloc)
+    assert table.num_pages[rows].tolist() == [1, 1, 1]
+    result = table.grow(rows, 1, alloc)  # only the full row 0 crosses a boundary
+    assert result.new_page_rows.tolist() == [int(rows[0])]
+    assert result.new_page_positions.tolist() == [1]
+    assert table.num_tokens[rows].tolist() == [5, 4, 2]
+    assert result.slot_mapping.dtype == np.int64
+    expected = [reference_slots(table, int(r), int(n) - 1, 1)[0] for r, n in
+                zip(rows, table.num_tokens[rows])]
+    assert result.slot_mapping.tolist() == expected
+
+
+def test_grow_many_tokens_maps_slots_in_order() -> None:
+    alloc, table = make()
+    r0, r1 = table.add_row(), table.add_row()
+    result = table.grow([r0, r1], [9, 2], alloc)
+    assert result.slot_mapping.tolist() == reference_slots(table, r0, 0, 9) + reference_slots(
+        table, r1, 0, 2
+    )
+    assert table.num_pages[[r0, r1]].tolist() == [3, 1]
+    assert table.token_slots([r1, r0], [0, 4], [2, 3]).tolist() == reference_slots(
+        table, r1, 0, 2
+    ) + reference_slots(table, r0, 4, 3)
+
+
+def test_grow_is_all_or_nothing_on_oom() -> None:
+    alloc = PageAllocator(3)
+    table = PageTable(4, 8, 4)
+    rows = [table.add_row(), table.add_row()]
+    table.grow(rows, [4, 4], alloc)
+    before = (table.pages.copy(), table.num_pages.copy(), table.num_tokens.copy(), alloc.num_free)
+    with pytest.raises(OutOfPagesError):
+        table.grow(rows, [4, 4], alloc)
+    after = (table.pages, table.num_pages, table.num_tokens, alloc.num_free)
+    for b, a in zip(before[:3], after[:3]):
+        np.testing.assert_array_equal(a, b)
+    assert before[3] == after[3]
+
+
+def test_grow_rejects_bad_rows_and_overlong() -> None:
+    alloc, table = make()
+    row = table.add_row()
+    with pytest.raises(KVMemError, match="not live"):
+        table.grow([row + 1], 1, alloc)
+    with pytest.raises(ValueError, match="distinct"):
+        table.grow([row, row], 1, alloc)
+    with pytest.raises(KVMemError, match="max_pages_per_seq"):
+        table.grow([row], 16 * 4 + 1, alloc)
+    with pytest.raises(ValueError):
+        table.grow([row], -1, alloc)
+    assert table.num_tokens[row] == 0 and alloc.num_used == 0
+
+
+def test_csr_and_block_table() -> None:
+    alloc, table = make()
+    r0, r1, r2 = table.add_row(), table.add_row(), table.add_row()
+    table.grow([r0, r1, r2], [9, 4, 1], alloc)
+    csr = table.csr([r2, r0, r1])
+    assert csr.kv_indptr.dtype == csr.kv_indices.dtype == csr.kv_last_page_len.dtype == np.int32
+    assert csr.kv_indptr.tolist() == [0, 1, 4, 5]
+    assert csr.kv_indices.tolist() == (
+        table.row_pages(r2).tolist() + table.row_pages(r0).tolist() + table.row_pages(r1).tolist()
+    )
+    assert csr.kv_last_page_len.tolist() == [1, 1, 4]
+    bt = table.block_table([r2, r0, r1])
+    assert bt.dtype == np.int32 and bt.shape == (3, 3)
+    assert bt[0].tolist() == [table.pages[r2, 0], PAD, PAD]
+    assert bt[1].tolist() == table.row_pages(r0).tolist()
+    # seq_lens shorter than the row (chunked prefill reads a prefix of the pages)
+    part = table.csr([r0], seq_lens=[5])
+    assert part.kv_indices.tolist() == table.row_pages(r0)[:2].tolist()
+    assert part.kv_last_page_len.tolist() == [1]
+    assert table.block_table([r0], width=5)[0, 3:].tolist() == [PAD, PAD]
+
+
+def test_pages_reserved_ahead_are_not_in_metadata() -> None:
+    alloc, table = make()
+    row = table.add_row()
+    table.map_pages(row, alloc.allocate(3))
+    table.set_num_tokens(row, 5)
+    assert table.csr([row]).kv_indices.size == 2
+    result = table.grow([row], 6, alloc)  # fits in the 3 pages already mapped
+    assert result.new_pages.size == 0 and table.num_tokens[row] == 11
+    with pytest.raises(KVMemError):
+        table.set_num_tokens(row, 13)
+
+
+def test_remove_row_returns_pages_and_clears_padding() -> None:
+    alloc, table = make()
+    row = table.add_row()
+    table.grow([row], 9, alloc)
+    pages = table.remove_row(row)
+    assert pages.tolist() == [0, 1, 2]
+    assert (table.pages[row] == PAD).all() and table.num_tokens[row] == 0
+    with pytest.raises(KVMemError):
+        table.remove_row(row)
+    assert table.add_row() == row  # rows are reused
+
+
+def test_rows_run_out_with_clear_error() -> None:
+    table = PageTable(2, 4, 4)
+    table.add_row()
+    table.add_row()
+    with pytest.raises(KVMemError, match="but 0 of 2 are free"):
+        table.add_row()
+
+
+def test_replace_page() -> None:
+    alloc, table = make()
+    row = table.add_row()
+    table.grow([row], 5, alloc)
+    old = table.replace_page(row, 1, 42)
+    assert old == 1 and table.pages[row, 1] == 42
+    with pytest.raises(KVMemError):
+        table.replace_page(row, 2, 7)
