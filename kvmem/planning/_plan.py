@@ -1,0 +1,415 @@
+"""``plan_capacity``: model + GPU + parallelism + dtypes + reserve policy -> CapacityPlan.
+
+How one GPU's memory is divided (a TP group of ``tp`` GPUs holds one replica)::
+
+    |<------------------------------ gpu memory (driver's MiB) ------------------------------>|
+    | weights (shard + replicated) | KV pool: pages of page_size tokens      | reserve          |
+    |                              |<-------- kv_budget_gib_per_gpu -------->| activations,     |
+    |                              |                                         | graphs, context  |
+
+The reserve comes from a policy: a fixed number of GiB, a fraction of memory for weights + KV
+(``--mem-fraction-static`` / ``gpu_memory_utilization`` style), or :class:`SGLangPolicy`, which
+recomputes SGLang's documented default ``mem_fraction_static``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmem.errors import ConfigError
+from kvmem.planning._accounting import GIB, kv_layout, weight_bytes
+from kvmem.planning._presets import get_gpu, get_model, weight_scheme
+from kvmem.planning._spec import GPUSpec, ModelSpec, VisionSpec, WeightScheme
+
+__all__ = [
+    "CapacityPlan",
+    "FixedReserve",
+    "MemoryFraction",
+    "ReservePolicy",
+    "SGLangPolicy",
+    "decode_bytes_per_step",
+    "expected_active_experts",
+    "plan_capacity",
+    "sglang_mem_fraction_static",
+    "tokens_freed",
+]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class FixedReserve(BaseModel):
+    """Keep ``reserve_gib`` per GPU out of the KV pool (activations, graphs, CUDA context)."""
+
+    model_config = _FROZEN
+
+    kind: Literal["fixed"] = "fixed"
+    reserve_gib: float = Field(default=8.0, ge=0)
+
+    def describe(self) -> str:
+        return f"fixed reserve {self.reserve_gib:g} GiB"
+
+
+class MemoryFraction(BaseModel):
+    """Weights plus KV pool take ``fraction`` of GPU memory; the rest is reserve."""
+
+    model_config = _FROZEN
+
+    kind: Literal["fraction"] = "fraction"
+    fraction: float = Field(default=0.9, gt=0, le=1)
+
+    def describe(self) -> str:
+        return f"memory fraction {self.fraction:g}"
+
+
+class SGLangPolicy(BaseModel):
+    """SGLang's default ``mem_fraction_static`` heuristic, as its server_args documents it.
+
+    SGLang picks ``chunked_prefill_size`` and ``cuda_graph_max_bs`` from the GPU's memory
+    (H100/H200: 8192 and 256, or 512 at TP >= 4; B200/MI300X: 16384 and 512) and reserves, in MiB::
+
+        512 + 1.5 * max(chunked_prefill_size, 2048) + 2 * cuda_graph_max_bs + 1024 * tp * pp / 8
+            [+ 3 * cuda_graph_max_bs * dp (+1.5 * ... above bs 300) with DP attention]
+            at least 10240 on GPUs over 60 GiB; + 2048 for EAGLE/MTP drafts, + 6144 standalone
+
+    ``mem_fraction_static = round((memory - reserved) / memory, 3)``, then, for a model with a
+    vision tower, times ``0.95 * clamp(1 - 0.1 * (L * H^2 / (24 * 1024^2) - 1), 0.8, 1.05)``
+    (L, H: the tower's layers and width). The KV pool is ``memory * mem_fraction_static - weights``
+    less ``runtime_overhead_gib`` (CUDA context and NCCL buffers, which SGLang measures rather
+    than predicts; 0 by default).
+    """
+
+    model_config = _FROZEN
+
+    kind: Literal["sglang"] = "sglang"
+    mem_fraction_static: float | None = Field(default=None, gt=0, le=1)
+    chunked_prefill_size: int | None = Field(default=None, gt=0)
+    cuda_graph_max_bs: int | None = Field(default=None, gt=0)
+    pp: int = Field(default=1, gt=0)
+    dp_attention: bool = False
+    dp_size: int = Field(default=1, gt=0)
+    speculative: Literal["eagle", "standalone", "ngram"] | None = None
+    vlm_adjust: bool = True
+    runtime_overhead_gib: float = Field(default=0.0, ge=0)
+
+    def describe(self) -> str:
+        return (
+            "sglang defaults"
+            if self.mem_fraction_static is None
+            else (f"sglang mem_fraction_static={self.mem_fraction_static:g}")
+        )
+
+
+ReservePolicy = Annotated[FixedReserve | MemoryFraction | SGLangPolicy, Field(discriminator="kind")]
+
+
+def sglang_mem_fraction_static(
+    gpu: GPUSpec, tp: int, policy: SGLangPolicy | None = None, vision: VisionSpec | None = None
+) -> float:
+    """SGLang's default ``mem_fraction_static`` on ``gpu`` at ``tp`` (:class:`SGLangPolicy`)."""
+    policy = policy or SGLangPolicy()
+    if policy.mem_fraction_static is not None:
+        return policy.mem_fraction_static
+    mem = gpu.memory_mib
+    small_tp = tp < 4
+    if mem < 20 * 1024:
+        chunk, bs = 2048, 8
+    elif mem < 35 * 1024:
+        chunk, bs = 2048, 24 if small_tp else 80
+    elif mem < 60 * 1024:
+        chunk, bs = 4096, 32 if small_tp else 160
+    elif mem < 160 * 1024:
+        chunk, bs = 8192, 256 if small_tp else 512
+    else:
+        chunk, bs = 16384, 512
+    chunk = policy.chunked_prefill_size or chunk
+    bs = policy.cuda_graph_max_bs or bs
+    reserved = 512 + max(chunk, 2048) * 1.5 + bs * 2 + tp * policy.pp / 8 * 1024
+    if policy.dp_attention:
+        reserved += bs * policy.dp_size * 3
+        if bs > 300:
+            reserved += bs * policy.dp_size * 1.5
+    if mem > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    if policy.speculative == "standalone":
+        reserved += 6 * 1024
+    elif policy.speculative == "eagle":
+        reserved += 2 * 1024
+    fraction = round((mem - reserved) / mem, 3)
+    if vision is not None and policy.vlm_adjust:
+        ratio = vision.num_layers * vision.hidden_size**2 / (24 * 1024**2)
+        factor = max(0.8, min(1.05, 1.0 - 0.1 * (ratio - 1.0)))
+        fraction *= 0.95 * factor
+    return fraction
+
+
+class CapacityPlan(BaseModel):
+    """What fits, per GPU and per replica (one TP group of ``tp`` GPUs). Sizes in GiB (2**30).
+
+    ``kv_tokens_per_gpu`` is the number of tokens of context one replica can hold: every GPU of
+    the TP group holds its slice (GQA heads) or a full copy (MLA latent) of each of those tokens.
+    """
+
+    model_config = _FROZEN
+
+    model: str
+    gpu: str
+    gpu_memory_gib: float
+    tp: int
+    dp: int
+    num_gpus: int
+    kv_dtype: str
+    kv_scale_layout: str
+    weights: str
+    page_size: int
+    policy: str
+    mem_fraction_static: float | None
+
+    kv_bytes_per_token_per_gpu: int
+    kv_attention_bytes_per_token_per_gpu: int
+    kv_indexer_bytes_per_token_per_gpu: int
+    kv_sliding_bytes_per_token_per_gpu: int
+    sliding_window: int
+    kv_bytes_per_page_per_gpu: int
+
+    weights_gib_total: float
+    weights_gib_per_gpu: float
+    weights_gib_replicated_per_gpu: float
+    weights_gib_by_class: dict[str, float]
+
+    reserve_gib_per_gpu: float
+    kv_budget_gib_per_gpu: float
+    kv_tokens_per_gpu: int
+    kv_pages_per_gpu: int
+    kv_tokens_total: int
+
+    context_len: int | None = None
+    max_concurrency: int | None = None
+    max_concurrency_total: int | None = None
+
+    # For the decode bandwidth model (bytes one GPU reads per step).
+    gpu_bandwidth_gbs: float
+    decode_dense_weight_bytes: float
+    decode_routed_weight_bytes: float
+    num_experts: int
+    experts_top_k: int
+    decode_concurrency: int | None = None
+    decode_tokens_per_s_bound: float | None = None
+
+    def sequence_bytes(self, context_len: int) -> int:
+        """KV bytes one sequence of ``context_len`` tokens takes on one GPU, pages rounded up."""
+        if context_len <= 0:
+            raise ConfigError(f"context_len must be positive; got {context_len}.")
+        pages = -(-context_len // self.page_size)
+        nbytes = pages * self.kv_bytes_per_page_per_gpu
+        if self.kv_sliding_bytes_per_token_per_gpu:
+            window_pages = min(pages, -(-self.sliding_window // self.page_size) + 1)
+            nbytes += window_pages * self.page_size * self.kv_sliding_bytes_per_token_per_gpu
+        return nbytes
+
+    def concurrency_at(self, context_len: int) -> int:
+        """Sequences of ``context_len`` tokens one replica holds at once (pages rounded up)."""
+        budget = int(self.kv_budget_gib_per_gpu * GIB)
+        return max(0, budget // self.sequence_bytes(context_len))
+
+    def to_json_dict(self) -> dict[str, object]:
+        """The plan as one JSON-ready dict (what ``kvmem plan --json`` prints)."""
+        return self.model_dump(mode="json")
+
+
+def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected distinct experts a batch of ``num_tokens`` tokens routes to, per layer.
+
+    With uniform routing each token picks ``top_k`` of ``num_experts``; an expert is missed by all
+    tokens with probability ``(1 - top_k / num_experts) ** num_tokens``.
+    """
+    if num_experts == 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(num_tokens, 0))
+
+
+def decode_bytes_per_step(plan: CapacityPlan, concurrency: int, context_len: int) -> float:
+    """Bytes one GPU reads in one decode step: weights touched plus every sequence's KV.
+
+    Dense weights (attention, dense MLP, shared experts, lm_head, routers) are read every step;
+    routed experts only as far as the batch activates them; each of ``concurrency`` sequences
+    reads ``context_len`` tokens of KV (its sliding layers only the window).
+    """
+    if concurrency <= 0:
+        raise ConfigError(f"concurrency must be positive; got {concurrency}.")
+    active = expected_active_experts(plan.num_experts, plan.experts_top_k, concurrency)
+    routed = plan.decode_routed_weight_bytes * (
+        active / plan.num_experts if plan.num_experts else 0
+    )
+    kv = concurrency * context_len * plan.kv_bytes_per_token_per_gpu
+    if plan.kv_sliding_bytes_per_token_per_gpu:
+        kv += (
+            concurrency
+            * min(context_len, plan.sliding_window)
+            * (plan.kv_sliding_bytes_per_token_per_gpu)
+        )
+    return plan.decode_dense_weight_bytes + routed + kv
+
+
+def plan_capacity(
+    model: ModelSpec | str,
+    gpu: GPUSpec | str,
+    tp: int = 1,
+    *,
+    dp: int = 1,
+    kv_dtype: str = "bf16",
+    kv_scale_layout: str = "tensor",
+    weights: WeightScheme | str | None = None,
+    policy: FixedReserve | MemoryFraction | SGLangPolicy | None = None,
+    page_size: int = 16,
+    context_len: int | None = None,
+    concurrency: int | None = None,
+    use_mtp: bool = False,
+) -> CapacityPlan:
+    """How many tokens of KV fit, and how many requests of a given length run at once.
+
+    Parameters
+    ----------
+    model : ModelSpec or str
+        A spec or a preset name (``kimi-k2.6``, ``llama-3.1-8b``, ...).
+    gpu : GPUSpec or str
+        A spec or a preset name (``h200``, ``h100-80g``, ...).
+    tp : int
+        Tensor-parallel GPUs per replica.
+    dp : int
+        Replicas (data parallel); totals are per replica times ``dp``.
+    kv_dtype : str
+        ``bf16``, ``fp16``, ``fp8_e4m3`` or ``fp8_e5m2``.
+    kv_scale_layout : str
+        FP8 scales per ``tensor``, ``head`` or ``token_head`` (fp32).
+    weights : WeightScheme or str, optional
+        A scheme or a name (``native``, ``bf16``, ``fp8``, ``int4-g32``, ``mxfp4``); the model's
+        published checkpoint by default.
+    policy : FixedReserve, MemoryFraction or SGLangPolicy, optional
+        How much memory stays out of the KV pool; :class:`SGLangPolicy` by default.
+    page_size : int
+        Tokens per KV page.
+    context_len : int, optional
+        Tokens per sequence for ``max_concurrency``.
+    concurrency : int, optional
+        Sequences per decode step for ``decode_tokens_per_s_bound`` (needs ``context_len``).
+    use_mtp : bool
+        Load the MTP layers (speculative decoding).
+
+    Returns
+    -------
+    CapacityPlan
+
+    Raises
+    ------
+    ConfigError
+        When TP cannot split the heads, the weights do not fit, or the reserve leaves no KV pool.
+    """
+    spec = get_model(model) if isinstance(model, str) else model
+    card = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if dp <= 0:
+        raise ConfigError(f"dp must be a positive number of replicas; got {dp}.")
+    if page_size <= 0:
+        raise ConfigError(f"page_size must be positive; got {page_size}.")
+    scheme = weight_scheme(weights, spec) if isinstance(weights, str) else (weights or spec.weights)
+    policy = policy or SGLangPolicy()
+    layout = kv_layout(spec, kv_dtype, kv_scale_layout, tp)
+    wb = weight_bytes(spec, scheme, tp, use_mtp=use_mtp)
+
+    mem_bytes = card.memory_mib * (1 << 20)
+    fraction: float | None = None
+    if isinstance(policy, FixedReserve):
+        budget = mem_bytes - wb.per_gpu - policy.reserve_gib * GIB
+    elif isinstance(policy, MemoryFraction):
+        fraction = policy.fraction
+        budget = mem_bytes * fraction - wb.per_gpu
+    else:
+        fraction = sglang_mem_fraction_static(card, tp, policy, spec.vision)
+        budget = mem_bytes * fraction - wb.per_gpu - policy.runtime_overhead_gib * GIB
+    if wb.per_gpu >= mem_bytes:
+        raise ConfigError(
+            f"{spec.name} weights ({scheme.label()}) need {wb.per_gpu / GIB:.1f} GiB per GPU at "
+            f"TP {tp} but a {card.name} has {card.memory_gib:.1f} GiB; use more GPUs per replica "
+            "or smaller weights."
+        )
+    budget -= layout.fixed_bytes
+    if budget < layout.bytes_per_token * page_size:
+        raise ConfigError(
+            f"{spec.name} at TP {tp} on {card.name}: weights take {wb.per_gpu / GIB:.1f} GiB of "
+            f"{card.memory_gib:.1f} GiB and {policy.describe()} leaves "
+            f"{max(budget, 0) / GIB:.2f} GiB, not even one KV page; use more GPUs per replica, "
+            "smaller weights or a smaller reserve."
+        )
+    budget_int = int(budget)
+    tokens = budget_int // layout.bytes_per_token
+    page_bytes = layout.bytes_per_token * page_size
+    pages = budget_int // page_bytes
+
+    # What a decode step reads: all non-expert weights but the input embedding table and the
+    # vision tower; routed experts as far as they are activated.
+    embed_share = 0.5 if not spec.tie_word_embeddings else 1.0  # the lm_head half is read
+    vision_bytes = spec.vision.num_params * scheme.other.bytes_per_param() if spec.vision else 0.0
+    dense_read = (
+        wb.by_class["attention"]
+        + wb.by_class["dense_mlp"]
+        + wb.by_class["shared_experts"]
+        + wb.by_class["other"]
+        - vision_bytes
+        + wb.by_class["embeddings"] * embed_share
+    )
+    plan = CapacityPlan(
+        model=spec.name,
+        gpu=card.name,
+        gpu_memory_gib=card.memory_gib,
+        tp=tp,
+        dp=dp,
+        num_gpus=tp * dp,
+        kv_dtype=kv_dtype,
+        kv_scale_layout=kv_scale_layout,
+        weights=scheme.label(),
+        page_size=page_size,
+        policy=policy.describe(),
+        mem_fraction_static=fraction,
+        kv_bytes_per_token_per_gpu=layout.bytes_per_token,
+        kv_attention_bytes_per_token_per_gpu=layout.attention_bytes_per_token,
+        kv_indexer_bytes_per_token_per_gpu=layout.indexer_bytes_per_token,
+        kv_sliding_bytes_per_token_per_gpu=layout.sliding_bytes_per_token,
+        sliding_window=layout.sliding_window,
+        kv_bytes_per_page_per_gpu=page_bytes,
+        weights_gib_total=wb.total / GIB,
+        weights_gib_per_gpu=wb.per_gpu / GIB,
+        weights_gib_replicated_per_gpu=wb.replicated_per_gpu / GIB,
+        weights_gib_by_class={k: v / GIB for k, v in wb.by_class.items()},
+        reserve_gib_per_gpu=(mem_bytes - wb.per_gpu - budget_int) / GIB,
+        kv_budget_gib_per_gpu=budget_int / GIB,
+        kv_tokens_per_gpu=tokens,
+        kv_pages_per_gpu=pages,
+        kv_tokens_total=tokens * dp,
+        gpu_bandwidth_gbs=card.bandwidth_gbs,
+        decode_dense_weight_bytes=dense_read,
+        decode_routed_weight_bytes=wb.by_class["routed_experts"],
+        num_experts=spec.moe.num_experts if spec.moe else 0,
+        experts_top_k=spec.moe.top_k if spec.moe else 0,
+    )
+    updates: dict[str, object] = {}
+    if context_len is not None:
+        conc = plan.concurrency_at(context_len)
+        updates.update(
+            context_len=context_len, max_concurrency=conc, max_concurrency_total=conc * dp
+        )
+    if concurrency is not None:
+        if context_len is None:
+            raise ConfigError("a decode bound at a concurrency needs context_len as well.")
+        step_s = decode_bytes_per_step(plan, concurrency, context_len) / (card.bandwidth_gbs * 1e9)
+        updates.update(
+            decode_concurrency=concurrency, decode_tokens_per_s_bound=concurrency / step_s
+        )
+    if updates:
+        plan = plan.model_copy(update=updates)
+    return plan
+
+
+def tokens_freed(before: CapacityPlan, after: CapacityPlan) -> int:
+    """KV tokens per replica that ``after`` holds beyond ``before`` (e.g. smaller weights)."""
+    return after.kv_tokens_per_gpu - before.kv_tokens_per_gpu

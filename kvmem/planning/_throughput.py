@@ -1,0 +1,118 @@
+"""A decode throughput model, fitted to measurements and used to predict other points.
+
+One decode step of ``c`` sequences of ``L`` tokens takes::
+
+    t_step = t0 + bytes_read(c, L) / (bandwidth * efficiency)
+
+``bytes_read`` is what one GPU reads (:func:`decode_bytes_per_step`: dense weights, the routed
+experts the batch activates, every sequence's KV); ``t0`` is the part that does not scale with
+bytes (kernel launches, TP all-reduces, sampling); ``efficiency`` the fraction of peak bandwidth
+achieved. Throughput is ``c / t_step`` tokens/s. For a given ``L`` both unknowns enter linearly,
+so measured ``(concurrency, tokens/s)`` points give them by least squares. When the context of
+the measurement is not known, ``L`` is fitted too (the one whose linear fit leaves the smallest
+relative error): the curvature of throughput against concurrency tells KV reads (linear in ``c``)
+from expert reads (saturating in ``c``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmem.errors import ConfigError
+from kvmem.planning._plan import CapacityPlan, decode_bytes_per_step
+
+__all__ = ["ThroughputModel", "fit_throughput"]
+
+
+class ThroughputModel(BaseModel):
+    """``t_step = t0_s + bytes_read / (bandwidth * efficiency)`` at ``context_len`` tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    t0_s: float = Field(ge=0)
+    efficiency: float = Field(gt=0)
+    context_len: int = Field(gt=0)
+    rms_relative_error: float = Field(default=0.0, ge=0)
+
+    def step_seconds(
+        self, plan: CapacityPlan, concurrency: int, context_len: int | None = None
+    ) -> float:
+        nbytes = decode_bytes_per_step(plan, concurrency, context_len or self.context_len)
+        return self.t0_s + nbytes / (plan.gpu_bandwidth_gbs * 1e9 * self.efficiency)
+
+    def tokens_per_s(
+        self, plan: CapacityPlan, concurrency: int, context_len: int | None = None
+    ) -> float:
+        """Predicted decode tokens/s of one replica (the fitted context unless one is given)."""
+        return concurrency / self.step_seconds(plan, concurrency, context_len)
+
+
+def _fit_at(
+    plan: CapacityPlan, points: Sequence[tuple[int, float]], context_len: int
+) -> ThroughputModel:
+    xs = [
+        decode_bytes_per_step(plan, c, context_len) / (plan.gpu_bandwidth_gbs * 1e9)
+        for c, _ in points
+    ]
+    ys = [c / tok_s for c, tok_s in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx if sxx > 0 else 0.0
+    t0 = my - slope * mx
+    if t0 < 0 or slope <= 0:  # refit through t0 = 0
+        t0 = max(t0, 0.0)
+        slope = sum(x * (y - t0) for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    if slope <= 0:
+        raise ConfigError(
+            f"measurements {list(points)} do not slow down with bytes read; cannot fit a "
+            "bandwidth model to them."
+        )
+    rel = [(t0 + slope * x) / y - 1.0 for x, y in zip(xs, ys, strict=True)]
+    rms = (sum(r * r for r in rel) / n) ** 0.5
+    return ThroughputModel(
+        t0_s=t0, efficiency=1.0 / slope, context_len=context_len, rms_relative_error=rms
+    )
+
+
+def fit_throughput(
+    plan: CapacityPlan, points: Sequence[tuple[int, float]], context_len: int | None = None
+) -> ThroughputModel:
+    """Fit ``t0`` and ``efficiency`` (and, if not given, the context) to measured points.
+
+    Parameters
+    ----------
+    plan : CapacityPlan
+        The configuration the points were measured on (its weights and KV dtype decide the bytes).
+    points : sequence of (int, float)
+        ``(concurrency, decode tokens/s)`` at two or more concurrencies (three or more to fit the
+        context as well).
+    context_len : int, optional
+        Tokens of context per sequence during the measurement; fitted over 256 .. 262144 when
+        omitted.
+
+    Returns
+    -------
+    ThroughputModel
+    """
+    if len({c for c, _ in points}) < 2:
+        raise ConfigError(
+            f"fitting needs measurements at two or more concurrencies; got {list(points)}."
+        )
+    for concurrency, tok_s in points:
+        if concurrency <= 0 or tok_s <= 0:
+            raise ConfigError(
+                f"measurements need positive concurrency and tokens/s; got {(concurrency, tok_s)}."
+            )
+    if context_len is not None:
+        return _fit_at(plan, points, context_len)
+    if len({c for c, _ in points}) < 3:
+        raise ConfigError(
+            "fitting the context as well needs three or more concurrencies; pass context_len."
+        )
+    grid = [int(256 * 2 ** (i / 4)) for i in range(41)]  # 256 .. 262144, 4 steps per doubling
+    fits = [_fit_at(plan, points, ctx) for ctx in grid]
+    return min(fits, key=lambda m: m.rms_relative_error)
