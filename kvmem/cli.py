@@ -1,0 +1,308 @@
+"""The ``kvmem`` command line.
+
+::
+
+    kvmem plan MODEL --gpu h200 --tp 8 --kv-dtype fp8_e4m3 [--weights int4-g32]
+               [--context 32768] [--concurrency 64] [--compare bf16,fp8_e4m3]
+               [--json] [--plot FILE.png]
+
+``MODEL`` is a preset name (``kvmem plan --list`` shows them) or the path of a Hugging Face
+``config.json`` (or its folder). Errors print one line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvmem.errors import KVMemError
+
+__all__ = ["build_parser", "main"]
+
+_EXIT_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, one subcommand per tool."""
+    parser = argparse.ArgumentParser(
+        prog="kvmem", description="Paged KV-cache memory manager: capacity planning tools."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_plan(sub)
+    _add_simulate(sub)
+    return parser
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="how many KV tokens and requests fit on a set of GPUs",
+        description=(
+            "Plan KV capacity for MODEL (a preset name or a Hugging Face config.json) on TP x DP "
+            "GPUs. Sizes are GiB (2**30 bytes); GPU memory is what the driver reports."
+        ),
+    )
+    p.add_argument("model", nargs="?", help="preset name or path to config.json / its folder")
+    p.add_argument("--list", action="store_true", help="list preset models and GPUs and exit")
+    p.add_argument("--gpu", default="h200", help="GPU preset name, or 'custom' (default h200)")
+    p.add_argument("--gpu-memory-gib", type=float, help="custom GPU memory in GiB")
+    p.add_argument("--gpu-bandwidth-gbs", type=float, help="custom GPU bandwidth in GB/s")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    p.add_argument("--dp", type=int, default=1, help="replicas (data parallel)")
+    p.add_argument("--kv-dtype", default="bf16", help="bf16, fp16, fp8_e4m3 or fp8_e5m2")
+    p.add_argument(
+        "--kv-scales", default="tensor", help="FP8 scales per tensor, head or token_head"
+    )
+    p.add_argument("--compare", help="comma-separated KV dtypes to put side by side")
+    p.add_argument(
+        "--weights", default="native", help="native, bf16, fp8, int4-g<N> (e.g. int4-g32), mxfp4"
+    )
+    p.add_argument("--context", type=int, help="tokens per request, for max concurrency")
+    p.add_argument("--concurrency", type=int, help="requests per decode step, for a tok/s bound")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--reserve-gib", type=float, help="fixed reserve per GPU instead of SGLang's"
+    )
+    group.add_argument("--mem-fraction", type=float, help="weights + KV fraction of GPU memory")
+    p.add_argument(
+        "--runtime-overhead-gib",
+        type=float,
+        default=0.0,
+        help="CUDA context etc. to take off the SGLang-like budget (default 0)",
+    )
+    p.add_argument("--use-mtp", action="store_true", help="load the MTP layers (speculative)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="FILE.png", help="plot max concurrency against context")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    import importlib
+
+    try:
+        sim = importlib.import_module("kvmem.planning.simulate")
+    except ImportError:  # the simulator needs kvmem.KVCacheManager (issue 4)
+        return
+    sim.add_cli(sub)
+
+
+def _resolve_model(name: str) -> object:
+    from kvmem.planning import get_model, load_hf_config
+
+    path = Path(name)
+    if path.exists():
+        return load_hf_config(path)
+    return get_model(name)
+
+
+def _resolve_gpu(args: argparse.Namespace) -> object:
+    from kvmem.errors import ConfigError
+    from kvmem.planning import GPUSpec, get_gpu
+
+    if args.gpu.lower() == "custom" or args.gpu_memory_gib or args.gpu_bandwidth_gbs:
+        base = None if args.gpu.lower() == "custom" else get_gpu(args.gpu)
+        mem = args.gpu_memory_gib if args.gpu_memory_gib else (base.memory_gib if base else None)
+        bw = args.gpu_bandwidth_gbs or (base.bandwidth_gbs if base else None)
+        if mem is None or bw is None:
+            raise ConfigError(
+                "a custom GPU needs --gpu-memory-gib and --gpu-bandwidth-gbs, e.g. "
+                "--gpu custom --gpu-memory-gib 96 --gpu-bandwidth-gbs 4000."
+            )
+        return GPUSpec(name=args.gpu.lower(), memory_mib=int(mem * 1024), bandwidth_gbs=bw)
+    return get_gpu(args.gpu)
+
+
+def _policy(args: argparse.Namespace) -> object:
+    from kvmem.planning import FixedReserve, MemoryFraction, SGLangPolicy
+
+    if args.reserve_gib is not None:
+        return FixedReserve(reserve_gib=args.reserve_gib)
+    if args.mem_fraction is not None:
+        return MemoryFraction(fraction=args.mem_fraction)
+    return SGLangPolicy(runtime_overhead_gib=args.runtime_overhead_gib)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvmem.errors import ConfigError
+    from kvmem.planning import GPU_PRESETS, MODEL_PRESETS, plan_capacity
+
+    if args.list:
+        print("models: " + ", ".join(MODEL_PRESETS))
+        print(
+            "gpus:   "
+            + ", ".join(f"{g.name} ({g.memory_gib:.1f} GiB)" for g in GPU_PRESETS.values())
+        )
+        return 0
+    if not args.model:
+        raise ConfigError("kvmem plan needs a MODEL (a preset name or a config.json path).")
+    model = _resolve_model(args.model)
+    gpu = _resolve_gpu(args)
+    policy = _policy(args)
+    dtypes = [d.strip() for d in args.compare.split(",")] if args.compare else [args.kv_dtype]
+    plans = [
+        plan_capacity(
+            model,  # type: ignore[arg-type]
+            gpu,  # type: ignore[arg-type]
+            args.tp,
+            dp=args.dp,
+            kv_dtype=dtype,
+            kv_scale_layout=args.kv_scales,
+            weights=args.weights,
+            policy=policy,  # type: ignore[arg-type]
+            page_size=args.page_size,
+            context_len=args.context,
+            concurrency=args.concurrency,
+            use_mtp=args.use_mtp,
+        )
+        for dtype in dtypes
+    ]
+    if args.json:
+        if len(plans) == 1:
+            print(json.dumps(plans[0].to_json_dict(), indent=2))
+        else:
+            print(json.dumps({"compare": [p.to_json_dict() for p in plans]}, indent=2))
+    else:
+        print(format_plans(plans))
+    if args.plot:
+        plot_dtypes = dtypes if len(dtypes) > 1 else sorted({dtypes[0], "bf16", "fp8_e4m3"})
+        _plot(args, model, gpu, policy, plot_dtypes, args.plot)
+        if not args.json:
+            print(f"\nwrote {args.plot}")
+    return 0
+
+
+def format_plans(plans: Sequence[object]) -> str:
+    """A readable table: one column per plan (KV dtype), one row per figure."""
+    from kvmem.planning import CapacityPlan
+
+    ps = [p for p in plans if isinstance(p, CapacityPlan)]
+    first = ps[0]
+    lines = [
+        f"{first.model} on {first.num_gpus} x {first.gpu} ({first.gpu_memory_gib:.1f} GiB each), "
+        f"TP {first.tp} x DP {first.dp}",
+        f"weights: {first.weights}",
+        f"reserve: {first.policy}"
+        + (
+            f" (mem_fraction_static {first.mem_fraction_static:.4f})"
+            if first.mem_fraction_static is not None
+            else ""
+        ),
+        "",
+    ]
+    rows: list[tuple[str, Callable[[CapacityPlan], str]]] = [
+        (
+            "KV dtype",
+            lambda p: (
+                p.kv_dtype + ("" if p.kv_dtype in ("bf16", "fp16") else f"/{p.kv_scale_layout}")
+            ),
+        ),
+        ("KV bytes / token / GPU", lambda p: f"{p.kv_bytes_per_token_per_gpu:,}"),
+        (
+            f"KV bytes / page ({first.page_size} tok) / GPU",
+            lambda p: f"{p.kv_bytes_per_page_per_gpu:,}",
+        ),
+        ("weights, whole checkpoint (GiB)", lambda p: f"{p.weights_gib_total:,.2f}"),
+        ("weights / GPU (GiB)", lambda p: f"{p.weights_gib_per_gpu:,.2f}"),
+        ("  of which replicated (GiB)", lambda p: f"{p.weights_gib_replicated_per_gpu:,.2f}"),
+        ("reserve / GPU (GiB)", lambda p: f"{p.reserve_gib_per_gpu:,.2f}"),
+        ("KV budget / GPU (GiB)", lambda p: f"{p.kv_budget_gib_per_gpu:,.2f}"),
+        ("KV tokens / replica", lambda p: f"{p.kv_tokens_per_gpu:,}"),
+        ("KV pages / GPU", lambda p: f"{p.kv_pages_per_gpu:,}"),
+    ]
+    if first.dp > 1:
+        rows.append(("KV tokens, all replicas", lambda p: f"{p.kv_tokens_total:,}"))
+    if first.context_len is not None:
+        rows.append(
+            (f"max concurrency @ {first.context_len:,} tok", lambda p: f"{p.max_concurrency:,}")
+        )
+        if first.dp > 1:
+            rows.append(("  all replicas", lambda p: f"{p.max_concurrency_total:,}"))
+    if first.decode_concurrency is not None:
+        rows.append(
+            (
+                f"decode tok/s bound @ {first.decode_concurrency}",
+                lambda p: f"{p.decode_tokens_per_s_bound:,.0f}",
+            )
+        )
+    width = max(len(label) for label, _ in rows) + 2
+    col = max(14, *(len(fmt(p)) + 2 for _, fmt in rows for p in ps))
+    for label, fmt in rows:
+        lines.append(label.ljust(width) + "".join(fmt(p).rjust(col) for p in ps))
+    return "\n".join(lines)
+
+
+def _plot(
+    args: argparse.Namespace,
+    model: object,
+    gpu: object,
+    policy: object,
+    dtypes: Sequence[str],
+    path: str,
+) -> None:
+    from kvmem.errors import ConfigError
+    from kvmem.planning import plan_capacity
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError(
+            "--plot needs matplotlib: pip install 'kvmem[plot]' (or pip install matplotlib)."
+        ) from exc
+    contexts = [2**k for k in range(10, 21)]  # 1K .. 1M tokens
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    title = ""
+    for dtype in dtypes:
+        plan = plan_capacity(
+            model,  # type: ignore[arg-type]
+            gpu,  # type: ignore[arg-type]
+            args.tp,
+            dp=args.dp,
+            kv_dtype=dtype,
+            kv_scale_layout=args.kv_scales,
+            weights=args.weights,
+            policy=policy,  # type: ignore[arg-type]
+            page_size=args.page_size,
+        )
+        title = f"{plan.model}, {plan.num_gpus} x {plan.gpu}, TP {plan.tp}, {plan.weights}"
+        ax.plot(
+            contexts, [plan.concurrency_at(c) * plan.dp for c in contexts], marker="o", label=dtype
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("max concurrent requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(title="KV dtype")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 on success, 2 on bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except (KVMemError, ValueError) as exc:
+        print(f"kvmem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return _EXIT_ERROR
+    return status
+
+
+def _one_line(exc: BaseException) -> str:
+    """pydantic's multi-line validation errors folded into one line."""
+    return " ".join(str(exc).split())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
