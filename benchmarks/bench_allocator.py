@@ -2,9 +2,10 @@
 
 Decode-step trace: batch 256, page size 16, 2000 steps. Every running request gains one token per
 step; 1% of requests finish each step and are replaced by one with a 500..2000-token prompt
-(seeded). Timed per step: kvmem's work for the step (finishing, admitting, page growth and the
-page-table/block-table update of the batch) and, separately, FlashInfer CSR metadata for the batch.
-The same trace on a plain Python-list free stack is printed as a floor.
+(seeded). Timed per step, each part separately and in total: replacing the finished requests
+(free their pages, open rows, allocate the new prompts), the decode growth of the whole batch
+(pages where rows cross a boundary, page-table update, slot mapping), and FlashInfer CSR metadata
+for the batch. The same trace on a plain Python-list free stack is printed as a floor.
 
     python benchmarks/bench_allocator.py [--steps 2000] [--batch 256]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -37,32 +39,33 @@ def initial_prompts(rng: np.random.Generator, batch: int) -> np.ndarray:
     return rng.integers(500, 2001, size=batch)
 
 
-def run_kvmem(steps: list, prompts: np.ndarray) -> tuple[list[float], list[float]]:
+def run_kvmem(steps: list, prompts: np.ndarray) -> dict[str, list[float]]:
+    """Per-step timings (us): replacing finished requests, the batch's decode growth, CSR."""
     batch = prompts.size
     alloc = PageAllocator(batch * 300)
     table = PageTable(max_seqs=batch, max_pages_per_seq=512, page_size=PAGE_SIZE)
-    rows = np.array([table.add_row() for _ in range(batch)], dtype=np.int32)
-    for i, n in enumerate(prompts):
-        table.grow(rows[i : i + 1], int(n), alloc)
-    step_us, meta_us = [], []
+    rows = table.add_rows(batch)
+    table.grow(rows, prompts, alloc)
+    times: dict[str, list[float]] = {"replace": [], "decode": [], "metadata": [], "total": []}
     for done, new_prompts in steps:
         t0 = time.perf_counter()
         if done.size:  # finished requests leave and new ones arrive, as one batch each
             alloc.free(table.remove_rows(rows[done]))
             rows[done] = table.add_rows(done.size)
             table.grow(rows[done], new_prompts, alloc)
-        table.grow(rows, 1, alloc)
         t1 = time.perf_counter()
-        table.csr(rows)
+        table.grow(rows, 1, alloc)
         t2 = time.perf_counter()
-        step_us.append((t1 - t0) * 1e6)
-        meta_us.append((t2 - t1) * 1e6)
+        table.csr(rows)
+        t3 = time.perf_counter()
+        for key, us in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            times[key].append(us * 1e6)
     alloc.check()
-    return step_us, meta_us
+    return times
 
 
-def run_floor(steps: list, prompts: np.ndarray) -> list[float]:
-    """The same trace on a Python list free stack and per-request Python lists."""
+def run_floor(steps: list, prompts: np.ndarray) -> dict[str, list[float]]:
+    """The same trace on a Python list free stack and per-request Python lists (no metadata)."""
     batch = prompts.size
     free = list(range(batch * 300))
     pages: list[list[int]] = [[] for _ in range(batch)]
@@ -76,19 +79,22 @@ def run_floor(steps: list, prompts: np.ndarray) -> list[float]:
 
     for i, n in enumerate(prompts.tolist()):
         grow(i, n)
-    step_us = []
+    times: dict[str, list[float]] = {"decode": [], "total": []}
     for done, new_prompts in steps:
         t0 = time.perf_counter()
         for slot, prompt_len in zip(done.tolist(), new_prompts.tolist()):
             free.extend(pages[slot])
             pages[slot], tokens[slot] = [], 0
             grow(slot, prompt_len)
+        t1 = time.perf_counter()
         for i in range(batch):
             if tokens[i] % PAGE_SIZE == 0:
                 pages[i].append(free.pop())
             tokens[i] += 1
-        step_us.append((time.perf_counter() - t0) * 1e6)
-    return step_us
+        t2 = time.perf_counter()
+        times["decode"].append((t2 - t1) * 1e6)
+        times["total"].append((t2 - t0) * 1e6)
+    return times
 
 
 def churn(rng: np.random.Generator, num_ops: int = 20000) -> float:
@@ -121,17 +127,24 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     prompts = initial_prompts(rng, args.batch)
     steps = trace(rng, args.steps, args.batch)
-    step_us, meta_us = run_kvmem(steps, prompts)
+    times = run_kvmem(steps, prompts)
     floor_us = run_floor(steps, prompts)
+
+    def median(values: list[float]) -> float:
+        return round(float(np.median(values)), 2)
+
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}",
         "batch": args.batch,
         "steps": args.steps,
         "page_size": PAGE_SIZE,
-        "decode_step_us_median": round(float(np.median(step_us)), 2),
-        "decode_step_us_p99": round(float(np.percentile(step_us, 99)), 2),
-        "metadata_us_median": round(float(np.median(meta_us)), 2),
-        "floor_decode_step_us_median": round(float(np.median(floor_us)), 2),
+        "decode_step_us_median": median(times["decode"]),
+        "metadata_us_median": median(times["metadata"]),
+        "replace_us_median": median(times["replace"]),
+        "step_total_us_median": median(times["total"]),
+        "floor_decode_step_us_median": median(floor_us["decode"]),
+        "floor_step_total_us_median": median(floor_us["total"]),
         "churn_pages_per_s": round(churn(np.random.default_rng(args.seed))),
     }
     print(json.dumps(result, indent=2))
