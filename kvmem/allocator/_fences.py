@@ -1,0 +1,105 @@
+"""Step fences: pages dropped while a step is in flight are freed only when it retires.
+
+An engine that overlaps host scheduling with device work launches step ``n`` and, while the
+device still runs it, frees the pages of finished requests and schedules step ``n + 1``. Without
+a fence, a freed page can be handed to a new request and overwritten while step ``n`` still
+reads it. With one::
+
+    h = begin()            step n launched           open = {h}
+    defer(pages)           request finished          pending: (pages, waits for {h})
+    retire(h)              step n done on device     -> pages returned, the caller frees them
+
+A deferred batch waits for every step that was open when it was deferred, so steps may retire
+in any order. The fence *holds* the references it defers (it does not free them), so the pages
+stay live, keep their tags, and cannot be evicted or reallocated meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._page_allocator import as_page_ids
+from kvmem.errors import KVMemError
+
+__all__ = ["StepFences", "StepHandle"]
+
+Int32Array = npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class StepHandle:
+    """Names one launched step; give it back to ``retire`` when the device is done with it."""
+
+    step_id: int
+
+
+class StepFences:
+    """Open steps and the page references waiting for them.
+
+    Attributes
+    ----------
+    held: ``[num_pages]``, int32 — references each page has in pending batches
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self._open: set[int] = set()
+        self._next_id = 1
+        self._pending: list[tuple[set[int], Int32Array]] = []
+        self.held = np.zeros(num_pages, dtype=np.int32)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._open)
+
+    @property
+    def open_steps(self) -> tuple[int, ...]:
+        return tuple(sorted(self._open))
+
+    @property
+    def num_held(self) -> int:
+        """References held, summed over pages."""
+        return sum(int(p.size) for _, p in self._pending)
+
+    def begin(self) -> StepHandle:
+        handle = StepHandle(self._next_id)
+        self._next_id += 1
+        self._open.add(handle.step_id)
+        return handle
+
+    def defer(self, pages: npt.ArrayLike) -> None:
+        """Hold these references until every step open now has retired (requires one open)."""
+        pages = as_page_ids(pages)
+        if not self._open:
+            raise KVMemError("defer() needs a step in flight; free the pages directly instead")
+        if pages.size:
+            self._pending.append((set(self._open), pages.copy()))
+            np.add.at(self.held, pages, 1)
+
+    def check_retire(self, handle: StepHandle) -> None:
+        if not isinstance(handle, StepHandle) or handle.step_id not in self._open:
+            raise KVMemError(
+                f"retire() got {handle!r}, which is not an open step (open: "
+                f"{self.open_steps}); each handle from begin_step() is retired exactly once"
+            )
+
+    def retire(self, handle: StepHandle) -> Int32Array:
+        """Close a step; returns the references no open step waits for any more (to free)."""
+        self.check_retire(handle)
+        self._open.discard(handle.step_id)
+        done: list[Int32Array] = []
+        keep: list[tuple[set[int], Int32Array]] = []
+        for waits, pages in self._pending:
+            waits.discard(handle.step_id)
+            if waits:
+                keep.append((waits, pages))
+            else:
+                done.append(pages)
+        self._pending = keep
+        if not done:
+            return np.empty(0, dtype=np.int32)
+        out = np.concatenate(done)
+        np.subtract.at(self.held, out, 1)
+        return out

@@ -1,0 +1,547 @@
+"""Prefix reuse: the pluggable :class:`PrefixCache` interface and the hashed-prefix cache.
+
+A prefix cache remembers full pages of committed tokens so that a later request with the same
+prefix, in the same namespace, maps those pages instead of recomputing them. It holds one
+allocator reference on every page it remembers; a remembered page nobody else holds is
+*evictable* and is given back, least recently released first, when the allocator runs dry::
+
+    page state            refcount   holders
+    ---------------------------------------------------------------
+    free                  0          -
+    used, not cached      >= 1       requests (and step fences)
+    used and cached       >= 2       requests + the cache
+    cached, evictable     1          the cache alone        <- LRU victims
+
+Keys are chained: the key of page ``i`` of a prompt is computed from the key of page ``i - 1``,
+the page's position and its token ids, starting from a root key derived from the namespace. So
+a key names a whole prefix in one namespace, and two namespaces never share a key. Keys are
+128 bits, stored as ``[k, 2]`` uint64 arrays (one row per page) and as 16-byte ``bytes`` in the
+index. Every hit is confirmed against the token ids and the namespace stored with the page, so
+a hash collision can cost a miss but never a wrong page.
+
+numpy and hashlib only: no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._page_allocator import PageAllocator, as_page_ids
+
+__all__ = ["HashedPrefixCache", "PrefixCache", "PrefixMatch", "namespace_bytes"]
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+KeyArray = npt.NDArray[np.uint64]  # [k, 2]: one 128-bit key per row
+
+Namespace = Hashable  # None, str, int, bytes, or a tuple of those (tenant, LoRA id, salt, ...)
+
+
+class PrefixMatch(NamedTuple):
+    """The cached pages that hold a prompt's leading full pages.
+
+    pages: ``[k]``, int32 — cached pages for prompt pages ``0 .. k-1``, in order
+    keys: ``[k, 2]``, uint64 — their chained keys
+    root_key: ``[2]``, uint64 — the namespace's root key (the parent of page 0)
+    num_evictable: how many of ``pages`` only the cache holds (a hit makes them unevictable)
+    """
+
+    pages: Int32Array
+    keys: KeyArray
+    root_key: KeyArray
+    num_evictable: int
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pages.size)
+
+    @property
+    def last_key(self) -> KeyArray:
+        """Key of the last matched page (the root key when nothing matched): ``[2]``, uint64."""
+        return self.keys[-1] if self.pages.size else self.root_key
+
+
+def namespace_bytes(namespace: Namespace) -> bytes:
+    """A stable, injective byte encoding of a namespace (None, str, int, bytes or a tuple)."""
+    if namespace is None:
+        return b"n"
+    if isinstance(namespace, bool):
+        return b"o1" if namespace else b"o0"
+    if isinstance(namespace, int):
+        return b"i" + str(namespace).encode()
+    if isinstance(namespace, str):
+        data = namespace.encode()
+        return b"s" + str(len(data)).encode() + b":" + data
+    if isinstance(namespace, bytes):
+        return b"b" + str(len(namespace)).encode() + b":" + namespace
+    if isinstance(namespace, tuple):
+        parts = [namespace_bytes(x) for x in namespace]
+        return b"t" + str(len(parts)).encode() + b"(" + b"".join(
+            str(len(p)).encode() + b":" + p for p in parts
+        ) + b")"
+    raise TypeError(
+        f"a namespace must be None, str, int, bytes or a tuple of those, got "
+        f"{type(namespace).__name__}; encode other values (a LoRA config, an image hash) as one"
+    )
+
+
+class PrefixCache(ABC):
+    """What the manager needs from a prefix-reuse policy.
+
+    The manager calls :meth:`bind` once, then: :meth:`match` (pure) before admitting;
+    :meth:`acquired` after it took a reference on matched pages; :meth:`page_keys` and
+    :meth:`insert` when pages fill with committed tokens; :meth:`released` after requests
+    dropped references; :meth:`evict` when the allocator runs dry. A cache takes and drops its own
+    allocator references (``allocator.share`` on insert, ``allocator.free`` on evict/remove).
+    """
+
+    page_size: int
+
+    @abstractmethod
+    def bind(self, allocator: PageAllocator, page_size: int) -> None:
+        """Attach to the allocator whose pages the cache will hold."""
+
+    @abstractmethod
+    def root_key(self, namespace: Namespace) -> KeyArray:
+        """The key a namespace's page 0 chains from: ``[2]``, uint64."""
+
+    @abstractmethod
+    def match(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
+              max_pages: int, namespace_id: int | None = None) -> PrefixMatch:
+        """Longest run of cached pages holding ``token_ids``' first full pages (at most
+        ``max_pages``), confirmed against stored token ids and, when ``namespace_id`` (the
+        manager's id of ``namespace``, -1 if it has none yet) is given, the page's namespace.
+        Changes nothing."""
+
+    @abstractmethod
+    def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
+                  first_positions: npt.NDArray[np.integer],
+                  token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        """Chained keys of ``R`` runs of consecutive full pages.
+
+        Parameters
+        ----------
+        parent_keys: ``[R, 2]``, uint64 — key of the page before each run (a root key at 0)
+        counts: ``[R]`` — pages in each run (>= 1)
+        first_positions: ``[R]`` — page position of each run's first page within its request
+        token_ids: ``[sum(counts), page_size]`` — the runs' tokens, run by run
+
+        Returns
+        -------
+        keys: ``[sum(counts), 2]``, uint64
+        """
+
+    @abstractmethod
+    def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
+               namespace_ids: npt.NDArray[np.integer], parent_keys: KeyArray) -> Int32Array:
+        """Remember full pages under their keys; a key already cached keeps its page.
+
+        Parameters
+        ----------
+        keys: ``[k, 2]``, uint64; pages: ``[k]``, int32 (held by requests);
+        token_ids: ``[k, page_size]``; namespace_ids: ``[k]`` (the manager's ids);
+        parent_keys: ``[k, 2]``, uint64 — each page's parent key (for KV events)
+
+        Returns
+        -------
+        inserted: ``[j]``, int32 — the pages newly remembered (the cache took one reference each)
+        """
+
+    @abstractmethod
+    def acquired(self, pages: Int32Array) -> None:
+        """Requests just took references on these pages (they are no longer evictable)."""
+
+    @abstractmethod
+    def released(self, pages: Int32Array) -> None:
+        """Requests or fences just dropped references on these pages (some may be evictable)."""
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> tuple[Int32Array, KeyArray]:
+        """Forget ``num_pages`` evictable pages, least recently released first, and free them.
+
+        Returns the freed pages ``[num_pages]`` (int32) and their keys ``[num_pages, 2]``.
+        Raises ValueError (changing nothing) if fewer are evictable.
+        """
+
+    @abstractmethod
+    def remove(self, pages: Int32Array) -> tuple[Int32Array, KeyArray]:
+        """Forget these pages if cached (e.g. written by a request that failed verification).
+
+        Returns the pages that were cached (int32) and their keys; drops the cache's reference.
+        """
+
+    @abstractmethod
+    def clear(self) -> Int32Array:
+        """Forget every page; returns the pages that were cached."""
+
+    @abstractmethod
+    def is_cached(self, pages: Int32Array) -> npt.NDArray[np.bool_]:
+        """Whether each page is remembered: ``[k]``, bool."""
+
+    @property
+    @abstractmethod
+    def num_cached(self) -> int:
+        """Pages remembered (some may also be held by requests)."""
+
+    @property
+    @abstractmethod
+    def num_evictable(self) -> int:
+        """Remembered pages that only the cache holds."""
+
+
+# -- the hashed-prefix cache ------------------------------------------------------------------
+
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+_S31 = np.uint64(31)
+
+
+def _fmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """64-bit finalizer (avalanche): every output bit depends on every input bit. In place."""
+    x ^= x >> _S33
+    x *= _M1
+    x ^= x >> _S33
+    x *= _M2
+    x ^= x >> _S33
+    return x
+
+
+class HashedPrefixCache(PrefixCache):
+    """Chained 128-bit page keys in a dict; LRU eviction of pages only the cache holds.
+
+    Key of page ``i`` (per 64-bit lane ``l`` of two, all arithmetic modulo 2**64)::
+
+        s_i   = sum_c  xorshift((token[c] + 1) * K[l, c])      (c = 0 .. page_size-1)
+        g_i   = fmix(s_i + (i + 1) * Q[l])
+        key_i = key_{i-1} + g_i,      key_{-1} = root(namespace) = blake2b(secret, namespace)
+
+    ``K`` and ``Q`` are random odd constants drawn from ``seed``, so the keys of a whole prompt
+    come from a dozen vectorized numpy calls instead of a hash call per page. The keys are keyed,
+    not cryptographic: every hit is confirmed against the page's stored token ids and namespace,
+    so a collision can only cost a miss, never a wrong page. Pass ``seed`` to make keys
+    reproducible across processes (a cache-aware router recomputes them); leave it None for a
+    per-process secret.
+
+    Parameters
+    ----------
+    seed: ``int`` or None (random per process).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(16), "little")
+        self.seed = int(seed)
+        rng = np.random.default_rng(self.seed)
+        self._secret = rng.bytes(32)
+        self._rng = rng
+        self.page_size = 0
+        self._allocator: PageAllocator | None = None
+        self._index: dict[bytes, int] = {}
+        self._roots: dict[Namespace, KeyArray] = {}
+
+    # -- binding ------------------------------------------------------------------------------
+
+    def bind(self, allocator: PageAllocator, page_size: int) -> None:
+        if self._allocator is not None:
+            raise ValueError("this prefix cache is already bound to an allocator; make a new one")
+        self._allocator = allocator
+        self.page_size = int(page_size)
+        n = allocator.num_pages
+        self._K = self._rng.integers(1, 2**63, size=(2, 1, self.page_size), dtype=np.uint64)
+        self._K |= np.uint64(1)
+        self._Q = self._rng.integers(1, 2**63, size=(2, 1), dtype=np.uint64) | np.uint64(1)
+        self._cached = np.zeros(n, dtype=bool)
+        self._keys = np.zeros((n, 2), dtype=np.uint64)  # key of each cached page
+        self._tokens = np.zeros((n, self.page_size), dtype=np.int64)  # for confirming hits
+        self._namespace = np.zeros(n, dtype=np.int64)  # manager's namespace id of each page
+        # LRU of evictable pages: a FIFO of (page, stamp) chunks; an entry is current while
+        # stamp[page] equals its stamp (a page re-acquired and released later gets a new entry).
+        self._stamp = np.zeros(n, dtype=np.int64)  # 0 = not evictable
+        self._next_stamp = 1
+        self._fifo: list[tuple[Int32Array, Int64Array]] = []
+        self._fifo_head = 0  # offset into self._fifo[0]
+        self._fifo_len = 0
+        self._num_cached = 0
+        self._num_evictable = 0
+
+    @property
+    def allocator(self) -> PageAllocator:
+        if self._allocator is None:
+            raise ValueError("the prefix cache is not bound; give it to a KVCacheManager first")
+        return self._allocator
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def root_key(self, namespace: Namespace) -> KeyArray:
+        root = self._roots.get(namespace)
+        if root is None:
+            digest = hashlib.blake2b(
+                namespace_bytes(namespace), digest_size=16, key=self._secret
+            ).digest()
+            root = np.frombuffer(digest, dtype=np.uint64).copy()
+            self._roots[namespace] = root
+        return root
+
+    def _page_values(self, token_ids: npt.NDArray[np.integer],
+                     positions: npt.NDArray[np.integer]) -> KeyArray:
+        """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[2, k]``."""
+        x = (token_ids.astype(np.uint64)[None] + np.uint64(1)) * self._K
+        x ^= x >> _S31
+        s = x.sum(axis=2, dtype=np.uint64)
+        s += (positions.astype(np.uint64) + np.uint64(1))[None] * self._Q
+        return _fmix(s)
+
+    def prompt_keys(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
+                    max_pages: int | None = None) -> KeyArray:
+        """Keys of a prompt's full pages (at most ``max_pages``): ``[k, 2]``, uint64.
+
+        This is what a cache-aware router computes (with the same ``seed``) to follow events.
+        """
+        p = self.page_size
+        k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
+        if k <= 0:
+            return np.empty((0, 2), dtype=np.uint64)
+        g = self._page_values(token_ids[: k * p].reshape(k, p), np.arange(k))
+        keys = np.cumsum(g, axis=1, dtype=np.uint64)
+        keys += self.root_key(namespace)[:, None]
+        return np.ascontiguousarray(keys.T)
+
+    def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
+                  first_positions: npt.NDArray[np.integer],
+                  token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        counts = np.asarray(counts, dtype=np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            return np.empty((0, 2), dtype=np.uint64)
+        starts = np.cumsum(counts) - counts
+        within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        positions = np.repeat(np.asarray(first_positions, dtype=np.int64), counts) + within
+        g = self._page_values(np.asarray(token_ids).reshape(total, self.page_size), positions)
+        # Segmented cumulative sum (mod 2**64): global cumsum minus the sum before each run.
+        c = np.cumsum(g, axis=1, dtype=np.uint64)
+        before = np.where(starts > 0, c[:, np.maximum(starts - 1, 0)], np.uint64(0))
+        keys = c - np.repeat(before, counts, axis=1)
+        keys += np.repeat(np.asarray(parent_keys, dtype=np.uint64).T, counts, axis=1)
+        return np.ascontiguousarray(keys.T)
+
+    @staticmethod
+    def _as_bytes(keys: KeyArray) -> list[bytes]:
+        return np.ascontiguousarray(keys).view(np.dtype((np.void, 16))).ravel().tolist()
+
+    # -- match -------------------------------------------------------------------------------
+
+    def match(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
+              max_pages: int, namespace_id: int | None = None) -> PrefixMatch:
+        root = self.root_key(namespace)
+        keys = self.prompt_keys(token_ids, namespace, max_pages)
+        if keys.shape[0] == 0 or not self._index:
+            return PrefixMatch(np.empty(0, np.int32), keys[:0], root, 0)
+        get = self._index.get
+        found: list[int] = []
+        for key in self._as_bytes(keys):
+            page = get(key)
+            if page is None:
+                break
+            found.append(page)
+        pages = np.array(found, dtype=np.int32)
+        if pages.size:
+            # Confirm every hit against the stored tokens (and namespace, when known).
+            p = self.page_size
+            k = pages.size
+            ok = (self._tokens[pages] == token_ids[: k * p].reshape(k, p)).all(axis=1)
+            if namespace_id is not None:
+                ok &= self._namespace[pages] == namespace_id
+            if not ok.all():
+                k = int(np.argmin(ok))
+                pages = pages[:k]
+        num_evictable = int(np.count_nonzero(self._stamp[pages])) if pages.size else 0
+        return PrefixMatch(pages, keys[: pages.size], root, num_evictable)
+
+    # -- insert / remove ---------------------------------------------------------------------
+
+    def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
+               namespace_ids: npt.NDArray[np.integer], parent_keys: KeyArray) -> Int32Array:
+        pages = as_page_ids(pages)
+        if pages.size == 0:
+            return pages
+        index = self._index
+        take: list[int] = []
+        for i, (key, page) in enumerate(zip(self._as_bytes(keys), pages.tolist())):
+            if key not in index and not self._cached[page]:
+                index[key] = page
+                self._cached[page] = True  # also dedupes a page listed twice in this call
+                take.append(i)
+        if not take:
+            return np.empty(0, dtype=np.int32)
+        sel = np.array(take, dtype=np.int64)
+        new = pages[sel]
+        self.allocator.share(new)
+        self._keys[new] = keys[sel]
+        self._tokens[new] = np.asarray(token_ids).reshape(-1, self.page_size)[sel]
+        self._namespace[new] = np.asarray(namespace_ids)[sel]
+        self._num_cached += new.size
+        return new
+
+    def _forget(self, pages: Int32Array) -> KeyArray:
+        """Drop pages from the index and the LRU (not from the allocator)."""
+        keys = self._keys[pages].copy()
+        for key in self._as_bytes(keys):
+            del self._index[key]
+        self._cached[pages] = False
+        evictable = self._stamp[pages] != 0
+        self._num_evictable -= int(np.count_nonzero(evictable))
+        self._stamp[pages] = 0
+        self._num_cached -= pages.size
+        return keys
+
+    def remove(self, pages: Int32Array) -> tuple[Int32Array, KeyArray]:
+        pages = np.unique(as_page_ids(pages))
+        pages = pages[self._cached[pages]]
+        keys = self._forget(pages)
+        self.allocator.free(pages)
+        return pages, keys
+
+    def clear(self) -> Int32Array:
+        pages = np.flatnonzero(self._cached).astype(np.int32)
+        self._forget(pages)
+        self.allocator.free(pages)
+        self._fifo.clear()
+        self._fifo_head = 0
+        self._fifo_len = 0
+        return pages
+
+    # -- evictability ------------------------------------------------------------------------
+
+    def acquired(self, pages: Int32Array) -> None:
+        pages = as_page_ids(pages)
+        was = self._stamp[pages] != 0
+        if was.any():
+            hit = np.unique(pages[was])
+            self._stamp[hit] = 0
+            self._num_evictable -= hit.size
+
+    def released(self, pages: Int32Array) -> None:
+        pages = as_page_ids(pages)
+        if pages.size == 0:
+            return
+        # Deepest pages first, so a prefix outlives its extensions when both become evictable.
+        pages = pages[::-1]
+        now = self._cached[pages] & (self.allocator.refcounts[pages] == 1) & (
+            self._stamp[pages] == 0
+        )
+        if not now.any():
+            return
+        new = pages[now]
+        if new.size > 1:
+            _, first = np.unique(new, return_index=True)
+            new = new[np.sort(first)]
+        stamps = np.arange(self._next_stamp, self._next_stamp + new.size, dtype=np.int64)
+        self._next_stamp += new.size
+        self._stamp[new] = stamps
+        self._num_evictable += new.size
+        self._fifo.append((new.copy(), stamps))
+        self._fifo_len += new.size
+        if self._fifo_len > 4 * self.allocator.num_pages + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale FIFO entries (their page was re-acquired or evicted since)."""
+        if not self._fifo:
+            return
+        pages = np.concatenate([p for p, _ in self._fifo])[self._fifo_head :]
+        stamps = np.concatenate([s for _, s in self._fifo])[self._fifo_head :]
+        live = self._stamp[pages] == stamps
+        self._fifo = [(pages[live], stamps[live])]
+        self._fifo_head = 0
+        self._fifo_len = int(live.sum())
+
+    def evict(self, num_pages: int) -> tuple[Int32Array, KeyArray]:
+        if num_pages > self._num_evictable:
+            raise ValueError(
+                f"asked to evict {num_pages} pages but only {self._num_evictable} cached pages "
+                "are held by the cache alone; nothing was evicted"
+            )
+        victims: list[Int32Array] = []
+        need = num_pages
+        while need > 0:
+            pages, stamps = self._fifo[0]
+            pages = pages[self._fifo_head :]
+            stamps = stamps[self._fifo_head :]
+            current = np.flatnonzero(self._stamp[pages] == stamps)
+            if current.size > need:
+                cut = int(current[need - 1]) + 1
+                victims.append(pages[current[:need]])
+                self._fifo_head += cut
+                self._fifo_len -= cut
+                need = 0
+            else:
+                victims.append(pages[current])
+                need -= current.size
+                self._fifo_len -= pages.size
+                self._fifo.pop(0)
+                self._fifo_head = 0
+        out = np.concatenate(victims) if victims else np.empty(0, dtype=np.int32)
+        keys = self._forget(out)
+        self.allocator.free(out)
+        return out, keys
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def is_cached(self, pages: Int32Array) -> npt.NDArray[np.bool_]:
+        return self._cached[as_page_ids(pages)]
+
+    def keys_of(self, pages: Int32Array) -> KeyArray:
+        """Keys of cached pages: ``[k, 2]``, uint64."""
+        return self._keys[as_page_ids(pages)]
+
+    def namespaces_of(self, pages: Int32Array) -> Int64Array:
+        """Namespace id stored with each cached page: ``[k]``, int64."""
+        return self._namespace[as_page_ids(pages)]
+
+    def cached_pages(self) -> Int32Array:
+        return np.flatnonzero(self._cached).astype(np.int32)
+
+    @property
+    def num_cached(self) -> int:
+        return self._num_cached
+
+    @property
+    def num_evictable(self) -> int:
+        return self._num_evictable
+
+    def check(self) -> list[str]:
+        """The cache's own invariants; returns one line per problem (empty when sound)."""
+        problems: list[str] = []
+        cached = self.cached_pages()
+        if len(self._index) != cached.size or cached.size != self._num_cached:
+            problems.append(
+                f"index holds {len(self._index)} keys, {cached.size} pages are marked cached, "
+                f"counter says {self._num_cached}"
+            )
+        idx_pages = np.array(sorted(self._index.values()), dtype=np.int32)
+        if idx_pages.size == cached.size and not np.array_equal(idx_pages, cached):
+            problems.append("the index's pages differ from the pages marked cached")
+        rc = self.allocator.refcounts
+        dead = cached[rc[cached] < 1]
+        if dead.size:
+            problems.append(f"cached pages {dead.tolist()[:16]} are free in the allocator")
+        evictable = np.flatnonzero(self._stamp)
+        if evictable.size != self._num_evictable:
+            problems.append(
+                f"{evictable.size} pages carry an LRU stamp, counter says {self._num_evictable}"
+            )
+        should = cached[rc[cached] == 1]
+        if not np.array_equal(np.sort(should), evictable):
+            problems.append(
+                f"evictable pages {evictable.tolist()[:16]} differ from cached pages held by the "
+                f"cache alone {should.tolist()[:16]}"
+            )
+        return problems

@@ -1,0 +1,1277 @@
+"""KVCacheManager: the one object an inference engine embeds to run every request's KV pages.
+
+Life of a request (``P`` = page_size)::
+
+    admit(id, prompt)      match the cached prefix (full pages, same namespace), share those
+                           pages, allocate pages for the rest of the prompt *now* (a capacity
+                           guarantee: prefill never runs out of pages), map them.
+                           -> num_cached_tokens (a multiple of P, at most len(prompt) - 1)
+    reserve(ids, n)        every request of the batch gains n token slots (a prefill chunk, a
+                           decode token, k speculative tokens); pages are allocated only where
+                           a request crosses a page boundary past what it holds; a write into a
+                           shared, partly filled page first copies it (copy-on-write).
+                           -> slot_mapping for the new tokens, CSR / block table over all tokens
+    commit(id, tokens)     the KV of these tokens is written: pages that became full are offered
+                           to the prefix cache (never earlier: a page is reusable only once its
+                           tokens are committed)
+    verify(ids)            the integrity check before decode (CheckingTracker); failing requests
+                           are aborted and released, the rest proceed
+    fork / preempt / resume / release
+
+A request's row of pages::
+
+    | hit | hit | own | own | own (tail, 5/16) | reserved | reserved |   PAD ...
+      cached prefix   computed here                          prompt room not yet reserved()
+      (shared, full)                      ^ committed          ^ num_tokens (slots handed out)
+
+Step fences: ``begin_step()`` returns a handle; every page reference dropped while a step is in
+flight (release, preempt, abort, copy-on-write) is held until ``retire(handle)``, so a launched
+kernel never reads a page that was handed to someone else.
+
+Hooks: ``add_hook(kind, fn)``; ``fn(event)`` is called after the operation has completed, so a
+hook that raises never leaves the manager half-changed (the operation stands; the hook's error
+is re-raised as :class:`HookError` once every hook has run).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmem.allocator._fences import StepFences, StepHandle
+from kvmem.allocator._page_allocator import PageAllocator
+from kvmem.allocator._page_table import PAD, CSRMetadata, PageTable
+from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
+from kvmem.errors import IntegrityError, KVMemError, OutOfPagesError
+from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
+
+__all__ = [
+    "HOOK_KINDS",
+    "AdmitResult",
+    "AllPagesCleared",
+    "HookError",
+    "KVCacheManager",
+    "ManagerConfig",
+    "ManagerEvent",
+    "ManagerStats",
+    "PagesRemoved",
+    "PagesStored",
+    "StepHandle",
+    "StepMetadata",
+    "VerifyReport",
+]
+
+logger = logging.getLogger(__name__)
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+RequestId = Hashable
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+HOOK_KINDS = (
+    "admit",  # a request was admitted or resumed: request_id, pages (all it maps), detail
+    "allocate",  # pages were allocated: request_id (None for a batch), pages
+    "free",  # pages returned to the allocator: pages
+    "evict",  # cached pages were evicted to make room: pages
+    "preempt",  # a request was preempted: request_id, pages (references dropped)
+    "release",  # a request was released (finished or aborted): request_id, pages
+    "fork",  # request_id (the child), detail (the parent)
+    "step_begin",  # a step was launched: detail (the step id)
+    "step_end",  # a step retired: detail (the step id), pages (references it released)
+    "integrity_failure",  # a request failed verification and was aborted: request_id, detail
+    "kv_event",  # a KV event for routers: event (PagesStored / PagesRemoved / AllPagesCleared)
+)
+
+
+# -- boundary and results -----------------------------------------------------------------------
+
+
+class ManagerConfig(BaseModel):
+    """The numeric configuration of a :class:`KVCacheManager` (validated at the boundary)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_pages: int = Field(gt=0, le=_INT32_MAX)
+    page_size: int = Field(default=16, gt=0, le=1 << 16)
+    max_seqs: int = Field(default=256, gt=0)
+    max_pages_per_seq: int = Field(gt=0)
+    watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
+    kv_events: bool = False
+
+
+class AdmitResult(NamedTuple):
+    """What :meth:`KVCacheManager.admit` did.
+
+    num_cached_tokens: prompt tokens whose KV is already in mapped pages (skip their prefill)
+    num_prompt_tokens: the prompt's length
+    num_pages: pages mapped (the whole prompt's)
+    num_hit_pages: how many of them came from the prefix cache
+    """
+
+    request_id: Any
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    num_pages: int
+    num_hit_pages: int
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Kernel metadata for one reserved step of a batch of ``B`` requests.
+
+    request_ids: the batch, in order
+    rows: ``[B]``, int32 — page-table rows
+    num_new_tokens: ``[B]``, int32 — tokens reserved per request this step
+    slot_mapping: ``[T]``, int64 — where to write each new token's K/V
+        (``page * page_size + offset``), request by request, ``T = sum(num_new_tokens)``
+    qo_indptr: ``[B + 1]``, int32 — request ``b``'s new tokens are ``qo_indptr[b]:qo_indptr[b+1]``
+    kv_indptr: ``[B + 1]``, int32; kv_indices: ``[nnz]``, int32; kv_last_page_len: ``[B]``,
+        int32 — FlashInfer CSR over each request's pages, covering every token up to and
+        including the reserved ones
+    seq_lens: ``[B]``, int32 — tokens per request including the reserved ones
+    copy_src, copy_dst: ``[C]``, int32 — copy-on-write page copies to do before writing, when
+        no pool is attached (the manager keeps ``copy_src`` alive until the next ``reserve``);
+        empty when a pool is attached (the manager already called ``pool.copy_pages``)
+    """
+
+    request_ids: tuple[Any, ...]
+    rows: Int32Array
+    num_new_tokens: Int32Array
+    slot_mapping: Int64Array
+    qo_indptr: Int32Array
+    kv_indptr: Int32Array
+    kv_indices: Int32Array
+    kv_last_page_len: Int32Array
+    seq_lens: Int32Array
+    copy_src: Int32Array
+    copy_dst: Int32Array
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.size)
+
+    @property
+    def num_pages(self) -> Int32Array:
+        """Pages each request reads: ``[B]``, int32."""
+        return np.diff(self.kv_indptr)
+
+    def csr(self) -> CSRMetadata:
+        return CSRMetadata(self.kv_indptr, self.kv_indices, self.kv_last_page_len)
+
+    @cached_property
+    def block_table(self) -> Int32Array:
+        """vLLM / flash-attn block table ``[B, W]``, int32, PAD (-1) past each request's pages;
+        ``W`` is the widest request of the batch. Built from the CSR on first use."""
+        counts = np.diff(self.kv_indptr)
+        width = int(counts.max()) if counts.size else 0
+        table = np.full((counts.size, width), PAD, dtype=np.int32)
+        cols = np.arange(self.kv_indices.size) - np.repeat(self.kv_indptr[:-1], counts)
+        table[np.repeat(np.arange(counts.size), counts), cols] = self.kv_indices
+        return table
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of :meth:`KVCacheManager.verify`.
+
+    request_ids: the batch verified, in order
+    aborted: ``{request_id: reason}`` for every request that failed (now released)
+    integrity: the tracker's report (bad entries), when it found any
+    """
+
+    request_ids: tuple[Any, ...] = ()
+    aborted: dict[Any, str] = field(default_factory=dict)
+    integrity: IntegrityReport | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.aborted
+
+    @property
+    def keep(self) -> npt.NDArray[np.bool_]:
+        """``[B]``, bool — which requests of the batch may proceed."""
+        return np.array([i not in self.aborted for i in self.request_ids], dtype=bool)
+
+    @property
+    def ok_ids(self) -> tuple[Any, ...]:
+        return tuple(i for i in self.request_ids if i not in self.aborted)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """A snapshot of the manager; it does not change when the manager does.
+
+    Every page is in exactly one of: free, used (mapped by a request), cached (remembered by
+    the prefix cache, no request maps it: evictable, or held by a fence too), fenced (held only
+    by a step fence until that step retires). ``num_free + num_used + num_cached + num_fenced ==
+    num_pages``.
+    """
+
+    num_pages: int
+    page_size: int
+    num_free: int
+    num_used: int
+    num_cached: int
+    num_fenced: int  # held only by step fences (or by copy-on-write sources awaiting a copy)
+    num_running: int
+    num_preempted: int
+    num_prefix_queries: int  # admissions (and resumes) that looked up the prefix cache
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int  # pages evicted from the prefix cache
+    num_preemptions: int
+    num_integrity_failures: int
+    num_cow_copies: int
+    num_forks: int
+    steps_in_flight: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of pages mapped by requests (cached and fenced pages are reclaimable)."""
+        return self.num_used / self.num_pages
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if not self.prefix_query_tokens:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerEvent:
+    """What a hook receives: ``kind`` (one of :data:`HOOK_KINDS`) and what it concerns."""
+
+    kind: str
+    request_id: Any = None
+    pages: Int32Array | None = None
+    detail: Any = None
+
+
+# KV events in the shape vLLM publishes (BlockStored / BlockRemoved / AllBlocksCleared), so a
+# cache-aware router can follow which prefixes this manager holds. Hashes are 128-bit ints.
+
+
+@dataclass(frozen=True, slots=True)
+class PagesStored:
+    page_hashes: tuple[int, ...]
+    parent_page_hash: int | None  # the page before the first one (None at the prompt's start)
+    token_ids: tuple[int, ...]  # len(page_hashes) * page_size tokens
+    page_size: int
+    namespace: Any
+    medium: str = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class PagesRemoved:
+    page_hashes: tuple[int, ...]
+    medium: str = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class AllPagesCleared:
+    medium: str = "GPU"
+
+
+KVEvent = PagesStored | PagesRemoved | AllPagesCleared
+
+
+class HookError(KVMemError):
+    """A hook raised. The operation that triggered it completed; every other hook still ran."""
+
+
+@dataclass(slots=True)
+class _Request:
+    namespace: Any
+    namespace_id: int
+    prompt: Int64Array  # the prompt token ids (a private copy)
+    saved: Int64Array | None = None  # tokens to recompute on resume (set while preempted)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _public(fn: _F) -> _F:
+    """Run hooks queued by a public operation once it has completed (and drop them if it
+    raised: an operation that raises has changed nothing)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = fn(self, *args, **kwargs)
+        except BaseException:
+            self._queued.clear()
+            raise
+        if self._queued:
+            self._flush_hooks()
+        return result
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _keys_as_ints(keys: npt.NDArray[np.uint64]) -> list[int]:
+    return [int.from_bytes(k, "big") for k in
+            np.ascontiguousarray(keys).view(np.dtype((np.void, 16))).ravel().tolist()]
+
+
+# -- the manager --------------------------------------------------------------------------------
+
+
+class KVCacheManager:
+    """Pages, prefix reuse, fences, integrity checks and hooks for an engine's requests.
+
+    Parameters
+    ----------
+    num_pages: physical pages (the pool's page count).
+    page_size: token slots per page.
+    max_seqs: most requests mapped at once (running; preempted ones hold no row).
+    max_pages_per_seq: most pages one request maps (context limit ``* page_size``); default
+        ``min(num_pages, 2048)``.
+    prefix_cache: ``"hashed"`` (default, :class:`HashedPrefixCache`), ``None`` (no reuse) or a
+        :class:`PrefixCache` instance (bound to this manager's allocator).
+    tracker: ``NoOpTracker()`` (default: verification costs nothing), ``"checking"`` or a
+        :class:`CheckingTracker` shaped ``[>= max_seqs, >= max_pages_per_seq]``.
+    pool: an optional page pool (duck-typed ``kvmem.cuda.PagePool``): copy-on-write calls
+        ``pool.copy_pages(src, dst)``, and tag changes are mirrored with
+        ``pool.update_tags(pages, tags)`` so ``verify`` can check device metadata on device.
+    watermark: fraction of pages ``can_admit`` keeps free for running requests to grow into.
+    kv_events: record KV events (``take_events()``) for a cache-aware router.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 16,
+        max_seqs: int = 256,
+        max_pages_per_seq: int | None = None,
+        prefix_cache: str | PrefixCache | None = "hashed",
+        tracker: Tracker | str | None = None,
+        pool: Any = None,
+        watermark: float = 0.01,
+        kv_events: bool = False,
+    ) -> None:
+        if max_pages_per_seq is None and isinstance(num_pages, int):
+            max_pages_per_seq = min(num_pages, 2048)
+        self.config = ManagerConfig(
+            num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+            max_pages_per_seq=max_pages_per_seq, watermark=watermark, kv_events=kv_events,
+        )
+        cfg = self.config
+        self.num_pages = cfg.num_pages
+        self.page_size = cfg.page_size
+        self.max_seqs = cfg.max_seqs
+        self.max_pages_per_seq = cfg.max_pages_per_seq
+        self.watermark_pages = int(cfg.watermark * cfg.num_pages)
+        self.allocator = PageAllocator(cfg.num_pages)
+        self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
+        self.fences = StepFences(cfg.num_pages)
+        self.cache = self._make_cache(prefix_cache)
+        self.tracker = self._make_tracker(tracker)
+        self.pool = pool
+        if pool is not None:
+            n = getattr(pool, "num_pages", cfg.num_pages)
+            if int(n) < cfg.num_pages:
+                raise KVMemError(
+                    f"the pool holds {n} pages but the manager was asked to manage {num_pages}; "
+                    "give the manager at most the pool's page count"
+                )
+        # Per request.
+        self._requests: dict[Any, _Request] = {}
+        self._rows: dict[Any, int] = {}  # running request -> page-table row
+        self._row_ids: list[Any] = [None] * cfg.max_seqs
+        # Per row.
+        self._committed = np.zeros(cfg.max_seqs, dtype=np.int64)
+        self._row_ns = np.zeros(cfg.max_seqs, dtype=np.int64)
+        self._row_key = np.zeros((cfg.max_seqs, 2), dtype=np.uint64)
+        # Per page: whose namespace the content belongs to (-1 when free), and the token ids
+        # committed into each slot (mirrors the KV in the pool; used to offer full pages to the
+        # cache and to resume preempted requests).
+        self._page_ns = np.full(cfg.num_pages, -1, dtype=np.int64)
+        self._page_tokens = np.zeros((cfg.num_pages, cfg.page_size), dtype=np.int32)
+        self._ns_ids: dict[Any, int] = {None: 0}
+        self._copy_hold: list[Int32Array] = []  # CoW sources kept until the next reserve()
+        self._reserves = 0
+        # Hooks and events.
+        self._hooks: dict[str, list[Callable[[ManagerEvent], Any]]] = {k: [] for k in HOOK_KINDS}
+        self._queued: list[tuple[Callable[[ManagerEvent], Any], ManagerEvent]] = []
+        self._events: list[KVEvent] = []
+        # Counters.
+        self._num_prefix_queries = 0
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._num_evictions = 0
+        self._num_preemptions = 0
+        self._num_integrity_failures = 0
+        self._num_cow_copies = 0
+        self._num_forks = 0
+
+    def _make_cache(self, spec: str | PrefixCache | None) -> PrefixCache | None:
+        if spec is None:
+            return None
+        if isinstance(spec, str):
+            if spec != "hashed":
+                raise KVMemError(
+                    f"prefix_cache={spec!r} is not known; use 'hashed', None, or a PrefixCache"
+                )
+            spec = HashedPrefixCache()
+        if not isinstance(spec, PrefixCache):
+            raise KVMemError(
+                f"prefix_cache must be 'hashed', None or a PrefixCache, got {type(spec).__name__}"
+            )
+        spec.bind(self.allocator, self.page_size)
+        return spec
+
+    def _make_tracker(self, spec: Tracker | str | None) -> Tracker:
+        if spec is None:
+            return NoOpTracker()
+        if isinstance(spec, str):
+            if spec != "checking":
+                raise KVMemError(f"tracker={spec!r} is not known; use 'checking' or a Tracker")
+            return CheckingTracker(self.max_seqs, self.max_pages_per_seq)
+        expected = getattr(spec, "expected_tags", None)
+        if expected is not None and (
+            expected.shape[0] < self.max_seqs or expected.shape[1] < self.max_pages_per_seq
+        ):
+            raise KVMemError(
+                f"the tracker records {expected.shape} (rows, pages) but the manager needs "
+                f"({self.max_seqs}, {self.max_pages_per_seq}); build it with "
+                "CheckingTracker(max_seqs, max_pages_per_seq) or pass tracker='checking'"
+            )
+        return spec
+
+    # -- small helpers -----------------------------------------------------------------------
+
+    def _namespace_id(self, namespace: Any, register: bool) -> int:
+        ns = self._ns_ids.get(namespace)
+        if ns is None:
+            if not register:
+                return -1  # unseen: no page can belong to it
+            try:
+                hash(namespace)
+            except TypeError:
+                raise KVMemError(
+                    f"namespace {namespace!r} is not hashable; use a str, int, bytes or tuple"
+                ) from None
+            ns = len(self._ns_ids)
+            self._ns_ids[namespace] = ns
+        return ns
+
+    @staticmethod
+    def _as_tokens(token_ids: Any) -> Int64Array:
+        if hasattr(token_ids, "detach"):  # a torch tensor, on any device
+            token_ids = token_ids.detach().cpu().numpy()
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            if tokens.size == 0 and tokens.ndim == 1:
+                return tokens.astype(np.int64)
+            raise KVMemError(
+                f"token ids must be a 1-D sequence of ints, got shape {tokens.shape} of "
+                f"{tokens.dtype}"
+            )
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > _INT32_MAX):
+            raise KVMemError(
+                f"token ids must be in 0..{_INT32_MAX}, got min {int(tokens.min())} and max "
+                f"{int(tokens.max())}"
+            )
+        return tokens.astype(np.int64)  # a private copy: the engine keeps its own object
+
+    def _rows_of(self, request_ids: Sequence[Any]) -> Int32Array:
+        try:
+            return np.fromiter(
+                map(self._rows.__getitem__, request_ids), dtype=np.int32, count=len(request_ids)
+            )
+        except KeyError as e:
+            rid = e.args[0]
+            state = "preempted" if rid in self._requests else "unknown or released"
+            raise KVMemError(
+                f"request {rid!r} is not running ({state}); admit or resume it first"
+            ) from None
+
+    def _row_of(self, request_id: Any) -> int:
+        row = self._rows.get(request_id)
+        if row is None:
+            state = "preempted" if request_id in self._requests else "unknown or released"
+            raise KVMemError(
+                f"request {request_id!r} is not running ({state}); admit or resume it first"
+            )
+        return row
+
+    def _emit(self, kind: str, request_id: Any = None, pages: Int32Array | None = None,
+              detail: Any = None) -> None:
+        hooks = self._hooks[kind]
+        if hooks:
+            event = ManagerEvent(kind, request_id, None if pages is None else pages.copy(), detail)
+            self._queued.extend((fn, event) for fn in hooks)
+
+    def _kv_event(self, event: KVEvent) -> None:
+        self._events.append(event)
+        self._emit("kv_event", detail=event)
+
+    def _flush_hooks(self) -> None:
+        queued, self._queued = self._queued, []
+        errors: list[tuple[ManagerEvent, BaseException]] = []
+        for fn, event in queued:
+            try:
+                fn(event)
+            except Exception as e:  # every hook runs; the first error is raised below
+                logger.exception("kvmem hook %r raised on %s", fn, event.kind)
+                errors.append((event, e))
+        if errors:
+            event, first = errors[0]
+            raise HookError(
+                f"{len(errors)} hook call(s) raised; the first, on {event.kind!r} "
+                f"(request {event.request_id!r}), raised {first!r}. The operation itself "
+                "completed and the manager is consistent; fix or remove the hook."
+            ) from first
+
+    def add_hook(self, kind: str, fn: Callable[[ManagerEvent], Any]) -> None:
+        """Call ``fn(event)`` after every operation that produces an event of ``kind``."""
+        if kind not in self._hooks:
+            raise KVMemError(f"no hook kind {kind!r}; choose one of {HOOK_KINDS}")
+        self._hooks[kind].append(fn)
+
+    def remove_hook(self, kind: str, fn: Callable[[ManagerEvent], Any]) -> None:
+        if kind not in self._hooks or fn not in self._hooks[kind]:
+            raise KVMemError(f"{fn!r} is not registered for {kind!r}")
+        self._hooks[kind].remove(fn)
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events since the last call (only recorded with ``kv_events=True``)."""
+        events, self._events = self._events, []
+        return events
+
+    # -- page references -----------------------------------------------------------------------
+
+    def _available(self) -> int:
+        """Pages that allocation can obtain now: free ones plus evictable cached ones."""
+        return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    def _make_room(self, num: int) -> None:
+        """Evict cached pages until ``num`` are free (the caller checked that they can be)."""
+        short = num - self.allocator.num_free
+        if short <= 0:
+            return
+        assert self.cache is not None
+        pages, keys = self.cache.evict(short)
+        self._page_ns[pages] = -1
+        self._num_evictions += pages.size
+        self._emit("evict", pages=pages)
+        self._emit("free", pages=pages)
+        if self.config.kv_events:
+            self._kv_event(PagesRemoved(tuple(_keys_as_ints(keys))))
+
+    def _allocate(self, num: int, namespace_ids: Int64Array | int) -> Int32Array:
+        self._make_room(num)
+        pages = self.allocator.allocate(num)
+        self._page_ns[pages] = namespace_ids
+        return pages
+
+    def _drop(self, pages: Int32Array) -> None:
+        """Drop one reference per listed page: now, or when the steps in flight retire."""
+        if pages.size == 0:
+            return
+        if self.fences.in_flight:
+            self.fences.defer(pages)
+        else:
+            self._free(pages)
+
+    def _forget_freed(self, pages: Int32Array) -> None:
+        """After the cache dropped its references: pages now free lose their namespace."""
+        freed = pages[self.allocator.refcounts[pages] == 0]
+        self._page_ns[freed] = -1
+        if freed.size:
+            self._emit("free", pages=freed)
+
+    def _free(self, pages: Int32Array) -> None:
+        freed = self.allocator.free(pages)
+        self._page_ns[freed] = -1
+        if self.cache is not None:
+            self.cache.released(pages)
+        if freed.size:
+            self._emit("free", pages=freed)
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def _plan(self, tokens: Int64Array, namespace: Any, register: bool
+              ) -> tuple[int, int, PrefixMatch | None]:
+        """(pages the prompt needs, namespace id, prefix match); raises if it can never fit."""
+        n = tokens.size
+        if n == 0:
+            raise KVMemError("a request needs at least one prompt token; got none")
+        num_pages = -(-n // self.page_size)
+        if num_pages > self.max_pages_per_seq:
+            raise KVMemError(
+                f"a prompt of {n} tokens needs {num_pages} pages but a request may map at most "
+                f"max_pages_per_seq={self.max_pages_per_seq}; shorten it or raise the limit"
+            )
+        ns = self._namespace_id(namespace, register)
+        match = None
+        if self.cache is not None:
+            # At most (n - 1) // P pages: the last prompt token is always computed (it yields
+            # the first logits), and it must land in a page the request holds alone.
+            match = self.cache.match(tokens, namespace, (n - 1) // self.page_size, ns)
+        return num_pages, ns, match
+
+    def can_admit(self, token_ids: Any, namespace: Any = None) -> bool:
+        """Whether ``admit(…, token_ids, namespace)`` would succeed now and leave the
+        watermark's pages free. Counts the prefix pages the request would reuse. Changes
+        nothing."""
+        tokens = self._as_tokens(token_ids)
+        num_pages, _, match = self._plan(tokens, namespace, register=False)
+        return self._fits(num_pages, match, self.watermark_pages)
+
+    def _fits(self, num_pages: int, match: PrefixMatch | None, reserve: int) -> bool:
+        if self.table.num_free_rows == 0:
+            return False
+        hits = match.num_pages if match is not None else 0
+        lost = match.num_evictable if match is not None else 0  # hits stop being evictable
+        return num_pages - hits + reserve <= self._available() - lost
+
+    @_public
+    def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> AdmitResult:
+        """Admit a request: reuse its cached prefix, allocate and map pages for the whole prompt.
+
+        The watermark is ``can_admit``'s policy; ``admit`` only needs the pages to exist.
+
+        Parameters
+        ----------
+        request_id: the engine's id (str or int), not already known to the manager
+        token_ids: ``[n]`` ints — the prompt
+        namespace: tenant / LoRA adapter / cache salt; pages are shared only within one
+
+        Raises
+        ------
+        OutOfPagesError: not enough free + evictable pages (nothing changed)
+        KVMemError: duplicate id, no free row, prompt too long or empty (nothing changed)
+        """
+        if request_id in self._requests:
+            raise KVMemError(
+                f"request {request_id!r} is already known to the manager; release it first or "
+                "use a new id"
+            )
+        tokens = self._as_tokens(token_ids)
+        return self._admit(request_id, tokens, namespace, tokens)
+
+    def _admit(self, request_id: Any, tokens: Int64Array, namespace: Any,
+               prompt: Int64Array) -> AdmitResult:
+        num_pages, ns, match = self._plan(tokens, namespace, register=True)
+        if self.table.num_free_rows == 0:
+            raise KVMemError(
+                f"all max_seqs={self.max_seqs} rows are mapped; release or preempt a request "
+                "before admitting another"
+            )
+        if not self._fits(num_pages, match, 0):
+            hits = match.num_pages if match is not None else 0
+            raise OutOfPagesError(num_pages - hits, self._available()
+                                  - (match.num_evictable if match is not None else 0))
+        hit_pages = match.pages if match is not None else np.empty(0, dtype=np.int32)
+        if hit_pages.size:
+            self.allocator.share(hit_pages)
+            assert self.cache is not None
+            self.cache.acquired(hit_pages)
+        new = self._allocate(num_pages - hit_pages.size, ns)
+        pages = np.concatenate([hit_pages, new]) if hit_pages.size else new
+        row = self.table.add_row()
+        self.table.map_pages(row, pages)
+        num_cached = hit_pages.size * self.page_size
+        self.table.set_num_tokens(row, num_cached)
+        self._committed[row] = num_cached
+        self._row_ns[row] = ns
+        if match is not None:
+            self._row_key[row] = match.last_key
+            self._num_prefix_queries += 1
+            self._prefix_query_tokens += tokens.size
+            self._prefix_hit_tokens += num_cached
+        if self.tracker.enabled:
+            self.tracker.record(np.full(num_pages, row), np.arange(num_pages),
+                                self.allocator.tags[pages])
+        self._rows[request_id] = row
+        self._row_ids[row] = request_id
+        self._requests[request_id] = _Request(namespace, ns, prompt)
+        self._emit("allocate", request_id, new)
+        self._emit("admit", request_id, pages, detail=num_cached)
+        return AdmitResult(request_id, num_cached, int(prompt.size), num_pages,
+                           int(hit_pages.size))
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def can_reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]) -> bool:
+        """Whether ``reserve(request_ids, num_tokens)`` would find enough pages now."""
+        rows = self._rows_of(request_ids)
+        n = np.broadcast_to(np.asarray(num_tokens, dtype=np.int64), rows.shape)
+        need = self.table.pages_needed(rows, n)
+        if (self.table.num_pages[rows] + need > self.max_pages_per_seq).any():
+            return False
+        cow = self._cow_candidates(rows, n)
+        return int(need.sum()) + (0 if cow is None else cow[0].size) <= self._available()
+
+    def _cow_candidates(self, rows: Int32Array, n: Int64Array
+                        ) -> tuple[Int32Array, Int64Array, Int32Array] | None:
+        """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages)."""
+        tok = self.table.num_tokens[rows]
+        partial = (tok % self.page_size != 0) & (n > 0)
+        if not partial.any():
+            return None
+        r = rows[partial]
+        cols = tok[partial] // self.page_size
+        pages = self.table.pages[r, cols]
+        shared = self.allocator.refcounts[pages] > 1
+        if not shared.any():
+            return None
+        r, cols, pages = r[shared], cols[shared], pages[shared]
+        # When every holder of a page writes into it this step, the first keeps it.
+        _, first, count = np.unique(pages, return_index=True, return_counts=True)
+        whole = first[count == self.allocator.refcounts[pages[first]]]
+        if whole.size:
+            keep = np.ones(pages.size, dtype=bool)
+            keep[whole] = False
+            if not keep.any():
+                return None
+            r, cols, pages = r[keep], cols[keep], pages[keep]
+        return r, cols, pages
+
+    @_public
+    def reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
+                ) -> StepMetadata:
+        """Give every request of the batch ``num_tokens`` more token slots and return the
+        step's kernel metadata. All or nothing: on any error nothing changed.
+
+        Parameters
+        ----------
+        request_ids: ``[B]`` running requests, distinct
+        num_tokens: int or ``[B]`` ints >= 0 — a prefill chunk, 1 for decode, k to speculate
+
+        Raises
+        ------
+        OutOfPagesError: not enough free + evictable pages; preempt a request and retry
+        KVMemError: a request is not running or would exceed max_pages_per_seq
+        """
+        if self._copy_hold:
+            held, self._copy_hold = self._copy_hold, []
+            self._drop(np.concatenate(held))
+        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        rows = self._rows_of(ids)
+        n = np.broadcast_to(np.asarray(num_tokens, dtype=np.int64), rows.shape)
+        if n.size and int(n.min()) < 0:
+            raise KVMemError(f"num_tokens must be >= 0, got {n[n < 0].tolist()[:8]}")
+        need = self.table.pages_needed(rows, n)
+        if (self.table.num_pages[rows] + need > self.max_pages_per_seq).any():
+            bad = [ids[i] for i in np.flatnonzero(
+                self.table.num_pages[rows] + need > self.max_pages_per_seq)[:8]]
+            raise KVMemError(
+                f"requests {bad} would need more than max_pages_per_seq="
+                f"{self.max_pages_per_seq} pages; finish them or raise the limit"
+            )
+        cow = self._cow_candidates(rows, n)
+        total = int(need.sum()) + (0 if cow is None else cow[0].size)
+        if total > self.allocator.num_free:
+            if total > self._available():
+                raise OutOfPagesError(total, self._available())
+            if len(set(ids)) != len(ids):
+                raise KVMemError("request_ids must be distinct")
+            self._make_room(total)
+        copy_src = copy_dst = np.empty(0, dtype=np.int32)
+        if cow is not None:
+            if len(set(ids)) != len(ids):
+                raise KVMemError("request_ids must be distinct")
+            copy_src, copy_dst = self._copy_on_write(*cow)
+        grown = self.table.grow(rows, n, self.allocator)
+        if grown.new_pages.size:
+            self._page_ns[grown.new_pages] = self._row_ns[grown.new_page_rows]
+            if self.tracker.enabled:
+                self.tracker.record(grown.new_page_rows, grown.new_page_positions,
+                                    self.allocator.tags[grown.new_pages])
+            self._emit("allocate", pages=grown.new_pages)
+        seq_lens = self.table.num_tokens[rows]
+        csr = self.table.csr(rows, seq_lens)
+        qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(n, out=qo_indptr[1:])
+        self._sync_pool()
+        return StepMetadata(
+            tuple(ids), rows, n.astype(np.int32), grown.slot_mapping, qo_indptr, csr.kv_indptr,
+            csr.kv_indices, csr.kv_last_page_len, seq_lens.astype(np.int32),
+            copy_src, copy_dst, self.page_size,
+        )
+
+    def _copy_on_write(self, rows: Int32Array, cols: Int64Array, old: Int32Array
+                       ) -> tuple[Int32Array, Int32Array]:
+        new = self._allocate(old.size, self._page_ns[old])
+        self.table.pages[rows, cols] = new
+        self._page_tokens[new] = self._page_tokens[old]
+        if self.tracker.enabled:
+            self.tracker.record(rows, cols, self.allocator.tags[new])
+        self._num_cow_copies += old.size
+        self._emit("allocate", pages=new)
+        if self.pool is not None:
+            self.pool.copy_pages(old, new)
+            self._drop(old)
+            empty = np.empty(0, dtype=np.int32)
+            return empty, empty
+        self._copy_hold.append(old)  # the engine copies before writing; keep the source alive
+        return old.copy(), new
+
+    def _sync_pool(self) -> None:
+        self._reserves += 1
+        if self.pool is not None:
+            changed = self.allocator.pop_changed_pages()
+            if changed.size:
+                self.pool.update_tags(changed, self.allocator.tags[changed])
+        elif self._reserves % 64 == 0:
+            self.allocator.pop_changed_pages()  # nobody mirrors the tags: keep the log short
+
+    @_public
+    def commit(self, request_id: Any, token_ids: Any) -> None:
+        """Record that the KV of these tokens (the request's next reserved slots) is written.
+
+        Pages that became full are offered to the prefix cache. Raises (changing nothing) if
+        more tokens are committed than were reserved.
+        """
+        row = self._row_of(request_id)
+        tokens = self._as_tokens(token_ids)
+        self._commit(np.array([row], dtype=np.int32), np.array([tokens.size]), tokens, [request_id])
+
+    @_public
+    def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:
+        """:meth:`commit` for a batch in one vectorized call.
+
+        ``token_ids``: ``[B]`` (one token each, the decode step), ``[B, k]``, or a list of ``B``
+        1-D sequences (ragged).
+        """
+        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        rows = self._rows_of(ids)
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim in (1, 2) and (
+            token_ids.shape[0] == rows.size
+        ):
+            counts = np.full(rows.size, 1 if token_ids.ndim == 1 else token_ids.shape[1])
+            flat = token_ids.reshape(-1)
+            if flat.dtype.kind not in "iu":
+                raise KVMemError(f"token ids must be ints, got {flat.dtype}")
+            if flat.size and (int(flat.min()) < 0 or int(flat.max()) > _INT32_MAX):
+                raise KVMemError(f"token ids must be in 0..{_INT32_MAX}")
+        else:
+            if len(token_ids) != rows.size:
+                raise KVMemError(
+                    f"commit_batch got {len(token_ids)} token lists for {rows.size} requests"
+                )
+            parts = [self._as_tokens(t) for t in token_ids]
+            counts = np.array([p.size for p in parts], dtype=np.int64)
+            flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        self._commit(rows, counts, flat, ids)
+
+    def _commit(self, rows: Int32Array, counts: Int64Array, flat: npt.NDArray[np.integer],
+                ids: Sequence[Any]) -> None:
+        start = self._committed[rows]
+        end = start + counts
+        over = end > self.table.num_tokens[rows]
+        if over.any():
+            i = int(np.argmax(over))
+            raise KVMemError(
+                f"request {ids[i]!r} commits {int(counts[i])} tokens after {int(start[i])} but "
+                f"only {int(self.table.num_tokens[rows[i]])} slots are reserved; reserve() them "
+                "first (nothing was committed)"
+            )
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise KVMemError("request_ids must be distinct; nothing was committed")
+        slots = self.table.token_slots(rows, start, counts)
+        self._page_tokens.reshape(-1)[slots] = flat
+        self._committed[rows] = end
+        if self.cache is not None:
+            first = start // self.page_size
+            full = end // self.page_size - first  # pages that just became full
+            if full.any():
+                some = full > 0
+                self._offer(rows[some], first[some], full[some])
+
+    def _offer(self, rows: Int32Array, first: Int64Array, counts: Int64Array) -> None:
+        """Give newly full pages (runs of ``counts`` pages from column ``first``) to the cache."""
+        assert self.cache is not None
+        total = int(counts.sum())
+        starts = np.cumsum(counts) - counts
+        cols = np.repeat(first, counts) + np.arange(total) - np.repeat(starts, counts)
+        rep = np.repeat(rows, counts)
+        pages = self.table.pages[rep, cols]
+        tokens = self._page_tokens[pages]
+        parent = self._row_key[rows]
+        keys = self.cache.page_keys(parent, counts, first, tokens)
+        parents = np.empty_like(keys)
+        parents[1:] = keys[:-1]
+        parents[starts] = parent
+        inserted = self.cache.insert(keys, pages, tokens, self._row_ns[rep], parents)
+        self._row_key[rows] = keys[starts + counts - 1]
+        if self.config.kv_events and inserted.size:
+            is_new = np.isin(pages, inserted)
+            for r, s, c in zip(rows.tolist(), starts.tolist(), counts.tolist()):
+                sel = np.flatnonzero(is_new[s : s + c]) + s
+                if sel.size:
+                    at_root = int(cols[sel[0]]) == 0
+                    self._kv_event(PagesStored(
+                        tuple(_keys_as_ints(keys[sel])),
+                        None if at_root else _keys_as_ints(parents[sel[:1]])[0],
+                        tuple(tokens[sel].reshape(-1).tolist()), self.page_size,
+                        self._requests[self._row_ids[r]].namespace,
+                    ))
+
+    # -- integrity ---------------------------------------------------------------------------------
+
+    @_public
+    def verify(self, request_ids: Sequence[Any], step: StepMetadata | None = None) -> VerifyReport:
+        """The integrity check before decode; aborts (and releases) only failing requests.
+
+        With ``NoOpTracker`` this returns an empty report at once. Otherwise, for each request:
+        every page its metadata lists is live, carries the tag recorded when it was mapped, and
+        belongs to the request's namespace; every page it is about to write (its reserved,
+        uncommitted slots) has exactly one holder. ``step`` (from ``reserve``) makes the check
+        run on the very arrays the kernel reads; without it, on fresh metadata from the table.
+        """
+        if not self.tracker.enabled:
+            return VerifyReport(tuple(request_ids))
+        ids = tuple(request_ids)
+        rows = self._rows_of(ids)
+        if step is not None:
+            if step.batch_size != rows.size:
+                raise KVMemError(
+                    f"verify() got {rows.size} requests but a step of {step.batch_size}; pass the "
+                    "ids the step was reserved for"
+                )
+            indptr, indices = step.kv_indptr, step.kv_indices
+        else:
+            csr = self.table.csr(rows)
+            indptr, indices = csr.kv_indptr, csr.kv_indices
+        self._sync_pool()
+        num_pages = -(-self.table.num_tokens[rows] // self.page_size)
+        report = self.tracker.verify(rows, num_pages, self.allocator.tags, kv_indptr=indptr,
+                                     kv_indices=indices, ids=ids)
+        first_bad: dict[int, int] = {}  # batch index -> first bad page position
+        reasons: dict[int, str] = {}
+        if not report.ok:
+            text = report.reasons()
+            e = report.entries
+            for i in np.unique(e.batch_index).tolist():
+                reasons[i] = text[ids[i]]
+                first_bad[i] = int(e.position[e.batch_index == i].min())
+        # Namespace: every page listed must hold this request's namespace's content.
+        counts = indptr[1:].astype(np.int64) - indptr[:-1]
+        b = np.repeat(np.arange(rows.size), counts)
+        in_range = (indices >= 0) & (indices < self.num_pages)
+        page_ns = np.where(in_range, self._page_ns[np.clip(indices, 0, self.num_pages - 1)], -2)
+        foreign = np.flatnonzero(in_range & (page_ns != self._row_ns[rows][b]) & (page_ns >= 0))
+        for k in foreign.tolist():
+            i = int(b[k])
+            pos = k - int(indptr[i])
+            reasons.setdefault(i, f"page {int(indices[k])} at position {pos} belongs to another "
+                                  "namespace")
+            first_bad[i] = min(first_bad.get(i, pos), pos)
+        # Write set: reserved, uncommitted slots must lie in pages with exactly one holder.
+        start = self._committed[rows]
+        todo = self.table.num_tokens[rows] - start
+        if todo.any():
+            wb = np.repeat(np.arange(rows.size), todo)
+            tok = np.repeat(start - (np.cumsum(todo) - todo), todo) + np.arange(int(todo.sum()))
+            wpos = tok // self.page_size
+            wpages = self.table.pages[rows[wb], wpos]
+            holders = self.allocator.refcounts[wpages]
+            if self._copy_hold:  # a copy source is read once more, before this step's writes
+                copying = np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)
+                holders = holders - copying[wpages]
+            for k in np.flatnonzero(holders != 1).tolist():
+                i, pos = int(wb[k]), int(wpos[k])
+                reasons.setdefault(i, f"page {int(wpages[k])} at position {pos} is about to be "
+                                      f"written but has {int(holders[k])} holders")
+                first_bad[i] = min(first_bad.get(i, pos), pos)
+        aborted: dict[Any, str] = {}
+        for i in sorted(reasons):
+            rid = ids[i]
+            aborted[rid] = reasons[i]
+            self._abort(rid, first_bad[i], reasons[i])
+        return VerifyReport(ids, aborted, None if report.ok else report)
+
+    def _abort(self, request_id: Any, first_bad: int, reason: str) -> None:
+        row = self._rows[request_id]
+        self._num_integrity_failures += 1
+        logger.warning("kvmem: aborting request %r: %s", request_id, reason)
+        if self.cache is not None:
+            # Pages written after the bad one may hold KV computed from a corrupted context:
+            # never offer them to later requests (those that already hold them keep them).
+            pages = self.table.row_pages(row)[first_bad + 1 :]
+            if self.tracker.enabled and hasattr(self.tracker, "expected_tags"):
+                own = self.tracker.expected_tags[row, first_bad + 1 : first_bad + 1 + pages.size]
+                pages = pages[self.allocator.tags[pages] == own]
+            removed, keys = self.cache.remove(pages)
+            self._forget_freed(removed)
+            if removed.size and self.config.kv_events:
+                self._kv_event(PagesRemoved(tuple(_keys_as_ints(keys))))
+        self._emit("integrity_failure", request_id, detail=reason)
+        self._release_row(request_id)
+        del self._requests[request_id]
+
+    # -- fork, preempt, resume, release ---------------------------------------------------------
+
+    @_public
+    def fork(self, parent_id: Any, child_id: Any) -> None:
+        """Start ``child_id`` as a copy of running ``parent_id`` (parallel sampling, beams).
+
+        The child shares every page that holds tokens (a shared, partly filled tail is copied on
+        the first write into it) and gets its own pages for the parent's reserved room.
+        """
+        prow = self._row_of(parent_id)
+        if child_id in self._requests:
+            raise KVMemError(f"request {child_id!r} is already known; fork into a new id")
+        if self.table.num_free_rows == 0:
+            raise KVMemError(
+                f"all max_seqs={self.max_seqs} rows are mapped; release a request before forking"
+            )
+        ntok = int(self.table.num_tokens[prow])
+        used = -(-ntok // self.page_size)
+        total = int(self.table.num_pages[prow])
+        if total - used > self._available():
+            raise OutOfPagesError(total - used, self._available())
+        shared = self.table.pages[prow, :used].copy()
+        self.allocator.share(shared)
+        ns = int(self._row_ns[prow])
+        own = self._allocate(total - used, ns)
+        pages = np.concatenate([shared, own])
+        row = self.table.add_row()
+        self.table.map_pages(row, pages)
+        self.table.set_num_tokens(row, ntok)
+        self._committed[row] = self._committed[prow]
+        self._row_ns[row] = ns
+        self._row_key[row] = self._row_key[prow]
+        if self.tracker.enabled:
+            self.tracker.record(np.full(total, row), np.arange(total), self.allocator.tags[pages])
+        parent = self._requests[parent_id]
+        self._rows[child_id] = row
+        self._row_ids[row] = child_id
+        self._requests[child_id] = _Request(parent.namespace, parent.namespace_id, parent.prompt)
+        self._num_forks += 1
+        if own.size:
+            self._emit("allocate", child_id, own)
+        self._emit("fork", child_id, pages, detail=parent_id)
+
+    def _release_row(self, request_id: Any) -> Int32Array:
+        row = self._rows.pop(request_id)
+        self._row_ids[row] = None
+        pages = self.table.remove_row(row)
+        if self.tracker.enabled:
+            self.tracker.forget([row])
+        self._committed[row] = 0
+        self._drop(pages)
+        return pages
+
+    def _tokens_of(self, row: int) -> Int64Array:
+        committed = int(self._committed[row])
+        slots = self.table.token_slots([row], [0], [committed])
+        return self._page_tokens.reshape(-1)[slots].astype(np.int64)
+
+    @_public
+    def preempt(self, request_id: Any) -> None:
+        """Release a running request's pages, keeping its tokens so it can be resumed by
+        recomputation (``resume``). Its committed full pages stay in the prefix cache, so a
+        resume usually finds most of them."""
+        row = self._row_of(request_id)
+        req = self._requests[request_id]
+        done = self._tokens_of(row)
+        req.saved = np.concatenate([done, req.prompt[done.size :]])
+        pages = self._release_row(request_id)
+        self._num_preemptions += 1
+        self._emit("preempt", request_id, pages)
+
+    def can_resume(self, request_id: Any) -> bool:
+        req = self._requests.get(request_id)
+        if req is None or req.saved is None:
+            raise KVMemError(f"request {request_id!r} is not preempted")
+        num_pages, _, match = self._plan(req.saved, req.namespace, register=False)
+        return self._fits(num_pages, match, self.watermark_pages)
+
+    @_public
+    def resume(self, request_id: Any, token_ids: Any = None) -> AdmitResult:
+        """Re-admit a preempted request with its saved tokens (committed tokens, then the rest
+        of the prompt), or with ``token_ids`` if given. Recompute from ``num_cached_tokens``."""
+        req = self._requests.get(request_id)
+        if req is None or req.saved is None:
+            raise KVMemError(
+                f"request {request_id!r} is not preempted; only a preempted request can resume"
+            )
+        tokens = req.saved if token_ids is None else self._as_tokens(token_ids)
+        del self._requests[request_id]
+        try:
+            result = self._admit(request_id, tokens, req.namespace, req.prompt)
+        except BaseException:
+            self._requests[request_id] = req
+            raise
+        return result._replace(num_prompt_tokens=int(tokens.size))
+
+    @_public
+    def release(self, request_id: Any) -> None:
+        """Forget a request (finished or cancelled), running or preempted; drop its pages."""
+        if request_id not in self._requests:
+            raise KVMemError(f"request {request_id!r} is unknown or already released")
+        pages = None
+        if request_id in self._rows:
+            pages = self._release_row(request_id)
+        del self._requests[request_id]
+        self._emit("release", request_id, pages)
+
+    # -- fences --------------------------------------------------------------------------------
+
+    @_public
+    def begin_step(self) -> StepHandle:
+        """Mark a step as launched: page references dropped from now on are held until
+        ``retire(handle)``."""
+        handle = self.fences.begin()
+        self._emit("step_begin", detail=handle.step_id)
+        return handle
+
+    @_public
+    def retire(self, handle: StepHandle) -> None:
+        """The device finished the step: free the references that waited only for it."""
+        pages = self.fences.retire(handle)
+        if pages.size:
+            self._free(pages)
+        self._emit("step_end", pages=pages, detail=handle.step_id)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> tuple[Any, ...]:
+        return tuple(self._rows)
+
+    @property
+    def preempted(self) -> tuple[Any, ...]:
+        return tuple(r for r in self._requests if r not in self._rows)
+
+    def num_tokens(self, request_id: Any) -> int:
+        """Token slots handed out to a running request (cached + reserved)."""
+        return int(self.table.num_tokens[self._row_of(request_id)])
+
+    def num_committed(self, request_id: Any) -> int:
+        return int(self._committed[self._row_of(request_id)])
+
+    def pages_of(self, request_id: Any) -> Int32Array:
+        """Pages a running request maps, in order: ``[k]``, int32 (a copy)."""
+        return self.table.row_pages(self._row_of(request_id)).copy()
+
+    def namespace_of_page(self, page: int) -> Any:
+        """The namespace whose content a live page holds (None's id is 0)."""
+        ns = int(self._page_ns[page])
+        if ns < 0:
+            raise KVMemError(f"page {page} is free")
+        for name, i in self._ns_ids.items():
+            if i == ns:
+                return name
+        raise KVMemError(f"page {page} has an unknown namespace id {ns}")
+
+    def _cached_mask(self) -> npt.NDArray[np.bool_]:
+        if self.cache is None:
+            return np.zeros(self.num_pages, dtype=bool)
+        return self.cache.is_cached(np.arange(self.num_pages, dtype=np.int32))
+
+    def _held(self) -> Int64Array:
+        """References held per page by fences and by copy-on-write sources awaiting a copy."""
+        held = self.fences.held.astype(np.int64)
+        if self._copy_hold:
+            held = held + np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)
+        return held
+
+    def _page_classes(self) -> tuple[npt.NDArray[np.bool_], ...]:
+        rc = self.allocator.refcounts
+        cached = self._cached_mask()
+        held = self._held()
+        used = rc - held - cached > 0
+        in_cache = ~used & cached
+        fenced = ~used & ~cached & (held > 0)
+        return used, in_cache, fenced
+
+    def stats(self) -> ManagerStats:
+        """A frozen snapshot (costs a few numpy passes over the pages)."""
+        used, cached, fenced = self._page_classes()
+        return ManagerStats(
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            num_free=self.allocator.num_free,
+            num_used=int(used.sum()),
+            num_cached=int(cached.sum()),
+            num_fenced=int(fenced.sum()),
+            num_running=len(self._rows),
+            num_preempted=len(self._requests) - len(self._rows),
+            num_prefix_queries=self._num_prefix_queries,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            num_evictions=self._num_evictions,
+            num_preemptions=self._num_preemptions,
+            num_integrity_failures=self._num_integrity_failures,
+            num_cow_copies=self._num_cow_copies,
+            num_forks=self._num_forks,
+            steps_in_flight=len(self.fences.open_steps),
+        )
+
+    def check(self) -> None:
+        """Verify every bookkeeping invariant; raise IntegrityError listing each problem.
+
+        Allocator invariants; each page's refcount equals its holders (request rows + the cache
+        + fences); free + used + cached + fenced == total; every page a request maps holds its
+        namespace's content; committed <= reserved <= mapped slots; the cache's own invariants.
+        """
+        problems: list[str] = []
+        try:
+            self.allocator.check()
+        except IntegrityError as e:
+            problems.append(str(e))
+        rows = np.array(sorted(self._rows.values()), dtype=np.int32)
+        mapped = (np.concatenate([self.table.row_pages(r) for r in rows.tolist()])
+                  if rows.size else np.empty(0, dtype=np.int32))
+        holders = np.bincount(mapped, minlength=self.num_pages)[: self.num_pages]
+        cached = self._cached_mask()
+        holders = holders + cached + self._held()
+        bad = np.flatnonzero(holders != self.allocator.refcounts)
+        if bad.size:
+            problems.append(
+                f"refcounts {self.allocator.refcounts[bad].tolist()[:8]} of pages "
+                f"{bad.tolist()[:8]} differ from their holders {holders[bad].tolist()[:8]}"
+            )
+        used, in_cache, fenced = self._page_classes()
+        total = self.allocator.num_free + int(used.sum() + in_cache.sum() + fenced.sum())
+        if total != self.num_pages:
+            problems.append(f"free + used + cached + fenced = {total} != {self.num_pages} pages")
+        for rid, row in self._rows.items():
+            pages = self.table.row_pages(row)
+            foreign = pages[self._page_ns[pages] != self._row_ns[row]]
+            if foreign.size:
+                problems.append(f"request {rid!r} maps pages {foreign.tolist()[:8]} of another "
+                                "namespace")
+            if not (self._committed[row] <= self.table.num_tokens[row]
+                    <= self.table.num_pages[row] * self.page_size):
+                problems.append(f"request {rid!r}: committed {self._committed[row]} > reserved "
+                                f"{self.table.num_tokens[row]} or beyond its pages")
+        if self.cache is not None:
+            cpages = np.flatnonzero(cached)
+            if hasattr(self.cache, "namespaces_of"):
+                wrong = cpages[self.cache.namespaces_of(cpages) != self._page_ns[cpages]]
+                if wrong.size:
+                    problems.append(f"cached pages {wrong.tolist()[:8]} disagree on namespace")
+            if hasattr(self.cache, "check"):
+                problems.extend(self.cache.check())
+        if problems:
+            raise IntegrityError("KVCacheManager.check() failed: " + "; ".join(problems))
+
+    @_public
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached prefix (pages no request maps return to the free list)."""
+        if self.cache is None:
+            return 0
+        pages = self.cache.clear()
+        self._forget_freed(pages)
+        if self.config.kv_events:
+            self._kv_event(AllPagesCleared())
+        return int(pages.size)
+
+    def __repr__(self) -> str:
+        return (f"KVCacheManager(num_pages={self.num_pages}, page_size={self.page_size}, "
+                f"running={len(self._rows)}, free={self.allocator.num_free})")
