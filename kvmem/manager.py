@@ -52,6 +52,7 @@ from kvmem.allocator._page_table import PAD, CSRMetadata, PageTable
 from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
 from kvmem.errors import IntegrityError, KVMemError, OutOfPagesError
 from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
+from kvmem.integrity._check import Reason
 
 __all__ = [
     "HOOK_KINDS",
@@ -75,6 +76,10 @@ Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 RequestId = Hashable
 _INT32_MAX = int(np.iinfo(np.int32).max)
+# Tags the manager records and checks are qualified by the namespace of the page's content:
+# (allocator tag << _NS_BITS) | namespace id, 0 for a free page. One comparison then proves a
+# page is live, in the lifetime the request mapped, and holding the request's namespace.
+_NS_BITS = 20
 
 HOOK_KINDS = (
     "admit",  # a request was admitted or resumed: request_id, pages (all it maps), detail
@@ -395,10 +400,14 @@ class KVCacheManager:
         # committed into each slot (mirrors the KV in the pool; used to offer full pages to the
         # cache and to resume preempted requests).
         self._page_ns = np.full(cfg.num_pages, -1, dtype=np.int64)
+        self._qtags = np.zeros(cfg.num_pages, dtype=np.int64)  # see _NS_BITS
+        self._forked = np.zeros(cfg.max_seqs, dtype=bool)  # rows whose tail a fork may share
+        self._num_forked = 0
+        self._reserves = 0
+        self._arange = np.arange(cfg.max_pages_per_seq + 1, dtype=np.int64)
         self._page_tokens = np.zeros((cfg.num_pages, cfg.page_size), dtype=np.int32)
         self._ns_ids: dict[Any, int] = {None: 0}
         self._copy_hold: list[Int32Array] = []  # CoW sources kept until the next reserve()
-        self._reserves = 0
         # Hooks and events.
         self._hooks: dict[str, list[Callable[[ManagerEvent], Any]]] = {k: [] for k in HOOK_KINDS}
         self._queued: list[tuple[Callable[[ManagerEvent], Any], ManagerEvent]] = []
@@ -461,6 +470,11 @@ class KVCacheManager:
                     f"namespace {namespace!r} is not hashable; use a str, int, bytes or tuple"
                 ) from None
             ns = len(self._ns_ids)
+            if ns >= 1 << _NS_BITS:
+                raise KVMemError(
+                    f"this manager has seen {ns} namespaces, the most it can tell apart; "
+                    "use fewer (a namespace is a tenant, adapter or salt, not a request)"
+                )
             self._ns_ids[namespace] = ns
         return ns
 
@@ -692,7 +706,7 @@ class KVCacheManager:
             self._prefix_hit_tokens += num_cached
         if self.tracker.enabled:
             self.tracker.record(np.full(num_pages, row), np.arange(num_pages),
-                                self.allocator.tags[pages])
+                                self._expected(pages, ns))
         self._rows[request_id] = row
         self._row_ids[row] = request_id
         self._requests[request_id] = _Request(namespace, ns, prompt)
@@ -706,37 +720,61 @@ class KVCacheManager:
     def can_reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find enough pages now."""
         rows = self._rows_of(request_ids)
-        n = np.broadcast_to(np.asarray(num_tokens, dtype=np.int64), rows.shape)
+        n = self._num_new(num_tokens, rows.size)
         need = self.table.pages_needed(rows, n)
         if (self.table.num_pages[rows] + need > self.max_pages_per_seq).any():
             return False
         cow = self._cow_candidates(rows, n)
         return int(need.sum()) + (0 if cow is None else cow[0].size) <= self._available()
 
+    @staticmethod
+    def _num_new(num_tokens: int | Sequence[int], size: int) -> Int64Array:
+        n = np.asarray(num_tokens, dtype=np.int64)
+        if n.ndim == 0:
+            n = np.full(size, int(n), dtype=np.int64)
+        if n.shape != (size,):
+            raise KVMemError(f"num_tokens must be an int or one per request ({size}), got {n.shape}")
+        if size and int(n.min()) < 0:
+            raise KVMemError(f"num_tokens must be >= 0, got {n[n < 0].tolist()[:8]}")
+        return n
+
     def _cow_candidates(self, rows: Int32Array, n: Int64Array
                         ) -> tuple[Int32Array, Int64Array, Int32Array] | None:
-        """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages)."""
-        tok = self.table.num_tokens[rows]
-        partial = (tok % self.page_size != 0) & (n > 0)
-        if not partial.any():
+        """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages).
+
+        Only a fork shares a partly filled page (cached prefix pages are full, and a prompt's
+        last token always lands in a page of its own), so only rows marked at a fork are looked
+        at; the decode step of a batch without forks pays one check.
+        """
+        if not self._num_forked:
             return None
-        r = rows[partial]
-        cols = tok[partial] // self.page_size
+        forked = self._forked[rows] & (n > 0)
+        if not forked.any():
+            return None
+        r = rows[forked]
+        tok = self.table.num_tokens[r]
+        partial = tok % self.page_size != 0
+        r, cols = r[partial], tok[partial] // self.page_size
         pages = self.table.pages[r, cols]
-        shared = self.allocator.refcounts[pages] > 1
+        holders = self.allocator.refcounts[pages] - self._copy_holds(pages)
+        shared = holders > 1
         if not shared.any():
             return None
-        r, cols, pages = r[shared], cols[shared], pages[shared]
+        r, cols, pages, holders = r[shared], cols[shared], pages[shared], holders[shared]
         # When every holder of a page writes into it this step, the first keeps it.
         _, first, count = np.unique(pages, return_index=True, return_counts=True)
-        whole = first[count == self.allocator.refcounts[pages[first]]]
+        whole = first[count == holders[first]]
         if whole.size:
             keep = np.ones(pages.size, dtype=bool)
             keep[whole] = False
-            if not keep.any():
-                return None
             r, cols, pages = r[keep], cols[keep], pages[keep]
-        return r, cols, pages
+        return (r, cols, pages) if pages.size else None
+
+    def _copy_holds(self, pages: Int32Array) -> Int64Array | int:
+        """References held on these pages by copy-on-write sources awaiting the engine's copy."""
+        if not self._copy_hold:
+            return 0
+        return np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)[pages]
 
     @_public
     def reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
@@ -754,60 +792,82 @@ class KVCacheManager:
         OutOfPagesError: not enough free + evictable pages; preempt a request and retry
         KVMemError: a request is not running or would exceed max_pages_per_seq
         """
-        if self._copy_hold:
-            held, self._copy_hold = self._copy_hold, []
-            self._drop(np.concatenate(held))
         ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
         rows = self._rows_of(ids)
-        n = np.broadcast_to(np.asarray(num_tokens, dtype=np.int64), rows.shape)
-        if n.size and int(n.min()) < 0:
-            raise KVMemError(f"num_tokens must be >= 0, got {n[n < 0].tolist()[:8]}")
+        n = self._num_new(num_tokens, rows.size)
         need = self.table.pages_needed(rows, n)
-        if (self.table.num_pages[rows] + need > self.max_pages_per_seq).any():
-            bad = [ids[i] for i in np.flatnonzero(
-                self.table.num_pages[rows] + need > self.max_pages_per_seq)[:8]]
+        too_long = self.table.num_pages[rows] + need > self.max_pages_per_seq
+        if too_long.any():
             raise KVMemError(
-                f"requests {bad} would need more than max_pages_per_seq="
-                f"{self.max_pages_per_seq} pages; finish them or raise the limit"
+                f"requests {[ids[i] for i in np.flatnonzero(too_long)[:8]]} would need more "
+                f"than max_pages_per_seq={self.max_pages_per_seq} pages; finish them or raise "
+                "the limit (nothing was reserved)"
             )
         cow = self._cow_candidates(rows, n)
         total = int(need.sum()) + (0 if cow is None else cow[0].size)
-        if total > self.allocator.num_free:
+        held = np.concatenate(self._copy_hold) if self._copy_hold else None
+        if total > self.allocator.num_free or cow is not None or held is not None:
+            # The slow path mutates before grow() validates: validate everything here.
             if total > self._available():
                 raise OutOfPagesError(total, self._available())
             if len(set(ids)) != len(ids):
-                raise KVMemError("request_ids must be distinct")
+                raise KVMemError("request_ids must be distinct (nothing was reserved)")
+            if held is not None:  # the engine has done last step's copies by now
+                self._copy_hold = []
+                self._drop(held)
             self._make_room(total)
         copy_src = copy_dst = np.empty(0, dtype=np.int32)
         if cow is not None:
-            if len(set(ids)) != len(ids):
-                raise KVMemError("request_ids must be distinct")
             copy_src, copy_dst = self._copy_on_write(*cow)
-        grown = self.table.grow(rows, n, self.allocator)
+        if self._num_forked:
+            self._num_forked -= int(np.count_nonzero(self._forked[rows]))
+            self._forked[rows] = False  # every write into a shared tail was just handled
+        num = int(n[0]) if n.size and (n == n[0]).all() else n
+        grown = self.table.grow(rows, num, self.allocator)
         if grown.new_pages.size:
-            self._page_ns[grown.new_pages] = self._row_ns[grown.new_page_rows]
+            ns = self._row_ns[grown.new_page_rows]
+            self._page_ns[grown.new_pages] = ns
             if self.tracker.enabled:
                 self.tracker.record(grown.new_page_rows, grown.new_page_positions,
-                                    self.allocator.tags[grown.new_pages])
+                                    self._expected(grown.new_pages, ns))
             self._emit("allocate", pages=grown.new_pages)
         seq_lens = self.table.num_tokens[rows]
         csr = self.table.csr(rows, seq_lens)
         qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
         np.cumsum(n, out=qo_indptr[1:])
-        self._sync_pool()
+        self._reserves += 1
+        if self.pool is not None or self._reserves % 32 == 0:
+            self._sync_tags()  # mirror tags to the pool; else just keep the change log short
         return StepMetadata(
             tuple(ids), rows, n.astype(np.int32), grown.slot_mapping, qo_indptr, csr.kv_indptr,
             csr.kv_indices, csr.kv_last_page_len, seq_lens.astype(np.int32),
             copy_src, copy_dst, self.page_size,
         )
 
+    def _expected(self, pages: Int32Array, namespace_ids: Int64Array | int) -> Int64Array:
+        """The namespace-qualified tag a request records for pages it maps: ``[k]``, int64."""
+        return (self.allocator.tags[pages] << _NS_BITS) | namespace_ids
+
+    def _sync_tags(self) -> Int64Array:
+        """Bring the qualified tags (and the pool's mirror) up to date; returns them."""
+        changed = self.allocator.pop_changed_pages()
+        if changed.size:
+            tags = self.allocator.tags[changed]
+            self._qtags[changed] = np.where(
+                tags == 0, 0, (tags << _NS_BITS) | np.maximum(self._page_ns[changed], 0)
+            )
+            if self.pool is not None:
+                self.pool.update_tags(changed, self._qtags[changed])
+        return self._qtags
+
     def _copy_on_write(self, rows: Int32Array, cols: Int64Array, old: Int32Array
                        ) -> tuple[Int32Array, Int32Array]:
-        new = self._allocate(old.size, self._page_ns[old])
+        ns = self._page_ns[old]
+        new = self._allocate(old.size, ns)
         self.table.pages[rows, cols] = new
         self._page_tokens[new] = self._page_tokens[old]
         if self.tracker.enabled:
-            self.tracker.record(rows, cols, self.allocator.tags[new])
+            self.tracker.record(rows, cols, self._expected(new, ns))
         self._num_cow_copies += old.size
         self._emit("allocate", pages=new)
         if self.pool is not None:
@@ -818,44 +878,46 @@ class KVCacheManager:
         self._copy_hold.append(old)  # the engine copies before writing; keep the source alive
         return old.copy(), new
 
-    def _sync_pool(self) -> None:
-        self._reserves += 1
-        if self.pool is not None:
-            changed = self.allocator.pop_changed_pages()
-            if changed.size:
-                self.pool.update_tags(changed, self.allocator.tags[changed])
-        elif self._reserves % 64 == 0:
-            self.allocator.pop_changed_pages()  # nobody mirrors the tags: keep the log short
-
     @_public
     def commit(self, request_id: Any, token_ids: Any) -> None:
         """Record that the KV of these tokens (the request's next reserved slots) is written.
 
-        Pages that became full are offered to the prefix cache. Raises (changing nothing) if
-        more tokens are committed than were reserved.
+        Pages that became full are offered to the prefix cache (a page is reusable only once
+        all its tokens are committed). Raises, changing nothing, if more tokens are committed
+        than were reserved.
+
+        Parameters
+        ----------
+        token_ids: ``[k]`` ints — the tokens whose K/V the engine wrote, in order
         """
         row = self._row_of(request_id)
         tokens = self._as_tokens(token_ids)
-        self._commit(np.array([row], dtype=np.int32), np.array([tokens.size]), tokens, [request_id])
+        self._commit(np.array([row], dtype=np.int32), np.array([tokens.size], dtype=np.int64),
+                     tokens, (request_id,))
 
     @_public
     def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:
         """:meth:`commit` for a batch in one vectorized call.
 
-        ``token_ids``: ``[B]`` (one token each, the decode step), ``[B, k]``, or a list of ``B``
-        1-D sequences (ragged).
+        Parameters
+        ----------
+        request_ids: ``[B]`` distinct running requests
+        token_ids: ``[B]`` ints (one token each: the decode step), ``[B, k]`` ints, or a list of
+            ``B`` 1-D int sequences (ragged)
         """
         ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
         rows = self._rows_of(ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim in (1, 2) and (
             token_ids.shape[0] == rows.size
         ):
-            counts = np.full(rows.size, 1 if token_ids.ndim == 1 else token_ids.shape[1])
+            if token_ids.dtype.kind not in "iu":
+                raise KVMemError(f"token ids must be ints, got {token_ids.dtype}")
             flat = token_ids.reshape(-1)
-            if flat.dtype.kind not in "iu":
-                raise KVMemError(f"token ids must be ints, got {flat.dtype}")
-            if flat.size and (int(flat.min()) < 0 or int(flat.max()) > _INT32_MAX):
-                raise KVMemError(f"token ids must be in 0..{_INT32_MAX}")
+            if flat.size and (int(flat.min()) < 0 or (
+                    flat.dtype.itemsize > 4 and int(flat.max()) > _INT32_MAX)):
+                raise KVMemError(f"token ids must be in 0..{_INT32_MAX} (nothing was committed)")
+            k = 1 if token_ids.ndim == 1 else token_ids.shape[1]
+            counts: Int64Array | int = k
         else:
             if len(token_ids) != rows.size:
                 raise KVMemError(
@@ -864,30 +926,35 @@ class KVCacheManager:
             parts = [self._as_tokens(t) for t in token_ids]
             counts = np.array([p.size for p in parts], dtype=np.int64)
             flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise KVMemError("request_ids must be distinct (nothing was committed)")
         self._commit(rows, counts, flat, ids)
 
-    def _commit(self, rows: Int32Array, counts: Int64Array, flat: npt.NDArray[np.integer],
+    def _commit(self, rows: Int32Array, counts: Int64Array | int, flat: npt.NDArray[np.integer],
                 ids: Sequence[Any]) -> None:
+        """Write committed tokens into their pages' token slots; offer pages that filled up."""
         start = self._committed[rows]
         end = start + counts
         over = end > self.table.num_tokens[rows]
         if over.any():
             i = int(np.argmax(over))
+            num = counts if isinstance(counts, int) else int(counts[i])
             raise KVMemError(
-                f"request {ids[i]!r} commits {int(counts[i])} tokens after {int(start[i])} but "
-                f"only {int(self.table.num_tokens[rows[i]])} slots are reserved; reserve() them "
-                "first (nothing was committed)"
+                f"request {ids[i]!r} commits {num} tokens after {int(start[i])} but only "
+                f"{int(self.table.num_tokens[rows[i]])} slots are reserved; reserve() them first "
+                "(nothing was committed)"
             )
-        if len(ids) > 1 and len(set(ids)) != len(ids):
-            raise KVMemError("request_ids must be distinct; nothing was committed")
-        slots = self.table.token_slots(rows, start, counts)
+        if isinstance(counts, int) and counts == 1:  # the decode step: one token per request
+            slots = self.table.slot_mapping(rows, start)
+        else:
+            slots = self.table.token_slots(rows, start, counts)
         self._page_tokens.reshape(-1)[slots] = flat
         self._committed[rows] = end
         if self.cache is not None:
             first = start // self.page_size
             full = end // self.page_size - first  # pages that just became full
-            if full.any():
-                some = full > 0
+            some = np.flatnonzero(full)
+            if some.size:
                 self._offer(rows[some], first[some], full[some])
 
     def _offer(self, rows: Int32Array, first: Int64Array, counts: Int64Array) -> None:
@@ -926,10 +993,13 @@ class KVCacheManager:
         """The integrity check before decode; aborts (and releases) only failing requests.
 
         With ``NoOpTracker`` this returns an empty report at once. Otherwise, for each request:
-        every page its metadata lists is live, carries the tag recorded when it was mapped, and
-        belongs to the request's namespace; every page it is about to write (its reserved,
-        uncommitted slots) has exactly one holder. ``step`` (from ``reserve``) makes the check
-        run on the very arrays the kernel reads; without it, on fresh metadata from the table.
+        every page its metadata lists is live, in the lifetime (tag) recorded when the request
+        mapped it, and holds the request's namespace's content (one comparison of namespace-
+        qualified tags); it lists as many pages as the request's tokens fill; and every page it
+        is about to write has exactly one holder (besides a copy-on-write source awaiting its
+        copy). ``step`` (from ``reserve``) makes the check run on the very arrays the kernel
+        reads; without it, on fresh metadata from the page table. Failing requests are released,
+        counted, sent to the ``integrity_failure`` hook and listed in ``report.aborted``.
         """
         if not self.tracker.enabled:
             return VerifyReport(tuple(request_ids))
@@ -945,72 +1015,122 @@ class KVCacheManager:
         else:
             csr = self.table.csr(rows)
             indptr, indices = csr.kv_indptr, csr.kv_indices
-        self._sync_pool()
-        num_pages = -(-self.table.num_tokens[rows] // self.page_size)
-        report = self.tracker.verify(rows, num_pages, self.allocator.tags, kv_indptr=indptr,
-                                     kv_indices=indices, ids=ids)
-        first_bad: dict[int, int] = {}  # batch index -> first bad page position
-        reasons: dict[int, str] = {}
-        if not report.ok:
-            text = report.reasons()
-            e = report.entries
-            for i in np.unique(e.batch_index).tolist():
-                reasons[i] = text[ids[i]]
-                first_bad[i] = int(e.position[e.batch_index == i].min())
-        # Namespace: every page listed must hold this request's namespace's content.
-        counts = indptr[1:].astype(np.int64) - indptr[:-1]
-        b = np.repeat(np.arange(rows.size), counts)
-        in_range = (indices >= 0) & (indices < self.num_pages)
-        page_ns = np.where(in_range, self._page_ns[np.clip(indices, 0, self.num_pages - 1)], -2)
-        foreign = np.flatnonzero(in_range & (page_ns != self._row_ns[rows][b]) & (page_ns >= 0))
-        for k in foreign.tolist():
-            i = int(b[k])
-            pos = k - int(indptr[i])
-            reasons.setdefault(i, f"page {int(indices[k])} at position {pos} belongs to another "
-                                  "namespace")
-            first_bad[i] = min(first_bad.get(i, pos), pos)
-        # Write set: reserved, uncommitted slots must lie in pages with exactly one holder.
+        qtags = self._sync_tags()
+        num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
+        # The write set: each request's reserved, not yet committed tokens.
         start = self._committed[rows]
         todo = self.table.num_tokens[rows] - start
-        if todo.any():
-            wb = np.repeat(np.arange(rows.size), todo)
-            tok = np.repeat(start - (np.cumsum(todo) - todo), todo) + np.arange(int(todo.sum()))
-            wpos = tok // self.page_size
-            wpages = self.table.pages[rows[wb], wpos]
-            holders = self.allocator.refcounts[wpages]
-            if self._copy_hold:  # a copy source is read once more, before this step's writes
-                copying = np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)
-                holders = holders - copying[wpages]
-            for k in np.flatnonzero(holders != 1).tolist():
-                i, pos = int(wb[k]), int(wpos[k])
-                reasons.setdefault(i, f"page {int(wpages[k])} at position {pos} is about to be "
-                                      f"written but has {int(holders[k])} holders")
-                first_bad[i] = min(first_bad.get(i, pos), pos)
+        wb = np.repeat(np.arange(rows.size), todo)
+        wpos = (np.repeat(start - (np.cumsum(todo) - todo), todo) + np.arange(int(todo.sum()))
+                ) // self.page_size
+        wpages = self.table.pages[rows[wb], wpos]
+        holders = self.allocator.refcounts[wpages] - self._copy_holds(wpages)
+        report = None
+        if self._fast_ok(rows, indptr, indices, num_pages, qtags):
+            if (holders == 1).all():
+                return VerifyReport(ids)
+        else:
+            report = self.tracker.verify(rows, num_pages, qtags, kv_indptr=indptr,
+                                         kv_indices=indices, ids=ids)
+        first_bad: dict[int, int] = {}  # batch index -> first bad page position
+        reasons: dict[int, str] = {}
+        if report is not None and not report.ok:
+            e = report.entries
+            for k in np.argsort(e.position, kind="stable").tolist():
+                i = int(e.batch_index[k])
+                if i not in reasons:
+                    reasons[i] = self._describe(e, k, int(np.count_nonzero(e.batch_index == i)))
+                    first_bad[i] = max(int(e.position[k]), 0)
+        for k in np.flatnonzero(holders != 1).tolist():
+            i, pos = int(wb[k]), int(wpos[k])
+            reasons.setdefault(i, f"page {int(wpages[k])} at position {pos} is about to be written "
+                                  f"but has {int(holders[k])} holders (a shared page is written "
+                                  "only after copy-on-write)")
+            first_bad[i] = min(first_bad.get(i, pos), pos)
         aborted: dict[Any, str] = {}
         for i in sorted(reasons):
-            rid = ids[i]
-            aborted[rid] = reasons[i]
-            self._abort(rid, first_bad[i], reasons[i])
-        return VerifyReport(ids, aborted, None if report.ok else report)
+            aborted[ids[i]] = reasons[i]
+            self._abort(ids[i], first_bad[i], reasons[i])
+        return VerifyReport(ids, aborted, report if report is not None and not report.ok else None)
+
+    def _fast_ok(self, rows: Int32Array, indptr: Any, indices: Any, num_pages: Int64Array,
+                 qtags: Int64Array) -> bool:
+        """One pass that is True only if the tracker would find nothing (False: look closer)."""
+        expected_tags = getattr(self.tracker, "expected_tags", None)
+        if expected_tags is None or not isinstance(indices, np.ndarray):
+            return False
+        counts = indptr[1:] - indptr[:-1]
+        if not np.array_equal(counts, num_pages):
+            return False
+        if indices.size == 0:
+            return True
+        if int(indices.min()) < 0 or int(indices.max()) >= self.num_pages:
+            return False
+        width = int(counts.max())
+        expected = expected_tags[rows, :width][self._arange[:width] < counts[:, None]]
+        live = qtags[indices]
+        return bool((live == expected).all() and live.all())
+
+    @staticmethod
+    def _describe(e: Any, k: int, num_bad: int) -> str:
+        """One readable line for bad entry ``k`` (qualified tags decoded)."""
+        reason, pos, page = int(e.reason[k]), int(e.position[k]), int(e.page[k])
+        expected, found = int(e.expected_tag[k]), int(e.found_tag[k])
+        mask = (1 << _NS_BITS) - 1
+        more = f" ({num_bad} bad entries)" if num_bad > 1 else ""
+        if reason == Reason.REALLOCATED and expected >> _NS_BITS == found >> _NS_BITS:
+            what = (f"page holds namespace {found & mask}'s content, the request is in "
+                    f"namespace {expected & mask}")
+        elif reason == Reason.LENGTH:
+            return f"{Reason.NAMES[reason]}{more}"
+        else:
+            what = Reason.NAMES.get(reason, f"reason {reason}")
+            if expected > 0 and found > 0:
+                what += f" (expected tag {expected >> _NS_BITS}, found {found >> _NS_BITS})"
+        return f"{what}: position {pos}, page {page}{more}"
 
     def _abort(self, request_id: Any, first_bad: int, reason: str) -> None:
         row = self._rows[request_id]
         self._num_integrity_failures += 1
         logger.warning("kvmem: aborting request %r: %s", request_id, reason)
+        owned = self._owned_pages(row)
         if self.cache is not None:
-            # Pages written after the bad one may hold KV computed from a corrupted context:
-            # never offer them to later requests (those that already hold them keep them).
-            pages = self.table.row_pages(row)[first_bad + 1 :]
-            if self.tracker.enabled and hasattr(self.tracker, "expected_tags"):
-                own = self.tracker.expected_tags[row, first_bad + 1 : first_bad + 1 + pages.size]
-                pages = pages[self.allocator.tags[pages] == own]
-            removed, keys = self.cache.remove(pages)
+            # Pages after the bad one may hold KV computed from a corrupted context: never offer
+            # them to later requests (requests that already hold them keep them).
+            later = owned[owned[:, 0] > first_bad, 1].astype(np.int32)
+            removed, keys = self.cache.remove(later)
             self._forget_freed(removed)
             if removed.size and self.config.kv_events:
                 self._kv_event(PagesRemoved(tuple(_keys_as_ints(keys))))
         self._emit("integrity_failure", request_id, detail=reason)
-        self._release_row(request_id)
+        self._release_row(request_id, owned[:, 1].astype(np.int32))
         del self._requests[request_id]
+
+    def _owned_pages(self, row: int) -> Int64Array:
+        """(position, page) of each reference a failing row really holds: ``[k, 2]``, int64.
+
+        A row entry whose page no longer carries the recorded tag is not this request's
+        reference: the page was freed (maybe reallocated) behind its back, or the entry was
+        overwritten. In the last case the recorded page is found by its (unique) tag.
+        """
+        pages = self.table.row_pages(row).astype(np.int64)
+        positions = np.arange(pages.size)
+        expected = getattr(self.tracker, "expected_tags", None)
+        if expected is None:
+            live = (pages >= 0) & (pages < self.num_pages)
+            live[live] = self.allocator.refcounts[pages[live]] > 0
+            return np.stack([positions[live], pages[live]], axis=1)
+        want = expected[row, : pages.size]
+        qtags = self._sync_tags()
+        ok = (pages >= 0) & (pages < self.num_pages)
+        ok[ok] = (qtags[pages[ok]] >> _NS_BITS) == (want[ok] >> _NS_BITS)
+        ok &= want > 0
+        out = [np.stack([positions[ok], pages[ok]], axis=1)]
+        for j in np.flatnonzero(~ok & (want > 0)).tolist():
+            found = np.flatnonzero((qtags >> _NS_BITS) == (int(want[j]) >> _NS_BITS))
+            if found.size == 1:
+                out.append(np.array([[j, int(found[0])]], dtype=np.int64))
+        return np.concatenate(out)
 
     # -- fork, preempt, resume, release ---------------------------------------------------------
 
@@ -1045,20 +1165,28 @@ class KVCacheManager:
         self._row_ns[row] = ns
         self._row_key[row] = self._row_key[prow]
         if self.tracker.enabled:
-            self.tracker.record(np.full(total, row), np.arange(total), self.allocator.tags[pages])
+            self.tracker.record(np.full(total, row), np.arange(total), self._expected(pages, ns))
         parent = self._requests[parent_id]
         self._rows[child_id] = row
         self._row_ids[row] = child_id
         self._requests[child_id] = _Request(parent.namespace, parent.namespace_id, parent.prompt)
         self._num_forks += 1
+        if ntok % self.page_size:  # both now write into one partly filled page: copy-on-write
+            self._num_forked += int(not self._forked[prow]) + int(not self._forked[row])
+            self._forked[[prow, row]] = True
         if own.size:
             self._emit("allocate", child_id, own)
         self._emit("fork", child_id, pages, detail=parent_id)
 
-    def _release_row(self, request_id: Any) -> Int32Array:
+    def _release_row(self, request_id: Any, owned: Int32Array | None = None) -> Int32Array:
         row = self._rows.pop(request_id)
         self._row_ids[row] = None
+        if self._forked[row]:
+            self._forked[row] = False
+            self._num_forked -= 1
         pages = self.table.remove_row(row)
+        if owned is not None:
+            pages = owned
         if self.tracker.enabled:
             self.tracker.forget([row])
         self._committed[row] = 0
