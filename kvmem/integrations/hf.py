@@ -29,6 +29,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
 from kvmem.errors import ConfigError
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from kvmem.cuda import PagePool
+    from kvmem.manager import KVCacheManager
 
 __all__ = [
     "KVMEM_ATTENTION",
@@ -53,6 +55,7 @@ __all__ = [
     "PagedCausalLM",
     "hf_perplexity",
     "load_smollm2",
+    "paged_perplexity",
     "register_kvmem_attention",
     "smollm2_gguf_path",
 ]
@@ -163,6 +166,28 @@ class KVBatch(NamedTuple):
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
+
+    @classmethod
+    def from_arrays(
+        cls,
+        pool: PagePool,
+        slot_mapping: np.ndarray,
+        qo_indptr: np.ndarray,
+        kv_indptr: np.ndarray,
+        kv_indices: np.ndarray,
+        kv_last_page_len: np.ndarray,
+    ) -> KVBatch:
+        """Wrap a step's numpy metadata (e.g. from ``KVCacheManager.reserve``) as tensors on
+        the pool's device (zero-copy on the CPU)."""
+        device = pool.device
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        return cls(
+            pool, dev(slot_mapping), dev(qo_indptr), dev(kv_indptr), dev(kv_indices),
+            dev(kv_last_page_len),
+        )
 
     def positions(self) -> torch.Tensor:
         """Position of every packed token in its own sequence.
@@ -361,4 +386,62 @@ def hf_perplexity(
         nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
         total += float(nll)
         count += ids.shape[1] - 1
+    return float(torch.exp(torch.tensor(total / count))), count
+
+
+@torch.inference_mode()
+def paged_perplexity(
+    lm: PagedCausalLM,
+    manager: KVCacheManager,
+    token_ids: list[int],
+    window: int = 1024,
+    chunk_size: int = 256,
+) -> tuple[float, int]:
+    """Perplexity of ``token_ids`` through the paged path, window by window, chunk by chunk.
+
+    Each window is admitted as one request and prefilled in chunks of ``chunk_size``: every
+    chunk's keys and values are written into the pages and every chunk's attention reads them
+    back from the pages (its own tokens included), so the page dtype's rounding is in every
+    logit. The windows and scored tokens are those of :func:`hf_perplexity`.
+
+    Parameters
+    ----------
+    manager:
+        Built with ``prefix_cache=None`` (every position's logits are needed, so nothing may be
+        skipped) over ``lm.pool``'s pages.
+
+    Returns
+    -------
+    (perplexity, num_scored)
+    """
+    if manager.cache is not None:
+        raise ConfigError(
+            "paged_perplexity needs the logits of every position, but this manager reuses "
+            "cached prefixes (which skips their prefill); build it with prefix_cache=None"
+        )
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids), window):
+        ids = list(token_ids[start : start + window])
+        if len(ids) < 2:
+            break
+        rid = ("perplexity", start)
+        manager.admit(rid, ids)
+        try:
+            for c in range(0, len(ids), chunk_size):
+                part = ids[c : c + chunk_size]
+                step = manager.reserve([rid], len(part))
+                batch = KVBatch.from_arrays(
+                    lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr, step.kv_indices,
+                    step.kv_last_page_len,
+                )
+                logits = lm.forward(torch.tensor(part), batch)
+                manager.commit(rid, part)
+                targets = torch.tensor(ids[c + 1 : c + 1 + len(part)])
+                nll = torch.nn.functional.cross_entropy(
+                    logits[: targets.numel()], targets, reduction="sum"
+                )
+                total += float(nll)
+                count += targets.numel()
+        finally:
+            manager.release(rid)
     return float(torch.exp(torch.tensor(total / count))), count

@@ -1,0 +1,383 @@
+"""A small continuous-batching generation loop on kvmem pages, written to be copied.
+
+One :meth:`Engine.step` does what a serving engine does per iteration::
+
+    admit      waiting requests, oldest first, while the manager can hold their prompts
+               (prefix reuse: pages of a shared system prompt are mapped, not recomputed)
+    schedule   every running request gets tokens within a budget: 1 if it is decoding, a chunk
+               of its remaining prompt if it is still prefilling (chunked prefill)
+    reserve    manager.reserve(ids, num_tokens) -> slot_mapping + CSR for the packed batch
+    verify     manager.verify(ids, step): the integrity check on the very arrays the kernel
+               reads; a failing request is aborted (and released) and dropped from the batch
+    forward    one packed forward of the model: K/V written to pages, attention over pages,
+               logits only at each request's last token
+    commit     manager.commit_batch(ids, tokens): the fed tokens' KV is in pages (full pages
+               become reusable prefixes)
+    sample     greedy; a request whose prompt is complete appends its next token
+    release    finished requests give their pages back
+
+Greedy sampling keeps the loop deterministic, so a run can be compared token for token with
+``model.generate(do_sample=False)``. Time spent in each phase is recorded per step
+(:class:`StepTiming`) so the share of kvmem's own work can be measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from kvmem.errors import ConfigError, KVMemError
+from kvmem.integrations.hf import KVBatch
+
+if TYPE_CHECKING:
+    from kvmem.integrations.hf import PagedCausalLM
+    from kvmem.manager import KVCacheManager, StepMetadata
+
+__all__ = [
+    "Engine",
+    "Request",
+    "StepTiming",
+    "free_page_behind_manager",
+]
+
+log = logging.getLogger(__name__)
+
+Status = Literal["waiting", "running", "finished", "aborted"]
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request: the engine's own object (the manager only sees its id).
+
+    Parameters
+    ----------
+    request_id:
+        Any hashable id, unique among live requests.
+    prompt_ids:
+        The prompt's token ids.
+    max_new_tokens:
+        Generate at most this many tokens.
+    namespace:
+        Tenant / adapter / cache salt: pages are shared only within one namespace.
+    stop_token_ids:
+        Generation ends after any of these is produced (it is kept in ``output_ids``).
+    """
+
+    request_id: Hashable
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 64
+    namespace: Hashable | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = "waiting"
+    abort_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_computed: int = 0  # tokens (prompt + fed outputs) whose KV is in pages
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def next_tokens(self, limit: int) -> list[int]:
+        """The next tokens to feed: up to ``limit`` of the prompt, or the newest output token."""
+        done = len(self.prompt_ids)
+        if self.num_computed < done:
+            return list(self.prompt_ids[self.num_computed : min(done, self.num_computed + limit)])
+        return self.output_ids[self.num_computed - done : self.num_computed - done + limit]
+
+
+class StepTiming(NamedTuple):
+    """Seconds spent in each phase of one step, and its size.
+
+    ``kvmem`` work is ``admit + reserve + verify + commit`` (allocation, prefix matching,
+    metadata, the integrity check); ``forward`` is the model (including page writes and paged
+    attention); ``other`` is the engine's own Python (scheduling, sampling, bookkeeping).
+    """
+
+    batch_size: int
+    num_tokens: int
+    num_decode: int
+    admit: float
+    reserve: float
+    verify: float
+    forward: float
+    commit: float
+    other: float
+
+    @property
+    def total(self) -> float:
+        return self.admit + self.reserve + self.verify + self.forward + self.commit + self.other
+
+    @property
+    def kvmem(self) -> float:
+        return self.admit + self.reserve + self.verify + self.commit
+
+
+def _keep_requests(step: StepMetadata, keep: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Drop aborted requests from a step's packed metadata.
+
+    Returns
+    -------
+    (slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, token_keep)
+        The kept requests' arrays (shapes as in ``StepMetadata``) and ``token_keep`` ``[T]``,
+        bool: which packed tokens survive.
+    """
+    qo_len = np.diff(step.qo_indptr)
+    kv_len = np.diff(step.kv_indptr)
+    token_keep = np.repeat(keep, qo_len)
+    qo_indptr = np.zeros(int(keep.sum()) + 1, dtype=np.int32)
+    np.cumsum(qo_len[keep], out=qo_indptr[1:])
+    kv_indptr = np.zeros_like(qo_indptr)
+    np.cumsum(kv_len[keep], out=kv_indptr[1:])
+    kv_indices = step.kv_indices[np.repeat(keep, kv_len)]
+    return (
+        step.slot_mapping[token_keep],
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        step.kv_last_page_len[keep],
+        token_keep,
+    )
+
+
+class Engine:
+    """Continuous batching of greedy generation over a :class:`PagedCausalLM` and a manager.
+
+    Parameters
+    ----------
+    lm:
+        The model on its page pool.
+    manager:
+        Owns the pages of ``lm.pool`` (same ``num_pages`` and ``page_size``).
+    max_num_seqs:
+        Most requests running at once.
+    max_num_batched_tokens:
+        Token budget of one forward (decode tokens first, then prefill chunks).
+    chunk_size:
+        Largest prefill chunk of one request in one step.
+    """
+
+    def __init__(
+        self,
+        lm: PagedCausalLM,
+        manager: KVCacheManager,
+        *,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        chunk_size: int = 256,
+    ) -> None:
+        spec = lm.pool.spec
+        if manager.page_size != spec.page_size or manager.num_pages > spec.num_pages:
+            raise ConfigError(
+                f"manager (num_pages={manager.num_pages}, page_size={manager.page_size}) does "
+                f"not fit the pool (num_pages={spec.num_pages}, page_size={spec.page_size}); "
+                "build both from the same numbers"
+            )
+        if min(max_num_seqs, max_num_batched_tokens, chunk_size) < 1:
+            raise ConfigError(
+                f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens} "
+                f"and chunk_size={chunk_size} must all be >= 1"
+            )
+        self.lm = lm
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_size = chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.done: list[Request] = []
+        self.timings: list[StepTiming] = []
+
+    # -- the public loop ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it is admitted at the start of a later step."""
+        if request.max_new_tokens < 1 or not request.prompt_ids:
+            raise ConfigError(
+                f"request {request.request_id!r}: needs a non-empty prompt and max_new_tokens "
+                f">= 1, got {len(request.prompt_ids)} prompt tokens and max_new_tokens="
+                f"{request.max_new_tokens}"
+            )
+        request.status = "waiting"
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Request]:
+        """Run one iteration of the loop (see the module docstring).
+
+        Returns
+        -------
+        list[Request]
+            Requests that finished or were aborted during this step.
+        """
+        mgr = self.manager
+        t0 = time.perf_counter()
+        self._admit()
+        t1 = time.perf_counter()
+        batch, feeds = self._schedule()
+        if not batch:
+            return []
+        ids = [r.request_id for r in batch]
+        t2 = time.perf_counter()
+        step = mgr.reserve(ids, [len(f) for f in feeds])
+        if step.copy_src.size:  # copy-on-write, when the manager has no pool to do it itself
+            src, dst = torch.from_numpy(step.copy_src), torch.from_numpy(step.copy_dst)
+            self.lm.pool.copy_pages(src, dst)
+        t3 = time.perf_counter()
+        report = mgr.verify(ids, step)
+        t4 = time.perf_counter()
+        ended: list[Request] = []
+        slot_mapping, qo_indptr = step.slot_mapping, step.qo_indptr
+        kv_indptr, kv_indices, kv_last = step.kv_indptr, step.kv_indices, step.kv_last_page_len
+        if report.aborted:  # the manager released them; the rest of the batch proceeds
+            keep = report.keep
+            slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last, _ = _keep_requests(step, keep)
+            for r in batch:
+                if r.request_id in report.aborted:
+                    self._end(r, "aborted", report.aborted[r.request_id])
+                    ended.append(r)
+            batch = [r for r, k in zip(batch, keep) if k]
+            feeds = [f for f, k in zip(feeds, keep) if k]
+        if not batch:
+            return ended
+        kv = KVBatch.from_arrays(
+            self.lm.pool, slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last
+        )
+        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64)
+        last = torch.from_numpy(qo_indptr[1:].astype(np.int64) - 1)
+        t5 = time.perf_counter()
+        next_ids = self.lm.forward(input_ids, kv, last).argmax(dim=-1).tolist()
+        t6 = time.perf_counter()
+        mgr.commit_batch([r.request_id for r in batch], feeds)
+        t7 = time.perf_counter()
+        num_decode = 0
+        for r, fed, tok in zip(batch, feeds, next_ids):
+            num_decode += r.num_computed >= len(r.prompt_ids)
+            r.num_computed += len(fed)
+            if r.num_computed < len(r.prompt_ids):
+                continue  # a prefill chunk short of the prompt's end: its logits are not used
+            r.output_ids.append(int(tok))
+            if len(r.output_ids) >= r.max_new_tokens or tok in r.stop_token_ids:
+                mgr.release(r.request_id)
+                self._end(r, "finished")
+                ended.append(r)
+        t8 = time.perf_counter()
+        self.timings.append(
+            StepTiming(
+                batch_size=len(batch),
+                num_tokens=int(input_ids.numel()),
+                num_decode=num_decode,
+                admit=t1 - t0,
+                reserve=t3 - t2,
+                verify=t4 - t3,
+                forward=t6 - t5,
+                commit=t7 - t6,
+                other=(t2 - t1) + (t5 - t4) + (t8 - t7),
+            )
+        )
+        return ended
+
+    def run(self, arrivals: dict[int, Sequence[Request]] | None = None) -> list[Request]:
+        """Step until every request has ended; ``arrivals[s]`` are added before step ``s``.
+
+        Returns
+        -------
+        list[Request]
+            Every request, in the order it ended.
+        """
+        arrivals = dict(arrivals or {})
+        s = 0
+        while self.has_work() or any(k >= s for k in arrivals):
+            for r in arrivals.pop(s, ()):
+                self.add_request(r)
+            self.step()
+            s += 1
+        return list(self.done)
+
+    # -- the phases ------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        mgr = self.manager
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            if not mgr.can_admit(r.prompt_ids, r.namespace):
+                if not self.running:
+                    raise KVMemError(
+                        f"request {r.request_id!r} ({len(r.prompt_ids)} prompt tokens) cannot "
+                        "be admitted even with no request running; give the manager more pages"
+                    )
+                break  # FIFO: wait for running requests to finish
+            res = mgr.admit(r.request_id, r.prompt_ids, r.namespace)
+            self.waiting.popleft()
+            r.status = "running"
+            r.num_cached_tokens = r.num_computed = res.num_cached_tokens
+            self.running.append(r)
+
+    def _schedule(self) -> tuple[list[Request], list[list[int]]]:
+        """Decode tokens first (one per decoding request), then prefill chunks, in budget."""
+        budget = self.max_num_batched_tokens
+        decoding = [r for r in self.running if r.num_computed >= len(r.prompt_ids)]
+        prefilling = [r for r in self.running if r.num_computed < len(r.prompt_ids)]
+        batch, feeds = [], []
+        for r in decoding[:budget]:
+            batch.append(r)
+            feeds.append(r.next_tokens(1))
+        budget -= len(batch)
+        for r in prefilling:
+            if budget <= 0:
+                break
+            fed = r.next_tokens(min(self.chunk_size, budget))
+            batch.append(r)
+            feeds.append(fed)
+            budget -= len(fed)
+        return batch, feeds
+
+    def _end(self, r: Request, status: Status, reason: str | None = None) -> None:
+        r.status = status
+        r.abort_reason = reason
+        self.running.remove(r)
+        self.done.append(r)
+        if reason is not None:
+            log.warning("request %r aborted: %s", r.request_id, reason)
+
+
+def free_page_behind_manager(manager: KVCacheManager, request_id: Hashable) -> int:
+    """Fault injection: free one page of a running request without telling the manager.
+
+    This is the bug real engines have shipped (BUGS.md #1, #3, #5): a second release path
+    drops a page that a live request still maps, and the allocator hands it to the next
+    request that asks. The request's page table still points at the page; only the
+    integrity check (a page tag that changed) can tell.
+
+    The page chosen is the request's last page that it holds alone (so freeing it really
+    returns it to the free stack, where the next allocation takes it first).
+
+    Returns
+    -------
+    int
+        The freed page id.
+
+    Raises
+    ------
+    KVMemError
+        The request holds no page alone (everything it maps is shared).
+    """
+    pages = manager.pages_of(request_id)
+    alone = pages[manager.allocator.refcounts[pages] == 1]
+    if alone.size == 0:
+        raise KVMemError(
+            f"request {request_id!r} holds no page alone (all {pages.size} are shared); "
+            "pick a request that has written past its shared prefix"
+        )
+    page = int(alone[-1])
+    manager.allocator.free(np.array([page], dtype=np.int32))
+    return page
