@@ -1,0 +1,438 @@
+"""PagePool: the device tensors that hold KV pages, their scales, and a mirror of page tags.
+
+Storage (one stacked tensor per kind, page id on dim 1 so one index moves a page in every layer)::
+
+    data           [num_layers, num_pages, C, page_size, H, D]   NHD  } storage dtype: uint8 for
+                   [num_layers, num_pages, C, H, page_size, D]   HND  } fp8, else bf16/fp16/fp32
+    token_scales   [num_layers, num_pages, C, page_size, H]      float32, fp8 token_head only
+                   (HND: [..., C, H, page_size])
+    static_scales  [num_layers, C, Hs]                           float32, fp8 tensor (Hs=1)/head
+    tags           [num_pages]                                   int64, allocator tag mirror
+
+    C = 2 (K, V) for MHA/GQA; MLA keeps its latent as C = 1, H = 1, D = kv_lora_rank + rope.
+
+A slot is ``page * page_size + offset`` (vLLM's ``slot_mapping``; -1 = padding, skipped).
+Every method checks its whole input before it changes a byte; ``write(check=False)`` skips the
+checks that need the slot values (range, duplicates) for callers that checked the step's slot
+mapping once with :meth:`PagePool.check_slots`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvmem.cuda._spec import PoolSpec
+from kvmem.errors import ConfigError
+from kvmem.quant import make_codec
+
+__all__ = ["PagePool", "PoolStats"]
+
+log = logging.getLogger(__name__)
+
+IndexLike = torch.Tensor | np.ndarray | Sequence[int]
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PoolStats(NamedTuple):
+    """A snapshot of the pool's write counters (elements, since creation or reset)."""
+
+    num_saturated: int
+    num_nonfinite: int
+    saturated_per_layer: tuple[int, ...]
+    nonfinite_per_layer: tuple[int, ...]
+
+
+class PagePool:
+    """KV pages for every layer on one device, written by slot and read by page.
+
+    Parameters
+    ----------
+    spec : PoolSpec
+        Shapes, page dtype, scales, layout and device.
+
+    Examples
+    --------
+    >>> spec = PoolSpec(num_layers=2, num_pages=8, num_kv_heads=2, head_dim=64,
+    ...                 dtype="fp8_e4m3", scales="token_head", device="cpu")
+    >>> pool = PagePool(spec)
+    >>> k = v = torch.randn(3, 2, 64)
+    >>> pool.write(0, torch.tensor([16, 17, 40]), k, v)   # page 1 slots 0-1, page 2 slot 8
+    >>> keys, values = pool.read(0, torch.tensor([1, 2]))  # [2, 16, 2, 64] bfloat16 each
+    """
+
+    def __init__(self, spec: PoolSpec) -> None:
+        device = torch.device(spec.resolved_device())
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"PoolSpec asks for device {spec.device!r} but CUDA is not available; use "
+                "device='cpu' or leave device unset."
+            )
+        self.spec = spec
+        self.device = device
+        self.codec = make_codec(spec.dtype, spec.scales)
+        self.format = self.codec.format
+        if spec.compute_dtype is not None:
+            self.compute_dtype = _COMPUTE[spec.compute_dtype]
+        else:
+            self.compute_dtype = torch.float32 if spec.dtype == "fp32" else torch.bfloat16
+
+        L, P, ps = spec.num_layers, spec.num_pages, spec.page_size
+        C, H, D = spec.num_components, spec.num_heads, spec.width
+        self._nhd = spec.layout == "NHD"
+        inner = (C, ps, H, D) if self._nhd else (C, H, ps, D)
+        self.data = torch.zeros((L, P, *inner), dtype=self.format.storage_dtype, device=device)
+        self.token_scales: torch.Tensor | None = None
+        if self.codec.token_scales:
+            self.token_scales = torch.zeros((L, P, *inner[:-1]), dtype=torch.float32, device=device)
+        self.static_scales: torch.Tensor | None = None
+        if self.codec.static_scale_shape(C, H) is not None:
+            shape = (L, *self.codec.static_scale_shape(C, H))  # type: ignore[misc]
+            if spec.static_scales is not None:
+                self.static_scales = torch.tensor(
+                    spec.static_scales, dtype=torch.float32, device=device
+                ).reshape(shape)
+            else:
+                self.static_scales = torch.zeros(shape, dtype=torch.float32, device=device)
+        # Layers whose every fixed scale is known (> 0); others calibrate on their next write.
+        self._calibrated = [spec.static_scales is not None] * L
+        self.tags = torch.zeros(P, dtype=torch.int64, device=device)
+        self._counters = torch.zeros((L, 2), dtype=torch.int64, device=device)
+        log.debug("PagePool on %s: %s", device, spec.describe())
+
+    # -- views ----------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV storage really allocated (data and scales); equals ``spec.nbytes``."""
+        return sum(t.nbytes for t in self.storage_tensors().values())
+
+    def storage_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold KV state: ``data`` and, for fp8, its scales."""
+        out = {"data": self.data}
+        if self.token_scales is not None:
+            out["token_scales"] = self.token_scales
+        if self.static_scales is not None:
+            out["static_scales"] = self.static_scales
+        return out
+
+    @property
+    def page_bytes(self) -> torch.Tensor:
+        """``data`` as raw bytes: ``[num_layers, num_pages, bytes per page per layer]`` uint8."""
+        L, P = self.data.shape[:2]
+        return self.data.view(L, P, -1).view(torch.uint8)
+
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        """One layer's pages as a kernel sees them (fp8 viewed as its float8 dtype).
+
+        Returns
+        -------
+        MHA/GQA: [num_pages, 2, page_size, H, D] (NHD) or [num_pages, 2, H, page_size, D] (HND);
+        MLA: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim].
+        """
+        self._check_layer(layer)
+        pages = self.data[layer].view(self.format.dtype)
+        return pages if self.spec.attention == "gqa" else pages[:, 0, :, 0]
+
+    # -- write ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def write(
+        self,
+        layer: int,
+        slot_mapping: IndexLike,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+        *,
+        check: bool = True,
+    ) -> None:
+        """Quantize and store T tokens of one layer into their slots.
+
+        Parameters
+        ----------
+        layer : int
+        slot_mapping : [T], int64 (or int32, numpy, list)
+            ``page * page_size + offset`` per token; -1 skips the token.
+        k, v : [T, num_kv_heads, head_dim], float32 / bfloat16 / float16, on the pool's device
+            MLA: ``write(layer, slot_mapping, latent)`` with latent [T, kv_lora_rank + rope].
+        check : bool
+            Check slot values (range, no slot twice). Costs one host sync on CUDA; pass False
+            only for a slot mapping already checked with :meth:`check_slots`.
+
+        Counts saturated and NaN/inf elements (see :meth:`stats`); with
+        ``spec.nonfinite == "raise"``, NaN/inf input raises and nothing is written.
+        """
+        self._check_layer(layer)
+        x = self._rows(k, v)
+        slots = self._index(slot_mapping, "slot_mapping")
+        if slots.shape[0] != x.shape[0]:
+            raise ConfigError(
+                f"slot_mapping has {slots.shape[0]} entries for {x.shape[0]} tokens; give one "
+                "slot (or -1) per token."
+            )
+        if check:
+            self.check_slots(slots)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, x = slots[keep], x[keep]
+        if slots.numel() == 0:
+            return
+        if self.spec.nonfinite == "raise" and not bool(torch.isfinite(x).all()):
+            raise ConfigError(
+                f"layer {layer}: K/V input holds NaN or inf and the pool's policy is "
+                "nonfinite='raise'; nothing was written. Fix the producer, or use "
+                "nonfinite='zero' to store 0 and count them."
+            )
+
+        static = None if self.static_scales is None else self.static_scales[layer]
+        enc = self.codec.quantize(x, static, calibrate=not self._calibrated[layer])
+        page = torch.div(slots, self.spec.page_size, rounding_mode="floor")
+        offset = slots - page * self.spec.page_size
+        pages = self.data[layer]
+        if self._nhd:
+            pages[page, :, offset] = enc.data
+        else:
+            pages[page, :, :, offset] = enc.data
+        if self.token_scales is not None:
+            assert enc.token_scales is not None
+            if self._nhd:
+                self.token_scales[layer][page, :, offset] = enc.token_scales
+            else:
+                self.token_scales[layer][page, :, :, offset] = enc.token_scales
+        if enc.static_scale is not None and not self._calibrated[layer]:
+            assert self.static_scales is not None
+            self.static_scales[layer] = enc.static_scale
+            self._calibrated[layer] = bool((enc.static_scale > 0).all())
+        self._counters[layer, 0] += enc.num_saturated
+        self._counters[layer, 1] += enc.num_nonfinite
+
+    def check_slots(self, slot_mapping: IndexLike) -> None:
+        """Raise unless every slot is -1 or in ``[0, num_slots)`` and none appears twice."""
+        slots = self._index(slot_mapping, "slot_mapping")
+        if slots.numel() == 0:
+            return
+        n = self.spec.num_slots
+        lo, hi = (int(t) for t in torch.aminmax(slots))
+        if lo < -1 or hi >= n:
+            raise ConfigError(
+                f"slot_mapping holds slots from {lo} to {hi}, but this pool has slots "
+                f"0..{n - 1} ({self.spec.num_pages} pages x {self.spec.page_size}) and -1 for "
+                "padding; nothing was written. Check the page table that produced it."
+            )
+        used = slots[slots >= 0]
+        if torch.unique(used).numel() != used.numel():
+            raise ConfigError(
+                "slot_mapping names a slot more than once; two tokens cannot share a slot. "
+                "Nothing was written."
+            )
+
+    # -- read -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather(
+        self, layer: int, page_ids: IndexLike, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Dequantize whole pages of one layer.
+
+        Parameters
+        ----------
+        layer : int
+        page_ids : [n], integer
+        dtype : output dtype, default ``compute_dtype``
+
+        Returns
+        -------
+        [n, C, page_size, H, D], dtype (a transposed view for HND pools)
+        """
+        self._check_layer(layer)
+        ids = self._index(page_ids, "page_ids")
+        self._check_range(ids, self.spec.num_pages, "page_ids", "page")
+        raw = self.data[layer].index_select(0, ids)
+        scale: torch.Tensor | None = None
+        if self.token_scales is not None:
+            scale = self.token_scales[layer].index_select(0, ids).unsqueeze(-1)
+        elif self.static_scales is not None:
+            s = self.static_scales[layer]  # [C, Hs]
+            C, Hs = s.shape
+            scale = s.view(1, C, 1, Hs, 1) if self._nhd else s.view(1, C, Hs, 1, 1)
+        out = self.codec.dequantize(raw, scale, dtype or self.compute_dtype)
+        return out if self._nhd else out.transpose(2, 3)
+
+    def read(
+        self, layer: int, page_ids: IndexLike, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Keys and values of whole pages, dequantized.
+
+        Returns
+        -------
+        MHA/GQA: (k, v), each [n, page_size, num_kv_heads, head_dim] in ``dtype`` (default
+        ``compute_dtype``); MLA: latent [n, page_size, kv_lora_rank + qk_rope_head_dim].
+        """
+        kv = self.gather(layer, page_ids, dtype)
+        if self.spec.attention == "gqa":
+            return kv[:, 0], kv[:, 1]
+        return kv[:, 0, :, 0]
+
+    # -- copies and tags ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def copy_pages(self, src_page_ids: IndexLike, dst_page_ids: IndexLike) -> None:
+        """Copy pages (every layer, data and scales together, bit for bit), e.g. copy-on-write.
+
+        All sources are read before any destination is written. Destinations must be distinct.
+        """
+        src = self._index(src_page_ids, "src_page_ids")
+        dst = self._index(dst_page_ids, "dst_page_ids")
+        if src.shape != dst.shape:
+            raise ConfigError(
+                f"copy_pages got {src.numel()} sources and {dst.numel()} destinations; give one "
+                "destination per source. Nothing was copied."
+            )
+        self._check_range(src, self.spec.num_pages, "src_page_ids", "page")
+        self._check_range(dst, self.spec.num_pages, "dst_page_ids", "page")
+        if torch.unique(dst).numel() != dst.numel():
+            raise ConfigError("copy_pages names a destination page twice; nothing was copied.")
+        if src.numel() == 0:
+            return
+        raw = self.page_bytes
+        raw[:, dst] = raw[:, src]
+        if self.token_scales is not None:
+            self.token_scales[:, dst] = self.token_scales[:, src]
+
+    def update_tags(self, page_ids: IndexLike, tags: IndexLike) -> None:
+        """Set the device mirror of allocator tags for the pages that changed.
+
+        Parameters
+        ----------
+        page_ids : [n], integer, distinct
+        tags : [n], int64 (the allocator's new tags of those pages)
+        """
+        ids = self._index(page_ids, "page_ids")
+        values = self._index(tags, "tags")
+        if ids.shape != values.shape:
+            raise ConfigError(
+                f"update_tags got {ids.numel()} pages and {values.numel()} tags; give one tag "
+                "per page. No tag changed."
+            )
+        self._check_range(ids, self.spec.num_pages, "page_ids", "page")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ConfigError("update_tags names a page twice; no tag changed.")
+        self.tags[ids] = values
+
+    def load_tags(self, tags: IndexLike) -> None:
+        """Replace the whole tag mirror (e.g. at start-up): ``tags`` [num_pages], int64."""
+        values = self._index(tags, "tags")
+        if values.shape != self.tags.shape:
+            raise ConfigError(
+                f"load_tags needs {self.spec.num_pages} tags, one per page; got "
+                f"{values.numel()}. No tag changed."
+            )
+        self.tags.copy_(values)
+
+    # -- counters -------------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        """Saturated and NaN/inf input elements written so far (a frozen snapshot)."""
+        per_layer = self._counters.cpu().tolist()
+        sat = tuple(int(r[0]) for r in per_layer)
+        bad = tuple(int(r[1]) for r in per_layer)
+        return PoolStats(sum(sat), sum(bad), sat, bad)
+
+    @property
+    def num_saturated(self) -> int:
+        """Elements clamped to the format's range beyond ordinary rounding, all layers."""
+        return int(self._counters[:, 0].sum())
+
+    @property
+    def num_nonfinite(self) -> int:
+        """NaN/inf input elements (stored as 0), all layers."""
+        return int(self._counters[:, 1].sum())
+
+    def reset_stats(self) -> None:
+        """Zero the saturation and NaN/inf counters."""
+        self._counters.zero_()
+
+    # -- input checks ---------------------------------------------------------------------------
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ConfigError(f"layer must be an int; got {type(layer).__name__}.")
+        if not 0 <= layer < self.spec.num_layers:
+            raise ConfigError(
+                f"layer {layer} is out of range: this pool has layers "
+                f"0..{self.spec.num_layers - 1}."
+            )
+
+    def _rows(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """Validate write input; return an owned [T, C, H, D] tensor."""
+        spec = self.spec
+        if spec.attention == "mla":
+            if v is not None:
+                raise ConfigError(
+                    "MLA pools store one latent per token: call write(layer, slot_mapping, "
+                    "latent) without v."
+                )
+            self._check_tensor(k, "latent", (spec.width,))
+            return k.reshape(k.shape[0], 1, 1, spec.width).clone()
+        if v is None:
+            raise ConfigError("MHA/GQA pools store keys and values: pass both k and v.")
+        self._check_tensor(k, "k", (spec.num_heads, spec.width))
+        self._check_tensor(v, "v", (spec.num_heads, spec.width))
+        if k.shape[0] != v.shape[0] or k.dtype != v.dtype:
+            raise ConfigError(
+                f"k and v must match in tokens and dtype; got k {tuple(k.shape)} {k.dtype}, "
+                f"v {tuple(v.shape)} {v.dtype}."
+            )
+        return torch.stack((k, v), dim=1)
+
+    def _check_tensor(self, t: torch.Tensor, name: str, tail: tuple[int, ...]) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"{name} must be a torch.Tensor; got {type(t).__name__}.")
+        if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tail:
+            want = ", ".join(["T", *map(str, tail)])
+            raise ConfigError(f"{name} has shape {tuple(t.shape)}; this pool expects [{want}].")
+        if t.dtype not in _FLOAT_INPUTS:
+            raise ConfigError(f"{name} has dtype {t.dtype}; pass float32, bfloat16 or float16.")
+        if t.device != self.device:
+            raise ConfigError(
+                f"{name} is on {t.device} but the pool is on {self.device}; move it first."
+            )
+
+    def _index(self, value: IndexLike, name: str) -> torch.Tensor:
+        """A 1-D int64 tensor on the pool's device from a tensor, numpy array or sequence."""
+        if isinstance(value, torch.Tensor):
+            if value.device != self.device:
+                raise ConfigError(
+                    f"{name} is on {value.device} but the pool is on {self.device}; move it "
+                    "first (numpy arrays and lists are moved for you)."
+                )
+            t = value
+        else:
+            arr = np.asarray(value)
+            if arr.size == 0:
+                arr = arr.astype(np.int64)
+            if arr.dtype.kind not in "iu":
+                raise ConfigError(f"{name} must hold integers; got dtype {arr.dtype}.")
+            t = torch.from_numpy(arr.astype(np.int64, copy=False)).to(self.device)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ConfigError(f"{name} must hold integers; got dtype {t.dtype}.")
+        if t.dim() != 1:
+            raise ConfigError(f"{name} must be 1-D; got shape {tuple(t.shape)}.")
+        return t.long()
+
+    @staticmethod
+    def _check_range(ids: torch.Tensor, bound: int, name: str, what: str) -> None:
+        if ids.numel() == 0:
+            return
+        lo, hi = (int(t) for t in torch.aminmax(ids))
+        if lo < 0 or hi >= bound:
+            raise ConfigError(
+                f"{name} holds {what} ids from {lo} to {hi}; valid ids are 0..{bound - 1}. "
+                "Nothing was changed."
+            )

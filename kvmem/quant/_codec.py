@@ -1,0 +1,220 @@
+"""KV codecs: how float keys and values become page bytes, and back.
+
+One small interface, two implementations::
+
+    codec = make_codec("fp8_e4m3", "token_head")
+    codec.static_scale_shape(num_components, num_heads)   # per-layer fixed scales, or None
+    codec.token_scales                                     # True: one fp32 per (token, K/V, head)
+    enc = codec.quantize(x, static_scale)                  # x [T, C, H, D] -> Encoded
+    y = codec.dequantize(data, scale, torch.bfloat16)      # [..., D] bytes -> [..., D] floats
+
+``C`` is 2 (K and V) for MHA/GQA and 1 for an MLA latent; ``H`` the KV heads (1 for MLA).
+
+Policies every codec follows:
+
+- NaN and +-inf inputs are counted and stored as 0 (a pool may instead refuse them; see
+  ``PoolSpec.nonfinite``); they never reach a page.
+- Values beyond the format's range are clamped before the cast (torch versions differ on what
+  an fp8 cast does with them) and counted when they lie beyond ordinary rounding
+  (``PageFormat.saturation_threshold``).
+- ``token_head`` scales are ``amax / max_finite`` of each (token, K/V, head) row, computed once
+  from that token alone: a token's bytes never change as its page fills. An all-zero row gets
+  scale 1.
+- ``tensor`` and ``head`` scales are fixed per layer: given (e.g. a checkpoint's k_scale /
+  v_scale) or, when not given, set from the first write that has a non-zero value for them
+  (``amax / max_finite`` over that write) and never changed after. A scale of 0 means "not
+  calibrated yet"; such a scale's values are all zero.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+
+from kvmem.errors import ConfigError
+from kvmem.quant._formats import PageFormat, ScaleGranularity, page_format
+from kvmem.quant._fp8 import fp8_to_float
+
+__all__ = ["Encoded", "FP8Codec", "KVCodec", "PlainCodec", "make_codec"]
+
+
+class Encoded(NamedTuple):
+    """What :meth:`KVCodec.quantize` produces for T tokens."""
+
+    data: torch.Tensor  # [T, C, H, D], the format's storage dtype (uint8 for fp8)
+    token_scales: torch.Tensor | None  # [T, C, H] float32, token_head only
+    static_scale: torch.Tensor | None  # [C, Hs] float32 after calibration (tensor/head only)
+    num_saturated: torch.Tensor  # int64, 0-dim, on x's device
+    num_nonfinite: torch.Tensor  # int64, 0-dim, on x's device
+
+
+class KVCodec(ABC):
+    """Quantize K/V rows into stored values and dequantize pages back."""
+
+    format: PageFormat
+    granularity: ScaleGranularity | None
+    token_scales: bool
+
+    def static_scale_shape(self, num_components: int, num_heads: int) -> tuple[int, int] | None:
+        """Shape of one layer's fixed scales: ``(C, 1)`` for tensor, ``(C, H)`` for head."""
+        if self.granularity == "tensor":
+            return (num_components, 1)
+        if self.granularity == "head":
+            return (num_components, num_heads)
+        return None
+
+    @abstractmethod
+    def quantize(
+        self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
+    ) -> Encoded:
+        """Encode T tokens.
+
+        Parameters
+        ----------
+        x : [T, C, H, D], float32 / bfloat16 / float16
+            Rows to store. The codec may overwrite ``x``: pass a tensor you own.
+        static_scale : [C, Hs], float32, optional
+            The layer's fixed scales (tensor/head granularity); 0 marks "not calibrated".
+        calibrate : bool
+            Fill the entries of ``static_scale`` that are 0 from this write's amax.
+        """
+
+    @abstractmethod
+    def dequantize(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode stored values ``[..., D]``, times ``scale`` (broadcastable to ``[..., 1]``)."""
+
+
+def _zero_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """Set NaN/+-inf entries of ``x`` (owned) to 0 in place; return how many there were."""
+    if x.numel() == 0 or (x.device.type == "cpu" and bool(torch.isfinite(x.sum()))):
+        # One fast reduction proves the common case on CPU; a finite sum means no NaN/inf.
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    bad = ~torch.isfinite(x)
+    x.masked_fill_(bad, 0)
+    return bad.sum()
+
+
+def _clamp_counting(q: torch.Tensor, fmt: PageFormat) -> torch.Tensor:
+    """Clamp ``q`` (owned, finite) into the format's range in place; count true saturations."""
+    limit = fmt.max_finite
+    if q.numel() and q.device.type == "cpu":
+        lo, hi = torch.aminmax(q)
+        peak = max(-float(lo), float(hi))
+        if peak <= fmt.saturation_threshold:
+            if peak > limit:
+                q.clamp_(-limit, limit)  # ordinary rounding onto the maximum
+            return torch.zeros((), dtype=torch.int64)
+    count = (q.abs() > fmt.saturation_threshold).sum()
+    q.clamp_(-limit, limit)
+    return count
+
+
+class PlainCodec(KVCodec):
+    """fp32, bf16 and fp16 pages: a cast, with NaN/inf and (fp16) overflow counted."""
+
+    token_scales = False
+
+    def __init__(self, dtype: str) -> None:
+        fmt = page_format(dtype)
+        if fmt.quantized:
+            raise ConfigError(f"PlainCodec stores fp32/bf16/fp16; use FP8Codec for {dtype!r}.")
+        self.format = fmt
+        self.granularity = None
+
+    def quantize(
+        self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
+    ) -> Encoded:
+        num_nonfinite = _zero_nonfinite(x)
+        wider = torch.finfo(x.dtype).max > self.format.max_finite
+        if wider:
+            num_saturated = _clamp_counting(x, self.format)
+        else:
+            num_saturated = torch.zeros((), dtype=torch.int64, device=x.device)
+        return Encoded(x.to(self.format.dtype), None, None, num_saturated, num_nonfinite)
+
+    def dequantize(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        value = data if scale is None else data.float() * scale
+        if out is None:
+            return value.to(out_dtype)
+        return out.copy_(value)
+
+
+class FP8Codec(KVCodec):
+    """fp8 e4m3fn / e5m2 pages with tensor, head or token_head scales (fp32)."""
+
+    def __init__(self, dtype: str, granularity: ScaleGranularity) -> None:
+        fmt = page_format(dtype)
+        if not fmt.quantized:
+            raise ConfigError(f"FP8Codec stores fp8_e4m3/fp8_e5m2; got {dtype!r}.")
+        if granularity not in ("tensor", "head", "token_head"):
+            raise ConfigError(
+                f"unknown scale granularity {granularity!r}; use tensor, head or token_head."
+            )
+        self.format = fmt
+        self.granularity = granularity
+        self.token_scales = granularity == "token_head"
+
+    def quantize(
+        self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
+    ) -> Encoded:
+        xf = x if x.dtype == torch.float32 else x.float()
+        num_nonfinite = _zero_nonfinite(xf)
+        fmax = self.format.max_finite
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        if self.token_scales:
+            amax = xf.abs().amax(dim=-1)  # [T, C, H]
+            scale = torch.where(amax > 0, amax / fmax, 1.0)
+            xf.div_(scale.unsqueeze(-1))
+            xf.clamp_(-fmax, fmax)  # amax/scale may round a hair above max: not a saturation
+            data = xf.to(self.format.dtype).view(torch.uint8)
+            return Encoded(data, scale, None, zero, num_nonfinite)
+
+        if static_scale is None:
+            raise ConfigError(
+                f"{self.granularity!r} scales are per layer: pass the layer's static_scale."
+            )
+        if calibrate:
+            amax = xf.abs().amax(dim=(0, 3))  # [C, H]
+            if self.granularity == "tensor":
+                amax = amax.amax(dim=1, keepdim=True)
+            static_scale = torch.where(static_scale > 0, static_scale, amax / fmax)
+        usable = torch.where(static_scale > 0, static_scale, 1.0)  # 0: all values are 0 anyway
+        xf.div_(usable[None, :, :, None])
+        num_saturated = _clamp_counting(xf, self.format)
+        data = xf.to(self.format.dtype).view(torch.uint8)
+        return Encoded(data, None, static_scale, num_saturated, num_nonfinite)
+
+    def dequantize(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return fp8_to_float(data, self.format.name, scale, out_dtype, out)
+
+
+def make_codec(dtype: str, scales: ScaleGranularity | None = None) -> KVCodec:
+    """The codec for a page dtype (and, for fp8, a scale granularity; default ``tensor``)."""
+    if page_format(dtype).quantized:
+        return FP8Codec(dtype, scales or "tensor")
+    if scales is not None:
+        raise ConfigError(
+            f"scales={scales!r} apply to fp8 pages only; {dtype!r} pages are stored as is. "
+            "Drop scales or pick fp8_e4m3/fp8_e5m2."
+        )
+    return PlainCodec(dtype)
