@@ -1,0 +1,520 @@
+"""PoolSpec validation and byte accounting; PagePool writes, reads, copies, tags and counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem.cuda import PagePool, PoolSpec, PoolStats
+from kvmem.errors import ConfigError, KVMemError
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+GQA: dict[str, Any] = {
+    "num_layers": 2,
+    "num_pages": 12,
+    "page_size": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+}
+MLA: dict[str, Any] = {
+    "num_layers": 2,
+    "num_pages": 12,
+    "page_size": 4,
+    "attention": "mla",
+    "kv_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+}
+DTYPES = [
+    ("fp32", None),
+    ("bf16", None),
+    ("fp16", None),
+    ("fp8_e4m3", "tensor"),
+    ("fp8_e4m3", "head"),
+    ("fp8_e4m3", "token_head"),
+    ("fp8_e5m2", "tensor"),
+    ("fp8_e5m2", "token_head"),
+]
+
+
+def _pool(device: str = "cpu", **kw: Any) -> PagePool:
+    return PagePool(PoolSpec(**{**GQA, "device": device, **kw}))
+
+
+def _kv(
+    t: int, device: str = "cpu", seed: int = 0, heads: int = 2, dim: int = 16, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(t, heads, dim, generator=g) * scale
+    v = torch.randn(t, heads, dim, generator=g) * scale
+    return k.to(device), v.to(device)
+
+
+def _snapshot(pool: PagePool) -> dict[str, torch.Tensor]:
+    state = {name: t.clone() for name, t in pool.storage_tensors().items()}
+    state["tags"] = pool.tags.clone()
+    state["counters"] = pool._counters.clone()
+    return state
+
+
+def _unchanged(pool: PagePool, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(_snapshot(pool)[name], t) for name, t in before.items())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# -- PoolSpec ------------------------------------------------------------------------------------
+
+
+def test_spec_defaults_aliases_and_json_round_trip() -> None:
+    spec = PoolSpec(**GQA, attention="mha", dtype="fp8_e4m3")
+    assert spec.attention == "gqa" and spec.scales == "tensor" and spec.layout == "NHD"
+    assert PoolSpec(**GQA).dtype == "bf16" and PoolSpec(**GQA).scales is None
+    for s in (
+        spec,
+        PoolSpec(**MLA, dtype="fp8_e5m2", scales="token_head"),
+        PoolSpec(**GQA, dtype="fp8_e4m3", scales="head", static_scales=0.5, layout="HND"),
+        PoolSpec(**GQA, device="cpu", compute_dtype="fp32", nonfinite="raise"),
+    ):
+        assert PoolSpec.from_json(s.model_dump_json()) == s
+        assert PoolSpec.model_validate_json(s.model_dump_json()) == s
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({**GQA, "head_dim": None}, "num_kv_heads and head_dim"),
+        ({**GQA, "kv_lora_rank": 8}, "MLA fields"),
+        ({**MLA, "kv_lora_rank": None}, "kv_lora_rank and qk_rope_head_dim"),
+        ({**MLA, "num_kv_heads": 2}, "one latent"),
+        ({**MLA, "layout": "HND"}, "NHD"),
+        ({**MLA, "dtype": "fp8_e4m3", "scales": "head"}, "no KV heads"),
+        ({**GQA, "scales": "tensor"}, "fp8 pages only"),
+        ({**GQA, "dtype": "fp8_e4m3", "scales": "token_head", "static_scales": 1.0}, "token_head"),
+        ({**GQA, "dtype": "fp8_e4m3", "static_scales": [1.0, 2.0]}, "shape"),
+        ({**GQA, "dtype": "fp8_e4m3", "static_scales": [[1.0, 0.0], [1.0, 1.0]]}, "> 0"),
+        ({**GQA, "num_pages": 0}, "num_pages"),
+        ({**GQA, "dtype": "int8"}, "dtype"),
+        ({**GQA, "blocks": 3}, "blocks"),
+    ],
+)
+def test_spec_rejects_bad_configs(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PoolSpec(**kw)
+
+
+def test_spec_bad_json_is_a_config_error() -> None:
+    with pytest.raises(ConfigError):
+        PoolSpec.from_json('{"num_layers": 1}')
+
+
+def test_static_scales_are_normalized_per_layer_component_head() -> None:
+    t = PoolSpec(**GQA, dtype="fp8_e4m3", static_scales=[[1.0, 2.0], [3.0, 4.0]])
+    assert t.static_scales == [[[1.0], [2.0]], [[3.0], [4.0]]]
+    h = PoolSpec(**GQA, dtype="fp8_e4m3", scales="head", static_scales=0.25)
+    assert np.asarray(h.static_scales).shape == (2, 2, 2)
+    pool = PagePool(h.model_copy(update={"device": "cpu"}))
+    assert pool.static_scales is not None and bool((pool.static_scales == 0.25).all())
+
+
+# -- byte accounting -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "scales"), DTYPES)
+@pytest.mark.parametrize("base", [GQA, {**GQA, "layout": "HND"}, MLA])
+def test_spec_bytes_equal_allocated_tensors(
+    base: dict[str, Any], dtype: str, scales: str | None
+) -> None:
+    if base is MLA and scales == "head":
+        pytest.skip("MLA has no heads")
+    spec = PoolSpec(**base, dtype=dtype, scales=scales, device="cpu")
+    pool = PagePool(spec)
+    allocated = sum(t.nbytes for t in pool.storage_tensors().values())
+    assert spec.nbytes == pool.nbytes == allocated
+    per_page = pool.data.nbytes + (0 if pool.token_scales is None else pool.token_scales.nbytes)
+    assert spec.bytes_per_page * spec.num_pages == per_page
+    assert spec.bytes_per_token * spec.page_size == spec.bytes_per_page
+    fixed = 0 if pool.static_scales is None else pool.static_scales.nbytes
+    assert spec.fixed_nbytes == fixed
+    assert spec.tag_nbytes == pool.tags.nbytes
+    assert pool.page_bytes.shape[:2] == (spec.num_layers, spec.num_pages)
+    assert pool.page_bytes.nbytes == pool.data.nbytes
+
+
+def test_fp8_doubles_tokens_in_a_budget_and_token_head_overhead_is_reported() -> None:
+    base = {"num_layers": 32, "num_pages": 1, "num_kv_heads": 8, "head_dim": 128}
+    bf16 = PoolSpec(**base, dtype="bf16")
+    assert bf16.bytes_per_token == 32 * 2 * 8 * 128 * 2  # 131072: Llama-3.1-8B
+    for budget in (8 << 30, 70 << 30, bf16.bytes_per_page * 1000):
+        bf16_tokens = bf16.num_pages_for_budget(budget) * bf16.page_size
+        for scales in ("tensor", "head"):
+            fp8 = PoolSpec(**base, dtype="fp8_e4m3", scales=scales)
+            assert fp8.bytes_per_token * 2 == bf16.bytes_per_token
+            assert fp8.num_pages_for_budget(budget) * fp8.page_size == 2 * bf16_tokens
+    token = PoolSpec(**base, dtype="fp8_e4m3", scales="token_head")
+    assert token.scale_overhead == 4 / 128  # 3.1%: one fp32 per 128 one-byte elements
+    assert token.bytes_per_token == bf16.bytes_per_token // 2 * (1 + 4 / 128)
+    ratio = token.num_pages_for_budget(8 << 30) / bf16.num_pages_for_budget(8 << 30)
+    assert 1.93 < ratio < 1.94  # 2 / 1.03125
+    mla = PoolSpec(
+        num_layers=61,
+        num_pages=1,
+        attention="mla",
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        dtype="bf16",
+    )
+    assert mla.bytes_per_token == 61 * 576 * 2  # 70,272: Kimi K2 / DeepSeek-V3
+    fp8_mla = mla.model_copy(update={"dtype": "fp8_e4m3", "scales": "tensor"})
+    assert PoolSpec(**fp8_mla.model_dump()).bytes_per_token == 35_136
+    with pytest.raises(ConfigError, match="negative"):
+        bf16.num_pages_for_budget(-1)
+
+
+# -- write / read --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("dtype", "scales"), DTYPES)
+def test_write_read_round_trip(device: str, layout: str, dtype: str, scales: str | None) -> None:
+    pool = _pool(device, dtype=dtype, scales=scales, layout=layout)
+    k, v = _kv(10, device)
+    slots = torch.tensor([4, 5, 6, 7, 8, 33, 34, 2, 0, 47], device=device)
+    pool.write(1, slots, k, v)
+    pages = torch.tensor([0, 1, 2, 8, 11], device=device)
+    kk, vv = pool.read(1, pages)
+    assert kk.shape == vv.shape == (5, 4, 2, 16)
+    assert kk.dtype == pool.compute_dtype
+    assert pool.compute_dtype == (torch.float32 if dtype == "fp32" else torch.bfloat16)
+    lookup = {int(p): i for i, p in enumerate(pages)}
+    got_k = torch.stack([kk[lookup[int(s) // 4], int(s) % 4] for s in slots])
+    got_v = torch.stack([vv[lookup[int(s) // 4], int(s) % 4] for s in slots])
+    bound = {"fp32": 0.0, "bf16": 0.004, "fp16": 0.004}.get(
+        dtype, 0.07 if "e5m2" in dtype else 0.04
+    )
+    assert _rel(got_k, k) <= bound and _rel(got_v, v) <= bound
+    assert float(kk[lookup[2], 1].abs().sum()) == 0.0  # slot 9 was never written
+    assert pool.stats() == PoolStats(0, 0, (0, 0), (0, 0))
+
+
+def test_layouts_store_the_same_values() -> None:
+    k, v = _kv(16, scale=3.0)
+    slots = torch.randperm(48)[:16]
+    reads = []
+    for layout in ("NHD", "HND"):
+        pool = _pool(dtype="fp8_e4m3", scales="token_head", layout=layout)
+        pool.write(0, slots, k, v)
+        reads.append(pool.read(0, torch.arange(12)))
+    assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])
+    pool = _pool(dtype="bf16", layout="HND")
+    assert pool.kv_cache(0).shape == (12, 2, 2, 4, 16)
+    assert _pool(dtype="fp8_e4m3").kv_cache(1).dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dtype", "scales"), [("bf16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "token_head")]
+)
+def test_mla_latent_round_trip(device: str, dtype: str, scales: str | None) -> None:
+    pool = PagePool(PoolSpec(**MLA, dtype=dtype, scales=scales, device=device))
+    latent = torch.randn(6, 32, device=device)
+    pool.write(0, [8, 9, 10, 11, 12, 20], latent)
+    got = pool.read(0, [2, 3, 5])
+    assert isinstance(got, torch.Tensor) and got.shape == (3, 4, 32)
+    assert pool.kv_cache(0).shape == (12, 4, 32)
+    stored = torch.cat([got[0], got[1, :1], got[2, :1]])
+    assert _rel(stored, latent) < 0.04
+
+
+def test_token_is_never_requantized_as_its_page_fills() -> None:
+    pool = _pool(dtype="fp8_e4m3", scales="token_head")
+    small, small_v = _kv(1, scale=0.01)
+    pool.write(0, [0], small, small_v)
+    assert pool.token_scales is not None
+    data_before = pool.data[0, 0, :, 0].clone()
+    scale_before = pool.token_scales[0, 0, :, 0].clone()
+    big, big_v = _kv(3, seed=1, scale=1000.0)
+    pool.write(0, [1, 2, 3], big, big_v)  # same page, much larger values
+    assert torch.equal(pool.data[0, 0, :, 0], data_before)
+    assert torch.equal(pool.token_scales[0, 0, :, 0], scale_before)
+    k, _ = pool.read(0, [0])
+    assert _rel(k[0, 0], small[0]) < 0.04
+
+
+def test_per_layer_scales_are_calibrated_once_then_fixed() -> None:
+    pool = _pool(dtype="fp8_e4m3", scales="tensor")
+    assert pool.static_scales is not None and bool((pool.static_scales == 0).all())
+    k, v = _kv(4, scale=2.0)
+    pool.write(0, [0, 1, 2, 3], k, v)
+    first = pool.static_scales[0].clone()
+    assert torch.allclose(first[:, 0], torch.stack([k.abs().amax(), v.abs().amax()]) / 448)
+    assert bool((pool.static_scales[1] == 0).all())  # layer 1 untouched
+    k2, v2 = _kv(4, seed=3, scale=100.0)
+    pool.write(0, [4, 5, 6, 7], k2, v2)
+    assert torch.equal(pool.static_scales[0], first)  # fixed after the first write
+    assert pool.num_saturated > 0  # and the larger values are reported, not hidden
+    assert pool.stats().saturated_per_layer[1] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_minus_one_touches_nothing(device: str) -> None:
+    pool = _pool(device, dtype="fp8_e4m3", scales="token_head")
+    k, v = _kv(5, device)
+    pool.write(0, torch.tensor([0, 1, 2, 3, 4], device=device), k, v)
+    before = _snapshot(pool)
+    k2, v2 = _kv(3, device, seed=9, scale=7.0)
+    pool.write(0, torch.tensor([-1, -1, -1], device=device), k2, v2)
+    assert _unchanged(pool, before)
+    pool.write(0, torch.tensor([-1, 40, -1], device=device), k2, v2)
+    changed = _snapshot(pool)["data"] != before["data"]
+    assert bool(changed.any()) and bool(changed.nonzero()[:, 1].eq(10).all())  # page 10 only
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("dtype", "scales"), DTYPES)
+def test_copy_pages_moves_data_and_scales_bit_identically(
+    device: str, dtype: str, scales: str | None
+) -> None:
+    pool = _pool(device, dtype=dtype, scales=scales)
+    for layer in (0, 1):
+        k, v = _kv(12, device, seed=layer, scale=3.0)
+        pool.write(layer, torch.arange(12, device=device), k, v)
+    before = _snapshot(pool)
+    pool.copy_pages([0, 1, 2], [5, 6, 7])
+    after = _snapshot(pool)
+    for name in pool.storage_tensors():
+        if name == "static_scales":
+            assert torch.equal(after[name], before[name])
+            continue
+        assert torch.equal(after[name][:, [5, 6, 7]], before[name][:, [0, 1, 2]])
+        assert torch.equal(after[name][:, :5], before[name][:, :5])
+        assert torch.equal(after[name][:, 8:], before[name][:, 8:])
+    for layer in (0, 1):
+        src = pool.read(layer, [0, 1, 2])
+        dst = pool.read(layer, [5, 6, 7])
+        assert torch.equal(src[0], dst[0]) and torch.equal(src[1], dst[1])
+
+
+def test_copy_pages_reads_all_sources_before_writing() -> None:
+    pool = _pool(dtype="fp8_e4m3", scales="token_head")
+    k, v = _kv(12, scale=2.0)
+    pool.write(0, torch.arange(12), k, v)
+    before = _snapshot(pool)
+    pool.copy_pages([0, 1], [1, 2])  # a chain: page 1 is read before it is overwritten
+    assert torch.equal(pool.data[:, 1], before["data"][:, 0])
+    assert torch.equal(pool.data[:, 2], before["data"][:, 1])
+
+
+# -- bad input changes nothing -------------------------------------------------------------------
+
+
+def _bad_writes(device: str) -> list[tuple[Any, str]]:
+    k, v = _kv(3, device)
+    ok = torch.tensor([0, 1, 2], device=device)
+    return [
+        (lambda p: p.write(2, ok, k, v), "layer 2 is out of range"),
+        (lambda p: p.write(-1, ok, k, v), "out of range"),
+        (lambda p: p.write(True, ok, k, v), "layer must be an int"),
+        (lambda p: p.write(0, torch.tensor([0, 1, 48], device=device), k, v), "slots from"),
+        (lambda p: p.write(0, torch.tensor([0, -2, 1], device=device), k, v), "slots from"),
+        (lambda p: p.write(0, torch.tensor([3, 1, 3], device=device), k, v), "more than once"),
+        (lambda p: p.write(0, ok[:2], k, v), "2 entries for 3 tokens"),
+        (lambda p: p.write(0, ok.float(), k, v), "integers"),
+        (lambda p: p.write(0, ok[None], k, v), "1-D"),
+        (lambda p: p.write(0, ok, k[:, :1], v), "shape"),
+        (lambda p: p.write(0, ok, k, v[:2]), "match in tokens"),
+        (lambda p: p.write(0, ok, k, v.half()), "match in tokens and dtype"),
+        (lambda p: p.write(0, ok, k.double(), v.double()), "dtype"),
+        (lambda p: p.write(0, ok, k.int(), v.int()), "dtype"),
+        (lambda p: p.write(0, ok, k), "both k and v"),
+        (
+            lambda p: p.write(0, ok, k.numpy() if device == "cpu" else k.cpu().numpy(), v),
+            "torch.Tensor",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dtype", "scales"), [("bf16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "token_head")]
+)
+def test_bad_writes_raise_and_change_nothing(device: str, dtype: str, scales: str | None) -> None:
+    pool = _pool(device, dtype=dtype, scales=scales)
+    k, v = _kv(4, device, seed=5)
+    pool.write(0, torch.tensor([8, 9, 10, 11], device=device), k, v)
+    before = _snapshot(pool)
+    for call, match in _bad_writes(device):
+        with pytest.raises(KVMemError, match=match):
+            call(pool)
+        assert _unchanged(pool, before), match
+
+
+@pytest.mark.cuda
+def test_wrong_device_is_rejected() -> None:
+    pool = _pool("cuda")
+    k, v = _kv(2)
+    with pytest.raises(ConfigError, match="move it"):
+        pool.write(0, torch.tensor([0, 1], device="cuda"), k, v)
+    with pytest.raises(ConfigError, match="move it"):
+        pool.read(0, torch.tensor([0]))
+
+
+def test_mla_write_needs_one_latent() -> None:
+    pool = PagePool(PoolSpec(**MLA, device="cpu"))
+    latent = torch.randn(2, 32)
+    with pytest.raises(ConfigError, match="without v"):
+        pool.write(0, [0, 1], latent, latent)
+    with pytest.raises(ConfigError, match="shape"):
+        pool.write(0, [0, 1], latent[:, :31])
+
+
+def test_bad_reads_and_copies_raise_and_change_nothing() -> None:
+    pool = _pool(dtype="fp8_e4m3", scales="token_head")
+    k, v = _kv(8)
+    pool.write(0, torch.arange(8), k, v)
+    before = _snapshot(pool)
+    with pytest.raises(ConfigError, match="page ids from"):
+        pool.read(0, [0, 12])
+    with pytest.raises(ConfigError, match="layer"):
+        pool.read(5, [0])
+    with pytest.raises(ConfigError, match="one destination per source"):
+        pool.copy_pages([0, 1], [3])
+    with pytest.raises(ConfigError, match="destination page twice"):
+        pool.copy_pages([0, 1], [3, 3])
+    with pytest.raises(ConfigError, match="page ids from"):
+        pool.copy_pages([0, 1], [3, 12])
+    with pytest.raises(ConfigError, match="page ids from"):
+        pool.copy_pages([-1], [3])
+    assert _unchanged(pool, before)
+
+
+# -- NaN/inf and saturation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dtype", "scales"), [("bf16", None), ("fp8_e4m3", "token_head"), ("fp8_e5m2", "tensor")]
+)
+def test_nonfinite_input_is_counted_and_stored_as_zero(
+    device: str, dtype: str, scales: str | None
+) -> None:
+    pool = _pool(device, dtype=dtype, scales=scales)
+    k, v = _kv(4, device)
+    pool.write(0, torch.arange(4, device=device), k, v)
+    assert pool.num_nonfinite == 0  # silent on clean input
+    k[1, 0, 3] = float("nan")
+    v[2, 1, 0] = float("inf")
+    pool.write(1, torch.arange(4, device=device), k, v)
+    assert pool.num_nonfinite == 2
+    assert pool.stats().nonfinite_per_layer == (0, 2)
+    kk, vv = pool.read(1, [0])
+    assert kk[0, 1, 0, 3] == 0 and vv[0, 2, 1, 0] == 0
+    assert bool(torch.isfinite(kk).all()) and bool(torch.isfinite(vv).all())
+    pool.reset_stats()
+    assert pool.stats() == PoolStats(0, 0, (0, 0), (0, 0))
+
+
+def test_nonfinite_raise_policy_rejects_before_writing() -> None:
+    pool = _pool(dtype="fp8_e4m3", nonfinite="raise")
+    k, v = _kv(4)
+    pool.write(0, torch.arange(4), k, v)  # clean input passes
+    before = _snapshot(pool)
+    k[0, 0, 0] = float("nan")
+    with pytest.raises(ConfigError, match="NaN or inf"):
+        pool.write(0, torch.arange(4, 8), k, v)
+    assert _unchanged(pool, before)
+    assert pool.num_nonfinite == 0
+
+
+def test_static_scale_one_beyond_448_is_flagged() -> None:
+    pool = _pool(dtype="fp8_e4m3", static_scales=1.0)
+    k, v = _kv(4, scale=10.0)
+    pool.write(0, torch.arange(4), k, v)
+    assert pool.num_saturated == 0  # silent while the data fits
+    k[0, 0, :4] = torch.tensor([600.0, -900.0, 2000.0, 449.0])  # 449: ordinary rounding
+    pool.write(1, torch.arange(4), k, v)
+    assert pool.num_saturated == 3
+    assert pool.stats().saturated_per_layer == (0, 3)
+    kk, _ = pool.read(1, [0])
+    assert kk[0, 0, 0, :4].tolist() == [448.0, -448.0, 448.0, 448.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dtype", "scales"),
+    [
+        ("fp8_e4m3", "tensor"),
+        ("fp8_e4m3", "head"),
+        ("fp8_e4m3", "token_head"),
+        ("fp8_e5m2", "tensor"),
+    ],
+)
+def test_inputs_up_to_1e6_with_dynamic_scales_stay_finite(
+    device: str, dtype: str, scales: str
+) -> None:
+    pool = _pool(device, dtype=dtype, scales=scales)
+    k, v = _kv(16, device, scale=1.0)
+    k[::3] *= 1e6
+    v[1::4] *= 2e5
+    pool.write(0, torch.arange(16, device=device), k, v)
+    kk, vv = pool.read(0, torch.arange(4, device=device))
+    assert bool(torch.isfinite(kk).all()) and bool(torch.isfinite(vv).all())
+    assert pool.num_saturated == 0 and pool.num_nonfinite == 0
+    assert _rel(kk.reshape(16, 2, 16), k) < 0.07
+
+
+# -- tags ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tag_mirror_updates_only_changed_entries(device: str) -> None:
+    pool = _pool(device)
+    assert pool.tags.dtype == torch.int64 and pool.tags.shape == (12,)
+    assert pool.tags.device.type == device
+    pool.load_tags(np.arange(12, dtype=np.int64) * 10)
+    pool.update_tags(np.array([3, 7], dtype=np.int32), np.array([1001, 1002], dtype=np.int64))
+    want = np.arange(12) * 10
+    want[[3, 7]] = [1001, 1002]
+    assert pool.tags.cpu().tolist() == want.tolist()
+    pool.update_tags(torch.tensor([0], device=device), torch.tensor([0], device=device))
+    assert int(pool.tags[0]) == 0
+    before = pool.tags.clone()
+    with pytest.raises(ConfigError, match="one tag per page"):
+        pool.update_tags([1, 2], [5])
+    with pytest.raises(ConfigError, match="page ids from"):
+        pool.update_tags([12], [5])
+    with pytest.raises(ConfigError, match="twice"):
+        pool.update_tags([4, 4], [5, 6])
+    with pytest.raises(ConfigError, match="12 tags"):
+        pool.load_tags([1, 2, 3])
+    assert torch.equal(pool.tags, before)
+
+
+def test_tags_are_not_part_of_kv_bytes() -> None:
+    pool = _pool(dtype="fp8_e4m3")
+    assert "tags" not in pool.storage_tensors()
+    assert pool.spec.tag_nbytes == 12 * 8
+
+
+def test_stats_is_a_frozen_snapshot() -> None:
+    pool = _pool(dtype="fp8_e4m3", static_scales=1.0)
+    snap = pool.stats()
+    k, v = _kv(2, scale=1000.0)
+    pool.write(0, [0, 1], k, v)
+    assert snap.num_saturated == 0 and pool.stats().num_saturated > 0
+    with pytest.raises(AttributeError):
+        snap.num_saturated = 5  # type: ignore[misc]
+
+
+def test_cuda_request_without_cuda_is_a_config_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        PagePool(PoolSpec(**GQA, device="cuda"))
+    assert PoolSpec(**GQA).resolved_device() == "cpu"
