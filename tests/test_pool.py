@@ -496,6 +496,33 @@ def test_tag_mirror_updates_only_changed_entries(device: str) -> None:
     assert torch.equal(pool.tags, before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_tag_mirror_follows_the_allocator_and_feeds_the_integrity_check(device: str) -> None:
+    from kvmem.allocator import PageAllocator
+    from kvmem.integrity import check_csr_torch
+
+    pool = _pool(device)
+    alloc = PageAllocator(pool.spec.num_pages)
+    pages = alloc.allocate(3)
+    expected = torch.from_numpy(alloc.tags[pages][None]).to(device)  # the request's record
+    assert pool.sync_tags(alloc) == 3
+    assert pool.sync_tags(alloc) == 0  # nothing changed since
+    assert np.array_equal(pool.tags.cpu().numpy(), alloc.tags)
+
+    def check() -> int:
+        indptr = torch.tensor([0, 3], device=device)
+        indices = torch.from_numpy(pages.astype(np.int64)).to(device)
+        num = torch.tensor([3], device=device)
+        return check_csr_torch(indptr, indices, num, expected, pool.tags).num_bad
+
+    assert check() == 0  # silent while the mapping holds
+    alloc.free(pages[1:2])
+    alloc.allocate(1)  # the same page, handed to a new lifetime
+    assert pool.sync_tags(alloc) == 1
+    assert np.array_equal(pool.tags.cpu().numpy(), alloc.tags)
+    assert check() == 1  # fires on the pool's device, from the mirror
+
+
 def test_tags_are_not_part_of_kv_bytes() -> None:
     pool = _pool(dtype="fp8_e4m3")
     assert "tags" not in pool.storage_tensors()

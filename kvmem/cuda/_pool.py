@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -38,6 +38,14 @@ IndexLike = torch.Tensor | np.ndarray | Sequence[int]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _TagSource(Protocol):
+    """What :meth:`PagePool.sync_tags` needs from an allocator."""
+
+    tags: np.ndarray
+
+    def pop_changed_pages(self) -> np.ndarray: ...
 
 
 class PoolStats(NamedTuple):
@@ -324,6 +332,17 @@ class PagePool:
         if torch.unique(ids).numel() != ids.numel():
             raise ConfigError("update_tags names a page twice; no tag changed.")
         self.tags[ids] = values
+
+    def sync_tags(self, allocator: _TagSource) -> int:
+        """Bring the mirror up to date with an allocator: only pages whose tag changed move.
+
+        ``allocator`` is anything with ``pop_changed_pages() -> int array`` and a ``tags``
+        array, as :class:`kvmem.PageAllocator` has. Returns how many pages were updated.
+        """
+        changed = np.asarray(allocator.pop_changed_pages())
+        if changed.size:
+            self.update_tags(changed, np.asarray(allocator.tags)[changed])
+        return int(changed.size)
 
     def load_tags(self, tags: IndexLike) -> None:
         """Replace the whole tag mirror (e.g. at start-up): ``tags`` [num_pages], int64."""
