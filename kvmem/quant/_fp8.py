@@ -16,9 +16,9 @@ half that holds exactly the same value scaled by a power of two, and lets one fp
     int8 b * 128 (int16) puts the byte at bits 7..14; the sign of a negative byte also sets
     bit 14, so e4m3 clears it with a mask (0xBF80). e5m2 is int8 b * 256, no mask.
 
-Three passes over an int16 buffer that stays in cache (widen+shift and mask in numpy, which
-runs these integer loops faster than torch here; multiply into the output in torch), done in
-chunks, split across threads for large inputs. The result is bit-identical to
+A few passes over buffers that stay in cache (widen+shift and mask in numpy, which runs these
+integer loops faster than torch here; half -> fp32, the scale multiply and the output cast in
+torch), done in chunks, split across threads for large inputs. The result is bit-identical to
 ``(data.view(fp8).float() * scale).to(out_dtype)``, except that the e4m3fn NaN bytes 0x7F/0xFF
 decode to +-480 instead of NaN: kvmem never writes them (see :mod:`kvmem.quant._codec`).
 """
@@ -141,16 +141,30 @@ def _decode_rows(
     step = max(1, _CHUNK_ELEMS // width)
     scratch = np.empty((min(step, r1 - r0), width), dtype=np.int16)
     halves = torch.from_numpy(scratch).view(torch.float16)
+    wide = torch.empty(halves.shape, dtype=torch.float32)
     widen = np.int16(multiplier)
-    per_row = mult.shape[0] > 1
-    for a in range(r0, r1, step):
-        b = min(r1, a + step)
-        bits = scratch[: b - a]
-        np.multiply(src[a:b], widen, out=bits, dtype=np.int16)
+    direct = dst.dtype == torch.float32
+    outs = dst[r0:r1].split(step)
+    mults = mult[r0:r1].split(step) if mult.shape[0] > 1 else [mult] * len(outs)
+    for i, (out, m) in enumerate(zip(outs, mults)):
+        a = r0 + i * step
+        n = out.shape[0]
+        bits, half, f32 = (
+            (scratch, halves, wide)
+            if n == scratch.shape[0]
+            else (scratch[:n], halves[:n], wide[:n])
+        )
+        np.multiply(src[a : a + n], widen, out=bits, dtype=np.int16)
         if mask:
             np.bitwise_and(bits, _E4M3_MASK, out=bits)
-        # fp16 x fp32 (both with dims) computes in fp32: one rounding, into dst's dtype.
-        torch.mul(halves[: b - a], mult[a:b] if per_row else mult, out=dst[a:b])
+        # half -> fp32 is exact; one fp32 multiply; then one rounding into dst's dtype.
+        if direct:
+            out.copy_(half)
+            out.mul_(m)
+        else:
+            f32.copy_(half)
+            f32.mul_(m)
+            out.copy_(f32)
 
 
 def _executor() -> ThreadPoolExecutor:
