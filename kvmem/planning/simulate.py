@@ -337,7 +337,7 @@ def simulate(
         raise ConfigError(f"chunk and max_running must be positive; got {chunk}, {max_running}.")
     page = plan.page_size
     longest = workload.prompt_len.high() + workload.output_len.high()
-    max_pages_per_seq = min(plan.kv_pages_per_gpu, math.ceil(longest / page) + 1)
+    max_pages_per_seq = max(1, min(plan.kv_pages_per_gpu, math.ceil(longest / page) + 1))
     mgr = KVCacheManager(
         num_pages=plan.kv_pages_per_gpu,
         page_size=page,
@@ -346,6 +346,14 @@ def simulate(
         prefix_cache="hashed" if prefix_cache else None,
     )
     arr = _Arrivals(workload)
+    longest_sample = int((arr.prompt + arr.output).max())
+    if -(-longest_sample // page) > plan.kv_pages_per_gpu:
+        i = int(np.argmax(arr.prompt + arr.output))
+        raise ConfigError(
+            f"request {i} ({int(arr.prompt[i])} prompt + {int(arr.output[i])} output tokens) "
+            f"does not fit in an empty pool of {plan.kv_pages_per_gpu} pages x {page}; use a "
+            "bigger plan or shorter requests."
+        )
     clock = _StepClock(plan, step_model)
     total = workload.num_requests
     if sample_every is None:
@@ -375,7 +383,7 @@ def simulate(
     peak_used = 0
     last_progress = wall0
     loops = 0
-    waited_since = np.zeros(total, dtype=np.int64)  # the loop a request started waiting in
+    waited_since = np.ones(total, dtype=np.int64)  # the loop a request started waiting in
 
     def admit_waiting() -> float:
         """Admit (or resume) waiting requests in order; commit their prompts in one batch."""

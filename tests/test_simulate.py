@@ -1,0 +1,194 @@
+"""``kvmem simulate``: continuous batching driven through the real KVCacheManager."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from kvmem.cli import main
+from kvmem.errors import ConfigError
+from kvmem.planning import FixedReserve, GPUSpec, plan_capacity
+from kvmem.planning.simulate import LengthDist, Workload, _Arrivals, simulate
+
+
+def tiny_plan(memory_mib: int = 1024, page_size: int = 16):  # type: ignore[no-untyped-def]
+    """SmolLM2-135M on a small custom GPU: 23,040 B per token, a few thousand tokens of KV."""
+    gpu = GPUSpec(name="tiny", memory_mib=memory_mib, bandwidth_gbs=1000)
+    return plan_capacity(
+        "smollm2-135m", gpu, 1, policy=FixedReserve(reserve_gib=0.5), page_size=page_size
+    )
+
+
+def test_report_shape_bf16_queues_fp8_holds_all_64() -> None:
+    """64 clients of 11-20K-token requests on Kimi K2.6, 8 x H200, TP 8 (the report's setup)."""
+    workload = Workload(
+        num_requests=128,
+        concurrency=64,
+        prompt_len=LengthDist.parse("10000-18000"),
+        output_len=LengthDist.parse("1000-2000"),
+    )
+    bf16 = simulate(workload, plan_capacity("kimi-k2.6", "h200", 8, kv_dtype="bf16"), chunk=32)
+    fp8 = simulate(workload, plan_capacity("kimi-k2.6", "h200", 8, kv_dtype="fp8_e4m3"), chunk=32)
+    for r in (bf16, fp8):
+        assert r.num_completed == 128
+    # BF16: 653K tokens cannot hold 64 requests of up to 20K: it queues or preempts.
+    assert bf16.max_running < 64
+    assert bf16.num_queued > 0 or bf16.num_preemptions > 0
+    assert bf16.queue_delay_max_s > 1.0
+    # FP8: 1.31M tokens hold all 64 at once; nobody waits, nothing is preempted.
+    assert fp8.max_running == 64 and fp8.p50_running == 64
+    assert fp8.num_queued == 0 and fp8.num_preemptions == 0
+    assert fp8.queue_delay_max_s == 0.0
+    assert fp8.output_tokens_per_s > bf16.output_tokens_per_s
+
+
+def test_growth_past_the_pool_preempts_and_resumes() -> None:
+    plan = tiny_plan()
+    assert 500 < plan.kv_pages_per_gpu < 2000
+    workload = Workload(
+        num_requests=16,
+        concurrency=8,
+        prompt_len=LengthDist(kind="fixed", a=1000),
+        output_len=LengthDist(kind="fixed", a=2000),
+    )
+    r = simulate(workload, plan, chunk=16)
+    assert r.num_completed == 16
+    assert r.num_preemptions > 0
+    assert r.num_resumes == r.num_preemptions
+    assert r.recomputed_tokens > 0
+    assert r.output_tokens == 16 * 2000
+    assert r.peak_page_usage <= 1.0
+
+
+def test_prefill_rate_charges_admission_and_recomputation() -> None:
+    plan = tiny_plan()
+    workload = Workload(
+        num_requests=10,
+        concurrency=4,
+        prompt_len=LengthDist(kind="fixed", a=1000),
+        output_len=LengthDist(kind="fixed", a=500),
+    )
+    free = simulate(workload, plan, chunk=16)
+    slow = simulate(workload, plan, chunk=16, prefill_tokens_per_s=1000.0)
+    # 10 prompts of 1000 tokens at 1000 tok/s add 10 s (no preemption at this size).
+    assert free.num_preemptions == slow.num_preemptions == 0
+    extra = slow.simulated_seconds - free.simulated_seconds
+    assert extra == pytest.approx(10.0, rel=0.05)
+
+
+def test_shared_prefixes_hit_the_prefix_cache() -> None:
+    plan = plan_capacity("llama-3.1-8b", "h100-80g", 1)
+    workload = Workload(
+        num_requests=200,
+        concurrency=16,
+        prompt_len=LengthDist(kind="uniform", a=600, b=800),
+        output_len=LengthDist(kind="fixed", a=32),
+        num_prefixes=2,
+        prefix_len=512,
+    )
+    hit = simulate(workload, plan)
+    # Every request reuses its prefix's 32 full pages, except the first 16, admitted together
+    # before any prompt was committed (pages become reusable only once their KV is written).
+    arr = _Arrivals(workload)
+    expected = (200 - 16) * 512 / float(arr.prompt.sum())
+    assert hit.prefix_hit_rate == pytest.approx(expected, rel=0.02)
+    miss = simulate(workload, plan, prefix_cache=False)
+    assert miss.prefix_hit_rate == 0.0
+    assert miss.output_tokens == hit.output_tokens == 200 * 32
+
+
+def test_open_loop_light_load_does_not_queue() -> None:
+    plan = plan_capacity("llama-3.1-8b", "h100-80g", 1)
+    workload = Workload(
+        num_requests=300,
+        rate=5.0,
+        prompt_len=LengthDist.parse("lognormal:500,0.5"),
+        output_len=LengthDist.parse("50-150"),
+        seed=3,
+    )
+    r = simulate(workload, plan)
+    assert r.num_completed == 300 and r.num_queued == 0 and r.num_preemptions == 0
+    arrivals = _Arrivals(workload)
+    assert r.output_tokens == int(arrivals.output.sum())
+    assert r.simulated_seconds >= float(arrivals.times[-1])
+    ts = [p.t for p in r.timeline]
+    assert ts == sorted(ts) and len(ts) > 10
+    assert all(p.running <= r.max_running for p in r.timeline)
+    assert r.queue_delay_max_s < 1.0  # admission waits at most one chunk
+
+
+def test_progress_callback_reaches_the_total() -> None:
+    calls: list[tuple[int, int]] = []
+    workload = Workload(
+        num_requests=50,
+        concurrency=10,
+        prompt_len=LengthDist(kind="fixed", a=100),
+        output_len=LengthDist(kind="fixed", a=20),
+    )
+    simulate(workload, tiny_plan(), progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (50, 50)
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ConfigError, match="does not fit in an empty pool"):
+        simulate(
+            Workload(
+                num_requests=2,
+                concurrency=1,
+                prompt_len=LengthDist(kind="fixed", a=200_000),
+                output_len=LengthDist(kind="fixed", a=1),
+            ),
+            tiny_plan(),
+        )
+    with pytest.raises(ValueError, match="exactly one of concurrency"):
+        Workload(
+            num_requests=1,
+            prompt_len=LengthDist(kind="fixed", a=1),
+            output_len=LengthDist(kind="fixed", a=1),
+        )
+    with pytest.raises(ConfigError, match="cannot read the length"):
+        LengthDist.parse("lots")
+    with pytest.raises(ValueError, match="b >= a"):
+        LengthDist(kind="uniform", a=10, b=5)
+    assert LengthDist.parse("lognormal:1000,0.5").kind == "lognormal"
+    lengths = LengthDist.parse("10-20").sample(np.random.default_rng(0), 1000)
+    assert lengths.min() >= 10 and lengths.max() <= 20
+
+
+def test_thousands_of_requests_take_seconds() -> None:
+    plan = plan_capacity("llama-3.1-8b", "h100-80g", 1)
+    workload = Workload(
+        num_requests=3000,
+        rate=40.0,
+        prompt_len=LengthDist.parse("lognormal:300,0.5"),
+        output_len=LengthDist.parse("lognormal:100,0.5"),
+    )
+    start = time.perf_counter()
+    r = simulate(workload, plan)
+    assert r.num_completed == 3000
+    assert time.perf_counter() - start < 30.0  # about 2 s on one core; guards against O(n^2)
+
+
+def test_cli_simulate_json_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(
+        ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "40",
+         "--concurrency", "8", "--prompt-len", "200-400", "--output-len", "20", "--json"]
+    )  # fmt: skip
+    out, _ = capsys.readouterr()
+    assert status == 0
+    data = json.loads(out)
+    assert data["num_completed"] == 40 and data["output_tokens"] == 800
+    assert {"num_preemptions", "prefix_hit_rate", "timeline", "queue_delay_p95_s"} <= set(data)
+    status = main(
+        ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "20",
+         "--rate", "4", "--prompt-len", "100", "--output-len", "10", "--compare",
+         "bf16,fp8_e4m3", "--no-progress"]
+    )  # fmt: skip
+    out, _ = capsys.readouterr()
+    assert status == 0 and "KV bf16" in out and "KV fp8_e4m3" in out and "running  |" in out
+    status = main(["simulate", "nope"])
+    _, err = capsys.readouterr()
+    assert status == 2 and "known models" in err
