@@ -11,7 +11,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmem.errors import ConfigError
-from kvmem.quant.int4 import int4_bytes_per_param
 
 __all__ = [
     "KV_DTYPES",
@@ -77,6 +76,9 @@ class WeightFormat(BaseModel):
             return 1.0 + (4.0 / (self.block_size * self.block_size) if self.block_size else 0.0)
         if self.kind == "mxfp4":
             return 0.5 + 1.0 / 32
+        # Imported here: kvmem.quant's package __init__ loads torch, and planning must not.
+        from kvmem.quant.int4 import int4_bytes_per_param
+
         return int4_bytes_per_param(self.group_size, self.scale_dtype, self.zero_point)
 
     def label(self) -> str:
