@@ -24,6 +24,7 @@ from kvmem.planning import (
     fit_throughput,
     get_gpu,
     get_model,
+    kv_heads_per_rank,
     kv_layout,
     layer_kv_bytes_per_token,
     load_hf_config,
@@ -229,6 +230,37 @@ def test_expected_active_experts() -> None:
     assert expected_active_experts(384, 8, 1) == pytest.approx(8)
     assert expected_active_experts(384, 8, 10_000) == pytest.approx(384)
     assert expected_active_experts(0, 0, 5) == 0
+
+
+def test_planner_bytes_agree_with_the_pool_spec() -> None:
+    """The planner's per-layer bytes per token equal kvmem.cuda.PoolSpec's, for every choice."""
+    from kvmem.cuda import PoolSpec
+
+    llama, kimi = get_model("llama-3.1-8b"), get_model("kimi-k2.6")
+    cases: list[tuple[AttentionSpec, int, str, str | None]] = []
+    for dtype in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2"):
+        fp8 = dtype.startswith("fp8")
+        for scales in ("tensor", "head", "token_head") if fp8 else (None,):
+            for tp in (1, 2, 8, 16):
+                cases.append((llama.attention, tp, dtype, scales))
+            if scales != "head":
+                cases.append((kimi.attention, 8, dtype, scales))
+    for attn, tp, dtype, scales in cases:
+        if attn.kind == "mla":
+            shape = dict(attention="mla", kv_lora_rank=512, qk_rope_head_dim=64)
+        else:
+            heads = kv_heads_per_rank(attn, tp)
+            shape = dict(attention="gqa", num_kv_heads=heads, head_dim=attn.head_dim)
+        pool = PoolSpec(
+            num_layers=3, num_pages=8, page_size=16, dtype=dtype, scales=scales, **shape
+        )
+        layer = layer_kv_bytes_per_token(attn, dtype, scales or "tensor", tp)
+        assert 3 * layer == pool.bytes_per_token, (attn.kind, tp, dtype, scales)
+        model = llama if attn.kind != "mla" else kimi
+        fixed = kv_layout(model, dtype, scales or "tensor", tp).fixed_bytes
+        assert fixed == model.num_layers * pool.fixed_nbytes // 3, (attn.kind, tp, dtype, scales)
+    with pytest.raises(ConfigError, match="no KV heads"):
+        layer_kv_bytes_per_token(kimi.attention, "fp8_e4m3", "head")
 
 
 # --- reserve policies --------------------------------------------------------------------------

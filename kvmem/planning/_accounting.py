@@ -113,6 +113,10 @@ def layer_kv_bytes_per_token(
         )
     per_token_scales = elem == 1 and scale_layout == "token_head"
     heads = kv_heads_per_rank(attention, tp)
+    if attention.kind == "mla" and elem == 1 and scale_layout == "head":
+        raise ConfigError(
+            "MLA caches one latent, no KV heads: use FP8 scales 'tensor' or 'token_head'."
+        )
     if attention.kind == "mla":
         assert attention.kv_lora_rank is not None and attention.qk_rope_head_dim is not None
         width = attention.kv_lora_rank + attention.qk_rope_head_dim
