@@ -177,20 +177,22 @@ class PagePool:
         ``spec.nonfinite == "raise"``, NaN/inf input raises and nothing is written.
         """
         self._check_layer(layer)
-        x = self._rows(k, v)
+        num_tokens = self._check_rows(k, v)
         slots = self._index(slot_mapping, "slot_mapping")
-        if slots.shape[0] != x.shape[0]:
+        if slots.shape[0] != num_tokens:
             raise ConfigError(
-                f"slot_mapping has {slots.shape[0]} entries for {x.shape[0]} tokens; give one "
+                f"slot_mapping has {slots.shape[0]} entries for {num_tokens} tokens; give one "
                 "slot (or -1) per token."
             )
         if check:
             self.check_slots(slots)
         keep = slots >= 0
         if not bool(keep.all()):
-            slots, x = slots[keep], x[keep]
+            slots, k = slots[keep], k[keep]
+            v = None if v is None else v[keep]
         if slots.numel() == 0:
             return
+        x = self._stack(k, v)
         if self.spec.nonfinite == "raise" and not bool(torch.isfinite(x).all()):
             raise ConfigError(
                 f"layer {layer}: K/V input holds NaN or inf and the pool's policy is "
@@ -388,8 +390,8 @@ class PagePool:
                 f"0..{self.spec.num_layers - 1}."
             )
 
-    def _rows(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        """Validate write input; return an owned [T, C, H, D] tensor."""
+    def _check_rows(self, k: torch.Tensor, v: torch.Tensor | None) -> int:
+        """Validate write input; return the number of tokens."""
         spec = self.spec
         if spec.attention == "mla":
             if v is not None:
@@ -398,7 +400,7 @@ class PagePool:
                     "latent) without v."
                 )
             self._check_tensor(k, "latent", (spec.width,))
-            return k.reshape(k.shape[0], 1, 1, spec.width).clone()
+            return k.shape[0]
         if v is None:
             raise ConfigError("MHA/GQA pools store keys and values: pass both k and v.")
         self._check_tensor(k, "k", (spec.num_heads, spec.width))
@@ -408,7 +410,22 @@ class PagePool:
                 f"k and v must match in tokens and dtype; got k {tuple(k.shape)} {k.dtype}, "
                 f"v {tuple(v.shape)} {v.dtype}."
             )
-        return torch.stack((k, v), dim=1)
+        return k.shape[0]
+
+    def _stack(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """An owned [T, C, H, D] copy of the input, in fp32 for fp8 pages (one pass each)."""
+        dtype = torch.float32 if self.format.quantized else k.dtype
+        x = torch.empty(
+            (k.shape[0], self.spec.num_components, self.spec.num_heads, self.spec.width),
+            dtype=dtype,
+            device=self.device,
+        )
+        if v is None:
+            x[:, 0, 0] = k
+        else:
+            x[:, 0] = k
+            x[:, 1] = v
+        return x
 
     def _check_tensor(self, t: torch.Tensor, name: str, tail: tuple[int, ...]) -> None:
         if not isinstance(t, torch.Tensor):
