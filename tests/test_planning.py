@@ -491,6 +491,30 @@ def test_hf_qwen3_moe_and_gpt_oss() -> None:
     assert oss.weights == get_model("gpt-oss-120b").weights
 
 
+def test_hf_glm4_moe_is_gqa_with_experts() -> None:
+    spec = model_from_hf_config(
+        {
+            "model_type": "glm4_moe",
+            "num_hidden_layers": 46,
+            "hidden_size": 4096,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "num_nextn_predict_layers": 1,
+            "vocab_size": 151552,
+        }
+    )
+    assert spec.attention.kind == "gqa" and spec.num_dense_layers == 1
+    assert spec.moe is not None and spec.moe.num_layers == 45 and spec.num_mtp_layers == 1
+    assert kv_layout(spec, "bf16", tp=8).bytes_per_token == 46 * 2 * 1 * 128 * 2
+
+
 def test_hf_bad_configs_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="lacks 'num_attention_heads'"):
         model_from_hf_config({k: v for k, v in LLAMA_8B.items() if k != "num_attention_heads"})
