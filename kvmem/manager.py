@@ -394,6 +394,9 @@ class KVCacheManager:
         self._row_ids: list[Any] = [None] * cfg.max_seqs
         # Per row.
         self._committed = np.zeros(cfg.max_seqs, dtype=np.int64)
+        # First token slot handed out by the row's latest reserve(): the step's write set is
+        # [max(committed, write_from), num_tokens).
+        self._write_from = np.zeros(cfg.max_seqs, dtype=np.int64)
         self._row_ns = np.zeros(cfg.max_seqs, dtype=np.int64)
         self._row_key = np.zeros((cfg.max_seqs, 2), dtype=np.uint64)
         # Per page: whose namespace the content belongs to (-1 when free), and the token ids
@@ -697,7 +700,7 @@ class KVCacheManager:
         self.table.map_pages(row, pages)
         num_cached = hit_pages.size * self.page_size
         self.table.set_num_tokens(row, num_cached)
-        self._committed[row] = num_cached
+        self._committed[row] = self._write_from[row] = num_cached
         self._row_ns[row] = ns
         if match is not None:
             self._row_key[row] = match.last_key
@@ -733,7 +736,9 @@ class KVCacheManager:
         if n.ndim == 0:
             n = np.full(size, int(n), dtype=np.int64)
         if n.shape != (size,):
-            raise KVMemError(f"num_tokens must be an int or one per request ({size}), got {n.shape}")
+            raise KVMemError(
+                f"num_tokens must be an int or one per request ({size}), got shape {n.shape}"
+            )
         if size and int(n.min()) < 0:
             raise KVMemError(f"num_tokens must be >= 0, got {n[n < 0].tolist()[:8]}")
         return n
@@ -756,7 +761,7 @@ class KVCacheManager:
         partial = tok % self.page_size != 0
         r, cols = r[partial], tok[partial] // self.page_size
         pages = self.table.pages[r, cols]
-        holders = self.allocator.refcounts[pages] - self._copy_holds(pages)
+        holders = self._writers(pages)
         shared = holders > 1
         if not shared.any():
             return None
@@ -770,11 +775,18 @@ class KVCacheManager:
             r, cols, pages = r[keep], cols[keep], pages[keep]
         return (r, cols, pages) if pages.size else None
 
-    def _copy_holds(self, pages: Int32Array) -> Int64Array | int:
-        """References held on these pages by copy-on-write sources awaiting the engine's copy."""
-        if not self._copy_hold:
-            return 0
-        return np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)[pages]
+    def _writers(self, pages: Int32Array) -> Int64Array:
+        """Holders that may read or write these pages' future slots: requests and the cache.
+
+        A step fence holds a dropped reference only so the page is not reused while a launched
+        step reads its existing slots; a copy-on-write source is held only until the engine
+        copied it. Neither reads a slot that a request is about to write.
+        """
+        holders = self.allocator.refcounts[pages] - self.fences.held[pages]
+        if self._copy_hold:
+            held = np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)
+            holders = holders - held[pages]
+        return holders
 
     @_public
     def reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
@@ -824,6 +836,8 @@ class KVCacheManager:
             self._forked[rows] = False  # every write into a shared tail was just handled
         num = int(n[0]) if n.size and (n == n[0]).all() else n
         grown = self.table.grow(rows, num, self.allocator)
+        seq_lens = self.table.num_tokens[rows]
+        self._write_from[rows] = seq_lens - n
         if grown.new_pages.size:
             ns = self._row_ns[grown.new_page_rows]
             self._page_ns[grown.new_pages] = ns
@@ -831,7 +845,6 @@ class KVCacheManager:
                 self.tracker.record(grown.new_page_rows, grown.new_page_positions,
                                     self._expected(grown.new_pages, ns))
             self._emit("allocate", pages=grown.new_pages)
-        seq_lens = self.table.num_tokens[rows]
         csr = self.table.csr(rows, seq_lens)
         qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
         np.cumsum(n, out=qo_indptr[1:])
@@ -1017,14 +1030,14 @@ class KVCacheManager:
             indptr, indices = csr.kv_indptr, csr.kv_indices
         qtags = self._sync_tags()
         num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
-        # The write set: each request's reserved, not yet committed tokens.
-        start = self._committed[rows]
+        # The write set: tokens the latest reserve() handed out and nobody committed yet.
+        start = np.maximum(self._committed[rows], self._write_from[rows])
         todo = self.table.num_tokens[rows] - start
         wb = np.repeat(np.arange(rows.size), todo)
         wpos = (np.repeat(start - (np.cumsum(todo) - todo), todo) + np.arange(int(todo.sum()))
                 ) // self.page_size
         wpages = self.table.pages[rows[wb], wpos]
-        holders = self.allocator.refcounts[wpages] - self._copy_holds(wpages)
+        holders = self._writers(wpages)
         report = None
         if self._fast_ok(rows, indptr, indices, num_pages, qtags):
             if (holders == 1).all():
@@ -1095,6 +1108,11 @@ class KVCacheManager:
         logger.warning("kvmem: aborting request %r: %s", request_id, reason)
         owned = self._owned_pages(row)
         if self.cache is not None:
+            stale = self.cache.stale()  # entries whose page was freed behind everyone's back
+            if stale.size:
+                keys = self.cache.forget(stale)
+                if self.config.kv_events:
+                    self._kv_event(PagesRemoved(tuple(_keys_as_ints(keys))))
             # Pages after the bad one may hold KV computed from a corrupted context: never offer
             # them to later requests (requests that already hold them keep them).
             later = owned[owned[:, 0] > first_bad, 1].astype(np.int32)
@@ -1162,6 +1180,8 @@ class KVCacheManager:
         self.table.map_pages(row, pages)
         self.table.set_num_tokens(row, ntok)
         self._committed[row] = self._committed[prow]
+        # A fork happens between steps: what the parent reserved is written by now.
+        self._write_from[[prow, row]] = ntok
         self._row_ns[row] = ns
         self._row_key[row] = self._row_key[prow]
         if self.tracker.enabled:
@@ -1230,11 +1250,11 @@ class KVCacheManager:
         tokens = req.saved if token_ids is None else self._as_tokens(token_ids)
         del self._requests[request_id]
         try:
-            result = self._admit(request_id, tokens, req.namespace, req.prompt)
+            # What must be recomputed is the request's prompt from now on.
+            return self._admit(request_id, tokens, req.namespace, tokens)
         except BaseException:
             self._requests[request_id] = req
             raise
-        return result._replace(num_prompt_tokens=int(tokens.size))
 
     @_public
     def release(self, request_id: Any) -> None:

@@ -178,6 +178,15 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
+    def forget(self, pages: Int32Array) -> KeyArray:
+        """Drop entries whose reference was already lost (the page was freed behind the cache's
+        back): no allocator call. Returns their keys."""
+
+    @abstractmethod
+    def stale(self) -> Int32Array:
+        """Cached pages no longer in the lifetime they were cached in (int32; empty if sound)."""
+
+    @abstractmethod
     def clear(self) -> Int32Array:
         """Forget every page; returns the pages that were cached."""
 
@@ -262,6 +271,7 @@ class HashedPrefixCache(PrefixCache):
         self._keys = np.zeros((n, 2), dtype=np.uint64)  # key of each cached page
         self._tokens = np.zeros((n, self.page_size), dtype=np.int64)  # for confirming hits
         self._namespace = np.zeros(n, dtype=np.int64)  # manager's namespace id of each page
+        self._tag = np.zeros(n, dtype=np.int64)  # the page's tag when it was cached
         # LRU of evictable pages: a FIFO of (page, stamp) chunks; an entry is current while
         # stamp[page] equals its stamp (a page re-acquired and released later gets a new entry).
         self._stamp = np.zeros(n, dtype=np.int64)  # 0 = not evictable
@@ -357,6 +367,9 @@ class HashedPrefixCache(PrefixCache):
             p = self.page_size
             k = pages.size
             ok = (self._tokens[pages] == token_ids[: k * p].reshape(k, p)).all(axis=1)
+            # Still the lifetime that was cached: a page freed behind the cache's back (and maybe
+            # reallocated) is never handed out, even before anyone notices.
+            ok &= self.allocator.tags[pages] == self._tag[pages]
             if namespace_id is not None:
                 ok &= self._namespace[pages] == namespace_id
             if not ok.all():
@@ -387,6 +400,7 @@ class HashedPrefixCache(PrefixCache):
         self._keys[new] = keys[sel]
         self._tokens[new] = np.asarray(token_ids).reshape(-1, self.page_size)[sel]
         self._namespace[new] = np.asarray(namespace_ids)[sel]
+        self._tag[new] = self.allocator.tags[new]
         self._num_cached += new.size
         return new
 
@@ -401,6 +415,14 @@ class HashedPrefixCache(PrefixCache):
         self._stamp[pages] = 0
         self._num_cached -= pages.size
         return keys
+
+    def forget(self, pages: Int32Array) -> KeyArray:
+        pages = np.unique(as_page_ids(pages))
+        return self._forget(pages[self._cached[pages]])
+
+    def stale(self) -> Int32Array:
+        cached = self.cached_pages()
+        return cached[self.allocator.tags[cached] != self._tag[cached]]
 
     def remove(self, pages: Int32Array) -> tuple[Int32Array, KeyArray]:
         pages = np.unique(as_page_ids(pages))
@@ -530,9 +552,10 @@ class HashedPrefixCache(PrefixCache):
         if idx_pages.size == cached.size and not np.array_equal(idx_pages, cached):
             problems.append("the index's pages differ from the pages marked cached")
         rc = self.allocator.refcounts
-        dead = cached[rc[cached] < 1]
-        if dead.size:
-            problems.append(f"cached pages {dead.tolist()[:16]} are free in the allocator")
+        stale = self.stale()
+        if stale.size:
+            problems.append(f"cached pages {stale.tolist()[:16]} were freed or reallocated "
+                            "behind the cache's back")
         evictable = np.flatnonzero(self._stamp)
         if evictable.size != self._num_evictable:
             problems.append(

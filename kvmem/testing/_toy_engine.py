@@ -1,0 +1,170 @@
+"""ToyEngine: drives a KVCacheManager the way an inference engine does, with checkable "KV".
+
+Each token slot of a flat numpy pool holds a value that, like real keys and values, depends on
+the namespace and on every token up to and including the slot's own::
+
+    value(-1) = hash(("kvmem-ns", namespace))
+    value(i)  = hash((value(i - 1), token(i)))
+
+So reading a request's slots through the manager's metadata and comparing them with the values
+its own tokens imply catches a wrong prefix hit, a missed copy-on-write, a page shared across
+namespaces, a page reused under a running request, or a stale mapping. The engine performs the
+copy-on-write copies a step asks for before it writes, as a real engine must.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.manager import AdmitResult, KVCacheManager, StepMetadata
+
+__all__ = ["ToyEngine", "kv_values"]
+
+
+def kv_values(namespace: Any, tokens: list[int], start: int = 0,
+              previous: int | None = None) -> list[int]:
+    """The slot values of ``tokens[start:]`` (``previous`` is value(start - 1) when known)."""
+    value = hash(("kvmem-ns", namespace)) if start == 0 else previous
+    if value is None:
+        return kv_values(namespace, tokens)[start:]
+    out = []
+    for tok in tokens[start:]:
+        value = hash((value, tok))
+        out.append(value)
+    return out
+
+
+@dataclass
+class _Seq:
+    namespace: Any
+    tokens: list[int]  # prompt, then generated tokens (known to the engine, maybe not written)
+    prompt_len: int
+    values: list[int] = field(default_factory=list)  # expected value of each written slot
+    written: int = 0  # tokens whose KV is in the pool (cached prefix included)
+    committed: int = 0
+
+
+class ToyEngine:
+    """A tiny continuous-batching engine over a :class:`KVCacheManager` (CPU, numpy).
+
+    Parameters
+    ----------
+    manager: the manager to drive.
+    vocab: generated tokens are drawn from ``0 .. vocab-1`` by a seeded generator.
+
+    Attributes
+    ----------
+    kv: ``[num_pages * page_size]``, int64 — the value written into each slot (0 = never)
+    """
+
+    def __init__(self, manager: KVCacheManager, vocab: int = 8, seed: int = 0) -> None:
+        self.mgr = manager
+        self.page_size = manager.page_size
+        self.kv = np.zeros(manager.num_pages * manager.page_size, dtype=np.int64)
+        self.seqs: dict[Any, _Seq] = {}
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.num_copies = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def admit(self, request_id: Any, prompt: list[int], namespace: Any = None) -> AdmitResult:
+        res = self.mgr.admit(request_id, np.asarray(prompt, dtype=np.int64), namespace)
+        seq = _Seq(namespace, list(prompt), len(prompt))
+        seq.values = kv_values(namespace, seq.tokens[: res.num_cached_tokens])
+        seq.written = seq.committed = res.num_cached_tokens
+        self.seqs[request_id] = seq
+        return res
+
+    def step(self, request_ids: list[Any], num_tokens: int | list[int]) -> StepMetadata:
+        """Reserve ``num_tokens`` per request, do the step's copies, write the new tokens' KV."""
+        step = self.mgr.reserve(request_ids, num_tokens)
+        self.apply_copies(step)
+        counts = step.num_new_tokens.tolist()
+        offsets = np.cumsum([0, *counts]).tolist()
+        for b, rid in enumerate(step.request_ids):
+            seq = self.seqs[rid]
+            n = counts[b]
+            need = seq.written + n - len(seq.tokens)
+            if need > 0:  # past the prompt: "sample" new tokens
+                seq.tokens.extend(self.rng.integers(0, self.vocab, size=need).tolist())
+            prev = seq.values[-1] if seq.values else None
+            new = kv_values(seq.namespace, seq.tokens[: seq.written + n], seq.written, prev)
+            self.kv[step.slot_mapping[offsets[b] : offsets[b + 1]]] = new
+            seq.values.extend(new)
+            seq.written += n
+        return step
+
+    def apply_copies(self, step: StepMetadata) -> None:
+        p = self.page_size
+        for src, dst in zip(step.copy_src.tolist(), step.copy_dst.tolist()):
+            self.kv[dst * p : (dst + 1) * p] = self.kv[src * p : (src + 1) * p]
+            self.num_copies += 1
+
+    def commit(self, request_ids: list[Any]) -> None:
+        """Commit every written, uncommitted token of these requests."""
+        for rid in request_ids:
+            seq = self.seqs[rid]
+            if seq.written > seq.committed:
+                self.mgr.commit(rid, np.asarray(seq.tokens[seq.committed : seq.written]))
+                seq.committed = seq.written
+
+    def fork(self, parent_id: Any, child_id: Any) -> None:
+        self.mgr.fork(parent_id, child_id)
+        parent = self.seqs[parent_id]
+        self.seqs[child_id] = _Seq(parent.namespace, list(parent.tokens),
+                                   parent.prompt_len, list(parent.values), parent.written,
+                                   parent.committed)
+
+    def preempt(self, request_id: Any) -> None:
+        self.mgr.preempt(request_id)
+        seq = self.seqs[request_id]
+        # The manager keeps the committed tokens and the rest of the prompt; tokens sampled but
+        # never committed are dropped here (a real engine may pass them to resume()).
+        seq.tokens = seq.tokens[: max(seq.committed, seq.prompt_len)]
+        seq.values, seq.written, seq.committed = [], 0, 0
+
+    def resume(self, request_id: Any) -> AdmitResult:
+        seq = self.seqs[request_id]
+        res = self.mgr.resume(request_id)
+        assert res.num_prompt_tokens == len(seq.tokens), (res, len(seq.tokens))
+        seq.prompt_len = len(seq.tokens)  # everything known is now prompt to recompute
+        seq.values = kv_values(seq.namespace, seq.tokens[: res.num_cached_tokens])
+        seq.written = seq.committed = res.num_cached_tokens
+        return res
+
+    def release(self, request_id: Any) -> None:
+        self.mgr.release(request_id)
+        del self.seqs[request_id]
+
+    def abort(self, request_id: Any) -> None:
+        """Forget a request the manager aborted (verify() already released it)."""
+        self.seqs.pop(request_id, None)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def read(self, request_id: Any) -> npt.NDArray[np.int64]:
+        """The values a kernel would read for a running request's written tokens."""
+        seq = self.seqs[request_id]
+        pages = self.mgr.pages_of(request_id).astype(np.int64)
+        pos = np.arange(seq.written)
+        return self.kv[pages[pos // self.page_size] * self.page_size + pos % self.page_size]
+
+    def check_kv(self, request_ids: list[Any] | None = None) -> None:
+        """Raise AssertionError if any running request would read a value its tokens do not
+        imply (wrong hit, missing copy, page reused or shared across namespaces)."""
+        ids = list(self.mgr.running) if request_ids is None else request_ids
+        for rid in ids:
+            got = self.read(rid)
+            want = np.array(self.seqs[rid].values, dtype=np.int64)
+            if got.shape != want.shape or not np.array_equal(got, want):
+                bad: list[int] = (np.flatnonzero(got != want).tolist()
+                                  if got.shape == want.shape else [])
+                raise AssertionError(
+                    f"request {rid!r} reads wrong KV at token positions {bad[:8]} "
+                    f"(pages {self.mgr.pages_of(rid).tolist()[:16]})"
+                )

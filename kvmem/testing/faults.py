@@ -1,0 +1,80 @@
+"""Fault injection: put a KVCacheManager into the states that real engines' bugs produced.
+
+Each function breaks one thing behind the manager's back, the way a bug elsewhere in an engine
+(or in kvmem) would, so that a test can prove the matching detector fires: ``verify`` aborts the
+victim and only the victim, or ``check`` reports the broken accounting. Row numbers in BUGS.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvmem.manager import KVCacheManager
+
+__all__ = [
+    "free_behind_back",
+    "lose_fence_completion",
+    "overwrite_page_entry",
+    "reallocate_behind_back",
+    "share_write_page",
+]
+
+
+def _row(mgr: KVCacheManager, request_id: Any) -> int:
+    return mgr._rows[request_id]
+
+
+def free_behind_back(mgr: KVCacheManager, request_id: Any, position: int) -> int:
+    """Free the page at ``position`` of a running request while it still maps it (BUGS 5, 9:
+    a second release path, or a prefix page freed under a running request). Returns the page."""
+    page = int(mgr.table.pages[_row(mgr, request_id), position])
+    holders = int(mgr.allocator.refcounts[page])
+    mgr.allocator.free(np.full(holders, page, dtype=np.int32))
+    return page
+
+
+def reallocate_behind_back(mgr: KVCacheManager, request_id: Any, position: int) -> int:
+    """Free a mapped page behind the request's back and hand it out again (BUGS 1, 5, 7, 9:
+    the page now holds someone else's KV). Returns the page; the new lifetime is left
+    allocated and owned by nobody the manager knows (a leak ``check`` reports)."""
+    page = free_behind_back(mgr, request_id, position)
+    # Take free pages until the victim comes back (the allocator hands out LIFO).
+    taken = []
+    while True:
+        got = int(mgr.allocator.allocate(1)[0])
+        if got == page:
+            break
+        taken.append(got)
+    if taken:
+        mgr.allocator.free(np.array(taken, dtype=np.int32))
+    return page
+
+
+def overwrite_page_entry(mgr: KVCacheManager, request_id: Any, position: int, page: int) -> int:
+    """Write another page id into a request's row (BUGS 12, 13: the kernel is handed the wrong
+    slice of the page table, or stale columns). Returns the page that was there."""
+    row = _row(mgr, request_id)
+    old = int(mgr.table.pages[row, position])
+    mgr.table.pages[row, position] = page
+    return old
+
+
+def share_write_page(mgr: KVCacheManager, request_id: Any) -> int:
+    """Give the page a request is about to write a second, phantom holder (BUG 14: a partly
+    filled page written by two requests without copy-on-write). Returns the page."""
+    row = _row(mgr, request_id)
+    pos = int(mgr._committed[row]) // mgr.page_size
+    page = int(mgr.table.pages[row, pos])
+    mgr.allocator.share([page])
+    return page
+
+
+def lose_fence_completion(mgr: KVCacheManager) -> int:
+    """Forget every reference waiting on a step fence, as if the completion signal never came
+    and the engine dropped the bookkeeping (BUG 2). Returns the references lost."""
+    lost = mgr.fences.num_held
+    mgr.fences._pending.clear()
+    mgr.fences.held[:] = 0
+    return lost

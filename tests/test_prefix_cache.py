@@ -1,0 +1,198 @@
+"""HashedPrefixCache: chained keys, namespaces, confirmation, LRU eviction, accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmem import PageAllocator
+from kvmem.allocator._prefix_cache import HashedPrefixCache, namespace_bytes
+
+P = 4
+
+
+def bound(num_pages: int = 32, seed: int = 1) -> tuple[HashedPrefixCache, PageAllocator]:
+    alloc = PageAllocator(num_pages)
+    cache = HashedPrefixCache(seed=seed)
+    cache.bind(alloc, P)
+    return cache, alloc
+
+
+def store(cache: HashedPrefixCache, alloc: PageAllocator, tokens: np.ndarray, ns_name: object,
+          ns_id: int) -> np.ndarray:
+    """A request computes ``tokens`` (full pages), offers them, and finishes."""
+    k = tokens.size // P
+    pages = alloc.allocate(k)
+    root = cache.root_key(ns_name)
+    keys = cache.page_keys(root[None], np.array([k]), np.array([0]), tokens.reshape(k, P))
+    parents = np.vstack([root[None], keys[:-1]])
+    cache.insert(keys, pages, tokens.reshape(k, P), np.full(k, ns_id), parents)
+    alloc.free(pages)
+    cache.released(pages)
+    return pages
+
+
+def test_prompt_keys_equal_incremental_page_keys() -> None:
+    cache, _ = bound()
+    tokens = np.arange(24) % 7
+    whole = cache.prompt_keys(tokens, "ns")
+    # The same keys computed as two runs (pages 0-1, then 2-5), as commits produce them.
+    first = cache.page_keys(cache.root_key("ns")[None], np.array([2]), np.array([0]),
+                            tokens[:8].reshape(2, P))
+    rest = cache.page_keys(first[-1:], np.array([4]), np.array([2]), tokens[8:].reshape(4, P))
+    assert np.array_equal(whole, np.vstack([first, rest]))
+    # Batched runs of different requests give the same keys as one at a time.
+    both = cache.page_keys(np.vstack([cache.root_key("ns"), first[-1]]), np.array([2, 4]),
+                           np.array([0, 2]), tokens.reshape(6, P))
+    assert np.array_equal(both, whole)
+
+
+def test_keys_depend_on_namespace_position_order_and_every_token() -> None:
+    cache, _ = bound()
+    t = np.arange(8)
+    base = cache.prompt_keys(t, None)
+    assert not np.array_equal(cache.prompt_keys(t, "tenant"), base)
+    swapped = np.concatenate([t[4:], t[:4]])
+    assert not (cache.prompt_keys(swapped, None)[1] == base[1]).all()
+    for i in range(8):
+        u = t.copy()
+        u[i] += 1
+        assert not (cache.prompt_keys(u, None)[1] == base[1]).all()
+    # The same seed gives the same keys in another cache (a router can recompute them).
+    other, _ = bound(seed=1)
+    assert np.array_equal(other.prompt_keys(t, None), base)
+    assert not np.array_equal(bound(seed=2)[0].prompt_keys(t, None), base)
+
+
+def test_namespace_encoding_is_injective() -> None:
+    names = [None, "", "a", "ab", ("a", "b"), ("ab",), 1, "1", b"1", (1,), ((1,),), True, 0]
+    encoded = [namespace_bytes(n) for n in names]
+    assert len(set(encoded)) == len(encoded)
+    with pytest.raises(TypeError, match="namespace"):
+        namespace_bytes(1.5)  # type: ignore[arg-type]
+
+
+def test_match_returns_longest_confirmed_prefix_in_the_namespace() -> None:
+    cache, alloc = bound()
+    tokens = np.arange(16)
+    pages = store(cache, alloc, tokens, "a", 1)
+    m = cache.match(np.concatenate([tokens[:12], [99, 98, 97, 96, 1]]), "a", 10, 1)
+    assert m.pages.tolist() == pages[:3].tolist()
+    assert m.num_evictable == 3
+    assert cache.match(tokens, "b", 10, 2).num_pages == 0  # another namespace: nothing
+    assert cache.match(tokens, "a", 2, 1).num_pages == 2  # capped
+    assert cache.match(np.concatenate([[5], tokens[1:]]), "a", 10, 1).num_pages == 0
+
+
+def test_a_colliding_key_is_confirmed_against_tokens_and_namespace() -> None:
+    """BUGS 10, 11: even if two prefixes collide on the key, a hit is confirmed."""
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), "a", 1)
+    # Forge a collision: another prompt's keys pointed at the stored pages.
+    forged = np.arange(8) + 100
+    for key, page in zip(cache._as_bytes(cache.prompt_keys(forged, "a")), pages.tolist()):
+        cache._index[key] = page
+    assert cache.match(forged, "a", 10, 1).num_pages == 0
+    # And a namespace confusion (stored ids disagree) is refused too.
+    assert cache.match(np.arange(8), "a", 10, namespace_id=2).num_pages == 0
+    assert cache.match(np.arange(8), "a", 10, namespace_id=1).num_pages == 2
+
+
+def test_evict_is_lru_by_release_deepest_first_and_frees_pages() -> None:
+    cache, alloc = bound(num_pages=16)
+    old = store(cache, alloc, np.arange(8), None, 0)
+    new = store(cache, alloc, np.arange(8) + 50, None, 0)
+    assert cache.num_cached == cache.num_evictable == 4
+    freed, keys = cache.evict(1)
+    assert freed.tolist() == [old[1]]  # the oldest release, its deepest page first
+    assert alloc.refcounts[freed[0]] == 0 and alloc.tags[freed[0]] == 0
+    assert keys.shape == (1, 2)
+    freed, _ = cache.evict(2)
+    assert freed.tolist() == [old[0], new[1]]
+    assert cache.num_cached == 1 and not cache.check()
+    with pytest.raises(ValueError, match="only 1"):
+        cache.evict(2)
+    assert cache.num_cached == 1  # a refused eviction changes nothing
+
+
+def test_acquired_pages_are_not_evictable_until_released() -> None:
+    cache, alloc = bound(num_pages=16)
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    alloc.share(pages)
+    cache.acquired(pages)
+    assert cache.num_evictable == 0 and not cache.check()
+    with pytest.raises(ValueError):
+        cache.evict(1)
+    alloc.free(pages)
+    cache.released(pages)
+    assert cache.num_evictable == 2 and not cache.check()
+
+
+def test_insert_keeps_the_first_page_for_a_key_and_dedupes_within_a_call() -> None:
+    cache, alloc = bound()
+    tokens = np.arange(4)
+    pages = alloc.allocate(2)
+    keys = np.vstack([cache.prompt_keys(tokens, None)] * 2)
+    inserted = cache.insert(keys, pages, np.vstack([tokens, tokens]), np.zeros(2),
+                            np.zeros((2, 2), np.uint64))
+    assert inserted.tolist() == [pages[0]]
+    assert alloc.refcounts.tolist()[: 2] == [2, 1]
+    assert cache.num_cached == 1 and not cache.check()
+
+
+def test_remove_and_clear_drop_the_cache_references() -> None:
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(12), None, 0)
+    removed, keys = cache.remove(pages[1:2])
+    assert removed.tolist() == [pages[1]] and keys.shape == (1, 2)
+    assert alloc.refcounts[pages[1]] == 0
+    assert cache.clear().size == 2
+    assert alloc.num_free == alloc.num_pages and cache.num_cached == 0 and not cache.check()
+
+
+def test_check_reports_accounting_drift() -> None:
+    """BUG 15: an evictable page that a request also holds must be reported."""
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(4), None, 0)
+    alloc.share(pages)  # a holder the cache was not told about
+    assert any("evictable" in p for p in cache.check())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=4, max_size=16),
+                          st.sampled_from([None, "x"])), min_size=1, max_size=8))
+def test_match_finds_exactly_the_stored_prefixes(stored: list[tuple[list[int], object]]) -> None:
+    cache, alloc = bound(num_pages=64)
+    model: set[tuple[object, tuple[int, ...]]] = set()
+    ns_ids = {None: 0, "x": 1}
+    for tokens, ns in stored:
+        full = np.array(tokens[: len(tokens) // P * P])
+        if full.size:
+            m = cache.match(full, ns, 99, ns_ids[ns])
+            # Reuse the hit pages and store only the rest, as the manager does.
+            k = full.size // P
+            alloc.share(m.pages)
+            cache.acquired(m.pages)
+            own = alloc.allocate(k - m.num_pages)
+            keys = cache.page_keys(m.last_key[None], np.array([k - m.num_pages]),
+                                   np.array([m.num_pages]), full[m.num_pages * P :].reshape(-1, P))
+            parents = np.vstack([m.last_key[None], keys[:-1]]) if keys.size else keys
+            cache.insert(keys, own, full[m.num_pages * P :].reshape(-1, P),
+                         np.full(own.size, ns_ids[ns]), parents)
+            held = np.concatenate([m.pages, own])
+            alloc.free(held)
+            cache.released(held)
+            for end in range(P, full.size + 1, P):
+                model.add((ns, tuple(full[:end].tolist())))
+        assert not cache.check()
+    for tokens, _ in stored:
+        for other in (None, "x"):
+            t = np.array(tokens)
+            want = 0
+            while (want + 1) * P <= t.size and (
+                (other, tuple(t[: (want + 1) * P].tolist())) in model
+            ):
+                want += 1
+            assert cache.match(t, other, 99, ns_ids[other]).num_pages == want
