@@ -227,6 +227,8 @@ def test_fp16_pages_count_overflow() -> None:
     assert int(enc.num_saturated) == 2
     assert enc.data[0, 0, 0, 0] == 65504 and enc.data[1, 1, 0, 3] == -65504
     assert int(codec.quantize(torch.randn(2, 2, 1, 4)).num_saturated) == 0
+    from_bf16 = codec.quantize(x.bfloat16())  # bf16 cannot hold 65504: clamp must not round up
+    assert int(from_bf16.num_saturated) == 2 and from_bf16.data[0, 0, 0, 0] == 65504
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -133,8 +133,9 @@ class PlainCodec(KVCodec):
         self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
     ) -> Encoded:
         num_nonfinite = _zero_nonfinite(x)
-        wider = torch.finfo(x.dtype).max > self.format.max_finite
-        if wider:
+        if torch.finfo(x.dtype).max > self.format.max_finite:
+            # Clamp in fp32, where the target's maximum is exact (bf16 rounds 65504 to 65536).
+            x = x.float()
             num_saturated = _clamp_counting(x, self.format)
         else:
             num_saturated = torch.zeros((), dtype=torch.int64, device=x.device)
