@@ -100,8 +100,9 @@ class PagePool:
         if self.codec.token_scales:
             self.token_scales = torch.zeros((L, P, *inner[:-1]), dtype=torch.float32, device=device)
         self.static_scales: torch.Tensor | None = None
-        if self.codec.static_scale_shape(C, H) is not None:
-            shape = (L, *self.codec.static_scale_shape(C, H))  # type: ignore[misc]
+        scale_shape = self.codec.static_scale_shape(C, H)
+        if scale_shape is not None:
+            shape = (L, *scale_shape)
             if spec.static_scales is not None:
                 self.static_scales = torch.tensor(
                     spec.static_scales, dtype=torch.float32, device=device
