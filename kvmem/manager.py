@@ -159,6 +159,10 @@ class StepMetadata:
     copy_src: Int32Array
     copy_dst: Int32Array
     page_size: int
+    # [nnz], int64: the qualified tag each kv_indices entry was recorded with (CheckingTracker
+    # only), gathered with the CSR so that verify(ids, step) reads it without a second gather.
+    kv_expected_tags: Int64Array | None = field(default=None, repr=False)
+    epoch: int = field(default=-1, repr=False)  # the manager's row epoch at reserve()
 
     @property
     def batch_size(self) -> int:
@@ -382,8 +386,9 @@ class KVCacheManager:
         self.tracker = self._make_tracker(tracker)
         self.pool = pool
         if pool is not None:
-            n = getattr(pool, "num_pages", cfg.num_pages)
-            if int(n) < cfg.num_pages:
+            spec = getattr(pool, "spec", None)
+            n: Any = getattr(pool, "num_pages", None) or getattr(spec, "num_pages", None)
+            if n is not None and int(n) < cfg.num_pages:
                 raise KVMemError(
                     f"the pool holds {n} pages but the manager was asked to manage {num_pages}; "
                     "give the manager at most the pool's page count"
@@ -407,6 +412,7 @@ class KVCacheManager:
         self._forked = np.zeros(cfg.max_seqs, dtype=bool)  # rows whose tail a fork may share
         self._num_forked = 0
         self._reserves = 0
+        self._epoch = 0
         self._arange = np.arange(cfg.max_pages_per_seq + 1, dtype=np.int64)
         self._page_tokens = np.zeros((cfg.num_pages, cfg.page_size), dtype=np.int32)
         self._ns_ids: dict[Any, int] = {None: 0}
@@ -845,17 +851,32 @@ class KVCacheManager:
                 self.tracker.record(grown.new_page_rows, grown.new_page_positions,
                                     self._expected(grown.new_pages, ns))
             self._emit("allocate", pages=grown.new_pages)
-        csr = self.table.csr(rows, seq_lens)
+        indptr, indices, last_len, expected = self._csr(rows, seq_lens)
         qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
         np.cumsum(n, out=qo_indptr[1:])
         self._reserves += 1
         if self.pool is not None or self._reserves % 32 == 0:
             self._sync_tags()  # mirror tags to the pool; else just keep the change log short
         return StepMetadata(
-            tuple(ids), rows, n.astype(np.int32), grown.slot_mapping, qo_indptr, csr.kv_indptr,
-            csr.kv_indices, csr.kv_last_page_len, seq_lens.astype(np.int32),
-            copy_src, copy_dst, self.page_size,
+            tuple(ids), rows, n.astype(np.int32), grown.slot_mapping, qo_indptr, indptr,
+            indices, last_len, seq_lens.astype(np.int32), copy_src, copy_dst, self.page_size,
+            expected, self._epoch,
         )
+
+    def _csr(self, rows: Int32Array, lens: Int64Array
+             ) -> tuple[Int32Array, Int32Array, Int32Array, Int64Array | None]:
+        """FlashInfer CSR over the rows' first ``lens`` tokens, and (with a CheckingTracker) the
+        tags recorded for each entry, gathered with one shared mask."""
+        used = (lens + self.page_size - 1) // self.page_size
+        indptr = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(used, out=indptr[1:])
+        width = int(used.max()) if used.size else 0
+        mask = self._arange[:width] < used[:, None]
+        indices = self.table.pages[rows, :width][mask]
+        recorded = getattr(self.tracker, "expected_tags", None) if self.tracker.enabled else None
+        expected = None if recorded is None else recorded[rows, :width][mask]
+        last_len = ((lens - 1) % self.page_size + 1).astype(np.int32)
+        return indptr, indices, last_len, expected
 
     def _expected(self, pages: Int32Array, namespace_ids: Int64Array | int) -> Int64Array:
         """The namespace-qualified tag a request records for pages it maps: ``[k]``, int64."""
@@ -974,19 +995,22 @@ class KVCacheManager:
         """Give newly full pages (runs of ``counts`` pages from column ``first``) to the cache."""
         assert self.cache is not None
         total = int(counts.sum())
-        starts = np.cumsum(counts) - counts
-        cols = np.repeat(first, counts) + np.arange(total) - np.repeat(starts, counts)
-        rep = np.repeat(rows, counts)
+        if total == rows.size:  # one page per row: the decode step
+            rep, cols, starts = rows, first, self._arange[: rows.size]
+        else:
+            starts = np.cumsum(counts) - counts
+            cols = np.repeat(first, counts) + np.arange(total) - np.repeat(starts, counts)
+            rep = np.repeat(rows, counts)
         pages = self.table.pages[rep, cols]
         tokens = self._page_tokens[pages]
         parent = self._row_key[rows]
         keys = self.cache.page_keys(parent, counts, first, tokens)
-        parents = np.empty_like(keys)
-        parents[1:] = keys[:-1]
-        parents[starts] = parent
-        inserted = self.cache.insert(keys, pages, tokens, self._row_ns[rep], parents)
+        inserted = self.cache.insert(keys, pages, tokens, self._row_ns[rep])
         self._row_key[rows] = keys[starts + counts - 1]
         if self.config.kv_events and inserted.size:
+            parents = np.empty_like(keys)
+            parents[1:] = keys[:-1]
+            parents[starts] = parent
             is_new = np.isin(pages, inserted)
             for r, s, c in zip(rows.tolist(), starts.tolist(), counts.tolist()):
                 sel = np.flatnonzero(is_new[s : s + c]) + s
@@ -1002,23 +1026,35 @@ class KVCacheManager:
     # -- integrity ---------------------------------------------------------------------------------
 
     @_public
-    def verify(self, request_ids: Sequence[Any], step: StepMetadata | None = None) -> VerifyReport:
+    def verify(self, request_ids: Sequence[Any], step: StepMetadata | None = None, *,
+               kv_indptr: Any = None, kv_indices: Any = None) -> VerifyReport:
         """The integrity check before decode; aborts (and releases) only failing requests.
 
         With ``NoOpTracker`` this returns an empty report at once. Otherwise, for each request:
         every page its metadata lists is live, in the lifetime (tag) recorded when the request
         mapped it, and holds the request's namespace's content (one comparison of namespace-
         qualified tags); it lists as many pages as the request's tokens fill; and every page it
-        is about to write has exactly one holder (besides a copy-on-write source awaiting its
-        copy). ``step`` (from ``reserve``) makes the check run on the very arrays the kernel
-        reads; without it, on fresh metadata from the page table. Failing requests are released,
-        counted, sent to the ``integrity_failure`` hook and listed in ``report.aborted``.
+        is about to write has no other holder that reads or writes its future slots (step
+        fences and a copy-on-write source awaiting its copy only keep a page from reuse).
+
+        Which metadata is checked, most faithful first: ``kv_indptr`` / ``kv_indices`` (the
+        very tensors the kernel will read, e.g. torch tensors on the pool's device: checked
+        there, against the pool's tag mirror); ``step`` (the arrays ``reserve`` returned);
+        neither (fresh CSR from the page table). Failing requests are released, counted, sent
+        to the ``integrity_failure`` hook and listed in ``report.aborted``.
         """
         if not self.tracker.enabled:
             return VerifyReport(tuple(request_ids))
         ids = tuple(request_ids)
+        if (step is not None and kv_indptr is None and step.kv_expected_tags is not None
+                and ids == step.request_ids and self._step_ok(step)):
+            return VerifyReport(ids)
         rows = self._rows_of(ids)
-        if step is not None:
+        if kv_indptr is not None or kv_indices is not None:
+            if kv_indptr is None or kv_indices is None:
+                raise KVMemError("verify() needs both kv_indptr and kv_indices, or neither")
+            indptr, indices = kv_indptr, kv_indices
+        elif step is not None:
             if step.batch_size != rows.size:
                 raise KVMemError(
                     f"verify() got {rows.size} requests but a step of {step.batch_size}; pass the "
@@ -1043,7 +1079,13 @@ class KVCacheManager:
             if (holders == 1).all():
                 return VerifyReport(ids)
         else:
-            report = self.tracker.verify(rows, num_pages, qtags, kv_indptr=indptr,
+            tags: Any = qtags
+            if not isinstance(indices, np.ndarray):  # tensors: check on their device
+                import torch
+
+                tags = (self.pool.tags if self.pool is not None
+                        else torch.as_tensor(qtags, device=indices.device))
+            report = self.tracker.verify(rows, num_pages, tags, kv_indptr=indptr,
                                          kv_indices=indices, ids=ids)
         first_bad: dict[int, int] = {}  # batch index -> first bad page position
         reasons: dict[int, str] = {}
@@ -1065,6 +1107,34 @@ class KVCacheManager:
             aborted[ids[i]] = reasons[i]
             self._abort(ids[i], first_bad[i], reasons[i])
         return VerifyReport(ids, aborted, report if report is not None and not report.ok else None)
+
+    def _step_ok(self, step: StepMetadata) -> bool:
+        """True only if verify(step.request_ids, step) would find nothing (False: look closer).
+
+        Compares the qualified tags of the pages the step lists with those recorded when they
+        were mapped (gathered with the CSR), checks that each request lists as many pages as
+        its tokens fill, and that every slot the step writes lies in a page no one else reads.
+        """
+        rows = step.rows
+        if step.epoch != self._epoch or step.kv_expected_tags is None:
+            return False  # a row was released (maybe reused) since the step was reserved
+        qtags = self._sync_tags()
+        counts = step.kv_indptr[1:] - step.kv_indptr[:-1]
+        num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
+        if not np.array_equal(counts, num_pages):
+            return False
+        indices = step.kv_indices
+        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= self.num_pages):
+            return False
+        live = qtags[indices]
+        if not (np.array_equal(live, step.kv_expected_tags) and live.all()):
+            return False
+        start = np.maximum(self._committed[rows], self._write_from[rows])
+        if not np.array_equal(self.table.num_tokens[rows] - start, step.num_new_tokens):
+            return False  # something was committed or reserved since: use the general path
+        slots = step.slot_mapping
+        pages = (slots[slots >= 0] // self.page_size).astype(np.int32)
+        return bool((self._writers(pages) == 1).all())
 
     def _fast_ok(self, rows: Int32Array, indptr: Any, indices: Any, num_pages: Int64Array,
                  qtags: Int64Array) -> bool:
@@ -1199,6 +1269,7 @@ class KVCacheManager:
         self._emit("fork", child_id, pages, detail=parent_id)
 
     def _release_row(self, request_id: Any, owned: Int32Array | None = None) -> Int32Array:
+        self._epoch += 1  # steps reserved before this no longer map rows to the same requests
         row = self._rows.pop(request_id)
         self._row_ids[row] = None
         if self._forked[row]:

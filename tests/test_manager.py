@@ -618,3 +618,55 @@ def test_many_namespaces_and_int_ids() -> None:
     assert mgr.verify(list(range(12))).ok
     eng.check_kv()
     mgr.check()
+
+
+# -- an attached PagePool -------------------------------------------------------------------------
+
+
+def pooled(num_pages: int = 16) -> tuple[KVCacheManager, Any]:
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=2, num_pages=num_pages, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cpu"))
+    return make(num_pages=num_pages, pool=pool), pool
+
+
+def test_copy_on_write_copies_the_pool_pages() -> None:
+    import torch
+
+    mgr, pool = pooled()
+    mgr.admit("p", np.arange(6))
+    step = mgr.reserve(["p"], 6)
+    for layer in range(2):
+        kv = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 1, 8) + 100 * layer
+        pool.write(layer, torch.as_tensor(step.slot_mapping), kv, -kv)
+    mgr.commit("p", np.arange(6))
+    mgr.fork("p", "c")
+    step = mgr.reserve(["p", "c"], 1)
+    assert step.copy_src.size == 0  # the manager copied through the pool itself
+    tail_p, tail_c = int(mgr.pages_of("p")[1]), int(mgr.pages_of("c")[1])
+    assert tail_p != tail_c and mgr.stats().num_cow_copies == 1
+    for layer in range(2):
+        kp, vp = pool.read(layer, torch.tensor([tail_p]))
+        kc, vc = pool.read(layer, torch.tensor([tail_c]))
+        assert torch.equal(kp[:, :2], kc[:, :2]) and torch.equal(vp[:, :2], vc[:, :2])
+        assert float(kc[0, 1, 0, 0]) == 5 * 8 + 100 * layer
+    assert mgr.verify(["p", "c"], step).ok
+
+
+def test_verify_on_the_pool_device_against_its_tag_mirror() -> None:
+    import torch
+
+    mgr, pool = pooled()
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(9)))
+    run_prompt(eng, "b", [7] * 5)
+    step = eng.step(["a", "b"], 1)
+    qtags = mgr._sync_tags()
+    assert torch.equal(pool.tags, torch.as_tensor(qtags))  # the mirror holds qualified tags
+    indptr, indices = torch.as_tensor(step.kv_indptr), torch.as_tensor(step.kv_indices)
+    assert mgr.verify(["a", "b"], kv_indptr=indptr, kv_indices=indices).ok
+    lost = faults.free_behind_back(mgr, "b", 0)
+    report = mgr.verify(["a", "b"], kv_indptr=indptr, kv_indices=indices)
+    assert list(report.aborted) == ["b"] and "freed" in report.aborted["b"]
+    assert int(pool.tags[lost]) == 0  # the mirror saw the page go before the check ran

@@ -27,8 +27,7 @@ def store(cache: HashedPrefixCache, alloc: PageAllocator, tokens: np.ndarray, ns
     pages = alloc.allocate(k)
     root = cache.root_key(ns_name)
     keys = cache.page_keys(root[None], np.array([k]), np.array([0]), tokens.reshape(k, P))
-    parents = np.vstack([root[None], keys[:-1]])
-    cache.insert(keys, pages, tokens.reshape(k, P), np.full(k, ns_id), parents)
+    cache.insert(keys, pages, tokens.reshape(k, P), np.full(k, ns_id))
     alloc.free(pages)
     cache.released(pages)
     return pages
@@ -135,8 +134,7 @@ def test_insert_keeps_the_first_page_for_a_key_and_dedupes_within_a_call() -> No
     tokens = np.arange(4)
     pages = alloc.allocate(2)
     keys = np.vstack([cache.prompt_keys(tokens, None)] * 2)
-    inserted = cache.insert(keys, pages, np.vstack([tokens, tokens]), np.zeros(2),
-                            np.zeros((2, 2), np.uint64))
+    inserted = cache.insert(keys, pages, np.vstack([tokens, tokens]), np.zeros(2))
     assert inserted.tolist() == [pages[0]]
     assert alloc.refcounts.tolist()[: 2] == [2, 1]
     assert cache.num_cached == 1 and not cache.check()
@@ -178,9 +176,8 @@ def test_match_finds_exactly_the_stored_prefixes(stored: list[tuple[list[int], o
             own = alloc.allocate(k - m.num_pages)
             keys = cache.page_keys(m.last_key[None], np.array([k - m.num_pages]),
                                    np.array([m.num_pages]), full[m.num_pages * P :].reshape(-1, P))
-            parents = np.vstack([m.last_key[None], keys[:-1]]) if keys.size else keys
             cache.insert(keys, own, full[m.num_pages * P :].reshape(-1, P),
-                         np.full(own.size, ns_ids[ns]), parents)
+                         np.full(own.size, ns_ids[ns]))
             held = np.concatenate([m.pages, own])
             alloc.free(held)
             cache.released(held)

@@ -140,14 +140,13 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
-               namespace_ids: npt.NDArray[np.integer], parent_keys: KeyArray) -> Int32Array:
+               namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
         """Remember full pages under their keys; a key already cached keeps its page.
 
         Parameters
         ----------
         keys: ``[k, 2]``, uint64; pages: ``[k]``, int32 (held by requests);
-        token_ids: ``[k, page_size]``; namespace_ids: ``[k]`` (the manager's ids);
-        parent_keys: ``[k, 2]``, uint64 — each page's parent key (for KV events)
+        token_ids: ``[k, page_size]``; namespace_ids: ``[k]`` (the manager's ids)
 
         Returns
         -------
@@ -303,10 +302,12 @@ class HashedPrefixCache(PrefixCache):
     def _page_values(self, token_ids: npt.NDArray[np.integer],
                      positions: npt.NDArray[np.integer]) -> KeyArray:
         """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[2, k]``."""
-        x = (token_ids.astype(np.uint64)[None] + np.uint64(1)) * self._K
+        x = token_ids.astype(np.uint64)[None] * self._K
+        x += self._K  # (token + 1) * K: token 0 still moves the sum
         x ^= x >> _S31
         s = x.sum(axis=2, dtype=np.uint64)
-        s += (positions.astype(np.uint64) + np.uint64(1))[None] * self._Q
+        s += positions.astype(np.uint64)[None] * self._Q
+        s += self._Q  # (position + 1) * Q
         return _fmix(s)
 
     def prompt_keys(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
@@ -331,6 +332,10 @@ class HashedPrefixCache(PrefixCache):
         total = int(counts.sum())
         if total == 0:
             return np.empty((0, 2), dtype=np.uint64)
+        if total == counts.size:  # one page per run (the decode step): no segmented sum
+            g = self._page_values(np.asarray(token_ids).reshape(total, self.page_size),
+                                  np.asarray(first_positions))
+            return g.T + np.asarray(parent_keys, dtype=np.uint64)
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         positions = np.repeat(np.asarray(first_positions, dtype=np.int64), counts) + within
@@ -381,7 +386,7 @@ class HashedPrefixCache(PrefixCache):
     # -- insert / remove ---------------------------------------------------------------------
 
     def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
-               namespace_ids: npt.NDArray[np.integer], parent_keys: KeyArray) -> Int32Array:
+               namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
         pages = as_page_ids(pages)
         if pages.size == 0:
             return pages

@@ -78,11 +78,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def _running(self) -> list[Any]:
         return list(self.mgr.running)
 
-    def _note_commits(self, ids: list[Any]) -> None:
+    def _note_commits(self, ids: list[Any], before: dict[Any, int]) -> None:
+        """Model the pages that just became full (only those are offered to the cache)."""
         p = self.page_size
         for rid in ids:
             seq = self.engine.seqs[rid]
-            for end in range(p, seq.committed + 1, p):
+            for end in range((before[rid] // p + 1) * p, seq.committed + 1, p):
                 self.committed_prefixes.add((seq.namespace, tuple(seq.tokens[:end])))
 
     def _expected_hit(self, prompt: list[int], namespace: Any) -> int:
@@ -143,8 +144,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
         ids = data.draw(st.lists(st.sampled_from(self._running()), min_size=1, unique=True))
+        before = {rid: self.engine.seqs[rid].committed for rid in ids}
         self.engine.commit(ids)
-        self._note_commits(ids)
+        self._note_commits(ids, before)
 
     @precondition(lambda self: self.mgr.running)
     @rule()
