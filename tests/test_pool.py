@@ -262,6 +262,26 @@ def test_per_layer_scales_are_calibrated_once_then_fixed() -> None:
     assert pool.stats().saturated_per_layer[1] == 0
 
 
+@pytest.mark.parametrize(("dtype", "scales"), DTYPES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_chunked_cpu_writes_store_the_same_bytes(
+    dtype: str, scales: str | None, layout: str
+) -> None:
+    whole = _pool(dtype=dtype, scales=scales, layout=layout)
+    chunked = _pool(dtype=dtype, scales=scales, layout=layout)
+    chunked._chunk_tokens = 3  # 17 tokens: chunks of 3, the last one short
+    k, v = _kv(17, scale=300.0)
+    k[5, 1, 2] = float("nan")
+    slots = torch.randperm(48)[:17]
+    slots[[2, 9]] = -1
+    for pool in (whole, chunked):
+        pool.write(0, slots, k, v)
+        pool.write(1, slots.flip(0), v, k)
+    for name, t in whole.storage_tensors().items():
+        assert torch.equal(chunked.storage_tensors()[name], t), name
+    assert chunked.stats() == whole.stats()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_slot_minus_one_touches_nothing(device: str) -> None:
     pool = _pool(device, dtype="fp8_e4m3", scales="token_head")

@@ -132,12 +132,12 @@ def _roundtrip(codec: KVCodec, x: torch.Tensor) -> torch.Tensor:
     static = None
     shape = codec.static_scale_shape(x.shape[1], x.shape[2])
     if shape is not None:
-        static = torch.zeros(shape)
-    enc = codec.quantize(x.clone(), static, calibrate=static is not None)
+        static = codec.calibrate(x, torch.zeros(shape))
+    enc = codec.quantize(x.clone(), static)
     if enc.token_scales is not None:
         scale = enc.token_scales.unsqueeze(-1)
-    elif enc.static_scale is not None:
-        scale = enc.static_scale[None, :, :, None]
+    elif static is not None:
+        scale = static[None, :, :, None]
     else:
         scale = None
     return codec.dequantize(enc.data.contiguous(), scale, torch.float32)
@@ -197,9 +197,11 @@ def test_nonfinite_inputs_are_counted_and_stored_as_zero(dtype: str, scales: str
     assert bool(torch.isfinite(y).all())
     assert y[0, 0, 0, 0] == 0 and y[3, 1, 1, 5] == 0 and y[7, 0, 1, 2] == 0
     static = None if codec.static_scale_shape(2, 2) is None else torch.zeros(2, 1)
-    enc = codec.quantize(x.clone(), static, calibrate=True)
+    static = codec.calibrate(x, static)
+    assert static is None or bool(torch.isfinite(static).all())  # NaN/inf ignored
+    enc = codec.quantize(x.clone(), static)
     assert int(enc.num_nonfinite) == 3
-    clean = codec.quantize(torch.randn(8, 2, 2, 16), static, calibrate=True)
+    clean = codec.quantize(torch.randn(8, 2, 2, 16), static)
     assert int(clean.num_nonfinite) == 0
 
 
@@ -255,15 +257,20 @@ def test_calibration_fills_only_unset_scales() -> None:
     codec = FP8Codec("fp8_e4m3", "head")
     x = torch.randn(10, 2, 3, 8)
     x[:, 1, 2] = 0.0  # V of head 2 is all zero: stays uncalibrated
+    x[4, 0, 1, 3] = float("inf")  # not data: ignored by calibration
     preset = torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
-    enc = codec.quantize(x.clone(), preset, calibrate=True)
-    assert enc.static_scale is not None
-    amax = x.abs().amax(dim=(0, 3))
-    assert enc.static_scale[0, 0] == 0.5  # given: kept
-    assert enc.static_scale[0, 1] == amax[0, 1] / 448.0
-    assert enc.static_scale[1, 2] == 0.0
-    kept = codec.quantize(x.clone(), preset, calibrate=False)
-    assert kept.static_scale is not None and torch.equal(kept.static_scale, preset)
+    scale = codec.calibrate(x, preset)
+    assert scale is not None
+    finite = x.clone()
+    finite[4, 0, 1, 3] = 0.0
+    amax = finite.abs().amax(dim=(0, 3))
+    assert scale[0, 0] == 0.5  # given: kept
+    assert scale[0, 1] == amax[0, 1] / 448.0
+    assert scale[1, 2] == 0.0
+    tensor = FP8Codec("fp8_e4m3", "tensor").calibrate(finite, torch.zeros(2, 1))
+    assert tensor is not None and torch.equal(tensor[:, 0], amax.amax(dim=1) / 448.0)
+    assert FP8Codec("fp8_e4m3", "token_head").calibrate(x, None) is None
+    assert PlainCodec("bf16").calibrate(x, None) is None
 
 
 def test_make_codec_choices_and_errors() -> None:

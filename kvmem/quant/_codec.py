@@ -5,7 +5,8 @@ One small interface, two implementations::
     codec = make_codec("fp8_e4m3", "token_head")
     codec.static_scale_shape(num_components, num_heads)   # per-layer fixed scales, or None
     codec.token_scales                                     # True: one fp32 per (token, K/V, head)
-    enc = codec.quantize(x, static_scale)                  # x [T, C, H, D] -> Encoded
+    scale = codec.calibrate(x, static_scale)               # fill unset per-layer scales
+    enc = codec.quantize(x, scale)                         # x [T, C, H, D] -> Encoded
     y = codec.dequantize(data, scale, torch.bfloat16)      # [..., D] bytes -> [..., D] floats
 
 ``C`` is 2 (K and V) for MHA/GQA and 1 for an MLA latent; ``H`` the KV heads (1 for MLA).
@@ -45,7 +46,6 @@ class Encoded(NamedTuple):
 
     data: torch.Tensor  # [T, C, H, D], the format's storage dtype (uint8 for fp8)
     token_scales: torch.Tensor | None  # [T, C, H] float32, token_head only
-    static_scale: torch.Tensor | None  # [C, Hs] float32 after calibration (tensor/head only)
     num_saturated: torch.Tensor  # int64, 0-dim, on x's device
     num_nonfinite: torch.Tensor  # int64, 0-dim, on x's device
 
@@ -65,10 +65,16 @@ class KVCodec(ABC):
             return (num_components, num_heads)
         return None
 
+    def calibrate(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """``static_scale`` [C, Hs] with its unset (0) entries set from ``x``'s amax.
+
+        x : [T, C, H, D]; NaN/inf are ignored. Entries whose values are all zero stay 0.
+        Codecs without per-layer scales return ``static_scale`` unchanged.
+        """
+        return static_scale
+
     @abstractmethod
-    def quantize(
-        self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
-    ) -> Encoded:
+    def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         """Encode T tokens.
 
         Parameters
@@ -76,9 +82,8 @@ class KVCodec(ABC):
         x : [T, C, H, D], float32 / bfloat16 / float16
             Rows to store. The codec may overwrite ``x``: pass a tensor you own.
         static_scale : [C, Hs], float32, optional
-            The layer's fixed scales (tensor/head granularity); 0 marks "not calibrated".
-        calibrate : bool
-            Fill the entries of ``static_scale`` that are 0 from this write's amax.
+            The layer's fixed scales (tensor/head granularity); 0 marks "not calibrated"
+            (such entries hold only zeros).
         """
 
     @abstractmethod
@@ -129,9 +134,7 @@ class PlainCodec(KVCodec):
         self.format = fmt
         self.granularity = None
 
-    def quantize(
-        self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
-    ) -> Encoded:
+    def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         num_nonfinite = _zero_nonfinite(x)
         if torch.finfo(x.dtype).max > self.format.max_finite:
             # Clamp in fp32, where the target's maximum is exact (bf16 rounds 65504 to 65536).
@@ -139,7 +142,7 @@ class PlainCodec(KVCodec):
             num_saturated = _clamp_counting(x, self.format)
         else:
             num_saturated = torch.zeros((), dtype=torch.int64, device=x.device)
-        return Encoded(x.to(self.format.dtype), None, None, num_saturated, num_nonfinite)
+        return Encoded(x.to(self.format.dtype), None, num_saturated, num_nonfinite)
 
     def dequantize(
         self,
@@ -169,35 +172,38 @@ class FP8Codec(KVCodec):
         self.granularity = granularity
         self.token_scales = granularity == "token_head"
 
-    def quantize(
-        self, x: torch.Tensor, static_scale: torch.Tensor | None = None, calibrate: bool = False
-    ) -> Encoded:
+    def calibrate(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor | None:
+        if self.token_scales or static_scale is None:
+            return static_scale
+        magnitude = x.abs()
+        magnitude.masked_fill_(~torch.isfinite(magnitude), 0)  # NaN/inf are not data
+        amax = magnitude.amax(dim=(0, 3)).float()  # [C, H]
+        if self.granularity == "tensor":
+            amax = amax.amax(dim=1, keepdim=True)
+        return torch.where(static_scale > 0, static_scale, amax / self.format.max_finite)
+
+    def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         xf = x if x.dtype == torch.float32 else x.float()
         num_nonfinite = _zero_nonfinite(xf)
         fmax = self.format.max_finite
-        zero = torch.zeros((), dtype=torch.int64, device=x.device)
         if self.token_scales:
             amax = xf.abs().amax(dim=-1)  # [T, C, H]
             scale = torch.where(amax > 0, amax / fmax, 1.0)
             xf.div_(scale.unsqueeze(-1))
             xf.clamp_(-fmax, fmax)  # amax/scale may round a hair above max: not a saturation
             data = xf.to(self.format.dtype).view(torch.uint8)
-            return Encoded(data, scale, None, zero, num_nonfinite)
+            zero = torch.zeros((), dtype=torch.int64, device=x.device)
+            return Encoded(data, scale, zero, num_nonfinite)
 
         if static_scale is None:
             raise ConfigError(
                 f"{self.granularity!r} scales are per layer: pass the layer's static_scale."
             )
-        if calibrate:
-            amax = xf.abs().amax(dim=(0, 3))  # [C, H]
-            if self.granularity == "tensor":
-                amax = amax.amax(dim=1, keepdim=True)
-            static_scale = torch.where(static_scale > 0, static_scale, amax / fmax)
         usable = torch.where(static_scale > 0, static_scale, 1.0)  # 0: all values are 0 anyway
         xf.div_(usable[None, :, :, None])
         num_saturated = _clamp_counting(xf, self.format)
         data = xf.to(self.format.dtype).view(torch.uint8)
-        return Encoded(data, None, static_scale, num_saturated, num_nonfinite)
+        return Encoded(data, None, num_saturated, num_nonfinite)
 
     def dequantize(
         self,
