@@ -10,8 +10,12 @@ reuse on, CheckingTracker on and off (``decode_step_us_median`` / ``..._noop``),
 part alone (reserve + verify + commit of the batch).
 
 Shared-prompt trace: 1000 requests sharing a 1024-token system prompt plus 256 own tokens each
-(seeded). Per request: ``can_admit`` + ``admit`` (timed: ``admit_us_median``), then prefill
-``reserve`` + ``commit`` and ``release`` (not timed). Reports the prefix hit rate.
+(seeded), ~200 running. Per request: ``can_admit`` + ``admit`` (timed together:
+``admit_us_median``), then prefill ``reserve`` + ``commit`` and, later, ``release`` (not timed).
+Reports the prefix hit rate (cached prompt tokens / prompt tokens).
+
+Timings are wall-clock medians in microseconds on one core; ``load_average_1min`` says how busy
+the machine was (other processes inflate every figure).
 
 If ``import vllm`` works, the same traces run through vLLM's KVCacheManager for a ratio; without
 vLLM that part is skipped.
@@ -65,23 +69,27 @@ def run_decode(prompts: list[np.ndarray], steps: list, tracker: str | None,
     for rid, prompt in zip(ids, prompts):
         start(rid, prompt)
     tokens = np.ones(batch, dtype=np.int32)
-    times: dict[str, list[float]] = {"step": [], "decode": [], "replace": []}
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("step", "decode", "replace", "reserve", "verify", "commit")}
+    clock = time.perf_counter
     for done, new_prompts in steps:
-        t0 = time.perf_counter()
+        t0 = clock()
         for slot, prompt in zip(done.tolist(), new_prompts):
             mgr.release(ids[slot])
             ids[slot] = next_id
             start(next_id, prompt)
             next_id += 1
-        t1 = time.perf_counter()
+        t1 = clock()
         step = mgr.reserve(ids, 1)
+        t2 = clock()
         report = mgr.verify(ids, step)
+        t3 = clock()
         mgr.commit_batch(ids, tokens)
-        t2 = time.perf_counter()
+        t4 = clock()
         assert report.ok
-        times["replace"].append((t1 - t0) * 1e6)
-        times["decode"].append((t2 - t1) * 1e6)
-        times["step"].append((t2 - t0) * 1e6)
+        for key, us in (("replace", t1 - t0), ("decode", t4 - t1), ("step", t4 - t0),
+                        ("reserve", t2 - t1), ("verify", t3 - t2), ("commit", t4 - t3)):
+            times[key].append(us * 1e6)
     mgr.check()
     return times
 
@@ -102,7 +110,7 @@ def run_shared(prompts: list[np.ndarray], tracker: str | None) -> dict[str, Any]
         if len(live) == 200:  # keep ~200 running; the oldest finish
             mgr.release(live.pop(0))
         t0 = time.perf_counter()
-        ok = mgr.can_admit(prompt)
+        ok = mgr.can_admit(prompt)  # an engine asks first, then admits
         res = mgr.admit(rid, prompt)
         t1 = time.perf_counter()
         assert ok
@@ -120,12 +128,86 @@ def median(values: list[float]) -> float:
 
 
 def run_vllm(prompts: list[np.ndarray], steps: list, shared: list[np.ndarray]
-             ) -> dict[str, float] | None:
+             ) -> dict[str, Any] | None:
+    """The same traces through vLLM's v1 KVCacheManager, when vLLM imports (best effort: its
+    internal API moves between releases; a mismatch is reported, not raised)."""
     try:
         import vllm  # noqa: F401
     except Exception:  # vLLM absent (or broken): no comparison
         return None
-    return None  # a vLLM harness needs a matching vLLM version; not written yet
+    try:
+        return _vllm_traces(prompts, steps, shared)
+    except Exception as e:  # an internal API this harness does not know
+        return {"vllm_error": f"{type(e).__name__}: {e}"}
+
+
+def _vllm_traces(prompts: list[np.ndarray], steps: list, shared: list[np.ndarray]
+                 ) -> dict[str, Any]:
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.request import Request
+
+    init_none_hash(hash)
+    hasher = get_request_block_hasher(PAGE_SIZE, hash)
+
+    def make(num_blocks: int) -> Any:
+        spec = FullAttentionSpec(block_size=PAGE_SIZE, num_kv_heads=1, head_size=64,
+                                 dtype=torch.float16)
+        cfg = KVCacheConfig(num_blocks=num_blocks,
+                            kv_cache_tensors=[KVCacheTensor(size=1, shared_by=["l0"])],
+                            kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+        return VllmManager(cfg, max_model_len=512 * PAGE_SIZE, enable_caching=True)
+
+    def request(rid: int, prompt: np.ndarray) -> Any:
+        return Request(str(rid), prompt.tolist(), SamplingParams(max_tokens=10**6), None,
+                       eos_token_id=None, block_hasher=hasher)
+
+    def start(mgr: Any, req: Any) -> float:
+        t0 = time.perf_counter()
+        blocks, cached = mgr.get_computed_blocks(req)
+        mgr.allocate_slots(req, req.num_tokens - cached, cached, blocks)
+        t1 = time.perf_counter()
+        req.num_computed_tokens = req.num_tokens
+        return t1 - t0
+
+    batch = len(prompts)
+    mgr = make(batch * 200)
+    reqs = [request(i, p) for i, p in enumerate(prompts)]
+    for req in reqs:
+        start(mgr, req)
+    next_id = batch
+    decode: list[float] = []
+    for done, new_prompts in steps:
+        for slot, prompt in zip(done.tolist(), new_prompts):
+            mgr.free(reqs[slot])
+            reqs[slot] = request(next_id, prompt)
+            next_id += 1
+            start(mgr, reqs[slot])
+        t0 = time.perf_counter()
+        for req in reqs:
+            req.append_output_token_ids(1)
+            mgr.allocate_slots(req, 1)
+            req.num_computed_tokens += 1
+        decode.append((time.perf_counter() - t0) * 1e6)
+    mgr2 = make(256 * 96)
+    admit: list[float] = []
+    live: list[Any] = []
+    for rid, prompt in enumerate(shared):
+        if len(live) == 200:
+            mgr2.free(live.pop(0))
+        req = request(rid, prompt)
+        admit.append(start(mgr2, req) * 1e6)
+        live.append(req)
+    return {"vllm_decode_step_us_median": median(decode),
+            "vllm_admit_us_median": median(admit[1:])}
 
 
 def main() -> None:
@@ -142,9 +224,11 @@ def main() -> None:
     off = run_decode(prompts, steps, None, num_pages)
     _system, shared = shared_prompt_trace(args.seed, args.requests)
     sp = run_shared(shared, "checking")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
+        f"Python {platform.python_version()}, numpy {np.__version__}",
+        "load_average_1min": load,
         "batch": args.batch,
         "steps": args.steps,
         "page_size": PAGE_SIZE,
@@ -152,9 +236,14 @@ def main() -> None:
         "decode_step_us_median_noop": median(off["step"]),
         "decode_only_us_median": median(on["decode"]),
         "decode_only_us_median_noop": median(off["decode"]),
+        "decode_reserve_us_median": median(on["reserve"]),
+        "decode_verify_us_median": median(on["verify"]),
+        "decode_commit_us_median": median(on["commit"]),
         "replace_us_median": median(on["replace"]),
         "admit_us_median": median(sp["admit_us"][1:]),
         "prefix_hit_rate": round(sp["hit_rate"], 4),
+        "issue_reference_vllm_decode_step_us": 2700,
+        "issue_reference_vllm_admit_us": 145,
     }
     vllm = run_vllm(prompts, steps, shared)
     if vllm is not None:

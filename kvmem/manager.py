@@ -314,6 +314,7 @@ def _public(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        self._mutations += 1  # invalidates can_admit()'s remembered plan
         try:
             result = fn(self, *args, **kwargs)
         except BaseException:
@@ -413,6 +414,8 @@ class KVCacheManager:
         self._num_forked = 0
         self._reserves = 0
         self._epoch = 0
+        self._mutations = 0  # public operations run so far
+        self._plan_memo: tuple[int, Any, Int64Array, int, PrefixMatch | None] | None = None
         self._arange = np.arange(cfg.max_pages_per_seq + 1, dtype=np.int64)
         self._page_tokens = np.zeros((cfg.num_pages, cfg.page_size), dtype=np.int32)
         self._ns_ids: dict[Any, int] = {None: 0}
@@ -649,7 +652,21 @@ class KVCacheManager:
         nothing."""
         tokens = self._as_tokens(token_ids)
         num_pages, _, match = self._plan(tokens, namespace, register=False)
+        # admit() right after (nothing changed in between) reuses this plan instead of
+        # matching the prompt a second time.
+        self._plan_memo = (self._mutations, namespace, tokens, num_pages, match)
         return self._fits(num_pages, match, self.watermark_pages)
+
+    def _planned(self, tokens: Int64Array, namespace: Any
+                 ) -> tuple[int, int, PrefixMatch | None]:
+        memo = self._plan_memo
+        if memo is not None:
+            self._plan_memo = None
+            # The counter moved once: for the admit() being run now.
+            if (memo[0] == self._mutations - 1 and memo[1] == namespace
+                    and memo[2].size == tokens.size and np.array_equal(memo[2], tokens)):
+                return memo[3], self._namespace_id(namespace, register=True), memo[4]
+        return self._plan(tokens, namespace, register=True)
 
     def _fits(self, num_pages: int, match: PrefixMatch | None, reserve: int) -> bool:
         if self.table.num_free_rows == 0:
@@ -685,7 +702,7 @@ class KVCacheManager:
 
     def _admit(self, request_id: Any, tokens: Int64Array, namespace: Any,
                prompt: Int64Array) -> AdmitResult:
-        num_pages, ns, match = self._plan(tokens, namespace, register=True)
+        num_pages, ns, match = self._planned(tokens, namespace)
         if self.table.num_free_rows == 0:
             raise KVMemError(
                 f"all max_seqs={self.max_seqs} rows are mapped; release or preempt a request "

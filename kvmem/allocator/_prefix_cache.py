@@ -391,14 +391,29 @@ class HashedPrefixCache(PrefixCache):
         if pages.size == 0:
             return pages
         index = self._index
-        take: list[int] = []
-        for i, (key, page) in enumerate(zip(self._as_bytes(keys), pages.tolist())):
-            if key not in index and not self._cached[page]:
-                index[key] = page
-                self._cached[page] = True  # also dedupes a page listed twice in this call
-                take.append(i)
+        kb = self._as_bytes(keys)
+        fresh = [i for i, k in enumerate(kb) if k not in index]
+        if not fresh:
+            return np.empty(0, dtype=np.int32)
+        # A page is remembered under one key; a key listed twice in this call keeps its first.
+        fresh = [i for i, c in zip(fresh, self._cached[pages[fresh]].tolist()) if not c]
+        if len({kb[i] for i in fresh}) != len(fresh) or len(set(pages[fresh].tolist())) != len(
+                fresh):
+            seen_k: set[bytes] = set()
+            seen_p: set[int] = set()
+            keep = []
+            for i in fresh:
+                page = int(pages[i])
+                if kb[i] not in seen_k and page not in seen_p:
+                    seen_k.add(kb[i])
+                    seen_p.add(page)
+                    keep.append(i)
+            fresh = keep
+        take = fresh
         if not take:
             return np.empty(0, dtype=np.int32)
+        index.update(zip([kb[i] for i in take], pages[take].tolist()))
+        self._cached[pages[take]] = True
         sel = np.array(take, dtype=np.int64)
         new = pages[sel]
         self.allocator.share(new)
