@@ -416,7 +416,9 @@ class KVCacheManager:
         self._epoch = 0
         self._mutations = 0  # public operations run so far
         self._plan_memo: tuple[int, Any, Int64Array, int, PrefixMatch | None] | None = None
-        self._arange = np.arange(cfg.max_pages_per_seq + 1, dtype=np.int64)
+        self._arange = np.arange(max(cfg.max_pages_per_seq, cfg.max_seqs) + 1, dtype=np.int64)
+        self._last_batch: tuple[tuple[Any, ...], Int32Array, int] = (
+            (), np.empty(0, dtype=np.int32), -1)
         self._page_tokens = np.zeros((cfg.num_pages, cfg.page_size), dtype=np.int32)
         self._ns_ids: dict[Any, int] = {None: 0}
         self._copy_hold: list[Int32Array] = []  # CoW sources kept until the next reserve()
@@ -510,6 +512,9 @@ class KVCacheManager:
         return tokens.astype(np.int64)  # a private copy: the engine keeps its own object
 
     def _rows_of(self, request_ids: Sequence[Any]) -> Int32Array:
+        last_ids, last_rows, epoch = self._last_batch
+        if epoch == self._epoch and request_ids == last_ids:
+            return last_rows  # the batch of the latest reserve(): no row moved since
         try:
             return np.fromiter(
                 map(self._rows.__getitem__, request_ids), dtype=np.int32, count=len(request_ids)
@@ -776,7 +781,7 @@ class KVCacheManager:
         """
         if not self._num_forked:
             return None
-        forked = self._forked[rows] & (n > 0)
+        forked = self._forked[rows] & (np.asarray(n) > 0)
         if not forked.any():
             return None
         r = rows[forked]
@@ -827,11 +832,17 @@ class KVCacheManager:
         OutOfPagesError: not enough free + evictable pages; preempt a request and retry
         KVMemError: a request is not running or would exceed max_pages_per_seq
         """
-        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        ids = tuple(request_ids)
         rows = self._rows_of(ids)
-        n = self._num_new(num_tokens, rows.size)
-        need = self.table.pages_needed(rows, n)
-        too_long = self.table.num_pages[rows] + need > self.max_pages_per_seq
+        # One count for the whole batch (decode, speculation) keeps the arithmetic scalar.
+        k = int(num_tokens) if isinstance(num_tokens, (int, np.integer)) else None
+        if k is not None and k < 0:
+            raise KVMemError(f"num_tokens must be >= 0, got {k}")
+        n: Any = k if k is not None else self._num_new(num_tokens, rows.size)
+        mapped = self.table.num_pages[rows]
+        need = np.maximum((self.table.num_tokens[rows] + (n + self.page_size - 1))
+                          // self.page_size - mapped, 0)
+        too_long = mapped + need > self.max_pages_per_seq
         if too_long.any():
             raise KVMemError(
                 f"requests {[ids[i] for i in np.flatnonzero(too_long)[:8]]} would need more "
@@ -854,11 +865,10 @@ class KVCacheManager:
         copy_src = copy_dst = np.empty(0, dtype=np.int32)
         if cow is not None:
             copy_src, copy_dst = self._copy_on_write(*cow)
+        grown = self.table.grow(rows, n, self.allocator)
         if self._num_forked:
             self._num_forked -= int(np.count_nonzero(self._forked[rows]))
             self._forked[rows] = False  # every write into a shared tail was just handled
-        num = int(n[0]) if n.size and (n == n[0]).all() else n
-        grown = self.table.grow(rows, num, self.allocator)
         seq_lens = self.table.num_tokens[rows]
         self._write_from[rows] = seq_lens - n
         if grown.new_pages.size:
@@ -869,15 +879,20 @@ class KVCacheManager:
                                     self._expected(grown.new_pages, ns))
             self._emit("allocate", pages=grown.new_pages)
         indptr, indices, last_len, expected = self._csr(rows, seq_lens)
-        qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
-        np.cumsum(n, out=qo_indptr[1:])
+        if k is not None:
+            num_new = np.full(rows.size, k, dtype=np.int32)
+            qo_indptr = (self._arange[: rows.size + 1] * k).astype(np.int32)
+        else:
+            num_new = n.astype(np.int32)
+            qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
+            np.cumsum(n, out=qo_indptr[1:])
         self._reserves += 1
         if self.pool is not None or self._reserves % 32 == 0:
             self._sync_tags()  # mirror tags to the pool; else just keep the change log short
+        self._last_batch = (ids, rows, self._epoch)
         return StepMetadata(
-            tuple(ids), rows, n.astype(np.int32), grown.slot_mapping, qo_indptr, indptr,
-            indices, last_len, seq_lens.astype(np.int32), copy_src, copy_dst, self.page_size,
-            expected, self._epoch,
+            ids, rows, num_new, grown.slot_mapping, qo_indptr, indptr, indices, last_len,
+            seq_lens.astype(np.int32), copy_src, copy_dst, self.page_size, expected, self._epoch,
         )
 
     def _csr(self, rows: Int32Array, lens: Int64Array
@@ -956,7 +971,7 @@ class KVCacheManager:
         token_ids: ``[B]`` ints (one token each: the decode step), ``[B, k]`` ints, or a list of
             ``B`` 1-D int sequences (ragged)
         """
-        ids = request_ids if isinstance(request_ids, (list, tuple)) else list(request_ids)
+        ids = tuple(request_ids)
         rows = self._rows_of(ids)
         if isinstance(token_ids, np.ndarray) and token_ids.ndim in (1, 2) and (
             token_ids.shape[0] == rows.size
@@ -977,7 +992,7 @@ class KVCacheManager:
             parts = [self._as_tokens(t) for t in token_ids]
             counts = np.array([p.size for p in parts], dtype=np.int64)
             flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        if len(ids) > 1 and len(set(ids)) != len(ids):
+        if len(ids) > 1 and rows is not self._last_batch[1] and len(set(ids)) != len(ids):
             raise KVMemError("request_ids must be distinct (nothing was committed)")
         self._commit(rows, counts, flat, ids)
 
