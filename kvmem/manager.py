@@ -176,6 +176,19 @@ class StepMetadata:
     def csr(self) -> CSRMetadata:
         return CSRMetadata(self.kv_indptr, self.kv_indices, self.kv_last_page_len)
 
+    def tensors(self, device: Any = "cpu") -> dict[str, Any]:
+        """The kernel metadata as torch tensors on ``device`` (one copy each), keyed by field:
+        ``slot_mapping`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
+        ``kv_last_page_len``, ``seq_lens``, ``block_table`` (int32). Pass ``kv_indptr`` and
+        ``kv_indices`` to :meth:`KVCacheManager.verify` to check the very tensors a kernel
+        reads."""
+        import torch
+
+        names = ("slot_mapping", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len",
+                 "seq_lens", "block_table")
+        return {name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device)
+                for name in names}
+
     @cached_property
     def block_table(self) -> Int32Array:
         """vLLM / flash-attn block table ``[B, W]``, int32, PAD (-1) past each request's pages;

@@ -573,8 +573,11 @@ def test_a_raising_hook_never_leaves_the_manager_half_changed() -> None:
 def test_kv_events_follow_what_the_cache_holds() -> None:
     mgr = make(num_pages=8, kv_events=True)
     eng = ToyEngine(mgr)
+    hooked: list[Any] = []
+    mgr.add_hook("kv_event", lambda e: hooked.append(e.detail))
     run_prompt(eng, "a", list(range(9)), ns="t")
     stored = mgr.take_events()
+    assert hooked == stored
     assert len(stored) == 1 and isinstance(stored[0], PagesStored)
     ev = stored[0]
     assert ev.parent_page_hash is None and len(ev.page_hashes) == 2
@@ -664,9 +667,30 @@ def test_verify_on_the_pool_device_against_its_tag_mirror() -> None:
     step = eng.step(["a", "b"], 1)
     qtags = mgr._sync_tags()
     assert torch.equal(pool.tags, torch.as_tensor(qtags))  # the mirror holds qualified tags
-    indptr, indices = torch.as_tensor(step.kv_indptr), torch.as_tensor(step.kv_indices)
+    t = step.tensors("cpu")
+    assert t["slot_mapping"].dtype == torch.int64 and t["kv_indices"].dtype == torch.int32
+    assert t["block_table"].tolist() == step.block_table.tolist()
+    indptr, indices = t["kv_indptr"], t["kv_indices"]
     assert mgr.verify(["a", "b"], kv_indptr=indptr, kv_indices=indices).ok
     lost = faults.free_behind_back(mgr, "b", 0)
     report = mgr.verify(["a", "b"], kv_indptr=indptr, kv_indices=indices)
     assert list(report.aborted) == ["b"] and "freed" in report.aborted["b"]
     assert int(pool.tags[lost]) == 0  # the mirror saw the page go before the check ran
+
+
+def test_commit_batch_takes_one_token_each_k_each_or_ragged_lists() -> None:
+    mgr = make()
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.arange(2) + (10 if rid == "b" else 0))
+    mgr.reserve(["a", "b"], 2)
+    mgr.commit_batch(["a", "b"], np.array([[0, 1], [10, 11]]))
+    mgr.reserve(["a", "b"], [3, 1])
+    mgr.commit_batch(["a", "b"], [np.array([2, 3, 4]), [12]])
+    mgr.reserve(["a", "b"], 1)
+    mgr.commit_batch(["a", "b"], np.array([5, 13], dtype=np.int32))
+    assert mgr._tokens_of(mgr._rows["a"]).tolist() == [0, 1, 2, 3, 4, 5]
+    assert mgr._tokens_of(mgr._rows["b"]).tolist() == [10, 11, 12, 13]
+    with pytest.raises(KVMemError, match="token lists"):
+        mgr.commit_batch(["a", "b"], [[1]])
+    with pytest.raises(KVMemError):
+        mgr.commit_batch(["a", "b"], np.array([-1, 2]))
