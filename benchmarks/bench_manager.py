@@ -2,12 +2,13 @@
 
 Decode-step trace (issue 2's): batch 256, page size 16, 2000 steps; every running request gains
 one token per step; 1% of requests finish each step and are replaced by one with a
-500..2000-token prompt (seeded, random tokens). One step through the manager is what an engine
-does per decode step: ``release`` the finished requests, ``admit`` + ``reserve`` + ``commit``
-their replacements' prompts (one prefill chunk), then for the whole batch ``reserve(ids, 1)``
-(with the CSR metadata), ``verify(ids, step)`` and ``commit_batch(ids, tokens)``. Timed with prefix
-reuse on, CheckingTracker on and off (``decode_step_us_median`` / ``..._noop``), and the decode
-part alone (reserve + verify + commit of the batch).
+500..2000-token prompt (seeded, random tokens). Per step, as an engine does: ``release`` the
+finished requests and ``admit`` + ``reserve`` + ``commit`` their replacements' prompts (one
+prefill chunk each), then for the whole batch ``reserve(ids, 1)`` (with the CSR metadata),
+``verify(ids, step)`` and ``commit_batch(ids, tokens)``. ``decode_step_us_median`` is that
+decode part for the batch (the work vLLM's ``allocate_slots`` loop does per decode step), with
+prefix reuse and CheckingTracker on (``..._noop``: NoOpTracker); ``step_total_us_median`` adds
+the replacements; ``decode_{reserve,verify,commit}_us_median`` split the decode part.
 
 Shared-prompt trace: 1000 requests sharing a 1024-token system prompt plus 256 own tokens each
 (seeded), ~200 running. Per request: ``can_admit`` + ``admit`` (timed together:
