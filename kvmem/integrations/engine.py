@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -34,10 +34,9 @@ import numpy as np
 import torch
 
 from kvmem.errors import ConfigError, KVMemError
-from kvmem.integrations.hf import KVBatch
+from kvmem.integrations._kvbatch import KVBatch, PagedModel
 
 if TYPE_CHECKING:
-    from kvmem.integrations.hf import PagedCausalLM
     from kvmem.manager import KVCacheManager, StepMetadata
 
 __all__ = [
@@ -153,7 +152,7 @@ class Engine:
     Parameters
     ----------
     lm:
-        The model on its page pool.
+        The model on its page pool (a :class:`~kvmem.integrations.hf.PagedCausalLM`).
     manager:
         Owns the pages of ``lm.pool`` (same ``num_pages`` and ``page_size``).
     max_num_seqs:
@@ -166,7 +165,7 @@ class Engine:
 
     def __init__(
         self,
-        lm: PagedCausalLM,
+        lm: PagedModel,
         manager: KVCacheManager,
         *,
         max_num_seqs: int = 32,
@@ -286,19 +285,35 @@ class Engine:
         )
         return ended
 
-    def run(self, arrivals: dict[int, Sequence[Request]] | None = None) -> list[Request]:
-        """Step until every request has ended; ``arrivals[s]`` are added before step ``s``.
+    def run(
+        self,
+        arrivals: dict[int, Sequence[Request]] | None = None,
+        before_step: Callable[[int, Engine], None] | None = None,
+    ) -> list[Request]:
+        """Step until every request has ended.
+
+        Parameters
+        ----------
+        arrivals:
+            ``arrivals[s]`` are added just before step ``s`` (staggered arrivals).
+        before_step:
+            Called as ``before_step(s, engine)`` after step ``s``'s arrivals and before the
+            step runs (fault drills, logging, admission control).
 
         Returns
         -------
         list[Request]
-            Every request, in the order it ended.
+            Every request that ended, in the order it ended.
         """
-        arrivals = dict(arrivals or {})
+        pending = dict(arrivals or {})
+        if any(k < 0 for k in pending):
+            raise ConfigError(f"arrival steps must be >= 0, got {sorted(pending)[:8]}")
         s = 0
-        while self.has_work() or any(k >= s for k in arrivals):
-            for r in arrivals.pop(s, ()):
+        while self.has_work() or pending:
+            for r in pending.pop(s, ()):
                 self.add_request(r)
+            if before_step is not None:
+                before_step(s, self)
             self.step()
             s += 1
         return list(self.done)

@@ -27,12 +27,12 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kvmem.errors import ConfigError
+from kvmem.integrations._kvbatch import KVBatch
 
 try:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -138,72 +138,6 @@ def load_smollm2(
 # --------------------------------------------------------------------------------------------
 # The attention seam
 # --------------------------------------------------------------------------------------------
-
-
-class KVBatch(NamedTuple):
-    """What every attention layer of one forward reads: the pool and the step's page metadata.
-
-    All tensors live on the pool's device. ``T`` is the number of tokens in the forward (all
-    requests packed), ``B`` the number of requests.
-
-    Attributes
-    ----------
-    pool:
-        The page pool holding every layer's keys and values.
-    slot_mapping:
-        ``[T]``, int64: where token t's key and value are written (``page * page_size + offset``;
-        -1 skips the write).
-    qo_indptr:
-        ``[B + 1]``, int32: request b's tokens are ``qo_indptr[b]:qo_indptr[b + 1]``.
-    kv_indptr, kv_indices, kv_last_page_len:
-        FlashInfer CSR, int32 (``[B + 1]``, ``[nnz]``, ``[B]``): each request's pages after this
-        step's tokens are written. A request's queries are the last tokens of its sequence.
-    """
-
-    pool: PagePool
-    slot_mapping: torch.Tensor
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
-
-    @classmethod
-    def from_arrays(
-        cls,
-        pool: PagePool,
-        slot_mapping: np.ndarray,
-        qo_indptr: np.ndarray,
-        kv_indptr: np.ndarray,
-        kv_indices: np.ndarray,
-        kv_last_page_len: np.ndarray,
-    ) -> KVBatch:
-        """Wrap a step's numpy metadata (e.g. from ``KVCacheManager.reserve``) as tensors on
-        the pool's device (zero-copy on the CPU)."""
-        device = pool.device
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-        return cls(
-            pool, dev(slot_mapping), dev(qo_indptr), dev(kv_indptr), dev(kv_indices),
-            dev(kv_last_page_len),
-        )
-
-    def positions(self) -> torch.Tensor:
-        """Position of every packed token in its own sequence.
-
-        Returns
-        -------
-        torch.Tensor
-            ``[T]``, int64: request b's queries sit at ``kv_len[b] - qo_len[b] ... kv_len[b] - 1``.
-        """
-        page_size = self.pool.spec.page_size
-        qo_len = (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
-        num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
-        kv_len = (num_pages - 1) * page_size + self.kv_last_page_len.long()
-        start = torch.repeat_interleave(kv_len - qo_len, qo_len)
-        first = torch.repeat_interleave(self.qo_indptr[:-1].long(), qo_len)
-        return start + torch.arange(int(self.qo_indptr[-1]), device=start.device) - first
 
 
 def _kvmem_attention(

