@@ -2,33 +2,115 @@
 
 Layers (data flows downward; nothing imports upward)::
 
-    kvmem.allocator   PageAllocator, PageTable (numpy only)
-    kvmem.integrity   trackers and the batched mapping check (numpy; torch form lazily)
+    kvmem.planning     capacity plans, model and GPU presets, throughput model (no torch)
+    kvmem.manager      KVCacheManager: the facade an engine calls, per request and per step
+    kvmem.allocator    PageAllocator, PageTable, prefix caches, step fences (numpy only)
+    kvmem.integrity    trackers and the batched mapping check (numpy; torch form lazily)
+    kvmem.quant        KV codecs: bf16/fp16 pass-through, fp8 e4m3/e5m2 with scales; int4 weights
+    kvmem.cuda         PagePool: page data on the GPU when there is one, else the CPU
+    kvmem.attention    reference paged attention over a PagePool
+
+Names from the torch layers (``PagePool``, ``PoolSpec``, ``paged_attention``) and from planning
+are imported on first use, so ``import kvmem.allocator`` needs neither torch nor pydantic models.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvmem.allocator import PAD, AllocatorStats, CSRMetadata, GrowResult, PageAllocator, PageTable
 from kvmem.errors import ConfigError, IntegrityError, InvalidFreeError, KVMemError, OutOfPagesError
 from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
 
+if TYPE_CHECKING:
+    from kvmem.attention import paged_attention
+    from kvmem.cuda import PagePool, PoolSpec, PoolStats
+    from kvmem.manager import (
+        AdmitResult,
+        KVCacheManager,
+        ManagerStats,
+        StepHandle,
+        StepMetadata,
+        VerifyReport,
+    )
+    from kvmem.planning import (
+        CapacityPlan,
+        GPUSpec,
+        ModelSpec,
+        SGLangPolicy,
+        fit_throughput,
+        get_gpu,
+        get_model,
+        plan_capacity,
+    )
+
 __version__ = "0.1.0"
+
+_LAZY = {
+    "paged_attention": "kvmem.attention",
+    "PagePool": "kvmem.cuda",
+    "PoolSpec": "kvmem.cuda",
+    "PoolStats": "kvmem.cuda",
+    "AdmitResult": "kvmem.manager",
+    "KVCacheManager": "kvmem.manager",
+    "ManagerStats": "kvmem.manager",
+    "StepHandle": "kvmem.manager",
+    "StepMetadata": "kvmem.manager",
+    "VerifyReport": "kvmem.manager",
+    "CapacityPlan": "kvmem.planning",
+    "GPUSpec": "kvmem.planning",
+    "ModelSpec": "kvmem.planning",
+    "SGLangPolicy": "kvmem.planning",
+    "fit_throughput": "kvmem.planning",
+    "get_gpu": "kvmem.planning",
+    "get_model": "kvmem.planning",
+    "plan_capacity": "kvmem.planning",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PAD",
+    "AdmitResult",
     "AllocatorStats",
     "CSRMetadata",
+    "CapacityPlan",
     "CheckingTracker",
     "ConfigError",
+    "GPUSpec",
     "GrowResult",
     "IntegrityError",
     "IntegrityReport",
     "InvalidFreeError",
+    "KVCacheManager",
     "KVMemError",
+    "ManagerStats",
+    "ModelSpec",
     "NoOpTracker",
     "OutOfPagesError",
     "PageAllocator",
+    "PagePool",
     "PageTable",
+    "PoolSpec",
+    "PoolStats",
+    "SGLangPolicy",
+    "StepHandle",
+    "StepMetadata",
     "Tracker",
+    "VerifyReport",
     "__version__",
+    "fit_throughput",
+    "get_gpu",
+    "get_model",
+    "paged_attention",
+    "plan_capacity",
 ]
