@@ -169,10 +169,16 @@ class CheckingTracker:
         tags: ``[num_physical_pages]``, int64 — live tags (the allocator's, or a device mirror)
         ids: labels for the report (request ids); defaults to ``rows``
         """
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        expected = self.expected_tags[rows]
         if (block_table is None) == (kv_indptr is None):
             raise ValueError("verify() needs exactly one of block_table or kv_indptr/kv_indices")
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        # Gather only the columns the metadata can reach (CSR: the longest row it lists).
+        if block_table is not None:
+            width = block_table.shape[1]
+        else:
+            counts = kv_indptr[1:] - kv_indptr[:-1]
+            width = int(counts.max()) if counts.shape[0] else 0
+        expected = self.expected_tags[rows, : min(width, self.expected_tags.shape[1])]
         if isinstance(tags, np.ndarray):
             if block_table is not None:
                 entries = check_block_table(block_table, np.asarray(num_pages), expected, tags)
