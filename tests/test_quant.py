@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -89,19 +91,34 @@ def test_fp8_decode_with_scales_is_bit_identical_to_reference(
     assert _same(fp8_to_float(data, fmt, head, out_dtype), want_h)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Run under 1 and 2 torch threads: the decode picks its chunking and integer path by it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("fmt", "dtype"), FP8)
-def test_fp8_decode_many_chunks_and_threads(
-    fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_decode_many_chunks(
+    fmt: str,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_fp8, "_PARALLEL_ELEMS", 4096)  # split even a small input
+    monkeypatch.setattr(_fp8, "_CHUNK_ELEMS", 1000)  # many chunks, the last one short
+    monkeypatch.setattr(_fp8, "_THREADED_CHUNK_ELEMS", 4096)
     b = _all_bytes(fmt)
     g = torch.Generator().manual_seed(1)
-    data = b[torch.randint(0, b.numel(), (3001, 96), generator=g)]  # rows not a chunk multiple
+    data = b[torch.randint(0, b.numel(), (3001, 96), generator=g)]
     scale = torch.rand(3001, 1, generator=g)
-    out = torch.empty(3001, 96, dtype=torch.bfloat16)
-    got = fp8_to_float(data, fmt, scale, torch.bfloat16, out=out)
+    out = torch.empty(3001, 96, dtype=out_dtype)
+    got = fp8_to_float(data, fmt, scale, out_dtype, out=out)
     assert got.data_ptr() == out.data_ptr()
-    assert _same(got, (data.view(dtype).float() * scale).bfloat16())
+    assert _same(got, (data.view(dtype).float() * scale).to(out_dtype))
 
 
 def test_fp8_decode_accepts_float8_view_and_empty() -> None:

@@ -16,21 +16,16 @@ half that holds exactly the same value scaled by a power of two, and lets one fp
     int8 b * 128 (int16) puts the byte at bits 7..14; the sign of a negative byte also sets
     bit 14, so e4m3 clears it with a mask (0xBF80). e5m2 is int8 b * 256, no mask.
 
-A few passes over buffers that stay in cache (widen+shift and mask in numpy, which runs these
-integer loops faster than torch here; half -> fp32, the scale multiply and the output cast in
-torch), done in chunks, split across threads for large inputs. The result is bit-identical to
-``(data.view(fp8).float() * scale).to(out_dtype)``, except that the e4m3fn NaN bytes 0x7F/0xFF
-decode to +-480 instead of NaN: kvmem never writes them (see :mod:`kvmem.quant._codec`).
+A few passes over buffers that stay in cache (widen+shift, mask, half -> fp32, the scale
+multiply, the output cast), done in chunks sized for torch's thread count. The result is
+bit-identical to ``(data.view(fp8).float() * scale).to(out_dtype)``, except that the e4m3fn NaN
+bytes 0x7F/0xFF decode to +-480 instead of NaN: kvmem never writes them
+(see :mod:`kvmem.quant._codec`).
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvmem.errors import ConfigError
@@ -38,13 +33,12 @@ from kvmem.quant._formats import page_format
 
 __all__ = ["fp8_to_float"]
 
-# Elements per chunk: just under torch's parallel grain (32768), so each op runs inline, and
-# 64 KiB of int16 scratch that stays in L2 next to the chunk's output.
+# Elements per chunk with one torch thread: just under torch's parallel grain (32768), so ops
+# run inline. With more threads: 256K elements (0.5 MiB of int16 scratch, 1 MiB of fp32) per
+# op, large enough to split across threads, small enough to stay in L2. Both measured best on
+# the 2-core CI machine (benchmarks/bench_fp8.py).
 _CHUNK_ELEMS = 32767
-# Inputs this large (per worker) are split across threads, up to torch's thread count.
-_PARALLEL_ELEMS = 1 << 20
-_MAX_WORKERS = max(1, min(8, os.cpu_count() or 1))
-_EXECUTOR: ThreadPoolExecutor | None = None
+_THREADED_CHUNK_ELEMS = 1 << 18
 _E4M3_MASK = -16512  # 0xBF80 as int16: keep sign, exponent and mantissa; drop the sign's echo
 _WIDEN = {  # int8 -> int16 multiplier that places the byte, and the factor the half is off by
     "fp8_e4m3": (128, 256.0),
@@ -106,57 +100,47 @@ def fp8_to_float(
     multiplier, undo = _WIDEN[fmt]
     width = data.shape[-1]
     rows = data.numel() // width
-    src = data.view(torch.int8).reshape(rows, width).numpy()
-    dst = out.view(rows, width)
+    src = data.view(torch.int8).reshape(rows, width)
     mult = _row_multipliers(scale, data.shape[:-1], rows, undo)
-    workers = min(torch.get_num_threads(), _MAX_WORKERS, max(1, data.numel() // _PARALLEL_ELEMS))
-    if workers == 1:
-        _decode_rows(src, dst, mult, multiplier, fmt == "fp8_e4m3", 0, rows)
-        return out
-    bounds = [rows * i // workers for i in range(workers + 1)]
-    jobs = [
-        _executor().submit(_decode_rows, src, dst, mult, multiplier, fmt == "fp8_e4m3", a, b)
-        for a, b in itertools.pairwise(bounds)
-    ]
-    for job in jobs:
-        job.result()
+    _decode_rows(src, out.view(rows, width), mult, multiplier, fmt == "fp8_e4m3")
     return out
 
 
 def _decode_rows(
-    src: npt.NDArray[np.int8],
-    dst: torch.Tensor,
-    mult: torch.Tensor,
-    multiplier: int,
-    mask: bool,
-    r0: int,
-    r1: int,
+    src: torch.Tensor, dst: torch.Tensor, mult: torch.Tensor, multiplier: int, mask: bool
 ) -> None:
-    """Decode rows r0..r1 of ``src`` into ``dst``, one cache-sized chunk at a time.
+    """Decode int8 rows ``src`` [R, W] into ``dst`` [R, W], one cache-sized chunk at a time.
 
-    Each chunk stays under torch's parallel grain size, so its ops run inline on the calling
-    thread: workers split rows among themselves instead of meeting at a barrier per op.
+    With several torch threads, chunks are large enough for each op to run on all of them
+    (integer steps in torch). With one, chunks stay under torch's parallel grain and the
+    integer steps run in numpy, whose per-call cost is lower.
     """
-    width = src.shape[1]
-    step = max(1, _CHUNK_ELEMS // width)
-    scratch = np.empty((min(step, r1 - r0), width), dtype=np.int16)
-    halves = torch.from_numpy(scratch).view(torch.float16)
-    wide = torch.empty(halves.shape, dtype=torch.float32)
-    widen = np.int16(multiplier)
+    rows, width = src.shape
+    threaded = torch.get_num_threads() > 1
+    step = max(1, (_THREADED_CHUNK_ELEMS if threaded else _CHUNK_ELEMS) // width)
+    step = min(step, rows)
+    scratch = torch.empty((step, width), dtype=torch.int16)
+    halves = scratch.view(torch.float16)
+    wide = torch.empty((step, width), dtype=torch.float32)
+    widen = torch.tensor([multiplier], dtype=torch.int16)
+    src_np, scratch_np, widen_np = src.numpy(), scratch.numpy(), np.int16(multiplier)
     direct = dst.dtype == torch.float32
-    outs = dst[r0:r1].split(step)
-    mults = mult[r0:r1].split(step) if mult.shape[0] > 1 else [mult] * len(outs)
+    outs = dst.split(step)
+    mults = mult.split(step) if mult.shape[0] > 1 else [mult] * len(outs)
     for i, (out, m) in enumerate(zip(outs, mults)):
-        a = r0 + i * step
+        a = i * step
         n = out.shape[0]
         bits, half, f32 = (
-            (scratch, halves, wide)
-            if n == scratch.shape[0]
-            else (scratch[:n], halves[:n], wide[:n])
+            (scratch, halves, wide) if n == step else (scratch[:n], halves[:n], wide[:n])
         )
-        np.multiply(src[a : a + n], widen, out=bits, dtype=np.int16)
-        if mask:
-            np.bitwise_and(bits, _E4M3_MASK, out=bits)
+        if threaded:
+            torch.mul(src[a : a + n], widen, out=bits)
+            if mask:
+                bits.bitwise_and_(_E4M3_MASK)
+        else:
+            np.multiply(src_np[a : a + n], widen_np, out=scratch_np[:n], dtype=np.int16)
+            if mask:
+                np.bitwise_and(scratch_np[:n], _E4M3_MASK, out=scratch_np[:n])
         # half -> fp32 is exact; one fp32 multiply; then one rounding into dst's dtype.
         if direct:
             out.copy_(half)
@@ -165,13 +149,6 @@ def _decode_rows(
             f32.copy_(half)
             f32.mul_(m)
             out.copy_(f32)
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(_MAX_WORKERS, thread_name_prefix="kvmem-fp8")
-    return _EXECUTOR
 
 
 def _row_multipliers(
