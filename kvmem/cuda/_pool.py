@@ -294,7 +294,9 @@ class PagePool:
         self._check_layer(layer)
         ids = self._index(page_ids, "page_ids")
         self._check_range(ids, self.spec.num_pages, "page_ids", "page")
-        raw = self.data[layer].index_select(0, ids)
+        pages = self.data[layer]
+        raw = _words(pages.view(pages.shape[0], -1)).index_select(0, ids)
+        raw = raw.view(pages.dtype).view(ids.numel(), *pages.shape[1:])
         scale: torch.Tensor | None = None
         if self.token_scales is not None:
             scale = self.token_scales[layer].index_select(0, ids).unsqueeze(-1)
