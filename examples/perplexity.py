@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", default="fp8_e4m3",
                         choices=["hf", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--scales", choices=["tensor", "head", "token_head"], default=None,
-                        help="fp8 scale granularity (default: the pool's, 'tensor')")
+                        help="fp8 scale granularity (default token_head: DEFAULT_FP8_SCALES)")
     parser.add_argument("--text", type=Path, default=None,
                         help="a UTF-8 text file (default: the stdlib docstring corpus)")
     parser.add_argument("--tokens", type=int, default=9 * 1024,

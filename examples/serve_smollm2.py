@@ -110,6 +110,7 @@ def serve(
         "stats": stats,
         "peak_pages": peak["pages"],
         "peak_tokens": peak["tokens"],
+        "scales": lm.pool.spec.scales,
         "bytes_per_token": lm.pool.spec.bytes_per_token,
         "bf16_bytes_per_token": bf16.bytes_per_token,
         "drill": drilled,
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pages: peak {out['peak_pages']} of {stats.num_pages} in use "
           f"({out['peak_tokens']} tokens); now {stats.num_free} free, {stats.num_cached} "
           f"cached, {stats.num_used} used")
-    print(f"KV memory: {args.kv_dtype} pages take {out['bytes_per_token']} bytes per token "
+    scales = f" ({out['scales']} scales)" if out["scales"] else ""
+    print(f"KV memory: {args.kv_dtype}{scales} pages take {out['bytes_per_token']} bytes per token "
           f"(bf16: {out['bf16_bytes_per_token']}); at the peak they saved {saved / kib:.1f} KiB "
           f"({out['bf16_bytes_per_token'] / out['bytes_per_token']:.2f}x the tokens per byte)")
     print(f"integrity failures: {stats.num_integrity_failures}")

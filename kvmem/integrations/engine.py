@@ -365,16 +365,22 @@ class Engine:
             log.warning("request %r aborted: %s", r.request_id, reason)
 
 
-def free_page_behind_manager(manager: KVCacheManager, request_id: Hashable) -> int:
+def free_page_behind_manager(
+    manager: KVCacheManager, request_id: Hashable, position: int | None = None
+) -> int:
     """Fault injection: free one page of a running request without telling the manager.
 
     This is the bug real engines have shipped (BUGS.md #1, #3, #5): a second release path
     drops a page that a live request still maps, and the allocator hands it to the next
-    request that asks. The request's page table still points at the page; only the
-    integrity check (a page tag that changed) can tell.
+    request that asks (the free stack is LIFO: the very next allocation). The request's page
+    table still points at the page; only the integrity check (a page tag that changed) can
+    tell.
 
-    The page chosen is the request's last page that it holds alone (so freeing it really
-    returns it to the free stack, where the next allocation takes it first).
+    Parameters
+    ----------
+    position:
+        Which of the request's pages (index in its row); default its last page that it holds
+        alone, so that freeing it really returns it to the free stack.
 
     Returns
     -------
@@ -384,15 +390,23 @@ def free_page_behind_manager(manager: KVCacheManager, request_id: Hashable) -> i
     Raises
     ------
     KVMemError
-        The request holds no page alone (everything it maps is shared).
+        The chosen page is shared (freeing it would only drop a reference), or the request
+        holds no page alone.
     """
     pages = manager.pages_of(request_id)
-    alone = pages[manager.allocator.refcounts[pages] == 1]
-    if alone.size == 0:
+    alone = manager.allocator.refcounts[pages] == 1
+    if position is None:
+        if not alone.any():
+            raise KVMemError(
+                f"request {request_id!r} holds no page alone (all {pages.size} are shared); "
+                "pick a request that has written past its shared prefix"
+            )
+        position = int(np.flatnonzero(alone)[-1])
+    if not 0 <= position < pages.size or not alone[position]:
         raise KVMemError(
-            f"request {request_id!r} holds no page alone (all {pages.size} are shared); "
-            "pick a request that has written past its shared prefix"
+            f"request {request_id!r} has {pages.size} pages and holds "
+            f"{np.flatnonzero(alone).tolist()} alone; position {position} is not one of them"
         )
-    page = int(alone[-1])
+    page = int(pages[position])
     manager.allocator.free(np.array([page], dtype=np.int32))
     return page
