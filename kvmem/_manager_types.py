@@ -115,9 +115,6 @@ class StepMetadata:
     copy_src: Int32Array
     copy_dst: Int32Array
     page_size: int
-    # [nnz], int64: the qualified tag each kv_indices entry was recorded with (CheckingTracker
-    # only), gathered with the CSR so that verify(ids, step) reads it without a second gather.
-    kv_expected_tags: Int64Array | None = field(default=None, repr=False)
     epoch: int = field(default=-1, repr=False)  # the manager's row epoch at reserve()
 
     @property

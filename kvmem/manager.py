@@ -102,6 +102,61 @@ class _Request:
     saved: Int64Array | None = None  # tokens to recompute on resume (set while preempted)
 
 
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """The latest ``reserve()``: its batch, and what ``verify``/``commit_batch`` of the same
+    batch reuse. ``indptr``/``indices`` are private copies of the CSR handed out: the next
+    reserve builds its CSR from them, copying the rows that only grew (see ``_build_csr``)."""
+
+    ids: tuple[Any, ...]
+    rows: Int32Array  # read-only (StepMetadata.rows is this array)
+    rows_w: Int64Array  # rows * max_pages_per_seq: flat index of each row's column 0
+    gens: Int64Array  # the rows' generations when reserved (see KVCacheManager._row_gen)
+    counts: Int64Array  # pages listed per row
+    indptr: Int32Array
+    indices: Int32Array
+    epoch: int
+    step: StepMetadata | None = None
+    start: Int64Array | None = None  # tokens each row held before the reserve
+    end: Int64Array | None = None  # ... and after it
+    k: int = -1  # tokens per row when the batch got one count (-1: per-row counts)
+    token_pages: Int32Array | None = None  # k == 1: the page each new token lands in ...
+    offsets: Int64Array | None = None  # ... and its slot within the page
+    uncommitted: bool = True  # no commit since the reserve: the write set is the step's
+
+
+@dataclass(slots=True, eq=False)
+class _Verified:
+    """The metadata the latest ``verify()`` proved good (private copies), so that the next one
+    checks in full only the entries this one did not see, and the rest by comparison plus the
+    pages whose tag changed since (``KVCacheManager._verified_refs``)."""
+
+    rows: Int32Array
+    gens: Int64Array
+    counts: Int64Array  # pages listed per row
+    indptr: Int64Array
+    indices: Int32Array
+
+
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
+_EMPTY_PAGES.flags.writeable = False
+_EMPTY_TAGS = np.empty(0, dtype=np.int64)
+# Rows that changed since the previous step (grew a page, or hold another request) up to which
+# the CSR is patched by splicing slices (more: one vectorized rebuild / the full check).
+_MAX_SPLICES = 64
+
+
+def _ranges(starts: npt.NDArray[np.integer], lengths: npt.NDArray[np.integer]) -> Int64Array:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])`` in four numpy calls.
+
+    ``starts``, ``lengths``: ``[m]`` ints (lengths >= 0) -> ``[sum(lengths)]``, int64.
+    """
+    ends = np.cumsum(lengths, dtype=np.int64)
+    out = np.repeat(np.asarray(starts, dtype=np.int64) - ends + lengths, lengths)
+    out += np.arange(out.size)
+    return out
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -209,14 +264,32 @@ class KVCacheManager:
         self._qtags = np.zeros(cfg.num_pages, dtype=np.int64)  # see _NS_BITS
         self._forked = np.zeros(cfg.max_seqs, dtype=bool)  # rows whose tail a fork may share
         self._num_forked = 0
-        self._reserves = 0
+        # A row's generation changes whenever its mapped columns may change other than by
+        # appending (the row is opened, closed, or copied-on-write); _epoch counts such changes
+        # over all rows. Cached batches (reserve -> verify -> commit) are valid while they hold.
+        # Generations are unique over all rows (from _epoch), so equal generations mean the
+        # same row holding the same request with nothing but appends since.
+        self._row_gen = np.zeros(cfg.max_seqs, dtype=np.int64)
         self._epoch = 0
         self._mutations = 0  # public operations run so far
         self._plan_memo: tuple[int, Any, Int64Array, int, PrefixMatch | None] | None = None
         self._arange = np.arange(max(cfg.max_pages_per_seq, cfg.max_seqs) + 1, dtype=np.int64)
-        self._last_batch: tuple[tuple[Any, ...], Int32Array, int] = (
-            (), np.empty(0, dtype=np.int32), -1)
+        self._stamp = np.zeros(cfg.max_seqs, dtype=np.int64)  # scratch: distinct-rows check
+        self._flat_pages = self.table.pages.reshape(-1)  # a view: (row, col) at row * W + col
+        self._batch: _Batch | None = None
+        # Recent batches by size (a decode batch survives the prefill reserves between steps):
+        # the CSR base of the next reserve of a batch that size.
+        self._bases: dict[int, _Batch] = {}
+        self._qo_cache: dict[tuple[int, int], Int32Array] = {}
+        # The verified snapshot; per page, how many of its entries list the page; and the pages
+        # whose tag changed since it was taken (arrays, as the allocator logged them).
+        self._verified: _Verified | None = None
+        self._verified_refs = np.zeros(cfg.num_pages, dtype=np.int32)
+        self._page_stamp = np.zeros(cfg.num_pages, dtype=np.int64)  # scratch: distinct pages
+        self._arange_pages = np.arange(4096, dtype=np.int64)
+        self._verified_dirty: list[Int32Array] = []
         self._page_tokens = np.zeros((cfg.num_pages, cfg.page_size), dtype=np.int32)
+        self._page_tokens_flat = self._page_tokens.reshape(-1)
         self._ns_ids: dict[Any, int] = {None: 0}
         self._copy_hold: list[Int32Array] = []  # CoW sources kept until the next reserve()
         # Hooks and events.
@@ -308,20 +381,41 @@ class KVCacheManager:
             )
         return tokens.astype(np.int64)  # a private copy: the engine keeps its own object
 
-    def _rows_of(self, request_ids: Sequence[Any]) -> Int32Array:
-        last_ids, last_rows, epoch = self._last_batch
-        if epoch == self._epoch and request_ids == last_ids:
-            return last_rows  # the batch of the latest reserve(): no row moved since
+    def _rows_of(self, ids: tuple[Any, ...]) -> Int32Array:
+        """Page-table rows of running requests: ``[B]``, int32 (the latest reserve's own array
+        when ``ids`` is its batch and no row changed since)."""
+        b = self._batch
+        if b is not None and b.epoch == self._epoch and ids == b.ids:
+            return b.rows
         try:
-            return np.fromiter(
-                map(self._rows.__getitem__, request_ids), dtype=np.int32, count=len(request_ids)
-            )
+            return np.fromiter(map(self._rows.__getitem__, ids), dtype=np.int32, count=len(ids))
         except KeyError as e:
             rid = e.args[0]
             state = "preempted" if rid in self._requests else "unknown or released"
             raise KVMemError(
                 f"request {rid!r} is not running ({state}); admit or resume it first"
             ) from None
+
+    def _require_distinct(self, rows: Int32Array, what: str) -> None:
+        """Raise ValueError unless the rows are distinct (stamping each row with its batch index
+        reads every index back only when no row appears twice)."""
+        if rows.size > self.max_seqs:
+            raise ValueError(f"request_ids must be distinct, got {rows.size} for {self.max_seqs} "
+                             f"rows (nothing was {what})")
+        index = self._arange[: rows.size]
+        self._stamp[rows] = index
+        if not np.array_equal(self._stamp[rows], index):
+            raise ValueError(f"request_ids must be distinct (nothing was {what})")
+
+    def _touch_row(self, row: int | Int32Array) -> None:
+        """The row's mapped columns changed other than by appending: cached batches that list
+        it must look at it again."""
+        if isinstance(row, (int, np.integer)):
+            self._epoch += 1
+            self._row_gen[row] = self._epoch
+        else:
+            self._row_gen[row] = self._epoch + 1 + np.arange(len(row))
+            self._epoch += len(row)
 
     def _row_of(self, request_id: Any) -> int:
         row = self._rows.get(request_id)
@@ -522,6 +616,7 @@ class KVCacheManager:
         new = self._allocate(num_pages - hit_pages.size, ns)
         pages = np.concatenate([hit_pages, new]) if hit_pages.size else new
         row = self.table.add_row()
+        self._touch_row(row)
         self.table.map_pages(row, pages)
         num_cached = hit_pages.size * self.page_size
         self.table.set_num_tokens(row, num_cached)
@@ -547,7 +642,7 @@ class KVCacheManager:
 
     def can_reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find enough pages now."""
-        rows = self._rows_of(request_ids)
+        rows = self._rows_of(tuple(request_ids))
         n = self._num_new(num_tokens, rows.size)
         need = self.table.pages_needed(rows, n)
         if (self.table.num_pages[rows] + need > self.max_pages_per_seq).any():
@@ -568,7 +663,7 @@ class KVCacheManager:
             raise KVMemError(f"num_tokens must be >= 0, got {n[n < 0].tolist()[:8]}")
         return n
 
-    def _cow_candidates(self, rows: Int32Array, n: Int64Array
+    def _cow_candidates(self, rows: Int32Array, n: Int64Array | int
                         ) -> tuple[Int32Array, Int64Array, Int32Array] | None:
         """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages).
 
@@ -600,14 +695,16 @@ class KVCacheManager:
             r, cols, pages = r[keep], cols[keep], pages[keep]
         return (r, cols, pages) if pages.size else None
 
-    def _writers(self, pages: Int32Array) -> Int64Array:
+    def _writers(self, pages: npt.NDArray[np.integer]) -> Int64Array:
         """Holders that may read or write these pages' future slots: requests and the cache.
 
         A step fence holds a dropped reference only so the page is not reused while a launched
         step reads its existing slots; a copy-on-write source is held only until the engine
         copied it. Neither reads a slot that a request is about to write.
         """
-        holders = self.allocator.refcounts[pages] - self.fences.held[pages]
+        holders = self.allocator.refcounts[pages]
+        if self.fences.holds_any:
+            holders = holders - self.fences.held[pages]
         if self._copy_hold:
             held = np.bincount(np.concatenate(self._copy_hold), minlength=self.num_pages)
             holders = holders - held[pages]
@@ -629,37 +726,104 @@ class KVCacheManager:
         OutOfPagesError: not enough free + evictable pages; preempt a request and retry
         KVMemError: a request is not running or would exceed max_pages_per_seq
         """
-        ids = tuple(request_ids)
+        ids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._rows_of(ids)
-        # One count for the whole batch (decode, speculation) keeps the arithmetic scalar.
-        k = int(num_tokens) if isinstance(num_tokens, (int, np.integer)) else None
-        if k is not None and k < 0:
-            raise KVMemError(f"num_tokens must be >= 0, got {k}")
-        n: Any = k if k is not None else self._num_new(num_tokens, rows.size)
+        known = self._batch is not None and rows is self._batch.rows  # checked when reserved
+        if not known:
+            rows.flags.writeable = False  # StepMetadata.rows; the next steps reuse it
+        if isinstance(num_tokens, (int, np.integer)):
+            k = int(num_tokens)
+            if k < 0:
+                raise KVMemError(f"num_tokens must be >= 0, got {k}")
+            if k <= self.page_size and not self._num_forked and not self._copy_hold:
+                if not known:
+                    self._require_distinct(rows, "reserved")
+                return self._reserve_small(ids, rows, k)
+            return self._reserve_any(ids, rows, k, known)
+        return self._reserve_any(ids, rows, self._num_new(num_tokens, rows.size), known)
+
+    def _reserve_small(self, ids: tuple[Any, ...], rows: Int32Array, k: int) -> StepMetadata:
+        """Every row gains ``k <= page_size`` tokens (decode, short speculation), so at most one
+        page, and no row writes into a page a fork shares: a constant number of numpy calls."""
+        P = self.page_size
+        tbl = self.table
+        b = self._batch
+        rows_w = (b.rows_w if b is not None and rows is b.rows
+                  else rows.astype(np.int64) * self.max_pages_per_seq)
+        start = tbl.num_tokens[rows]
+        end = start + k
+        cap = tbl.num_pages[rows]
+        grow = np.flatnonzero(end > cap * P)
+        if grow.size:
+            cols = cap[grow]
+            if int(cols.max()) >= self.max_pages_per_seq:
+                self._too_long(ids, grow[cols >= self.max_pages_per_seq])
+            n = grow.size
+            if n > self.allocator.num_free:
+                if n > self._available():
+                    raise OutOfPagesError(n, self._available())
+                self._make_room(n)
+            new = self.allocator.allocate(n)
+            self._flat_pages[rows_w[grow] + cols] = new
+            grow_rows = rows[grow]
+            tbl.num_pages[grow_rows] = cols + 1
+            ns = self._row_ns[grow_rows]
+            self._page_ns[new] = ns
+            if self.tracker.enabled:
+                self.tracker.record(grow_rows, cols, self._expected(new, ns))
+            self._emit("allocate", pages=new)
+        tbl.num_tokens[rows] = end
+        self._write_from[rows] = start
+        token_pages = offset = None
+        if k == 1:
+            col, offset = np.divmod(start, P)
+            token_pages = self._flat_pages[rows_w + col]
+            slots = np.multiply(token_pages, P, dtype=np.int64)
+            slots += offset
+            counts = col + 1
+            last_len = (offset + 1).astype(np.int32)
+        else:
+            positions = (start[:, None] + self._arange[:k]).reshape(-1)
+            slots = tbl.slot_mapping(np.repeat(rows, k), positions)
+            counts = (end + (P - 1)) // P
+            last_len = ((end - 1) % P + 1).astype(np.int32)
+        gens = self._row_gen[rows]
+        indptr, indices = self._build_csr(rows, rows_w, gens, counts)
+        size = rows.size
+        step = StepMetadata(
+            ids, rows, np.full(size, k, dtype=np.int32), slots, self._qo_indptr(size, k),
+            indptr.copy(), indices.copy(), last_len, end.astype(np.int32), _EMPTY_PAGES,
+            _EMPTY_PAGES, P, self._epoch,
+        )
+        self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
+                              start, end, k, token_pages, offset))
+        self._take_changes()
+        return step
+
+    def _reserve_any(self, ids: tuple[Any, ...], rows: Int32Array, n: Int64Array | int,
+                     known: bool) -> StepMetadata:
+        """The general step: per-row counts, long chunks, copy-on-write of forked tails."""
+        P = self.page_size
+        k = n if isinstance(n, int) else -1
         mapped = self.table.num_pages[rows]
-        need = np.maximum((self.table.num_tokens[rows] + (n + self.page_size - 1))
-                          // self.page_size - mapped, 0)
+        need = np.maximum((self.table.num_tokens[rows] + (n + P - 1)) // P - mapped, 0)
         too_long = mapped + need > self.max_pages_per_seq
         if too_long.any():
-            raise KVMemError(
-                f"requests {[ids[i] for i in np.flatnonzero(too_long)[:8]]} would need more "
-                f"than max_pages_per_seq={self.max_pages_per_seq} pages; finish them or raise "
-                "the limit (nothing was reserved)"
-            )
+            self._too_long(ids, np.flatnonzero(too_long))
         cow = self._cow_candidates(rows, n)
         total = int(need.sum()) + (0 if cow is None else cow[0].size)
         held = np.concatenate(self._copy_hold) if self._copy_hold else None
+        if not known:
+            self._require_distinct(rows, "reserved")
         if total > self.allocator.num_free or cow is not None or held is not None:
-            # The slow path mutates before grow() validates: validate everything here.
+            # This path mutates before grow() validates: validate everything here.
             if total > self._available():
                 raise OutOfPagesError(total, self._available())
-            if len(set(ids)) != len(ids):
-                raise KVMemError("request_ids must be distinct (nothing was reserved)")
             if held is not None:  # the engine has done last step's copies by now
                 self._copy_hold = []
                 self._drop(held)
             self._make_room(total)
-        copy_src = copy_dst = np.empty(0, dtype=np.int32)
+        copy_src = copy_dst = _EMPTY_PAGES
         if cow is not None:
             copy_src, copy_dst = self._copy_on_write(*cow)
         grown = self.table.grow(rows, n, self.allocator)
@@ -667,7 +831,8 @@ class KVCacheManager:
             self._num_forked -= int(np.count_nonzero(self._forked[rows]))
             self._forked[rows] = False  # every write into a shared tail was just handled
         seq_lens = self.table.num_tokens[rows]
-        self._write_from[rows] = seq_lens - n
+        start = seq_lens - n
+        self._write_from[rows] = start
         if grown.new_pages.size:
             ns = self._row_ns[grown.new_page_rows]
             self._page_ns[grown.new_pages] = ns
@@ -675,59 +840,126 @@ class KVCacheManager:
                 self.tracker.record(grown.new_page_rows, grown.new_page_positions,
                                     self._expected(grown.new_pages, ns))
             self._emit("allocate", pages=grown.new_pages)
-        indptr, indices, last_len, expected = self._csr(rows, seq_lens)
-        if k is not None:
+        counts = (seq_lens + (P - 1)) // P
+        rows_w = rows.astype(np.int64) * self.max_pages_per_seq
+        gens = self._row_gen[rows]
+        indptr, indices = self._build_csr(rows, rows_w, gens, counts)
+        if k >= 0:
             num_new = np.full(rows.size, k, dtype=np.int32)
-            qo_indptr = (self._arange[: rows.size + 1] * k).astype(np.int32)
+            qo_indptr = self._qo_indptr(rows.size, k)
         else:
-            num_new = n.astype(np.int32)
+            num_new = np.asarray(n).astype(np.int32)
             qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
             np.cumsum(n, out=qo_indptr[1:])
-        self._reserves += 1
-        if self.pool is not None or self._reserves % 32 == 0:
-            self._sync_tags()  # mirror tags to the pool; else just keep the change log short
-        self._last_batch = (ids, rows, self._epoch)
-        return StepMetadata(
-            ids, rows, num_new, grown.slot_mapping, qo_indptr, indptr, indices, last_len,
-            seq_lens.astype(np.int32), copy_src, copy_dst, self.page_size, expected, self._epoch,
+        last_len = ((seq_lens - 1) % P + 1).astype(np.int32)
+        step = StepMetadata(
+            ids, rows, num_new, grown.slot_mapping, qo_indptr, indptr.copy(), indices.copy(),
+            last_len, seq_lens.astype(np.int32), copy_src, copy_dst, P, self._epoch,
+        )
+        self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
+                              start, seq_lens, k))
+        self._take_changes()
+        return step
+
+    def _remember(self, batch: _Batch) -> None:
+        self._batch = batch
+        bases = self._bases
+        bases.pop(batch.rows.size, None)
+        bases[batch.rows.size] = batch
+        if len(bases) > 4:
+            del bases[next(iter(bases))]  # the least recently reserved size
+
+    def _too_long(self, ids: tuple[Any, ...], where: npt.NDArray[np.integer]) -> None:
+        raise KVMemError(
+            f"requests {[ids[i] for i in where[:8].tolist()]} would need more than "
+            f"max_pages_per_seq={self.max_pages_per_seq} pages; finish them or raise the limit "
+            "(nothing was reserved)"
         )
 
-    def _csr(self, rows: Int32Array, lens: Int64Array
-             ) -> tuple[Int32Array, Int32Array, Int32Array, Int64Array | None]:
-        """FlashInfer CSR over the rows' first ``lens`` tokens, and (with a CheckingTracker) the
-        tags recorded for each entry, gathered with one shared mask."""
-        used = (lens + self.page_size - 1) // self.page_size
-        indptr = np.zeros(rows.size + 1, dtype=np.int32)
-        np.cumsum(used, out=indptr[1:])
-        width = int(used.max()) if used.size else 0
-        mask = self._arange[:width] < used[:, None]
-        indices = self.table.pages[rows, :width][mask]
-        recorded = getattr(self.tracker, "expected_tags", None) if self.tracker.enabled else None
-        expected = None if recorded is None else recorded[rows, :width][mask]
-        last_len = ((lens - 1) % self.page_size + 1).astype(np.int32)
-        return indptr, indices, last_len, expected
+    def _qo_indptr(self, size: int, k: int) -> Int32Array:
+        """``[size + 1]``, int32: ``0, k, 2k, ...`` (a fresh copy of a cached array)."""
+        qo = self._qo_cache.get((size, k))
+        if qo is None:
+            if len(self._qo_cache) > 64:
+                self._qo_cache.clear()
+            qo = self._qo_cache[(size, k)] = (self._arange[: size + 1] * k).astype(np.int32)
+        return qo.copy()
+
+    def _build_csr(self, rows: Int32Array, rows_w: Int64Array, gens: Int64Array,
+                   counts: Int64Array) -> tuple[Int32Array, Int32Array]:
+        """FlashInfer ``kv_indptr``, ``kv_indices`` over each row's first ``counts`` pages.
+
+        When the previous reserve of a batch this size had, at the same position, the same row
+        with nothing but appends since (same generation), the row keeps its previous entries:
+        the new ``kv_indices`` is the old one cut at the few rows that changed (grew, or hold
+        another request), with their new pages (contiguous in the page table) spliced in, in one
+        concatenation. Otherwise one masked gather of the page table.
+        """
+        size = rows.size
+        indptr = np.zeros(size + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        c = self._bases.get(size)
+        if c is not None and size:
+            kept = gens == c.gens
+            first = np.where(kept, c.counts, 0)  # entries the row keeps
+            fresh = counts - first
+            changed = np.flatnonzero((fresh != 0) | ~kept)
+            if changed.size <= _MAX_SPLICES and (not changed.size or int(fresh.min()) >= 0):
+                if not changed.size:
+                    return indptr, c.indices
+                first = first[changed]
+                spec = np.stack((c.indptr[changed] + first, c.indptr[changed + 1],
+                                 rows_w[changed] + first, fresh[changed])).T.tolist()
+                old = c.indices
+                flat = self._flat_pages
+                parts = []
+                at = 0
+                for cut, resume, src, num in spec:
+                    parts.append(old[at:cut])
+                    parts.append(flat[src : src + num])
+                    at = resume
+                parts.append(old[at:])
+                return indptr, np.concatenate(parts)
+        width = int(counts.max()) if size else 0
+        mask = self._arange[:width] < counts[:, None]
+        return indptr, self.table.pages[rows, :width][mask]
 
     def _expected(self, pages: Int32Array, namespace_ids: Int64Array | int) -> Int64Array:
         """The namespace-qualified tag a request records for pages it maps: ``[k]``, int64."""
         return (self.allocator.tags[pages] << _NS_BITS) | namespace_ids
 
-    def _sync_tags(self) -> Int64Array:
-        """Bring the qualified tags (and the pool's mirror) up to date; returns them."""
-        changed = self.allocator.pop_changed_pages()
-        if changed.size:
+    def _take_changes(self) -> None:
+        """Hand the allocator's log of pages whose tag changed to those that follow it: the
+        pool's tag mirror (kept current) and the verified snapshot (checked at next verify)."""
+        log = self.allocator.take_changed()
+        if not log:
+            return
+        if self.pool is not None:
+            changed = np.unique(np.concatenate(log))
             tags = self.allocator.tags[changed]
-            self._qtags[changed] = np.where(
-                tags == 0, 0, (tags << _NS_BITS) | np.maximum(self._page_ns[changed], 0)
-            )
-            if self.pool is not None:
-                self.pool.update_tags(changed, self._qtags[changed])
-        return self._qtags
+            qtags = np.where(tags == 0, 0,
+                             (tags << _NS_BITS) | np.maximum(self._page_ns[changed], 0))
+            self._qtags[changed] = qtags
+            self.pool.update_tags(changed, qtags)
+        if self._verified is not None:
+            self._verified_dirty.extend(log)
+            if len(self._verified_dirty) > 1024:  # nobody verifies: stop following
+                self._forget_verified()
+
+    def _sync_tags(self) -> Int64Array:
+        """The qualified tag of every page (0 when free); with a pool, also its mirror."""
+        self._take_changes()
+        if self.pool is not None:
+            return self._qtags
+        tags = self.allocator.tags
+        return np.where(tags == 0, 0, (tags << _NS_BITS) | np.maximum(self._page_ns, 0))
 
     def _copy_on_write(self, rows: Int32Array, cols: Int64Array, old: Int32Array
                        ) -> tuple[Int32Array, Int32Array]:
         ns = self._page_ns[old]
         new = self._allocate(old.size, ns)
         self.table.pages[rows, cols] = new
+        self._touch_row(rows)
         self._page_tokens[new] = self._page_tokens[old]
         if self.tracker.enabled:
             self.tracker.record(rows, cols, self._expected(new, ns))
@@ -736,8 +968,7 @@ class KVCacheManager:
         if self.pool is not None:
             self.pool.copy_pages(old, new)
             self._drop(old)
-            empty = np.empty(0, dtype=np.int32)
-            return empty, empty
+            return _EMPTY_PAGES, _EMPTY_PAGES
         self._copy_hold.append(old)  # the engine copies before writing; keep the source alive
         return old.copy(), new
 
@@ -768,8 +999,10 @@ class KVCacheManager:
         token_ids: ``[B]`` ints (one token each: the decode step), ``[B, k]`` ints, or a list of
             ``B`` 1-D int sequences (ragged)
         """
-        ids = tuple(request_ids)
+        ids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._rows_of(ids)
+        b = self._batch
+        known = b is not None and rows is b.rows
         if isinstance(token_ids, np.ndarray) and token_ids.ndim in (1, 2) and (
             token_ids.shape[0] == rows.size
         ):
@@ -781,6 +1014,10 @@ class KVCacheManager:
                 raise KVMemError(f"token ids must be in 0..{_INT32_MAX} (nothing was committed)")
             k = 1 if token_ids.ndim == 1 else token_ids.shape[1]
             counts: Int64Array | int = k
+            if (known and k == 1 and b is not None and b.k == 1 and b.token_pages is not None
+                    and b.start is not None and np.array_equal(self._committed[rows], b.start)):
+                self._commit_decode(b, flat)  # exactly the tokens the latest reserve handed out
+                return
         else:
             if len(token_ids) != rows.size:
                 raise KVMemError(
@@ -789,9 +1026,25 @@ class KVCacheManager:
             parts = [self._as_tokens(t) for t in token_ids]
             counts = np.array([p.size for p in parts], dtype=np.int64)
             flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        if len(ids) > 1 and rows is not self._last_batch[1] and len(set(ids)) != len(ids):
-            raise KVMemError("request_ids must be distinct (nothing was committed)")
+        if len(ids) > 1 and not known:
+            try:
+                self._require_distinct(rows, "committed")
+            except ValueError as e:
+                raise KVMemError(str(e)) from None
         self._commit(rows, counts, flat, ids)
+
+    def _commit_decode(self, b: _Batch, tokens: npt.NDArray[np.integer]) -> None:
+        """commit_batch of the latest reserve's batch, one token each, nothing committed since."""
+        assert b.end is not None and b.token_pages is not None
+        self._page_tokens[b.token_pages, b.offsets] = tokens
+        rows = b.rows
+        self._committed[rows] = b.end
+        b.uncommitted = False
+        if self.cache is not None:
+            full = np.flatnonzero(b.end % self.page_size == 0)  # pages that just filled
+            if full.size:
+                self._offer(rows[full], b.end[full] // self.page_size - 1, None,
+                            b.token_pages[full])
 
     def _commit(self, rows: Int32Array, counts: Int64Array | int, flat: npt.NDArray[np.integer],
                 ids: Sequence[Any]) -> None:
@@ -811,8 +1064,10 @@ class KVCacheManager:
             slots = self.table.slot_mapping(rows, start)
         else:
             slots = self.table.token_slots(rows, start, counts)
-        self._page_tokens.reshape(-1)[slots] = flat
+        self._page_tokens_flat[slots] = flat
         self._committed[rows] = end
+        if self._batch is not None:
+            self._batch.uncommitted = False
         if self.cache is not None:
             first = start // self.page_size
             full = end // self.page_size - first  # pages that just became full
@@ -820,17 +1075,22 @@ class KVCacheManager:
             if some.size:
                 self._offer(rows[some], first[some], full[some])
 
-    def _offer(self, rows: Int32Array, first: Int64Array, counts: Int64Array) -> None:
-        """Give newly full pages (runs of ``counts`` pages from column ``first``) to the cache."""
+    def _offer(self, rows: Int32Array, first: Int64Array, counts: Int64Array | None,
+               pages: Int32Array | None = None) -> None:
+        """Give newly full pages (runs of ``counts`` pages from column ``first``; one page each
+        when ``counts`` is None, then ``pages`` may name them) to the cache."""
         assert self.cache is not None
-        total = int(counts.sum())
-        if total == rows.size:  # one page per row: the decode step
+        if counts is None:  # one page per row: the decode step
             rep, cols, starts = rows, first, self._arange[: rows.size]
+            counts = self._arange[1:2].repeat(rows.size)
+            if pages is None:
+                pages = self.table.pages[rows, first]
         else:
+            total = int(counts.sum())
             starts = np.cumsum(counts) - counts
             cols = np.repeat(first, counts) + np.arange(total) - np.repeat(starts, counts)
             rep = np.repeat(rows, counts)
-        pages = self.table.pages[rep, cols]
+            pages = self.table.pages[rep, cols]
         tokens = self._page_tokens[pages]
         parent = self._row_key[rows]
         keys = self.cache.page_keys(parent, counts, first, tokens)
@@ -871,14 +1131,17 @@ class KVCacheManager:
         there, against the pool's tag mirror); ``step`` (the arrays ``reserve`` returned);
         neither (fresh CSR from the page table). Failing requests are released, counted, sent
         to the ``integrity_failure`` hook and listed in ``report.aborted``.
+
+        numpy metadata that is correct is proven so incrementally: entries equal to those the
+        previous verify proved (same request, same batch position) are compared with its copy,
+        and their pages must not have changed lifetime since; every other entry is checked in
+        full. Anything else, or any doubt, runs the detailed check.
         """
         if not self.tracker.enabled:
             return VerifyReport(tuple(request_ids))
-        ids = tuple(request_ids)
-        if (step is not None and kv_indptr is None and step.kv_expected_tags is not None
-                and ids == step.request_ids and self._step_ok(step)):
-            return VerifyReport(ids)
+        ids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._rows_of(ids)
+        current = None  # the latest reserve's step, nothing committed since
         if kv_indptr is not None or kv_indices is not None:
             if kv_indptr is None or kv_indices is None:
                 raise KVMemError("verify() needs both kv_indptr and kv_indices, or neither")
@@ -890,35 +1153,175 @@ class KVCacheManager:
                     "ids the step was reserved for"
                 )
             indptr, indices = step.kv_indptr, step.kv_indices
+            b = self._batch
+            if b is not None and step is b.step and rows is b.rows and b.uncommitted:
+                current = step
         else:
             csr = self.table.csr(rows)
             indptr, indices = csr.kv_indptr, csr.kv_indices
-        qtags = self._sync_tags()
-        num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
-        # The write set: tokens the latest reserve() handed out and nobody committed yet.
+        expected_tags = getattr(self.tracker, "expected_tags", None)
+        if (expected_tags is not None and isinstance(indices, np.ndarray)
+                and isinstance(indptr, np.ndarray)
+                and self._verify_fast(rows, indptr, indices, current, expected_tags)):
+            return VerifyReport(ids)
+        self._forget_verified()
+        return self._verify_detailed(ids, rows, indptr, indices)
+
+    def _forget_verified(self) -> None:
+        if self._verified is not None:
+            self._verified = None
+            self._verified_refs.fill(0)
+        self._verified_dirty = []
+
+    def _verify_fast(self, rows: Int32Array, indptr: npt.NDArray[np.integer],
+                     indices: npt.NDArray[np.integer], step: StepMetadata | None,
+                     expected_tags: Int64Array) -> bool:
+        """True only if the detailed check would find nothing (False: look closer).
+
+        ::
+
+            lengths     each row lists ceil(num_tokens / page_size) pages (counts from indptr)
+            kept        a row at the same batch position as in the snapshot, same generation
+                        (same request, only appended since): its first snapshot-count entries
+                        equal the snapshot's (the arrays cut at the rows that changed, and the
+                        pieces compared at once), and no page the snapshot lists changed tag
+                        since, except in rows that left (_verified_refs)
+            new         every other entry: in range, and its live qualified tag equals the one
+                        recorded for (row, position) (never 0: 0 means unrecorded)
+            write set   every page about to be written has exactly one writer
+        """
+        P = self.page_size
+        size = rows.size
+        if indptr.shape != (size + 1,) or indices.ndim != 1 or indptr[0] != 0 or (
+                indptr[-1] != indices.size):
+            return False
+        counts = indptr[1:] - indptr[:-1]
+        need = self.table.num_tokens[rows] + (P - 1)
+        need //= P
+        if not np.array_equal(counts, need) or not self._write_set_ok(rows, step):
+            return False
+        gens = self._row_gen[rows]
+        self._take_changes()
+        v = self._verified
+        if v is not None and v.rows.size != size:
+            self._forget_verified()
+            v = None
+        if v is None:  # nothing proven yet: every entry is new
+            pages = indices
+            want = expected_tags[np.repeat(rows, counts),
+                                 np.arange(indices.size) - np.repeat(indptr[:-1], counts)]
+            proven = indices.astype(np.int32)
+        else:
+            kept = gens == v.gens
+            first = np.where(kept, v.counts, 0)  # entries each row keeps from the snapshot
+            changed = np.flatnonzero((counts != first) | ~kept)
+            if changed.size > _MAX_SPLICES:
+                return False
+            # Per changed row: where it starts and ends in the new and in the proven arrays.
+            spec = np.stack((indptr[:-1], indptr[1:], v.indptr[:-1], v.indptr[1:], rows, first,
+                             counts))[:, changed]
+            spec[0] += spec[5]
+            spec[2] += spec[5]
+            if (spec[6] < spec[5]).any():
+                return False
+            old = v.indices
+            parts: list[npt.NDArray[np.integer]] = []  # proven kept runs, then new entries
+            fresh: list[npt.NDArray[np.integer]] = []
+            wants: list[Int64Array] = []
+            gone: list[Int32Array] = []
+            at = 0
+            for cut_new, end_new, cut_old, end_old, row, lo, hi in spec.T.tolist():
+                parts.append(old[at:cut_old])
+                piece = indices[cut_new:end_new]
+                parts.append(piece)
+                fresh.append(piece)
+                wants.append(expected_tags[row, lo:hi])
+                if end_old > cut_old:
+                    gone.append(old[cut_old:end_old])
+                at = end_old
+            parts.append(old[at:])
+            proven = np.concatenate(parts) if len(parts) > 1 else old
+            # The kept runs sit where the new entries' rows say (counts were checked above), so
+            # one comparison proves every kept entry equal to the one proven before.
+            if not np.array_equal(proven, indices):
+                return False
+            refs = self._verified_refs
+            if gone:  # (a page listed twice in one scatter counts once: errs high, still safe)
+                refs[np.concatenate(gone) if len(gone) > 1 else gone[0]] -= 1
+            dirty = self._verified_dirty
+            self._verified_dirty = []
+            if dirty and refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]].any():
+                return False  # a page still listed changed lifetime
+            pages = np.concatenate(fresh) if len(fresh) > 1 else (fresh[0] if fresh
+                                                                   else _EMPTY_PAGES)
+            want = np.concatenate(wants) if len(wants) > 1 else (wants[0] if wants
+                                                                 else _EMPTY_TAGS)
+        if pages.size:
+            if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+                return False
+            live = self.allocator.tags[pages] << _NS_BITS
+            live |= self._page_ns[pages]
+            if not (np.array_equal(live, want) and want.all()):
+                return False
+            self._count_refs(pages)
+        self._verified = _Verified(rows, gens, counts, indptr.astype(np.int64), proven)
+        return True
+
+    def _count_refs(self, pages: npt.NDArray[np.integer]) -> None:
+        """``_verified_refs[p] += 1`` once per listing of ``p`` (never fewer: a count that is
+        too low could hide a changed page; one too high only costs a detailed check)."""
+        refs = self._verified_refs
+        if pages.size > 4096:
+            refs += np.bincount(pages, minlength=self.num_pages).astype(np.int32)
+            return
+        index = self._arange_pages[: pages.size] if pages.size <= self._arange_pages.size else (
+            np.arange(pages.size))
+        self._page_stamp[pages] = index
+        if np.array_equal(self._page_stamp[pages], index):  # distinct: a plain scatter
+            refs[pages] += 1
+        else:
+            np.add.at(refs, pages, 1)
+
+    def _write_set_ok(self, rows: Int32Array, step: StepMetadata | None) -> bool:
+        """Every page the step writes (``step``: its slot mapping; otherwise the slots reserved
+        and not committed yet) has exactly one writer."""
+        pages: npt.NDArray[np.integer]
+        if step is not None:
+            pages = step.slot_mapping // self.page_size
+            if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+                return False
+        else:
+            pages = self._write_set(rows)[2]
+        return bool((self._writers(pages) == 1).all())
+
+    def _write_set(self, rows: Int32Array) -> tuple[Int64Array, Int64Array, Int32Array]:
+        """Tokens the latest reserve() handed out and nobody committed yet: (batch index, page
+        position, page) of each."""
         start = np.maximum(self._committed[rows], self._write_from[rows])
         todo = self.table.num_tokens[rows] - start
         wb = np.repeat(np.arange(rows.size), todo)
-        wpos = (np.repeat(start - (np.cumsum(todo) - todo), todo) + np.arange(int(todo.sum()))
-                ) // self.page_size
-        wpages = self.table.pages[rows[wb], wpos]
-        holders = self._writers(wpages)
-        report = None
-        if self._fast_ok(rows, indptr, indices, num_pages, qtags):
-            if (holders == 1).all():
-                return VerifyReport(ids)
-        else:
-            tags: Any = qtags
-            if not isinstance(indices, np.ndarray):  # tensors: check on their device
-                import torch
+        wpos = _ranges(start, todo) // self.page_size
+        return wb, wpos, self.table.pages[rows[wb], wpos]
 
-                tags = (self.pool.tags if self.pool is not None
-                        else torch.as_tensor(qtags, device=indices.device))
-            report = self.tracker.verify(rows, num_pages, tags, kv_indptr=indptr,
-                                         kv_indices=indices, ids=ids)
+    def _verify_detailed(self, ids: tuple[Any, ...], rows: Int32Array, indptr: Any,
+                         indices: Any) -> VerifyReport:
+        """The tracker's check of every entry, then the write set; aborts the failing requests
+        with a reason each."""
+        qtags = self._sync_tags()
+        num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
+        wb, wpos, wpages = self._write_set(rows)
+        holders = self._writers(wpages)
+        tags: Any = qtags
+        if not isinstance(indices, np.ndarray):  # tensors: check on their device
+            import torch
+
+            tags = (self.pool.tags if self.pool is not None
+                    else torch.as_tensor(qtags, device=indices.device))
+        report = self.tracker.verify(rows, num_pages, tags, kv_indptr=indptr,
+                                     kv_indices=indices, ids=ids)
         first_bad: dict[int, int] = {}  # batch index -> first bad page position
         reasons: dict[int, str] = {}
-        if report is not None and not report.ok:
+        if not report.ok:
             e = report.entries
             for k in np.argsort(e.position, kind="stable").tolist():
                 i = int(e.batch_index[k])
@@ -935,53 +1338,7 @@ class KVCacheManager:
         for i in sorted(reasons):
             aborted[ids[i]] = reasons[i]
             self._abort(ids[i], first_bad[i], reasons[i])
-        return VerifyReport(ids, aborted, report if report is not None and not report.ok else None)
-
-    def _step_ok(self, step: StepMetadata) -> bool:
-        """True only if verify(step.request_ids, step) would find nothing (False: look closer).
-
-        Compares the qualified tags of the pages the step lists with those recorded when they
-        were mapped (gathered with the CSR), checks that each request lists as many pages as
-        its tokens fill, and that every slot the step writes lies in a page no one else reads.
-        """
-        rows = step.rows
-        if step.epoch != self._epoch or step.kv_expected_tags is None:
-            return False  # a row was released (maybe reused) since the step was reserved
-        qtags = self._sync_tags()
-        counts = step.kv_indptr[1:] - step.kv_indptr[:-1]
-        num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
-        if not np.array_equal(counts, num_pages):
-            return False
-        indices = step.kv_indices
-        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= self.num_pages):
-            return False
-        live = qtags[indices]
-        if not (np.array_equal(live, step.kv_expected_tags) and live.all()):
-            return False
-        start = np.maximum(self._committed[rows], self._write_from[rows])
-        if not np.array_equal(self.table.num_tokens[rows] - start, step.num_new_tokens):
-            return False  # something was committed or reserved since: use the general path
-        slots = step.slot_mapping
-        pages = (slots[slots >= 0] // self.page_size).astype(np.int32)
-        return bool((self._writers(pages) == 1).all())
-
-    def _fast_ok(self, rows: Int32Array, indptr: Any, indices: Any, num_pages: Int64Array,
-                 qtags: Int64Array) -> bool:
-        """One pass that is True only if the tracker would find nothing (False: look closer)."""
-        expected_tags = getattr(self.tracker, "expected_tags", None)
-        if expected_tags is None or not isinstance(indices, np.ndarray):
-            return False
-        counts = indptr[1:] - indptr[:-1]
-        if not np.array_equal(counts, num_pages):
-            return False
-        if indices.size == 0:
-            return True
-        if int(indices.min()) < 0 or int(indices.max()) >= self.num_pages:
-            return False
-        width = int(counts.max())
-        expected = expected_tags[rows, :width][self._arange[:width] < counts[:, None]]
-        live = qtags[indices]
-        return bool((live == expected).all() and live.all())
+        return VerifyReport(ids, aborted, None if report.ok else report)
 
     @staticmethod
     def _describe(e: Any, k: int, num_bad: int) -> str:
@@ -1076,6 +1433,7 @@ class KVCacheManager:
         own = self._allocate(total - used, ns)
         pages = np.concatenate([shared, own])
         row = self.table.add_row()
+        self._touch_row(row)
         self.table.map_pages(row, pages)
         self.table.set_num_tokens(row, ntok)
         self._committed[row] = self._committed[prow]
@@ -1098,8 +1456,8 @@ class KVCacheManager:
         self._emit("fork", child_id, pages, detail=parent_id)
 
     def _release_row(self, request_id: Any, owned: Int32Array | None = None) -> Int32Array:
-        self._epoch += 1  # steps reserved before this no longer map rows to the same requests
         row = self._rows.pop(request_id)
+        self._touch_row(row)
         self._row_ids[row] = None
         if self._forked[row]:
             self._forked[row] = False

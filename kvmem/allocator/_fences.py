@@ -59,6 +59,11 @@ class StepFences:
         return tuple(sorted(self._open))
 
     @property
+    def holds_any(self) -> bool:
+        """Whether any reference is waiting for a step (``held`` is all zero when not)."""
+        return bool(self._pending)
+
+    @property
     def num_held(self) -> int:
         """References held, summed over pages."""
         return sum(int(p.size) for _, p in self._pending)

@@ -138,6 +138,36 @@ class PageAllocator:
         self._require_live(pages, "share")
         np.add.at(self._refcounts, pages, 1)
 
+    def share_distinct(self, pages: PageIds) -> None:
+        """:meth:`share` for int32 pages listed at most once each (one scatter, no add.at)."""
+        if pages.size == 0:
+            return
+        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+            self._require_live(pages, "share")  # raises, naming the bad ids
+        held = self._refcounts[pages]
+        if not held.all():
+            self._require_live(pages, "share")
+        self._refcounts[pages] = held + 1
+
+    def free_last(self, pages: PageIds) -> PageIds:
+        """:meth:`free` for int32 pages listed once each that have exactly one holder (all are
+        released); other input goes through :meth:`free`, which validates and raises."""
+        if pages.size == 0:
+            return pages.copy()
+        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages or not (
+                self._refcounts[pages] == 1).all():
+            return self.free(pages)
+        released = np.sort(pages)
+        if released.size > 1 and (released[1:] == released[:-1]).any():
+            return self.free(pages)
+        self._refcounts[released] = 0
+        self._tags[released] = 0
+        self._free_stack[self._num_free : self._num_free + released.size] = released
+        self._num_free += released.size
+        self._num_frees += released.size
+        self._changed.append(released)
+        return released
+
     def free(self, pages: npt.ArrayLike) -> PageIds:
         """Remove one holder from each listed page; pages left with none become free.
 
@@ -179,6 +209,12 @@ class PageAllocator:
         self._num_frees += released.size
         self._changed.append(released)
         return released
+
+    def take_changed(self) -> list[PageIds]:
+        """The raw log behind :meth:`pop_changed_pages` (arrays of pages whose tag changed, in
+        order, possibly overlapping), and forget it: for callers that need no sorting."""
+        changed, self._changed = self._changed, []
+        return changed
 
     def pop_changed_pages(self) -> PageIds:
         """Pages whose tag changed since the last call (unique, int32), and forget them."""

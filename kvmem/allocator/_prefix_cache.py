@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -266,6 +267,7 @@ class HashedPrefixCache(PrefixCache):
         self._K = self._rng.integers(1, 2**63, size=(2, 1, self.page_size), dtype=np.uint64)
         self._K |= np.uint64(1)
         self._Q = self._rng.integers(1, 2**63, size=(2, 1), dtype=np.uint64) | np.uint64(1)
+        self._pq = np.arange(1, 1025, dtype=np.uint64)[None] * self._Q  # see _position_values
         self._cached = np.zeros(n, dtype=bool)
         self._keys = np.zeros((n, 2), dtype=np.uint64)  # key of each cached page
         self._tokens = np.zeros((n, self.page_size), dtype=np.int64)  # for confirming hits
@@ -302,13 +304,21 @@ class HashedPrefixCache(PrefixCache):
     def _page_values(self, token_ids: npt.NDArray[np.integer],
                      positions: npt.NDArray[np.integer]) -> KeyArray:
         """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[2, k]``."""
-        x = token_ids.astype(np.uint64)[None] * self._K
+        x = np.multiply(token_ids, self._K, dtype=np.uint64, casting="unsafe")
         x += self._K  # (token + 1) * K: token 0 still moves the sum
         x ^= x >> _S31
         s = x.sum(axis=2, dtype=np.uint64)
-        s += positions.astype(np.uint64)[None] * self._Q
-        s += self._Q  # (position + 1) * Q
+        s += self._position_values(positions)
         return _fmix(s)
+
+    def _position_values(self, positions: npt.NDArray[np.integer]) -> KeyArray:
+        """``(position + 1) * Q`` per lane: ``[2, k]``, uint64 (from a table grown on demand)."""
+        table = self._pq
+        if positions.size and int(positions.max()) >= table.shape[1]:
+            size = max(2 * table.shape[1], int(positions.max()) + 1)
+            table = np.arange(1, size + 1, dtype=np.uint64)[None] * self._Q
+            self._pq = table
+        return table[:, positions]
 
     def prompt_keys(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
                     max_pages: int | None = None) -> KeyArray:
@@ -392,43 +402,49 @@ class HashedPrefixCache(PrefixCache):
             return pages
         index = self._index
         kb = self._as_bytes(keys)
-        fresh = [i for i, k in enumerate(kb) if k not in index]
-        if not fresh:
-            return np.empty(0, dtype=np.int32)
-        # A page is remembered under one key; a key listed twice in this call keeps its first.
-        fresh = [i for i, c in zip(fresh, self._cached[pages[fresh]].tolist()) if not c]
-        if len({kb[i] for i in fresh}) != len(fresh) or len(set(pages[fresh].tolist())) != len(
-                fresh):
+        plist = pages.tolist()
+        if len(set(plist)) == len(plist) and not self._cached[pages].any():
+            # The usual case (pages that just filled): setdefault adds each new key and leaves a
+            # key already cached (or listed earlier in this call) with its page.
+            got = list(map(index.setdefault, kb, plist))
+            if got == plist:
+                return self._remember(keys, pages, token_ids, namespace_ids)
+            take = [i for i, (g, p) in enumerate(zip(got, plist)) if g == p]
+        else:
+            # A page is remembered under one key; a key listed twice keeps its first page.
             seen_k: set[bytes] = set()
             seen_p: set[int] = set()
-            keep = []
-            for i in fresh:
-                page = int(pages[i])
-                if kb[i] not in seen_k and page not in seen_p:
-                    seen_k.add(kb[i])
+            take = []
+            cached = self._cached[pages].tolist()
+            for i, (k, page) in enumerate(zip(kb, plist)):
+                if not cached[i] and k not in index and k not in seen_k and page not in seen_p:
+                    seen_k.add(k)
                     seen_p.add(page)
-                    keep.append(i)
-            fresh = keep
-        take = fresh
+                    take.append(i)
+            index.update((kb[i], plist[i]) for i in take)
         if not take:
             return np.empty(0, dtype=np.int32)
-        index.update(zip([kb[i] for i in take], pages[take].tolist()))
-        self._cached[pages[take]] = True
         sel = np.array(take, dtype=np.int64)
-        new = pages[sel]
-        self.allocator.share(new)
-        self._keys[new] = keys[sel]
-        self._tokens[new] = np.asarray(token_ids).reshape(-1, self.page_size)[sel]
-        self._namespace[new] = np.asarray(namespace_ids)[sel]
-        self._tag[new] = self.allocator.tags[new]
-        self._num_cached += new.size
-        return new
+        return self._remember(keys[sel], pages[sel],
+                              np.asarray(token_ids).reshape(-1, self.page_size)[sel],
+                              np.asarray(namespace_ids)[sel])
+
+    def _remember(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
+                  namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
+        """Record pages just added to the index (distinct, not cached before) and hold them."""
+        self.allocator.share_distinct(pages)
+        self._cached[pages] = True
+        self._keys[pages] = keys
+        self._tokens[pages] = np.asarray(token_ids).reshape(-1, self.page_size)
+        self._namespace[pages] = namespace_ids
+        self._tag[pages] = self.allocator.tags[pages]
+        self._num_cached += pages.size
+        return pages
 
     def _forget(self, pages: Int32Array) -> KeyArray:
         """Drop pages from the index and the LRU (not from the allocator)."""
-        keys = self._keys[pages].copy()
-        for key in self._as_bytes(keys):
-            del self._index[key]
+        keys = self._keys[pages]
+        deque(map(self._index.__delitem__, self._as_bytes(keys)), maxlen=0)
         self._cached[pages] = False
         evictable = self._stamp[pages] != 0
         self._num_evictable -= int(np.count_nonzero(evictable))
@@ -511,28 +527,31 @@ class HashedPrefixCache(PrefixCache):
                 f"asked to evict {num_pages} pages but only {self._num_evictable} cached pages "
                 "are held by the cache alone; nothing was evicted"
             )
+        if num_pages <= 0:
+            return np.empty(0, dtype=np.int32), np.empty((0, 2), dtype=np.uint64)
         victims: list[Int32Array] = []
         need = num_pages
         while need > 0:
+            # Look at a window of the oldest chunk only (after _compact() it holds them all).
             pages, stamps = self._fifo[0]
-            pages = pages[self._fifo_head :]
-            stamps = stamps[self._fifo_head :]
-            current = np.flatnonzero(self._stamp[pages] == stamps)
-            if current.size > need:
-                cut = int(current[need - 1]) + 1
-                victims.append(pages[current[:need]])
-                self._fifo_head += cut
-                self._fifo_len -= cut
-                need = 0
-            else:
-                victims.append(pages[current])
-                need -= current.size
-                self._fifo_len -= pages.size
+            head = self._fifo_head
+            end = min(head + max(2 * need, 64), pages.size)
+            window = pages[head:end]
+            current = np.flatnonzero(self._stamp[window] == stamps[head:end])
+            if current.size >= need:
+                end = head + int(current[need - 1]) + 1
+                current = current[:need]
+            victims.append(window[current])
+            need -= current.size
+            self._fifo_len -= end - head
+            if end == pages.size:
                 self._fifo.pop(0)
                 self._fifo_head = 0
-        out = np.concatenate(victims) if victims else np.empty(0, dtype=np.int32)
+            else:
+                self._fifo_head = end
+        out = np.concatenate(victims) if len(victims) > 1 else victims[0]
         keys = self._forget(out)
-        self.allocator.free(out)
+        self.allocator.free_last(out)
         return out, keys
 
     # -- queries -----------------------------------------------------------------------------

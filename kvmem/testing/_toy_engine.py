@@ -83,6 +83,7 @@ class ToyEngine:
     def step(self, request_ids: list[Any], num_tokens: int | list[int]) -> StepMetadata:
         """Reserve ``num_tokens`` per request, do the step's copies, write the new tokens' KV."""
         step = self.mgr.reserve(request_ids, num_tokens)
+        self.check_step(step)
         self.apply_copies(step)
         counts = step.num_new_tokens.tolist()
         offsets = np.cumsum([0, *counts]).tolist()
@@ -98,6 +99,25 @@ class ToyEngine:
             seq.values.extend(new)
             seq.written += n
         return step
+
+    def check_step(self, step: StepMetadata) -> None:
+        """Raise AssertionError unless the step's kernel metadata is exactly what the page table
+        implies (the manager may build it incrementally; this rebuilds it from scratch)."""
+        table = self.mgr.table
+        rows = np.asarray([self.mgr._rows[r] for r in step.request_ids], dtype=np.int32)
+        assert np.array_equal(step.rows, rows), (step.rows, rows)
+        csr = table.csr(rows)
+        assert np.array_equal(step.kv_indptr, csr.kv_indptr), (step.kv_indptr, csr.kv_indptr)
+        assert np.array_equal(step.kv_indices, csr.kv_indices), (step.kv_indices, csr.kv_indices)
+        assert np.array_equal(step.kv_last_page_len, csr.kv_last_page_len)
+        assert np.array_equal(step.seq_lens, table.num_tokens[rows])
+        # (computed, not read: reading the cached property would store it in the step)
+        block_table = type(step).__dict__["block_table"].func(step)
+        assert np.array_equal(block_table, table.block_table(rows))
+        n = step.num_new_tokens.astype(np.int64)
+        assert step.qo_indptr.tolist() == [0, *np.cumsum(n).tolist()]
+        start = table.num_tokens[rows] - n
+        assert np.array_equal(step.slot_mapping, table.token_slots(rows, start, n))
 
     def apply_copies(self, step: StepMetadata) -> None:
         p = self.page_size
