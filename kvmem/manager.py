@@ -232,6 +232,7 @@ class KVCacheManager:
         self.max_seqs = cfg.max_seqs
         self.max_pages_per_seq = cfg.max_pages_per_seq
         self.watermark_pages = int(cfg.watermark * cfg.num_pages)
+        self._evict_ahead = cfg.num_pages >> 9  # see _make_room
         self.allocator = PageAllocator(cfg.num_pages)
         self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
         self.fences = StepFences(cfg.num_pages)
@@ -477,12 +478,18 @@ class KVCacheManager:
         return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
 
     def _make_room(self, num: int) -> None:
-        """Evict cached pages until ``num`` are free (the caller checked that they can be)."""
+        """Evict cached pages until ``num`` are free (the caller checked that they can be).
+
+        An eviction has a fixed cost (a few dozen numpy calls), so in a big pool it takes up to
+        ``num_pages / 512`` more of the least recently used pages than it must: the next
+        allocations then find them free. (Pools under 512 pages evict exactly what they need.)
+        """
         short = num - self.allocator.num_free
         if short <= 0:
             return
         assert self.cache is not None
-        pages, keys = self.cache.evict(short)
+        ahead = min(self._evict_ahead, self.cache.num_evictable - short)
+        pages, keys = self.cache.evict(short + max(ahead, 0))
         self._page_ns[pages] = -1
         self._num_evictions += pages.size
         self._emit("evict", pages=pages)
@@ -919,7 +926,8 @@ class KVCacheManager:
                     parts.append(flat[src : src + num])
                     at = resume
                 parts.append(old[at:])
-                return indptr, np.concatenate(parts)
+                indices = np.concatenate(parts)
+                return indptr, indices
         width = int(counts.max()) if size else 0
         mask = self._arange[:width] < counts[:, None]
         return indptr, self.table.pages[rows, :width][mask]

@@ -313,12 +313,12 @@ class HashedPrefixCache(PrefixCache):
 
     def _position_values(self, positions: npt.NDArray[np.integer]) -> KeyArray:
         """``(position + 1) * Q`` per lane: ``[2, k]``, uint64 (from a table grown on demand)."""
-        table = self._pq
-        if positions.size and int(positions.max()) >= table.shape[1]:
-            size = max(2 * table.shape[1], int(positions.max()) + 1)
-            table = np.arange(1, size + 1, dtype=np.uint64)[None] * self._Q
-            self._pq = table
-        return table[:, positions]
+        try:
+            return self._pq[:, positions]
+        except IndexError:  # a position past the table (positions are never negative)
+            size = max(2 * self._pq.shape[1], int(np.max(positions)) + 1)
+            self._pq = np.arange(1, size + 1, dtype=np.uint64)[None] * self._Q
+            return self._pq[:, positions]
 
     def prompt_keys(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
                     max_pages: int | None = None) -> KeyArray:
@@ -338,14 +338,16 @@ class HashedPrefixCache(PrefixCache):
     def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
                   first_positions: npt.NDArray[np.integer],
                   token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        token_ids = np.asarray(token_ids)
+        if token_ids.size == np.size(counts) * self.page_size:
+            # One page per run (the decode step): no segmented sum.
+            g = self._page_values(token_ids.reshape(-1, self.page_size),
+                                  np.asarray(first_positions))
+            return g.T + np.asarray(parent_keys, dtype=np.uint64)
         counts = np.asarray(counts, dtype=np.int64)
         total = int(counts.sum())
         if total == 0:
             return np.empty((0, 2), dtype=np.uint64)
-        if total == counts.size:  # one page per run (the decode step): no segmented sum
-            g = self._page_values(np.asarray(token_ids).reshape(total, self.page_size),
-                                  np.asarray(first_positions))
-            return g.T + np.asarray(parent_keys, dtype=np.uint64)
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         positions = np.repeat(np.asarray(first_positions, dtype=np.int64), counts) + within
@@ -441,13 +443,16 @@ class HashedPrefixCache(PrefixCache):
         self._num_cached += pages.size
         return pages
 
-    def _forget(self, pages: Int32Array) -> KeyArray:
-        """Drop pages from the index and the LRU (not from the allocator)."""
+    def _forget(self, pages: Int32Array, evictable: bool = False) -> KeyArray:
+        """Drop pages from the index and the LRU (not from the allocator); ``evictable``: all
+        of them are (they were just taken from the LRU)."""
         keys = self._keys[pages]
         deque(map(self._index.__delitem__, self._as_bytes(keys)), maxlen=0)
         self._cached[pages] = False
-        evictable = self._stamp[pages] != 0
-        self._num_evictable -= int(np.count_nonzero(evictable))
+        if evictable:
+            self._num_evictable -= pages.size
+        else:
+            self._num_evictable -= int(np.count_nonzero(self._stamp[pages]))
         self._stamp[pages] = 0
         self._num_cached -= pages.size
         return keys
@@ -550,7 +555,7 @@ class HashedPrefixCache(PrefixCache):
             else:
                 self._fifo_head = end
         out = np.concatenate(victims) if len(victims) > 1 else victims[0]
-        keys = self._forget(out)
+        keys = self._forget(out, evictable=True)
         self.allocator.free_last(out)
         return out, keys
 
