@@ -567,7 +567,8 @@ class KVCacheManager:
             self._plan_memo = None
             # The counter moved once: for the admit() being run now.
             if (memo[0] == self._mutations - 1 and memo[1] == namespace
-                    and memo[2].size == tokens.size and np.array_equal(memo[2], tokens)):
+                    and (memo[2] is tokens or (memo[2].size == tokens.size
+                                               and np.array_equal(memo[2], tokens)))):
                 return memo[3], self._namespace_id(namespace, register=True), memo[4]
         return self._plan(tokens, namespace, register=True)
 
@@ -600,7 +601,13 @@ class KVCacheManager:
                 f"request {request_id!r} is already known to the manager; release it first or "
                 "use a new id"
             )
-        tokens = self._as_tokens(token_ids)
+        memo = self._plan_memo
+        if (memo is not None and isinstance(token_ids, np.ndarray)
+                and memo[0] == self._mutations - 1 and memo[2].shape == token_ids.shape
+                and np.array_equal(memo[2], token_ids)):
+            tokens = memo[2]  # the prompt can_admit() just validated and copied
+        else:
+            tokens = self._as_tokens(token_ids)
         return self._admit(request_id, tokens, namespace, tokens)
 
     def _admit(self, request_id: Any, tokens: Int64Array, namespace: Any,
@@ -615,18 +622,17 @@ class KVCacheManager:
             hits = match.num_pages if match is not None else 0
             raise OutOfPagesError(num_pages - hits, self._available()
                                   - (match.num_evictable if match is not None else 0))
-        hit_pages = match.pages if match is not None else np.empty(0, dtype=np.int32)
+        hit_pages = match.pages if match is not None else _EMPTY_PAGES
         if hit_pages.size:
-            self.allocator.share(hit_pages)
+            # A match lists distinct pages (one per prefix position).
+            self.allocator.share_distinct(hit_pages)
             assert self.cache is not None
             self.cache.acquired(hit_pages)
         new = self._allocate(num_pages - hit_pages.size, ns)
         pages = np.concatenate([hit_pages, new]) if hit_pages.size else new
-        row = self.table.add_row()
-        self._touch_row(row)
-        self.table.map_pages(row, pages)
         num_cached = hit_pages.size * self.page_size
-        self.table.set_num_tokens(row, num_cached)
+        row = self.table.open_row(pages, num_cached)
+        self._touch_row(row)
         self._committed[row] = self._write_from[row] = num_cached
         self._row_ns[row] = ns
         if match is not None:
@@ -635,8 +641,7 @@ class KVCacheManager:
             self._prefix_query_tokens += tokens.size
             self._prefix_hit_tokens += num_cached
         if self.tracker.enabled:
-            self.tracker.record(np.full(num_pages, row), np.arange(num_pages),
-                                self._expected(pages, ns))
+            self._record_row(row, pages, ns)
         self._rows[request_id] = row
         self._row_ids[row] = request_id
         self._requests[request_id] = _Request(namespace, ns, prompt)
@@ -931,6 +936,14 @@ class KVCacheManager:
         width = int(counts.max()) if size else 0
         mask = self._arange[:width] < counts[:, None]
         return indptr, self.table.pages[rows, :width][mask]
+
+    def _record_row(self, row: int, pages: Int32Array, ns: int) -> None:
+        """The tracker records a new row's pages (a CheckingTracker's row is written at once)."""
+        if type(self.tracker) is CheckingTracker:
+            self.tracker.expected_tags[row, : pages.size] = self._expected(pages, ns)
+        else:
+            self.tracker.record(np.full(pages.size, row), np.arange(pages.size),
+                                self._expected(pages, ns))
 
     def _expected(self, pages: Int32Array, namespace_ids: Int64Array | int) -> Int64Array:
         """The namespace-qualified tag a request records for pages it maps: ``[k]``, int64."""

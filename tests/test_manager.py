@@ -694,3 +694,121 @@ def test_commit_batch_takes_one_token_each_k_each_or_ragged_lists() -> None:
         mgr.commit_batch(["a", "b"], [[1]])
     with pytest.raises(KVMemError):
         mgr.commit_batch(["a", "b"], np.array([-1, 2]))
+
+
+# -- the incremental decode step: detectors still fire after a verified step ----------------------
+
+
+def decoding(num_steps: int = 3, **kw: Any) -> tuple[KVCacheManager, ToyEngine, list[str]]:
+    """Five requests (two share a prefix) that decoded and verified a few steps: verify holds
+    a proven snapshot and reserve a CSR base."""
+    mgr = make(num_pages=64, **kw)
+    eng = ToyEngine(mgr)
+    ids = ["a", "b", "c", "d", "e"]
+    for i, rid in enumerate(ids):
+        run_prompt(eng, rid, list(range(10)) if rid in "ab" else [i] * (5 + 3 * i))
+    for _ in range(num_steps):
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    assert mgr._verified is not None
+    return mgr, eng, ids
+
+
+# (A page freed behind a request's back may be handed out again by the step's own allocation;
+# the page a step writes exists once the step is reserved.)
+@pytest.mark.parametrize("fault, victims, what, after_reserve", [
+    (lambda m: faults.free_behind_back(m, "c", 0), ["c"], ("freed", "reallocated"), False),
+    (lambda m: faults.reallocate_behind_back(m, "d", 1), ["d"], ("reallocated",), False),
+    (lambda m: faults.free_behind_back(m, "a", 0), ["a", "b"], ("freed", "reallocated"), False),
+    (lambda m: faults.free_behind_back(m, "e", 1), ["e"], ("freed",), True),
+    (lambda m: faults.share_write_page(m, "e"), ["e"], ("holders",), True),
+])
+def test_verify_of_the_next_step_catches_faults_on_entries_it_proved_before(
+        fault: Any, victims: list[str], what: tuple[str, ...], after_reserve: bool) -> None:
+    mgr, eng, ids = decoding()
+    if not after_reserve:
+        fault(mgr)
+    step = eng.step(ids, 1)
+    if after_reserve:
+        fault(mgr)
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == victims
+    assert all(any(w in report.aborted[v] for w in what) for v in victims)
+    for v in victims:
+        eng.abort(v)
+    rest = [r for r in ids if r not in victims]
+    eng.commit(rest)
+    step = eng.step(rest, 1)
+    assert mgr.verify(rest, step).ok
+    eng.check_kv(rest)
+
+
+def test_verify_of_the_next_step_checks_the_arrays_it_is_given() -> None:
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 1)
+    bad = step.kv_indices.copy()
+    bad[0] = mgr.pages_of("c")[0]  # an entry verify proved last step now points elsewhere
+    tampered = type(step)(**{**step.__dict__, "kv_indices": bad})
+    assert list(mgr.verify(ids, tampered).aborted) == ["a"]
+    mgr2, eng2, ids2 = decoding()
+    step = eng2.step(ids2, 1)
+    step.kv_indices[-1] = step.kv_indices[0]  # in place: the engine's own array
+    assert list(mgr2.verify(ids2, step).aborted) == ["e"]
+
+
+def test_a_page_table_entry_overwritten_after_a_verified_step_is_caught() -> None:
+    """BUGS 12, 13 after the snapshot: verify() of fresh metadata sees the table's entry."""
+    mgr, _eng, ids = decoding()
+    faults.overwrite_page_entry(mgr, "d", 0, int(mgr.pages_of("c")[0]))
+    report = mgr.verify(ids)
+    assert list(report.aborted) == ["d"] and "namespace" not in report.aborted["d"]
+
+
+def test_replaced_requests_in_a_decode_batch_are_checked_in_full() -> None:
+    mgr, eng, ids = decoding()
+    for slot, rid in ((1, "b2"), (3, "d2")):  # finished requests replaced in place
+        eng.release(ids[slot])
+        run_prompt(eng, rid, list(range(10)) if rid == "b2" else [7] * 21)
+        ids[slot] = rid
+    for _ in range(20):  # rows grow pages; the CSR is spliced from the previous step's
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    eng.check_kv()
+    eng.release("c")
+    run_prompt(eng, "c2", [3] * 9)
+    ids[2] = "c2"
+    faults.free_behind_back(mgr, "c2", 0)
+    step = eng.step(ids, 1)
+    assert list(mgr.verify(ids, step).aborted) == ["c2"]
+    mgr.check()
+
+
+def test_speculative_and_chunked_steps_of_a_decoding_batch() -> None:
+    mgr, eng, ids = decoding()
+    for n in (3, 1, [2, 0, 5, 1, 4], 16, 1):
+        step = eng.step(ids, n)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    eng.check_kv()
+    assert mgr.verify(ids).ok
+
+
+def test_a_big_pool_evicts_a_little_ahead_and_never_a_mapped_page() -> None:
+    mgr = KVCacheManager(num_pages=1024, page_size=P, max_seqs=8, max_pages_per_seq=256,
+                         tracker="checking", watermark=0.0)
+    eng = ToyEngine(mgr)
+    for i in range(200):  # 4 full pages each, cached when released
+        run_prompt(eng, f"old{i}", [i, i + 1] * 8 + [0])
+        eng.release(f"old{i}")
+    run_prompt(eng, "keep", list(range(40)))
+    keep = mgr.pages_of("keep").tolist()
+    free = mgr.allocator.num_free
+    run_prompt(eng, "big", [999] * (4 * (free + 1)))  # needs one page more than is free
+    s = mgr.stats()
+    assert 1 <= s.num_evictions <= 1 + 1024 // 512
+    assert mgr.pages_of("keep").tolist() == keep
+    assert mgr.verify(list(mgr.running)).ok
+    mgr.check()
+    eng.check_kv()

@@ -193,3 +193,37 @@ def test_match_finds_exactly_the_stored_prefixes(stored: list[tuple[list[int], o
             ):
                 want += 1
             assert cache.match(t, other, 99, ns_ids[other]).num_pages == want
+
+
+def test_one_key_in_python_equals_the_vectorized_keys() -> None:
+    cache, _ = bound(seed=7)
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        tokens = rng.integers(0, 2**31 - 1, P)
+        parent = rng.integers(0, 2**63, 2).astype(np.uint64)
+        position = int(rng.integers(0, 5000))
+        want = cache.page_keys(parent[None], np.array([1]), np.array([position]), tokens[None])
+        assert np.array_equal(cache._key_of(parent, tokens.tolist(), position), want[0])
+
+
+def test_a_recent_match_is_reused_only_while_its_pages_are_cached() -> None:
+    cache, alloc = bound(num_pages=64)
+    system = np.arange(12)
+    store(cache, alloc, np.concatenate([system, [50] * 4]), "a", 1)
+    first = cache.match(np.concatenate([system, [60] * 5]), "a", 4, 1)  # hashes and walks
+    assert first.num_pages == 3
+    again = cache.match(np.concatenate([system, [70] * 5]), "a", 4, 1)  # reuses the walk
+    assert np.array_equal(again.pages, first.pages) and np.array_equal(again.keys, first.keys)
+    # A page stored since the recent match extends the next one.
+    store(cache, alloc, np.concatenate([system, [70] * 4]), "a", 1)
+    assert cache.match(np.concatenate([system, [70] * 5]), "a", 4, 1).num_pages == 4
+    # Other namespaces never see the namespace's pages, with or without a recent match.
+    store(cache, alloc, np.concatenate([system, [1] * 4]), "b", 2)
+    assert cache.match(np.concatenate([system, [1] * 5]), "a", 4, 1).num_pages == 3
+    assert cache.match(np.concatenate([system, [1] * 5]), "b", 4, 2).num_pages == 4
+    assert cache.match(np.concatenate([system, [2] * 5]), "b", 4, 2).num_pages == 3
+    # A page forgotten (removed, evicted) or freed behind the cache's back is never reused.
+    cache.remove(first.pages[1:2])
+    assert cache.match(np.concatenate([system, [80] * 5]), "a", 4, 1).num_pages == 1
+    alloc.free(first.pages[:1])  # behind the cache's back: page 0 is stale
+    assert cache.match(np.concatenate([system, [90] * 5]), "a", 4, 1).num_pages == 0

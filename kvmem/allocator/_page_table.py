@@ -119,6 +119,28 @@ class PageTable:
         self._live[rows] = True
         return rows
 
+    def open_row(self, pages: Int32Array, num_tokens: int) -> int:
+        """:meth:`add_row`, :meth:`map_pages` and :meth:`set_num_tokens` at once, for an
+        admission: a new row mapping ``pages`` (``[k]``, int32, held by the caller) of which
+        ``num_tokens`` slots hold tokens. Raises KVMemError, changing nothing, if it cannot."""
+        num = int(pages.size)
+        if num > self.max_pages_per_seq or not 0 <= num_tokens <= num * self.page_size:
+            raise KVMemError(
+                f"a row of at most {self.max_pages_per_seq} pages cannot map {num} pages holding "
+                f"{num_tokens} tokens (page_size={self.page_size})"
+            )
+        if not self._free_rows:
+            raise KVMemError(
+                f"asked for 1 page-table row but 0 of {self.max_seqs} are free; release requests "
+                "first or build the table with a larger max_seqs"
+            )
+        row = self._free_rows.pop()
+        self._live[row] = True
+        self.pages[row, :num] = pages
+        self.num_pages[row] = num
+        self.num_tokens[row] = num_tokens
+        return row
+
     def remove_row(self, row: int) -> Int32Array:
         """Close a row; returns the pages it mapped (the caller frees them)."""
         return self.remove_rows(np.array([row], dtype=np.int32))

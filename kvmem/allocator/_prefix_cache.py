@@ -29,7 +29,7 @@ import os
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -211,6 +211,9 @@ _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 _S31 = np.uint64(31)
+_MASK = (1 << 64) - 1
+_M1_INT = int(_M1)
+_M2_INT = int(_M2)
 
 
 def _fmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -268,6 +271,14 @@ class HashedPrefixCache(PrefixCache):
         self._K |= np.uint64(1)
         self._Q = self._rng.integers(1, 2**63, size=(2, 1), dtype=np.uint64) | np.uint64(1)
         self._pq = np.arange(1, 1025, dtype=np.uint64)[None] * self._Q  # see _position_values
+        # The same constants as Python ints, for one key computed without numpy (_key_of).
+        self._K_int = [[int(v) for v in lane] for lane in self._K[:, 0, :]]
+        self._Q_int = [int(v) for v in self._Q[:, 0]]
+        # Recent matches, by (namespace, namespace id, first page's token bytes): (tokens of the
+        # prompt's full pages, matched pages, their tags, their keys). A prompt that shares
+        # pages with a recent one reuses what that match found instead of hashing them again.
+        self._memo: dict[tuple[Any, int | None, bytes], tuple[Int64Array, Int32Array,
+                                                              Int64Array, KeyArray]] = {}
         self._cached = np.zeros(n, dtype=bool)
         self._keys = np.zeros((n, 2), dtype=np.uint64)  # key of each cached page
         self._tokens = np.zeros((n, self.page_size), dtype=np.int64)  # for confirming hits
@@ -365,12 +376,59 @@ class HashedPrefixCache(PrefixCache):
 
     # -- match -------------------------------------------------------------------------------
 
+    def _key_of(self, parent: KeyArray, tokens: list[int], position: int) -> KeyArray:
+        """The key of one page, in Python ints (no numpy call): equal to :meth:`page_keys`."""
+        out = []
+        for lane in (0, 1):
+            s = 0
+            for t, k in zip(tokens, self._K_int[lane]):
+                x = ((t + 1) * k) & _MASK
+                s += x ^ (x >> 31)
+            s = (s + (position + 1) * self._Q_int[lane]) & _MASK
+            s ^= s >> 33
+            s = (s * _M1_INT) & _MASK
+            s ^= s >> 33
+            s = (s * _M2_INT) & _MASK
+            s ^= s >> 33
+            out.append((int(parent[lane]) + s) & _MASK)
+        return np.array(out, dtype=np.uint64)
+
     def match(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
               max_pages: int, namespace_id: int | None = None) -> PrefixMatch:
         root = self.root_key(namespace)
-        keys = self.prompt_keys(token_ids, namespace, max_pages)
-        if keys.shape[0] == 0 or not self._index:
-            return PrefixMatch(np.empty(0, np.int32), keys[:0], root, 0)
+        p = self.page_size
+        k = min(token_ids.size // p, max_pages)
+        if k <= 0 or not self._index:
+            return PrefixMatch(np.empty(0, np.int32), np.empty((0, 2), np.uint64), root, 0)
+        tokens = np.asarray(token_ids[: k * p], dtype=np.int64)
+        memo_key = (namespace, namespace_id, tokens[:p].tobytes())
+        memo = self._memo.get(memo_key)
+        if memo is not None:
+            m_tokens, m_pages, m_tags, m_keys = memo
+            size = min(tokens.size, m_tokens.size)
+            differ = np.flatnonzero(tokens[:size] != m_tokens[:size])
+            common = (int(differ[0]) if differ.size else size) // p  # pages with equal tokens
+            found = min(common, m_pages.size)
+            pages, keys, tags = m_pages[:found], m_keys[:found], m_tags[:found]
+            # Still cached, in the lifetime they were matched in (a forgotten page's cache tag
+            # is 0; a page freed behind the cache's back has another allocator tag), and the
+            # next page not cached (hashed in Python: it usually misses). Otherwise walk.
+            if (np.array_equal(self._tag[pages], tags)
+                    and np.array_equal(self.allocator.tags[pages], tags)
+                    and (found == k or self._key_of(
+                        keys[-1] if found else root, tokens[found * p : (found + 1) * p].tolist(),
+                        found).tobytes() not in self._index)):
+                num_evictable = int(np.count_nonzero(self._stamp[pages])) if found else 0
+                return PrefixMatch(pages, keys, root, num_evictable)
+        new_pages, new_keys = self._walk(tokens, namespace, k, namespace_id)
+        self._remember_match(memo_key, tokens, new_pages, new_keys)
+        num_evictable = int(np.count_nonzero(self._stamp[new_pages])) if new_pages.size else 0
+        return PrefixMatch(new_pages, new_keys, root, num_evictable)
+
+    def _walk(self, tokens: Int64Array, namespace: Namespace, k: int,
+              namespace_id: int | None) -> tuple[Int32Array, KeyArray]:
+        """Hash the prompt's ``k`` full pages, follow the index, confirm every hit."""
+        keys = self.prompt_keys(tokens, namespace, k)
         get = self._index.get
         found: list[int] = []
         for key in self._as_bytes(keys):
@@ -382,18 +440,22 @@ class HashedPrefixCache(PrefixCache):
         if pages.size:
             # Confirm every hit against the stored tokens (and namespace, when known).
             p = self.page_size
-            k = pages.size
-            ok = (self._tokens[pages] == token_ids[: k * p].reshape(k, p)).all(axis=1)
+            n = pages.size
+            ok = (self._tokens[pages] == tokens[: n * p].reshape(n, p)).all(axis=1)
             # Still the lifetime that was cached: a page freed behind the cache's back (and maybe
             # reallocated) is never handed out, even before anyone notices.
             ok &= self.allocator.tags[pages] == self._tag[pages]
             if namespace_id is not None:
                 ok &= self._namespace[pages] == namespace_id
             if not ok.all():
-                k = int(np.argmin(ok))
-                pages = pages[:k]
-        num_evictable = int(np.count_nonzero(self._stamp[pages])) if pages.size else 0
-        return PrefixMatch(pages, keys[: pages.size], root, num_evictable)
+                pages = pages[: int(np.argmin(ok))]
+        return pages, keys[: pages.size]
+
+    def _remember_match(self, memo_key: tuple[Any, int | None, bytes], tokens: Int64Array,
+                        pages: Int32Array, keys: KeyArray) -> None:
+        if len(self._memo) >= 256:
+            self._memo.clear()
+        self._memo[memo_key] = (tokens.copy(), pages, self.allocator.tags[pages], keys)
 
     # -- insert / remove ---------------------------------------------------------------------
 
@@ -449,6 +511,7 @@ class HashedPrefixCache(PrefixCache):
         keys = self._keys[pages]
         deque(map(self._index.__delitem__, self._as_bytes(keys)), maxlen=0)
         self._cached[pages] = False
+        self._tag[pages] = 0
         if evictable:
             self._num_evictable -= pages.size
         else:
