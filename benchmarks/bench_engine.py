@@ -43,7 +43,8 @@ def _engine(model: Any, kv_dtype: str, batch: int, steps: int, tracker: str | No
     lm = PagedCausalLM.build(model, num_pages, kv_dtype, page_size=PAGE_SIZE)
     mgr = KVCacheManager(num_pages, page_size=PAGE_SIZE, max_seqs=batch, pool=lm.pool,
                          tracker=tracker, prefix_cache=None)
-    engine = Engine(lm, mgr, max_num_seqs=batch, max_num_batched_tokens=max(batch, PROMPT_LEN),
+    # One packed prefill step for every prompt, then decode steps of exactly `batch` tokens.
+    engine = Engine(lm, mgr, max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN,
                     chunk_size=PROMPT_LEN)
     rng = np.random.default_rng(0)
     for i in range(batch):
