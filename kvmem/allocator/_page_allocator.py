@@ -186,21 +186,26 @@ class PageAllocator:
         pages = as_page_ids(pages)
         if pages.size == 0:
             return pages.copy()
-        self._require_live(pages, "free")
         uniq = np.sort(pages)
+        if uniq[0] < 0 or uniq[-1] >= self.num_pages:
+            self._require_live(pages, "free")  # raises: out of range
+        held = self._refcounts[uniq]
+        if not held.all():
+            self._require_live(pages, "free")  # raises: a free page
         if uniq.size > 1 and (uniq[1:] == uniq[:-1]).any():
             # A page listed k times loses k holders: group the repeats first.
             uniq, counts = np.unique(uniq, return_counts=True)
             remaining = self._refcounts[uniq] - counts
+            if (remaining < 0).any():
+                bad = uniq[remaining < 0]
+                raise InvalidFreeError(
+                    f"free() lists pages {bad.tolist()[:16]} more times than they have holders "
+                    f"(holders {self._refcounts[bad].tolist()[:16]}); nothing was freed. Two "
+                    "release paths are probably freeing the same page: free each holder's "
+                    "reference once."
+                )
         else:
-            remaining = self._refcounts[uniq] - 1  # live pages have >= 1 holder: never negative
-        if (remaining < 0).any():
-            bad = uniq[remaining < 0]
-            raise InvalidFreeError(
-                f"free() lists pages {bad.tolist()[:16]} more times than they have holders "
-                f"(holders {self._refcounts[bad].tolist()[:16]}); nothing was freed. Two release "
-                "paths are probably freeing the same page: free each holder's reference once."
-            )
+            remaining = held - 1  # live pages have >= 1 holder: never negative
         self._refcounts[uniq] = remaining
         released = uniq[remaining == 0]
         self._tags[released] = 0

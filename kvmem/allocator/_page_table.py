@@ -145,6 +145,19 @@ class PageTable:
         """Close a row; returns the pages it mapped (the caller frees them)."""
         return self.remove_rows(np.array([row], dtype=np.int32))
 
+    def close_row(self, row: int) -> Int32Array:
+        """:meth:`remove_row` in a few scalar steps: returns a copy of the pages it mapped."""
+        if not 0 <= row < self.max_seqs or not self._live[row]:
+            raise KVMemError(f"rows [{row}] include rows that are not live")
+        num = int(self.num_pages[row])
+        pages = self.pages[row, :num].copy()
+        self.pages[row, :num] = PAD
+        self.num_pages[row] = 0
+        self.num_tokens[row] = 0
+        self._live[row] = False
+        self._free_rows.append(row)
+        return pages
+
     def remove_rows(self, rows: npt.ArrayLike) -> Int32Array:
         """Close distinct rows; returns their pages, row by row (the caller frees them)."""
         rows = np.asarray(rows, dtype=np.int32).reshape(-1)

@@ -287,6 +287,7 @@ class HashedPrefixCache(PrefixCache):
         # LRU of evictable pages: a FIFO of (page, stamp) chunks; an entry is current while
         # stamp[page] equals its stamp (a page re-acquired and released later gets a new entry).
         self._stamp = np.zeros(n, dtype=np.int64)  # 0 = not evictable
+        self._scratch = np.zeros(n, dtype=np.int64)
         self._next_stamp = 1
         self._fifo: list[tuple[Int32Array, Int64Array]] = []
         self._fifo_head = 0  # offset into self._fifo[0]
@@ -566,9 +567,12 @@ class HashedPrefixCache(PrefixCache):
         if not now.any():
             return
         new = pages[now]
-        if new.size > 1:
-            _, first = np.unique(new, return_index=True)
-            new = new[np.sort(first)]
+        if new.size > 1:  # keep each page's first listing (stamping in reverse: first wins)
+            index = np.arange(new.size)
+            self._scratch[new[::-1]] = index[::-1]
+            first = self._scratch[new] == index
+            if not first.all():
+                new = new[first]
         stamps = np.arange(self._next_stamp, self._next_stamp + new.size, dtype=np.int64)
         self._next_stamp += new.size
         self._stamp[new] = stamps
