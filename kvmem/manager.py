@@ -782,7 +782,7 @@ class KVCacheManager:
             ns = self._row_ns[grow_rows]
             self._page_ns[new] = ns
             if self.tracker.enabled:
-                self.tracker.record(grow_rows, cols, self._expected(new, ns))
+                self._record(grow_rows, cols, self._expected(new, ns), appended=True)
             self._emit("allocate", pages=new)
         tbl.num_tokens[rows] = end
         self._write_from[rows] = start
@@ -849,8 +849,8 @@ class KVCacheManager:
             ns = self._row_ns[grown.new_page_rows]
             self._page_ns[grown.new_pages] = ns
             if self.tracker.enabled:
-                self.tracker.record(grown.new_page_rows, grown.new_page_positions,
-                                    self._expected(grown.new_pages, ns))
+                self._record(grown.new_page_rows, grown.new_page_positions,
+                             self._expected(grown.new_pages, ns), appended=True)
             self._emit("allocate", pages=grown.new_pages)
         counts = (seq_lens + (P - 1)) // P
         rows_w = rows.astype(np.int64) * self.max_pages_per_seq
@@ -920,8 +920,8 @@ class KVCacheManager:
                 if not changed.size:
                     return indptr, c.indices
                 first = first[changed]
-                spec = np.stack((c.indptr[changed] + first, c.indptr[changed + 1],
-                                 rows_w[changed] + first, fresh[changed])).T.tolist()
+                spec = zip((c.indptr[changed] + first).tolist(), c.indptr[changed + 1].tolist(),
+                           (rows_w[changed] + first).tolist(), fresh[changed].tolist())
                 old = c.indices
                 flat = self._flat_pages
                 parts = []
@@ -937,8 +937,18 @@ class KVCacheManager:
         mask = self._arange[:width] < counts[:, None]
         return indptr, self.table.pages[rows, :width][mask]
 
+    def _record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: Int64Array,
+                appended: bool = False) -> None:
+        """Every tracker write goes through here (or _record_row). Recording at positions a
+        row already mapped (not ``appended`` past them) changes what a previous verify proved
+        about the row: the row is touched, so the next verify checks it in full."""
+        if not appended:
+            self._touch_row(np.asarray(rows, dtype=np.int64))
+        self.tracker.record(rows, positions, tags)
+
     def _record_row(self, row: int, pages: Int32Array, ns: int) -> None:
         """The tracker records a new row's pages (a CheckingTracker's row is written at once)."""
+        self._touch_row(row)
         if type(self.tracker) is CheckingTracker:
             self.tracker.expected_tags[row, : pages.size] = self._expected(pages, ns)
         else:
@@ -983,7 +993,7 @@ class KVCacheManager:
         self._touch_row(rows)
         self._page_tokens[new] = self._page_tokens[old]
         if self.tracker.enabled:
-            self.tracker.record(rows, cols, self._expected(new, ns))
+            self._record(rows, cols, self._expected(new, ns))
         self._num_cow_copies += old.size
         self._emit("allocate", pages=new)
         if self.pool is not None:
@@ -1238,27 +1248,30 @@ class KVCacheManager:
             changed = np.flatnonzero((counts != first) | ~kept)
             if changed.size > _MAX_SPLICES:
                 return False
-            # Per changed row: where it starts and ends in the new and in the proven arrays.
-            spec = np.stack((indptr[:-1], indptr[1:], v.indptr[:-1], v.indptr[1:], rows, first,
-                             counts))[:, changed]
-            spec[0] += spec[5]
-            spec[2] += spec[5]
-            if (spec[6] < spec[5]).any():
+            first = first[changed]
+            if (counts[changed] < first).any():
                 return False
+            # Per changed row: where its kept entries end and it ends, in the new and in the
+            # proven arrays; its row; the positions of its new entries.
+            cut_new = indptr[changed] + first
+            cut_old = v.indptr[changed] + first
+            spec = zip(cut_new.tolist(), indptr[changed + 1].tolist(), cut_old.tolist(),
+                       v.indptr[changed + 1].tolist(), rows[changed].tolist(), first.tolist(),
+                       counts[changed].tolist())
             old = v.indices
             parts: list[npt.NDArray[np.integer]] = []  # proven kept runs, then new entries
             fresh: list[npt.NDArray[np.integer]] = []
             wants: list[Int64Array] = []
             gone: list[Int32Array] = []
             at = 0
-            for cut_new, end_new, cut_old, end_old, row, lo, hi in spec.T.tolist():
-                parts.append(old[at:cut_old])
-                piece = indices[cut_new:end_new]
+            for new_at, end_new, old_at, end_old, row, lo, hi in spec:
+                parts.append(old[at:old_at])
+                piece = indices[new_at:end_new]
                 parts.append(piece)
                 fresh.append(piece)
                 wants.append(expected_tags[row, lo:hi])
-                if end_old > cut_old:
-                    gone.append(old[cut_old:end_old])
+                if end_old > old_at:
+                    gone.append(old[old_at:end_old])
                 at = end_old
             parts.append(old[at:])
             proven = np.concatenate(parts) if len(parts) > 1 else old
@@ -1463,7 +1476,7 @@ class KVCacheManager:
         self._row_ns[row] = ns
         self._row_key[row] = self._row_key[prow]
         if self.tracker.enabled:
-            self.tracker.record(np.full(total, row), np.arange(total), self._expected(pages, ns))
+            self._record_row(row, pages, ns)
         parent = self._requests[parent_id]
         self._rows[child_id] = row
         self._row_ids[row] = child_id
