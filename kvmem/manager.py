@@ -275,7 +275,6 @@ class KVCacheManager:
         self._mutations = 0  # public operations run so far
         self._plan_memo: tuple[int, Any, Int64Array, int, PrefixMatch | None] | None = None
         self._arange = np.arange(max(cfg.max_pages_per_seq, cfg.max_seqs) + 1, dtype=np.int64)
-        self._stamp = np.zeros(cfg.max_seqs, dtype=np.int64)  # scratch: distinct-rows check
         self._flat_pages = self.table.pages.reshape(-1)  # a view: (row, col) at row * W + col
         self._batch: _Batch | None = None
         # Recent batches by size (a decode batch survives the prefill reserves between steps):
@@ -397,15 +396,10 @@ class KVCacheManager:
                 f"request {rid!r} is not running ({state}); admit or resume it first"
             ) from None
 
-    def _require_distinct(self, rows: Int32Array, what: str) -> None:
-        """Raise ValueError unless the rows are distinct (stamping each row with its batch index
-        reads every index back only when no row appears twice)."""
-        if rows.size > self.max_seqs:
-            raise ValueError(f"request_ids must be distinct, got {rows.size} for {self.max_seqs} "
-                             f"rows (nothing was {what})")
-        index = self._arange[: rows.size]
-        self._stamp[rows] = index
-        if not np.array_equal(self._stamp[rows], index):
+    @staticmethod
+    def _require_distinct(ids: tuple[Any, ...], what: str) -> None:
+        """Raise ValueError unless the request ids (so their rows) are distinct."""
+        if len(set(ids)) != len(ids):
             raise ValueError(f"request_ids must be distinct (nothing was {what})")
 
     def _touch_row(self, row: int | Int32Array) -> None:
@@ -749,7 +743,7 @@ class KVCacheManager:
                 raise KVMemError(f"num_tokens must be >= 0, got {k}")
             if k <= self.page_size and not self._num_forked and not self._copy_hold:
                 if not known:
-                    self._require_distinct(rows, "reserved")
+                    self._require_distinct(ids, "reserved")
                 return self._reserve_small(ids, rows, k)
             return self._reserve_any(ids, rows, k, known)
         return self._reserve_any(ids, rows, self._num_new(num_tokens, rows.size), known)
@@ -826,7 +820,7 @@ class KVCacheManager:
         total = int(need.sum()) + (0 if cow is None else cow[0].size)
         held = np.concatenate(self._copy_hold) if self._copy_hold else None
         if not known:
-            self._require_distinct(rows, "reserved")
+            self._require_distinct(ids, "reserved")
         if total > self.allocator.num_free or cow is not None or held is not None:
             # This path mutates before grow() validates: validate everything here.
             if total > self._available():
@@ -1059,7 +1053,7 @@ class KVCacheManager:
             flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         if len(ids) > 1 and not known:
             try:
-                self._require_distinct(rows, "committed")
+                self._require_distinct(ids, "committed")
             except ValueError as e:
                 raise KVMemError(str(e)) from None
         self._commit(rows, counts, flat, ids)
