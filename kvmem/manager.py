@@ -121,7 +121,8 @@ class _Batch:
     end: Int64Array | None = None  # ... and after it
     k: int = -1  # tokens per row when the batch got one count (-1: per-row counts)
     token_pages: Int32Array | None = None  # k == 1: the page each new token lands in ...
-    offsets: Int64Array | None = None  # ... and its slot within the page
+    offsets: Int64Array | None = None  # ... its slot within the page ...
+    cols: Int64Array | None = None  # ... and the page's position in the row
     uncommitted: bool = True  # no commit since the reserve: the write set is the step's
 
 
@@ -275,6 +276,8 @@ class KVCacheManager:
         self._mutations = 0  # public operations run so far
         self._plan_memo: tuple[int, Any, Int64Array, int, PrefixMatch | None] | None = None
         self._arange = np.arange(max(cfg.max_pages_per_seq, cfg.max_seqs) + 1, dtype=np.int64)
+        self._ones = np.ones(cfg.max_seqs, dtype=np.int64)
+        self._ones.flags.writeable = False
         self._flat_pages = self.table.pages.reshape(-1)  # a view: (row, col) at row * W + col
         self._batch: _Batch | None = None
         # Recent batches by size (a decode batch survives the prefill reserves between steps):
@@ -780,7 +783,7 @@ class KVCacheManager:
             self._emit("allocate", pages=new)
         tbl.num_tokens[rows] = end
         self._write_from[rows] = start
-        token_pages = offset = None
+        token_pages = offset = col = None
         if k == 1:
             col, offset = np.divmod(start, P)
             token_pages = self._flat_pages[rows_w + col]
@@ -802,7 +805,7 @@ class KVCacheManager:
             _EMPTY_PAGES, P, self._epoch,
         )
         self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
-                              start, end, k, token_pages, offset))
+                              start, end, k, token_pages, offset, col))
         self._take_changes()
         return step
 
@@ -1066,10 +1069,10 @@ class KVCacheManager:
         self._committed[rows] = b.end
         b.uncommitted = False
         if self.cache is not None:
-            full = np.flatnonzero(b.end % self.page_size == 0)  # pages that just filled
+            assert b.offsets is not None and b.cols is not None
+            full = np.flatnonzero(b.offsets == self.page_size - 1)  # pages that just filled
             if full.size:
-                self._offer(rows[full], b.end[full] // self.page_size - 1, None,
-                            b.token_pages[full])
+                self._offer(rows[full], b.cols[full], None, b.token_pages[full])
 
     def _commit(self, rows: Int32Array, counts: Int64Array | int, flat: npt.NDArray[np.integer],
                 ids: Sequence[Any]) -> None:
@@ -1105,9 +1108,10 @@ class KVCacheManager:
         """Give newly full pages (runs of ``counts`` pages from column ``first``; one page each
         when ``counts`` is None, then ``pages`` may name them) to the cache."""
         assert self.cache is not None
+        last: Int64Array | None = None  # run ends (None: one page per run)
         if counts is None:  # one page per row: the decode step
             rep, cols, starts = rows, first, self._arange[: rows.size]
-            counts = self._arange[1:2].repeat(rows.size)
+            counts = self._ones[: rows.size]
             if pages is None:
                 pages = self.table.pages[rows, first]
         else:
@@ -1116,11 +1120,12 @@ class KVCacheManager:
             cols = np.repeat(first, counts) + np.arange(total) - np.repeat(starts, counts)
             rep = np.repeat(rows, counts)
             pages = self.table.pages[rep, cols]
+            last = starts + counts - 1
         tokens = self._page_tokens[pages]
         parent = self._row_key[rows]
         keys = self.cache.page_keys(parent, counts, first, tokens)
         inserted = self.cache.insert(keys, pages, tokens, self._row_ns[rep])
-        self._row_key[rows] = keys[starts + counts - 1]
+        self._row_key[rows] = keys if last is None else keys[last]
         if self.config.kv_events and inserted.size:
             parents = np.empty_like(keys)
             parents[1:] = keys[:-1]
@@ -1299,6 +1304,9 @@ class KVCacheManager:
         """``_verified_refs[p] += 1`` once per listing of ``p`` (never fewer: a count that is
         too low could hide a changed page; one too high only costs a detailed check)."""
         refs = self._verified_refs
+        if pages.size <= 64:  # (add.at is the cheaper of the two up to here)
+            np.add.at(refs, pages, 1)
+            return
         if pages.size > 4096:
             refs += np.bincount(pages, minlength=self.num_pages).astype(np.int32)
             return
