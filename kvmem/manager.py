@@ -1233,20 +1233,21 @@ class KVCacheManager:
         gens = self._row_gen[rows]
         self._take_changes()
         v = self._verified
-        if v is not None and v.rows.size != size:
-            self._forget_verified()
-            v = None
+        changed: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
+        if v is not None:
+            kept = gens == v.gens if v.rows.size == size else None
+            if kept is not None:
+                first = np.where(kept, v.counts, 0)  # entries each row keeps from the snapshot
+                changed = np.flatnonzero((counts != first) | ~kept)
+            if kept is None or changed.size > _MAX_SPLICES:  # another batch: start over
+                self._forget_verified()
+                v = None
         if v is None:  # nothing proven yet: every entry is new
             pages = indices
             want = expected_tags[np.repeat(rows, counts),
                                  np.arange(indices.size) - np.repeat(indptr[:-1], counts)]
             proven = indices.astype(np.int32)
         else:
-            kept = gens == v.gens
-            first = np.where(kept, v.counts, 0)  # entries each row keeps from the snapshot
-            changed = np.flatnonzero((counts != first) | ~kept)
-            if changed.size > _MAX_SPLICES:
-                return False
             first = first[changed]
             if (counts[changed] < first).any():
                 return False

@@ -812,3 +812,23 @@ def test_a_big_pool_evicts_a_little_ahead_and_never_a_mapped_page() -> None:
     assert mgr.verify(list(mgr.running)).ok
     mgr.check()
     eng.check_kv()
+
+
+def test_alternating_batches_of_one_size_are_each_checked_in_full() -> None:
+    mgr = make(num_pages=64, max_seqs=8)
+    eng = ToyEngine(mgr)
+    for i in range(6):
+        run_prompt(eng, i, [i] * (6 + i))
+    one, two = [0, 1, 2], [3, 4, 5]
+    for _ in range(6):
+        for batch in (one, two):
+            step = eng.step(batch, 1)
+            assert mgr.verify(batch, step).ok
+            eng.commit(batch)
+    faults.free_behind_back(mgr, 4, 0)
+    step = eng.step(two, 1)
+    assert list(mgr.verify(two, step).aborted) == [4]
+    eng.abort(4)
+    step = eng.step(one, 1)
+    assert mgr.verify(one, step).ok
+    eng.check_kv()
