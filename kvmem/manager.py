@@ -1499,7 +1499,7 @@ class KVCacheManager:
         if self._forked[row]:
             self._forked[row] = False
             self._num_forked -= 1
-        pages = self.table.close_row(row)
+        pages = self.table.remove_row(row)
         if owned is not None:
             pages = owned
         if self.tracker.enabled:

@@ -149,25 +149,6 @@ class PageAllocator:
             self._require_live(pages, "share")
         self._refcounts[pages] = held + 1
 
-    def free_last(self, pages: PageIds) -> PageIds:
-        """:meth:`free` for int32 pages listed once each that have exactly one holder (all are
-        released); other input goes through :meth:`free`, which validates and raises."""
-        if pages.size == 0:
-            return pages.copy()
-        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages or not (
-                self._refcounts[pages] == 1).all():
-            return self.free(pages)
-        released = np.sort(pages)
-        if released.size > 1 and (released[1:] == released[:-1]).any():
-            return self.free(pages)
-        self._refcounts[released] = 0
-        self._tags[released] = 0
-        self._free_stack[self._num_free : self._num_free + released.size] = released
-        self._num_free += released.size
-        self._num_frees += released.size
-        self._changed.append(released)
-        return released
-
     def free(self, pages: npt.ArrayLike) -> PageIds:
         """Remove one holder from each listed page; pages left with none become free.
 

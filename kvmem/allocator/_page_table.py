@@ -143,10 +143,6 @@ class PageTable:
 
     def remove_row(self, row: int) -> Int32Array:
         """Close a row; returns the pages it mapped (the caller frees them)."""
-        return self.remove_rows(np.array([row], dtype=np.int32))
-
-    def close_row(self, row: int) -> Int32Array:
-        """:meth:`remove_row` in a few scalar steps: returns a copy of the pages it mapped."""
         if not 0 <= row < self.max_seqs or not self._live[row]:
             raise KVMemError(f"rows [{row}] include rows that are not live")
         num = int(self.num_pages[row])

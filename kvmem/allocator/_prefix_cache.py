@@ -623,7 +623,7 @@ class HashedPrefixCache(PrefixCache):
                 self._fifo_head = end
         out = np.concatenate(victims) if len(victims) > 1 else victims[0]
         keys = self._forget(out, evictable=True)
-        self.allocator.free_last(out)
+        self.allocator.free(out)
         return out, keys
 
     # -- queries -----------------------------------------------------------------------------
