@@ -227,7 +227,9 @@ class Engine:
             return []
         ids = [r.request_id for r in batch]
         t2 = time.perf_counter()
-        step = mgr.reserve(ids, [len(f) for f in feeds])
+        lens = {len(f) for f in feeds}
+        # A uniform step (every decode step) passes an int: the manager's vectorized fast path.
+        step = mgr.reserve(ids, lens.pop() if len(lens) == 1 else [len(f) for f in feeds])
         if step.copy_src.size:  # copy-on-write, when the manager has no pool to do it itself
             src, dst = torch.from_numpy(step.copy_src), torch.from_numpy(step.copy_dst)
             self.lm.pool.copy_pages(src, dst)
@@ -256,7 +258,11 @@ class Engine:
         t5 = time.perf_counter()
         next_ids = self.lm.forward(input_ids, kv, last).argmax(dim=-1).tolist()
         t6 = time.perf_counter()
-        mgr.commit_batch([r.request_id for r in batch], feeds)
+        kept = [r.request_id for r in batch]
+        if all(len(f) == len(feeds[0]) for f in feeds):
+            mgr.commit_batch(kept, np.array(feeds, dtype=np.int64))  # [B, k]: no ragged path
+        else:
+            mgr.commit_batch(kept, feeds)
         t7 = time.perf_counter()
         num_decode = 0
         for r, fed, tok in zip(batch, feeds, next_ids):
