@@ -233,15 +233,22 @@ class Engine:
         if step.copy_src.size:  # copy-on-write, when the manager has no pool to do it itself
             src, dst = torch.from_numpy(step.copy_src), torch.from_numpy(step.copy_dst)
             self.lm.pool.copy_pages(src, dst)
+        kv = KVBatch.from_arrays(
+            self.lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr, step.kv_indices,
+            step.kv_last_page_len,
+        )
         t3 = time.perf_counter()
-        report = mgr.verify(ids, step)
+        # Check the very metadata the kernel reads: on a CPU pool the tensors share the step's
+        # numpy memory (zero-copy); on a device pool, check the device tensors there.
+        if kv.kv_indices.device.type == "cpu":
+            report = mgr.verify(ids, step)
+        else:
+            report = mgr.verify(ids, kv_indptr=kv.kv_indptr, kv_indices=kv.kv_indices)
         t4 = time.perf_counter()
         ended: list[Request] = []
-        slot_mapping, qo_indptr = step.slot_mapping, step.qo_indptr
-        kv_indptr, kv_indices, kv_last = step.kv_indptr, step.kv_indices, step.kv_last_page_len
         if report.aborted:  # the manager released them; the rest of the batch proceeds
             keep = report.keep
-            slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last, _ = _keep_requests(step, keep)
+            kv = KVBatch.from_arrays(self.lm.pool, *_keep_requests(step, keep)[:5])
             for r in batch:
                 if r.request_id in report.aborted:
                     self._end(r, "aborted", report.aborted[r.request_id])
@@ -250,11 +257,8 @@ class Engine:
             feeds = [f for f, k in zip(feeds, keep) if k]
         if not batch:
             return ended
-        kv = KVBatch.from_arrays(
-            self.lm.pool, slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last
-        )
         input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64)
-        last = torch.from_numpy(qo_indptr[1:].astype(np.int64) - 1)
+        last = kv.qo_indptr[1:].long() - 1
         t5 = time.perf_counter()
         next_ids = self.lm.forward(input_ids, kv, last).argmax(dim=-1).tolist()
         t6 = time.perf_counter()
