@@ -26,6 +26,22 @@ QUESTIONS = (
     "What does a compiler do?",
 )
 ARRIVALS = (0, 0, 5, 9, 14)  # staggered: request i joins before engine step ARRIVALS[i]
+# The bf16-vs-fp32 agreement set: QUESTIONS plus these eleven, fixed before any bf16 result on
+# them was seen (no prompt is ever swapped for a better-agreeing one).
+MORE_QUESTIONS = (
+    "How does garbage collection work in Java?",
+    "What is a race condition, and how can it be avoided?",
+    "Explain the difference between TCP and UDP.",
+    "What is recursion? Give an example.",
+    "How do I reverse a string in Python?",
+    "What is version control used for?",
+    "Describe how photosynthesis works.",
+    "What are the benefits of unit testing?",
+    "Explain what an API is.",
+    "Why is the sky blue?",
+    "What is the difference between RAM and a hard drive?",
+)
+AGREEMENT_ARRIVALS = (*ARRIVALS, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58)
 NEW_TOKENS = 64
 NUM_PAGES = 96
 
