@@ -39,7 +39,7 @@ import functools
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -124,6 +124,20 @@ class _Batch:
     offsets: Int64Array | None = None  # ... its slot within the page ...
     cols: Int64Array | None = None  # ... and the page's position in the row
     uncommitted: bool = True  # no commit since the reserve: the write set is the step's
+    splice: _Splice | None = None  # how indices was patched from a previous batch's
+
+
+class _Splice(NamedTuple):
+    """How ``_build_csr`` patched a batch's ``indices`` from ``base.indices``: rows
+    ``changed`` keep their first ``first`` entries and get ``fresh`` new ones; ``gone`` are the
+    base's entries that were cut out. ``verify`` of the batch's step, when the previous verify
+    proved ``base``, then checks only the fresh entries."""
+
+    base: _Batch
+    changed: npt.NDArray[np.intp]
+    first: Int64Array
+    fresh: Int64Array
+    gone: list[Int32Array]
 
 
 @dataclass(slots=True, eq=False)
@@ -797,7 +811,7 @@ class KVCacheManager:
             counts = (end + (P - 1)) // P
             last_len = ((end - 1) % P + 1).astype(np.int32)
         gens = self._row_gen[rows]
-        indptr, indices = self._build_csr(rows, rows_w, gens, counts)
+        indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
         size = rows.size
         step = StepMetadata(
             ids, rows, np.full(size, k, dtype=np.int32), slots, self._qo_indptr(size, k),
@@ -805,7 +819,7 @@ class KVCacheManager:
             _EMPTY_PAGES, P, self._epoch,
         )
         self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
-                              start, end, k, token_pages, offset, col))
+                              start, end, k, token_pages, offset, col, splice=splice))
         self._take_changes()
         return step
 
@@ -852,7 +866,7 @@ class KVCacheManager:
         counts = (seq_lens + (P - 1)) // P
         rows_w = rows.astype(np.int64) * self.max_pages_per_seq
         gens = self._row_gen[rows]
-        indptr, indices = self._build_csr(rows, rows_w, gens, counts)
+        indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
         if k >= 0:
             num_new = np.full(rows.size, k, dtype=np.int32)
             qo_indptr = self._qo_indptr(rows.size, k)
@@ -866,7 +880,7 @@ class KVCacheManager:
             last_len, seq_lens.astype(np.int32), copy_src, copy_dst, P, self._epoch,
         )
         self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
-                              start, seq_lens, k))
+                              start, seq_lens, k, splice=splice))
         self._take_changes()
         return step
 
@@ -895,14 +909,15 @@ class KVCacheManager:
         return qo.copy()
 
     def _build_csr(self, rows: Int32Array, rows_w: Int64Array, gens: Int64Array,
-                   counts: Int64Array) -> tuple[Int32Array, Int32Array]:
+                   counts: Int64Array) -> tuple[Int32Array, Int32Array, _Splice | None]:
         """FlashInfer ``kv_indptr``, ``kv_indices`` over each row's first ``counts`` pages.
 
         When the previous reserve of a batch this size had, at the same position, the same row
         with nothing but appends since (same generation), the row keeps its previous entries:
         the new ``kv_indices`` is the old one cut at the few rows that changed (grew, or hold
         another request), with their new pages (contiguous in the page table) spliced in, in one
-        concatenation. Otherwise one masked gather of the page table.
+        concatenation (returned as a :class:`_Splice`). Otherwise one masked gather of the page
+        table (and no splice).
         """
         size = rows.size
         indptr = np.zeros(size + 1, dtype=np.int32)
@@ -914,11 +929,14 @@ class KVCacheManager:
             fresh = counts - first
             changed = np.flatnonzero((fresh != 0) | ~kept)
             if changed.size <= _MAX_SPLICES and (not changed.size or int(fresh.min()) >= 0):
-                if not changed.size:
-                    return indptr, c.indices
+                c.splice = None  # (a batch keeps only its own splice, not a chain of them)
                 first = first[changed]
+                fresh = fresh[changed]
+                gone: list[Int32Array] = []
+                if not changed.size:
+                    return indptr, c.indices, _Splice(c, changed, first, fresh, gone)
                 spec = zip((c.indptr[changed] + first).tolist(), c.indptr[changed + 1].tolist(),
-                           (rows_w[changed] + first).tolist(), fresh[changed].tolist())
+                           (rows_w[changed] + first).tolist(), fresh.tolist())
                 old = c.indices
                 flat = self._flat_pages
                 parts = []
@@ -926,13 +944,15 @@ class KVCacheManager:
                 for cut, resume, src, num in spec:
                     parts.append(old[at:cut])
                     parts.append(flat[src : src + num])
+                    if resume > cut:
+                        gone.append(old[cut:resume])
                     at = resume
                 parts.append(old[at:])
                 indices = np.concatenate(parts)
-                return indptr, indices
+                return indptr, indices, _Splice(c, changed, first, fresh, gone)
         width = int(counts.max()) if size else 0
         mask = self._arange[:width] < counts[:, None]
-        return indptr, self.table.pages[rows, :width][mask]
+        return indptr, self.table.pages[rows, :width][mask], None
 
     def _record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: Int64Array,
                 appended: bool = False) -> None:
@@ -1190,10 +1210,12 @@ class KVCacheManager:
             csr = self.table.csr(rows)
             indptr, indices = csr.kv_indptr, csr.kv_indices
         expected_tags = getattr(self.tracker, "expected_tags", None)
-        if (expected_tags is not None and isinstance(indices, np.ndarray)
-                and isinstance(indptr, np.ndarray)
-                and self._verify_fast(rows, indptr, indices, current, expected_tags)):
-            return VerifyReport(ids)
+        if expected_tags is not None and isinstance(indices, np.ndarray) and isinstance(
+                indptr, np.ndarray):
+            if current is not None and self._verify_spliced(indptr, indices, expected_tags):
+                return VerifyReport(ids)
+            if self._verify_fast(rows, indptr, indices, current, expected_tags):
+                return VerifyReport(ids)
         self._forget_verified()
         return self._verify_detailed(ids, rows, indptr, indices)
 
@@ -1202,6 +1224,63 @@ class KVCacheManager:
             self._verified = None
             self._verified_refs.fill(0)
         self._verified_dirty = []
+
+    def _verify_spliced(self, indptr: npt.NDArray[np.integer], indices: npt.NDArray[np.integer],
+                        expected_tags: Int64Array) -> bool:
+        """verify() of the latest reserve's own step, when the previous verify proved the CSR
+        that reserve spliced this one from (the decode loop): True only if the detailed check
+        would find nothing (False: the caller looks closer, from scratch).
+
+        ::
+
+            unchanged   the arrays equal reserve's private copies: every kept entry is the
+                        proven one, at the same place
+            kept        no page the proven CSR still lists changed tag since (_verified_refs)
+            fresh       each entry reserve spliced in is in range and its live qualified tag
+                        equals the one recorded for (row, position) (never 0: unrecorded)
+            write set   every page about to be written has exactly one writer
+        """
+        b = self._batch
+        assert b is not None
+        s = b.splice
+        v = self._verified
+        if s is None or v is None or s.base.indices is not v.indices:
+            return False
+        if not (np.array_equal(indptr, b.indptr) and np.array_equal(indices, b.indices)
+                and self._write_set_ok(b.rows, b.step)):
+            return False
+        if self._spliced_entries_ok(b, s, expected_tags):
+            self._verified = _Verified(b.rows, b.gens, b.counts, b.indptr.astype(np.int64),
+                                       b.indices)
+            return True
+        self._forget_verified()  # the refcounts were half updated: start over
+        return False
+
+    def _spliced_entries_ok(self, b: _Batch, s: _Splice, expected_tags: Int64Array) -> bool:
+        """The kept and fresh checks of :meth:`_verify_spliced` (updates _verified_refs)."""
+        self._take_changes()
+        refs = self._verified_refs
+        if s.gone:  # (a page listed twice in one scatter counts once: errs high, still safe)
+            refs[np.concatenate(s.gone) if len(s.gone) > 1 else s.gone[0]] -= 1
+        dirty = self._verified_dirty
+        self._verified_dirty = []
+        if dirty and refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]].any():
+            return False  # a page still listed changed lifetime
+        if not s.changed.size:
+            return True
+        within = _ranges(s.first, s.fresh)  # the fresh entries' page positions in their rows
+        pages = b.indices[within + np.repeat(b.indptr[s.changed], s.fresh)]
+        rows_t = b.rows[s.changed].astype(np.int64) * expected_tags.shape[1]
+        want = expected_tags.reshape(-1)[within + np.repeat(rows_t, s.fresh)]
+        if pages.size:
+            if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+                return False
+            live = self.allocator.tags[pages] << _NS_BITS
+            live |= self._page_ns[pages]
+            if not (np.array_equal(live, want) and want.all()):
+                return False
+            self._count_refs(pages)
+        return True
 
     def _verify_fast(self, rows: Int32Array, indptr: npt.NDArray[np.integer],
                      indices: npt.NDArray[np.integer], step: StepMetadata | None,
@@ -1298,6 +1377,10 @@ class KVCacheManager:
             if not (np.array_equal(live, want) and want.all()):
                 return False
             self._count_refs(pages)
+        b = self._batch
+        if step is not None and b is not None and step is b.step and (
+                proven is b.indices or np.array_equal(proven, b.indices)):
+            proven = b.indices  # the next reserve splices from it: see _verify_spliced
         self._verified = _Verified(rows, gens, counts, indptr.astype(np.int64), proven)
         return True
 

@@ -715,6 +715,38 @@ def decoding(num_steps: int = 3, **kw: Any) -> tuple[KVCacheManager, ToyEngine, 
     return mgr, eng, ids
 
 
+def spy_spliced(mgr: KVCacheManager) -> list[bool]:
+    """What each verify's quick check of a decode step's spliced entries answered."""
+    answers: list[bool] = []
+    check = mgr._verify_spliced
+
+    def spy(*args: Any) -> bool:
+        answers.append(check(*args))
+        return answers[-1]
+
+    mgr._verify_spliced = spy  # type: ignore[method-assign]
+    return answers
+
+
+def test_a_decode_loop_checks_only_the_entries_reserve_spliced_in() -> None:
+    """Once a step is verified, the next step's verify proves the unchanged entries by
+    comparison and checks the fresh ones (grown pages, replaced requests) in full."""
+    mgr, eng, ids = decoding()
+    spliced = spy_spliced(mgr)
+    for i in range(16):
+        if i in (3, 9):  # a request finishes and another takes its batch slot
+            slot = i % len(ids)
+            eng.release(ids[slot])
+            ids[slot] = f"new{i}"
+            run_prompt(eng, ids[slot], [i] * (3 + i))  # (not verified yet: fresh entries)
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    assert spliced == [True] * 16
+    eng.check_kv()
+    mgr.check()
+
+
 # (A page freed behind a request's back may be handed out again by the step's own allocation;
 # the page a step writes exists once the step is reserved.)
 @pytest.mark.parametrize("fault, victims, what, after_reserve", [
@@ -727,12 +759,14 @@ def decoding(num_steps: int = 3, **kw: Any) -> tuple[KVCacheManager, ToyEngine, 
 def test_verify_of_the_next_step_catches_faults_on_entries_it_proved_before(
         fault: Any, victims: list[str], what: tuple[str, ...], after_reserve: bool) -> None:
     mgr, eng, ids = decoding()
+    spliced = spy_spliced(mgr)
     if not after_reserve:
         fault(mgr)
     step = eng.step(ids, 1)
     if after_reserve:
         fault(mgr)
     report = mgr.verify(ids, step)
+    assert spliced == [False]  # the quick check of the spliced entries saw the fault too
     assert list(report.aborted) == victims
     assert all(any(w in report.aborted[v] for w in what) for v in victims)
     for v in victims:
