@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvmem.errors import KVMemError
 
@@ -129,7 +130,7 @@ def _policy(args: argparse.Namespace) -> object:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvmem.errors import ConfigError
-    from kvmem.planning import GPU_PRESETS, MODEL_PRESETS, plan_capacity
+    from kvmem.planning import GPU_PRESETS, MODEL_PRESETS
 
     if args.list:
         print("models: " + ", ".join(MODEL_PRESETS))
@@ -144,23 +145,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     gpu = _resolve_gpu(args)
     policy = _policy(args)
     dtypes = [d.strip() for d in args.compare.split(",")] if args.compare else [args.kv_dtype]
-    plans = [
-        plan_capacity(
-            model,  # type: ignore[arg-type]
-            gpu,  # type: ignore[arg-type]
-            args.tp,
-            dp=args.dp,
-            kv_dtype=dtype,
-            kv_scale_layout=args.kv_scales,
-            weights=args.weights,
-            policy=policy,  # type: ignore[arg-type]
-            page_size=args.page_size,
-            context_len=args.context,
-            concurrency=args.concurrency,
-            use_mtp=args.use_mtp,
-        )
-        for dtype in dtypes
-    ]
+    plans = _plans(args, model, gpu, policy, dtypes)
     if args.json:
         if len(plans) == 1:
             print(json.dumps(plans[0].to_json_dict(), indent=2))
@@ -169,8 +154,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plans(plans))
     if args.plot:
-        plot_dtypes = dtypes if len(dtypes) > 1 else sorted({dtypes[0], "bf16", "fp8_e4m3"})
-        _plot(args, model, gpu, policy, plot_dtypes, args.plot)
+        if len(dtypes) == 1:  # the plot compares: add bf16 and fp8_e4m3
+            dtypes = sorted({dtypes[0], "bf16", "fp8_e4m3"})
+            plans = _plans(args, model, gpu, policy, dtypes)
+        _plot(plans, args.plot)
         if not args.json:
             print(f"\nwrote {args.plot}")
     return 0
@@ -236,16 +223,35 @@ def format_plans(plans: Sequence[object]) -> str:
     return "\n".join(lines)
 
 
-def _plot(
-    args: argparse.Namespace,
-    model: object,
-    gpu: object,
-    policy: object,
-    dtypes: Sequence[str],
-    path: str,
-) -> None:
-    from kvmem.errors import ConfigError
+def _plans(
+    args: argparse.Namespace, model: object, gpu: object, policy: object, dtypes: Sequence[str]
+) -> list[Any]:
+    """One CapacityPlan per KV dtype, from the ``kvmem plan`` arguments."""
     from kvmem.planning import plan_capacity
+
+    return [
+        plan_capacity(
+            model,  # type: ignore[arg-type]
+            gpu,  # type: ignore[arg-type]
+            args.tp,
+            dp=args.dp,
+            kv_dtype=dtype,
+            kv_scale_layout=args.kv_scales,
+            weights=args.weights,
+            policy=policy,  # type: ignore[arg-type]
+            page_size=args.page_size,
+            context_len=args.context,
+            concurrency=args.concurrency,
+            use_mtp=args.use_mtp,
+        )
+        for dtype in dtypes
+    ]
+
+
+def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
+    """Draw max concurrency against context length, one line per plan (KV dtype), into
+    ``path``; returns the plotted series by dtype."""
+    from kvmem.errors import ConfigError
 
     try:
         import matplotlib
@@ -258,23 +264,12 @@ def _plot(
         ) from exc
     contexts = [2**k for k in range(10, 21)]  # 1K .. 1M tokens
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    title = ""
-    for dtype in dtypes:
-        plan = plan_capacity(
-            model,  # type: ignore[arg-type]
-            gpu,  # type: ignore[arg-type]
-            args.tp,
-            dp=args.dp,
-            kv_dtype=dtype,
-            kv_scale_layout=args.kv_scales,
-            weights=args.weights,
-            policy=policy,  # type: ignore[arg-type]
-            page_size=args.page_size,
-        )
-        title = f"{plan.model}, {plan.num_gpus} x {plan.gpu}, TP {plan.tp}, {plan.weights}"
-        ax.plot(
-            contexts, [plan.concurrency_at(c) * plan.dp for c in contexts], marker="o", label=dtype
-        )
+    series: dict[str, list[int]] = {}
+    for plan in plans:
+        series[plan.kv_dtype] = [plan.concurrency_at(c) * plan.dp for c in contexts]
+        ax.plot(contexts, series[plan.kv_dtype], marker="o", label=plan.kv_dtype)
+    p = plans[0]
+    title = f"{p.model}, {p.num_gpus} x {p.gpu}, TP {p.tp}, {p.weights}"
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -285,6 +280,7 @@ def _plot(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return series
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,6 +122,30 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_draws_the_plans_the_table_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot uses every planning flag (here --use-mtp: the MTP layer's weights leave less
+    memory for KV)."""
+    pytest.importorskip("matplotlib")
+    import kvmem.cli as cli
+    from kvmem.planning import plan_capacity
+
+    drawn: dict[str, list[int]] = {}
+    plot = cli._plot
+    monkeypatch.setattr(cli, "_plot", lambda plans, path: drawn.update(plot(plans, path)))
+    status, _, _ = run(
+        capsys, "plan", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--use-mtp", "--plot",
+        str(tmp_path / "c.png"),
+    )  # fmt: skip
+    assert status == 0 and sorted(drawn) == ["bf16", "fp8_e4m3"]
+    for dtype in drawn:
+        want = plan_capacity("deepseek-v3", "h200", 8, kv_dtype=dtype, use_mtp=True)
+        without = plan_capacity("deepseek-v3", "h200", 8, kv_dtype=dtype)
+        assert want.weights_gib_per_gpu > without.weights_gib_per_gpu
+        assert drawn[dtype][0] == want.concurrency_at(1024) != without.concurrency_at(1024)
+
+
 def test_module_entry_point() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvmem.cli", "plan", "llama-3.1-8b", "--json"],
