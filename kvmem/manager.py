@@ -1259,27 +1259,38 @@ class KVCacheManager:
     def _spliced_entries_ok(self, b: _Batch, s: _Splice, expected_tags: Int64Array) -> bool:
         """The kept and fresh checks of :meth:`_verify_spliced` (updates _verified_refs)."""
         self._take_changes()
-        refs = self._verified_refs
-        if s.gone:  # (a page listed twice in one scatter counts once: errs high, still safe)
-            refs[np.concatenate(s.gone) if len(s.gone) > 1 else s.gone[0]] -= 1
-        dirty = self._verified_dirty
-        self._verified_dirty = []
-        if dirty and refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]].any():
-            return False  # a page still listed changed lifetime
+        if not self._kept_pages_unchanged(s.gone):
+            return False
         if not s.changed.size:
             return True
         within = _ranges(s.first, s.fresh)  # the fresh entries' page positions in their rows
         pages = b.indices[within + np.repeat(b.indptr[s.changed], s.fresh)]
         rows_t = b.rows[s.changed].astype(np.int64) * expected_tags.shape[1]
         want = expected_tags.reshape(-1)[within + np.repeat(rows_t, s.fresh)]
-        if pages.size:
-            if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
-                return False
-            live = self.allocator.tags[pages] << _NS_BITS
-            live |= self._page_ns[pages]
-            if not (np.array_equal(live, want) and want.all()):
-                return False
-            self._count_refs(pages)
+        return self._fresh_ok(pages, want)
+
+    def _kept_pages_unchanged(self, gone: list[Int32Array]) -> bool:
+        """Take the entries ``gone`` out of ``_verified_refs``; then no page the proven entries
+        still list may be in the log of pages whose tag changed since the last verify."""
+        refs = self._verified_refs
+        if gone:  # (a page listed twice in one scatter counts once: errs high, still safe)
+            refs[np.concatenate(gone) if len(gone) > 1 else gone[0]] -= 1
+        dirty = self._verified_dirty
+        self._verified_dirty = []
+        return not (dirty and refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]].any())
+
+    def _fresh_ok(self, pages: npt.NDArray[np.integer], want: Int64Array) -> bool:
+        """Entries checked in full: in range, live qualified tag == the recorded one (never 0:
+        unrecorded); then counted in ``_verified_refs``."""
+        if not pages.size:
+            return True
+        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+            return False
+        live = self.allocator.tags[pages] << _NS_BITS
+        live |= self._page_ns[pages]
+        if not (np.array_equal(live, want) and want.all()):
+            return False
+        self._count_refs(pages)
         return True
 
     def _verify_fast(self, rows: Int32Array, indptr: npt.NDArray[np.integer],
@@ -1358,25 +1369,14 @@ class KVCacheManager:
             # one comparison proves every kept entry equal to the one proven before.
             if not np.array_equal(proven, indices):
                 return False
-            refs = self._verified_refs
-            if gone:  # (a page listed twice in one scatter counts once: errs high, still safe)
-                refs[np.concatenate(gone) if len(gone) > 1 else gone[0]] -= 1
-            dirty = self._verified_dirty
-            self._verified_dirty = []
-            if dirty and refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]].any():
-                return False  # a page still listed changed lifetime
+            if not self._kept_pages_unchanged(gone):
+                return False
             pages = np.concatenate(fresh) if len(fresh) > 1 else (fresh[0] if fresh
                                                                    else _EMPTY_PAGES)
             want = np.concatenate(wants) if len(wants) > 1 else (wants[0] if wants
                                                                  else _EMPTY_TAGS)
-        if pages.size:
-            if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
-                return False
-            live = self.allocator.tags[pages] << _NS_BITS
-            live |= self._page_ns[pages]
-            if not (np.array_equal(live, want) and want.all()):
-                return False
-            self._count_refs(pages)
+        if not self._fresh_ok(pages, want):
+            return False
         b = self._batch
         if step is not None and b is not None and step is b.step and (
                 proven is b.indices or np.array_equal(proven, b.indices)):
