@@ -86,6 +86,9 @@ logger = logging.getLogger(__name__)
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
+# Rows and pages used as indices are intp: numpy indexes with intp arrays several times faster
+# than with int32 ones (which it converts on every call).
+IntpArray = npt.NDArray[np.intp]
 RequestId = Hashable
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Tags the manager records and checks are qualified by the namespace of the page's content:
@@ -109,7 +112,8 @@ class _Batch:
     reserve builds its CSR from them, copying the rows that only grew (see ``_build_csr``)."""
 
     ids: tuple[Any, ...]
-    rows: Int32Array  # read-only (StepMetadata.rows is this array)
+    rows: IntpArray  # read-only; rows32 is its int32 copy (StepMetadata.rows)
+    rows32: Int32Array
     rows_w: Int64Array  # rows * max_pages_per_seq: flat index of each row's column 0
     gens: Int64Array  # the rows' generations when reserved (see KVCacheManager._row_gen)
     counts: Int64Array  # pages listed per row
@@ -120,7 +124,8 @@ class _Batch:
     start: Int64Array | None = None  # tokens each row held before the reserve
     end: Int64Array | None = None  # ... and after it
     k: int = -1  # tokens per row when the batch got one count (-1: per-row counts)
-    token_pages: Int32Array | None = None  # k == 1: the page each new token lands in ...
+    slots: Int64Array | None = None  # k == 1: the slot each new token lands in (private) ...
+    token_pages: Int32Array | None = None  # ... its page ...
     offsets: Int64Array | None = None  # ... its slot within the page ...
     cols: Int64Array | None = None  # ... and the page's position in the row
     uncommitted: bool = True  # no commit since the reserve: the write set is the step's
@@ -146,7 +151,7 @@ class _Verified:
     checks in full only the entries this one did not see, and the rest by comparison plus the
     pages whose tag changed since (``KVCacheManager._verified_refs``)."""
 
-    rows: Int32Array
+    rows: IntpArray
     gens: Int64Array
     counts: Int64Array  # pages listed per row
     indptr: Int64Array
@@ -398,14 +403,14 @@ class KVCacheManager:
             )
         return tokens.astype(np.int64)  # a private copy: the engine keeps its own object
 
-    def _rows_of(self, ids: tuple[Any, ...]) -> Int32Array:
-        """Page-table rows of running requests: ``[B]``, int32 (the latest reserve's own array
+    def _rows_of(self, ids: tuple[Any, ...]) -> IntpArray:
+        """Page-table rows of running requests: ``[B]``, intp (the latest reserve's own array
         when ``ids`` is its batch and no row changed since)."""
         b = self._batch
         if b is not None and b.epoch == self._epoch and ids == b.ids:
             return b.rows
         try:
-            return np.fromiter(map(self._rows.__getitem__, ids), dtype=np.int32, count=len(ids))
+            return np.fromiter(map(self._rows.__getitem__, ids), dtype=np.intp, count=len(ids))
         except KeyError as e:
             rid = e.args[0]
             state = "preempted" if rid in self._requests else "unknown or released"
@@ -419,7 +424,7 @@ class KVCacheManager:
         if len(set(ids)) != len(ids):
             raise ValueError(f"request_ids must be distinct (nothing was {what})")
 
-    def _touch_row(self, row: int | Int32Array) -> None:
+    def _touch_row(self, row: int | npt.NDArray[np.integer]) -> None:
         """The row's mapped columns changed other than by appending: cached batches that list
         it must look at it again."""
         if isinstance(row, (int, np.integer)):
@@ -686,8 +691,8 @@ class KVCacheManager:
             raise KVMemError(f"num_tokens must be >= 0, got {n[n < 0].tolist()[:8]}")
         return n
 
-    def _cow_candidates(self, rows: Int32Array, n: Int64Array | int
-                        ) -> tuple[Int32Array, Int64Array, Int32Array] | None:
+    def _cow_candidates(self, rows: IntpArray, n: Int64Array | int
+                        ) -> tuple[IntpArray, Int64Array, Int32Array] | None:
         """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages).
 
         Only a fork shares a partly filled page (cached prefix pages are full, and a prompt's
@@ -753,7 +758,7 @@ class KVCacheManager:
         rows = self._rows_of(ids)
         known = self._batch is not None and rows is self._batch.rows  # checked when reserved
         if not known:
-            rows.flags.writeable = False  # StepMetadata.rows; the next steps reuse it
+            rows.flags.writeable = False  # the next steps reuse it
         if isinstance(num_tokens, (int, np.integer)):
             k = int(num_tokens)
             if k < 0:
@@ -765,14 +770,16 @@ class KVCacheManager:
             return self._reserve_any(ids, rows, k, known)
         return self._reserve_any(ids, rows, self._num_new(num_tokens, rows.size), known)
 
-    def _reserve_small(self, ids: tuple[Any, ...], rows: Int32Array, k: int) -> StepMetadata:
+    def _reserve_small(self, ids: tuple[Any, ...], rows: IntpArray, k: int) -> StepMetadata:
         """Every row gains ``k <= page_size`` tokens (decode, short speculation), so at most one
         page, and no row writes into a page a fork shares: a constant number of numpy calls."""
         P = self.page_size
         tbl = self.table
         b = self._batch
-        rows_w = (b.rows_w if b is not None and rows is b.rows
-                  else rows.astype(np.int64) * self.max_pages_per_seq)
+        if b is not None and rows is b.rows:
+            rows_w, rows32 = b.rows_w, b.rows32
+        else:
+            rows_w, rows32 = rows * self.max_pages_per_seq, self._rows32(rows)
         start = tbl.num_tokens[rows]
         end = start + k
         cap = tbl.num_pages[rows]
@@ -791,9 +798,10 @@ class KVCacheManager:
             grow_rows = rows[grow]
             tbl.num_pages[grow_rows] = cols + 1
             ns = self._row_ns[grow_rows]
-            self._page_ns[new] = ns
+            new_i = new.astype(np.intp)
+            self._page_ns[new_i] = ns
             if self.tracker.enabled:
-                self._record(grow_rows, cols, self._expected(new, ns), appended=True)
+                self._record(grow_rows, cols, self._expected(new_i, ns), appended=True)
             self._emit("allocate", pages=new)
         tbl.num_tokens[rows] = end
         self._write_from[rows] = start
@@ -814,16 +822,24 @@ class KVCacheManager:
         indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
         size = rows.size
         step = StepMetadata(
-            ids, rows, np.full(size, k, dtype=np.int32), slots, self._qo_indptr(size, k),
-            indptr.copy(), indices.copy(), last_len, end.astype(np.int32), _EMPTY_PAGES,
-            _EMPTY_PAGES, P, self._epoch,
+            ids, rows32, np.full(size, k, dtype=np.int32), slots.copy(),
+            self._qo_indptr(size, k), indptr.copy(), indices.copy(), last_len,
+            end.astype(np.int32), _EMPTY_PAGES, _EMPTY_PAGES, P, self._epoch,
         )
-        self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
-                              start, end, k, token_pages, offset, col, splice=splice))
+        self._remember(_Batch(ids, rows, rows32, rows_w, gens, counts, indptr, indices,
+                              self._epoch, step, start, end, k, slots, token_pages, offset, col,
+                              splice=splice))
         self._take_changes()
         return step
 
-    def _reserve_any(self, ids: tuple[Any, ...], rows: Int32Array, n: Int64Array | int,
+    @staticmethod
+    def _rows32(rows: IntpArray) -> Int32Array:
+        """StepMetadata.rows: the batch's rows as a read-only int32 array."""
+        rows32 = rows.astype(np.int32)
+        rows32.flags.writeable = False
+        return rows32
+
+    def _reserve_any(self, ids: tuple[Any, ...], rows: IntpArray, n: Int64Array | int,
                      known: bool) -> StepMetadata:
         """The general step: per-row counts, long chunks, copy-on-write of forked tails."""
         P = self.page_size
@@ -864,7 +880,11 @@ class KVCacheManager:
                              self._expected(grown.new_pages, ns), appended=True)
             self._emit("allocate", pages=grown.new_pages)
         counts = (seq_lens + (P - 1)) // P
-        rows_w = rows.astype(np.int64) * self.max_pages_per_seq
+        b = self._batch
+        if b is not None and rows is b.rows:
+            rows_w, rows32 = b.rows_w, b.rows32
+        else:
+            rows_w, rows32 = rows * self.max_pages_per_seq, self._rows32(rows)
         gens = self._row_gen[rows]
         indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
         if k >= 0:
@@ -876,11 +896,11 @@ class KVCacheManager:
             np.cumsum(n, out=qo_indptr[1:])
         last_len = ((seq_lens - 1) % P + 1).astype(np.int32)
         step = StepMetadata(
-            ids, rows, num_new, grown.slot_mapping, qo_indptr, indptr.copy(), indices.copy(),
+            ids, rows32, num_new, grown.slot_mapping, qo_indptr, indptr.copy(), indices.copy(),
             last_len, seq_lens.astype(np.int32), copy_src, copy_dst, P, self._epoch,
         )
-        self._remember(_Batch(ids, rows, rows_w, gens, counts, indptr, indices, self._epoch, step,
-                              start, seq_lens, k, splice=splice))
+        self._remember(_Batch(ids, rows, rows32, rows_w, gens, counts, indptr, indices,
+                              self._epoch, step, start, seq_lens, k, splice=splice))
         self._take_changes()
         return step
 
@@ -908,7 +928,7 @@ class KVCacheManager:
             qo = self._qo_cache[(size, k)] = (self._arange[: size + 1] * k).astype(np.int32)
         return qo.copy()
 
-    def _build_csr(self, rows: Int32Array, rows_w: Int64Array, gens: Int64Array,
+    def _build_csr(self, rows: IntpArray, rows_w: Int64Array, gens: Int64Array,
                    counts: Int64Array) -> tuple[Int32Array, Int32Array, _Splice | None]:
         """FlashInfer ``kv_indptr``, ``kv_indices`` over each row's first ``counts`` pages.
 
@@ -972,7 +992,8 @@ class KVCacheManager:
             self.tracker.record(np.full(pages.size, row), np.arange(pages.size),
                                 self._expected(pages, ns))
 
-    def _expected(self, pages: Int32Array, namespace_ids: Int64Array | int) -> Int64Array:
+    def _expected(self, pages: npt.NDArray[np.integer], namespace_ids: Int64Array | int
+                  ) -> Int64Array:
         """The namespace-qualified tag a request records for pages it maps: ``[k]``, int64."""
         return (self.allocator.tags[pages] << _NS_BITS) | namespace_ids
 
@@ -1002,7 +1023,7 @@ class KVCacheManager:
         tags = self.allocator.tags
         return np.where(tags == 0, 0, (tags << _NS_BITS) | np.maximum(self._page_ns, 0))
 
-    def _copy_on_write(self, rows: Int32Array, cols: Int64Array, old: Int32Array
+    def _copy_on_write(self, rows: IntpArray, cols: Int64Array, old: Int32Array
                        ) -> tuple[Int32Array, Int32Array]:
         ns = self._page_ns[old]
         new = self._allocate(old.size, ns)
@@ -1083,8 +1104,8 @@ class KVCacheManager:
 
     def _commit_decode(self, b: _Batch, tokens: npt.NDArray[np.integer]) -> None:
         """commit_batch of the latest reserve's batch, one token each, nothing committed since."""
-        assert b.end is not None and b.token_pages is not None
-        self._page_tokens[b.token_pages, b.offsets] = tokens
+        assert b.end is not None and b.token_pages is not None and b.slots is not None
+        self._page_tokens_flat[b.slots] = tokens
         rows = b.rows
         self._committed[rows] = b.end
         b.uncommitted = False
@@ -1094,7 +1115,7 @@ class KVCacheManager:
             if full.size:
                 self._offer(rows[full], b.cols[full], None, b.token_pages[full])
 
-    def _commit(self, rows: Int32Array, counts: Int64Array | int, flat: npt.NDArray[np.integer],
+    def _commit(self, rows: IntpArray, counts: Int64Array | int, flat: npt.NDArray[np.integer],
                 ids: Sequence[Any]) -> None:
         """Write committed tokens into their pages' token slots; offer pages that filled up."""
         start = self._committed[rows]
@@ -1123,7 +1144,7 @@ class KVCacheManager:
             if some.size:
                 self._offer(rows[some], first[some], full[some])
 
-    def _offer(self, rows: Int32Array, first: Int64Array, counts: Int64Array | None,
+    def _offer(self, rows: IntpArray, first: Int64Array, counts: Int64Array | None,
                pages: Int32Array | None = None) -> None:
         """Give newly full pages (runs of ``counts`` pages from column ``first``; one page each
         when ``counts`` is None, then ``pages`` may name them) to the cache."""
@@ -1284,6 +1305,7 @@ class KVCacheManager:
         unrecorded); then counted in ``_verified_refs``."""
         if not pages.size:
             return True
+        pages = pages.astype(np.intp)
         if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
             return False
         live = self.allocator.tags[pages] << _NS_BITS
@@ -1293,7 +1315,7 @@ class KVCacheManager:
         self._count_refs(pages)
         return True
 
-    def _verify_fast(self, rows: Int32Array, indptr: npt.NDArray[np.integer],
+    def _verify_fast(self, rows: IntpArray, indptr: npt.NDArray[np.integer],
                      indices: npt.NDArray[np.integer], step: StepMetadata | None,
                      expected_tags: Int64Array) -> bool:
         """True only if the detailed check would find nothing (False: look closer).
@@ -1402,7 +1424,7 @@ class KVCacheManager:
         else:
             np.add.at(refs, pages, 1)
 
-    def _write_set_ok(self, rows: Int32Array, step: StepMetadata | None) -> bool:
+    def _write_set_ok(self, rows: IntpArray, step: StepMetadata | None) -> bool:
         """Every page the step writes (``step``: its slot mapping; otherwise the slots reserved
         and not committed yet) has exactly one writer."""
         pages: npt.NDArray[np.integer]
@@ -1414,7 +1436,7 @@ class KVCacheManager:
             pages = self._write_set(rows)[2]
         return bool((self._writers(pages) == 1).all())
 
-    def _write_set(self, rows: Int32Array) -> tuple[Int64Array, Int64Array, Int32Array]:
+    def _write_set(self, rows: IntpArray) -> tuple[Int64Array, Int64Array, Int32Array]:
         """Tokens the latest reserve() handed out and nobody committed yet: (batch index, page
         position, page) of each."""
         start = np.maximum(self._committed[rows], self._write_from[rows])
@@ -1423,7 +1445,7 @@ class KVCacheManager:
         wpos = _ranges(start, todo) // self.page_size
         return wb, wpos, self.table.pages[rows[wb], wpos]
 
-    def _verify_detailed(self, ids: tuple[Any, ...], rows: Int32Array, indptr: Any,
+    def _verify_detailed(self, ids: tuple[Any, ...], rows: IntpArray, indptr: Any,
                          indices: Any) -> VerifyReport:
         """The tracker's check of every entry, then the write set; aborts the failing requests
         with a reason each."""
