@@ -12,14 +12,20 @@ the replacements; ``decode_{reserve,verify,commit}_us_median`` split the decode 
 
 Shared-prompt trace: 1000 requests sharing a 1024-token system prompt plus 256 own tokens each
 (seeded), ~200 running. Per request: ``can_admit`` + ``admit`` (timed together:
-``admit_us_median``), then prefill ``reserve`` + ``commit`` and, later, ``release`` (not timed).
-Reports the prefix hit rate (cached prompt tokens / prompt tokens).
+``admit_us_median``), then prefill ``reserve`` + ``commit`` (``admit_prefill_us_median`` times
+all four) and, later, ``release`` (not timed). Reports the prefix hit rate (cached prompt
+tokens / prompt tokens).
 
 Timings are wall-clock medians in microseconds on one core; ``load_average_1min`` says how busy
 the machine was (other processes inflate every figure).
 
-If ``import vllm`` works, the same traces run through vLLM's KVCacheManager for a ratio; without
-vLLM that part is skipped.
+If ``import vllm`` works (vLLM 0.33; on a CPU machine see ``setup_vllm_cpu.sh``), the same
+traces run through vLLM's KVCacheManager in the same process: ``vllm_decode_step_us_median``
+(append the sampled token + ``allocate_slots(req, 1)`` for the 256 requests),
+``vllm_admit_us_median`` (``get_computed_blocks`` + ``allocate_slots`` for the prompt; vLLM hashes
+the prompt's blocks earlier, in ``Request()``: ``vllm_admit_hash_us_median``, and
+``vllm_admit_with_hash_us_median`` is the sum) and the ratios ``*_speedup_vs_vllm`` (vLLM's time
+over kvmem's: above 1, kvmem is faster). Without vLLM that part is skipped.
 
     python benchmarks/bench_manager.py [--steps 2000] [--batch 256] [--requests 1000]
 """
@@ -106,6 +112,7 @@ def run_shared(prompts: list[np.ndarray], tracker: str | None) -> dict[str, Any]
     mgr = KVCacheManager(num_pages=256 * 96, page_size=PAGE_SIZE, max_seqs=256,
                          max_pages_per_seq=128, tracker=tracker)
     admit_us: list[float] = []
+    prefill_us: list[float] = []  # can_admit + admit + the prompt's reserve + commit
     live: list[int] = []
     for rid, prompt in enumerate(prompts):
         if len(live) == 200:  # keep ~200 running; the oldest finish
@@ -118,10 +125,11 @@ def run_shared(prompts: list[np.ndarray], tracker: str | None) -> dict[str, Any]
         admit_us.append((t1 - t0) * 1e6)
         mgr.reserve([rid], prompt.size - res.num_cached_tokens)
         mgr.commit(rid, prompt[res.num_cached_tokens:])
+        prefill_us.append((time.perf_counter() - t0) * 1e6)
         live.append(rid)
     mgr.check()
     s = mgr.stats()
-    return {"admit_us": admit_us, "hit_rate": s.prefix_hit_rate}
+    return {"admit_us": admit_us, "prefill_us": prefill_us, "hit_rate": s.prefix_hit_rate}
 
 
 def median(values: list[float]) -> float:
@@ -144,8 +152,12 @@ def run_vllm(prompts: list[np.ndarray], steps: list, shared: list[np.ndarray]
 
 def _vllm_traces(prompts: list[np.ndarray], steps: list, shared: list[np.ndarray]
                  ) -> dict[str, Any]:
+    """vLLM 0.33's API, used as its scheduler does: prefix caching on, its default
+    ``sha256`` block hash, ``get_computed_blocks`` + ``allocate_slots`` per admission and
+    ``allocate_slots(req, 1)`` per running request and decode step."""
     import torch
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmManager
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import (
@@ -156,28 +168,36 @@ def _vllm_traces(prompts: list[np.ndarray], steps: list, shared: list[np.ndarray
     )
     from vllm.v1.request import Request
 
-    init_none_hash(hash)
-    hasher = get_request_block_hasher(PAGE_SIZE, hash)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(PAGE_SIZE, sha256)
+    clock = time.perf_counter
 
     def make(num_blocks: int) -> Any:
         spec = FullAttentionSpec(block_size=PAGE_SIZE, num_kv_heads=1, head_size=64,
                                  dtype=torch.float16)
-        cfg = KVCacheConfig(num_blocks=num_blocks,
-                            kv_cache_tensors=[KVCacheTensor(size=1, shared_by=["l0"])],
+        page = spec.page_size_bytes
+        tensor = KVCacheTensor(size=num_blocks * page, layers=["l0"],
+                               layer_stride=num_blocks * page, block_stride=page)
+        cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
                             kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        return VllmManager(cfg, max_model_len=512 * PAGE_SIZE, enable_caching=True)
+        return VllmManager(cfg, max_model_len=512 * PAGE_SIZE, enable_caching=True,
+                           scheduler_block_size=PAGE_SIZE, hash_block_size=PAGE_SIZE)
 
-    def request(rid: int, prompt: np.ndarray) -> Any:
+    def request(rid: int, prompt: np.ndarray, hashed: bool = True) -> Any:
         return Request(str(rid), prompt.tolist(), SamplingParams(max_tokens=10**6), None,
-                       eos_token_id=None, block_hasher=hasher)
+                       block_hasher=hasher if hashed else None)
+
+    hits = [0, 0]  # cached prompt tokens, prompt tokens (shared-prompt trace)
 
     def start(mgr: Any, req: Any) -> float:
-        t0 = time.perf_counter()
-        blocks, cached = mgr.get_computed_blocks(req)
-        mgr.allocate_slots(req, req.num_tokens - cached, cached, blocks)
-        t1 = time.perf_counter()
+        t0 = clock()
+        blocks, cached, _ = mgr.get_computed_blocks(req)
+        assert mgr.allocate_slots(req, req.num_tokens - cached, cached, blocks) is not None
+        t1 = clock()
         req.num_computed_tokens = req.num_tokens
-        return t1 - t0
+        hits[0] += cached
+        hits[1] += req.num_tokens
+        return (t1 - t0) * 1e6
 
     batch = len(prompts)
     mgr = make(batch * 200)
@@ -192,23 +212,32 @@ def _vllm_traces(prompts: list[np.ndarray], steps: list, shared: list[np.ndarray
             reqs[slot] = request(next_id, prompt)
             next_id += 1
             start(mgr, reqs[slot])
-        t0 = time.perf_counter()
-        for req in reqs:
+        t0 = clock()
+        for req in reqs:  # the sampled token (hashed when it fills a block), then its slot
             req.append_output_token_ids(1)
-            mgr.allocate_slots(req, 1)
+            assert mgr.allocate_slots(req, 1) is not None
             req.num_computed_tokens += 1
-        decode.append((time.perf_counter() - t0) * 1e6)
+        decode.append((clock() - t0) * 1e6)
     mgr2 = make(256 * 96)
+    hits[:] = [0, 0]
     admit: list[float] = []
+    hashing: list[float] = []
     live: list[Any] = []
     for rid, prompt in enumerate(shared):
         if len(live) == 200:
             mgr2.free(live.pop(0))
-        req = request(rid, prompt)
-        admit.append(start(mgr2, req) * 1e6)
+        req = request(rid, prompt, hashed=False)
+        t0 = clock()  # the prompt's block hashes (vLLM computes them in Request())
+        req.block_hashes.extend(hasher(req))
+        hashing.append((clock() - t0) * 1e6)
+        admit.append(start(mgr2, req))
         live.append(req)
     return {"vllm_decode_step_us_median": median(decode),
-            "vllm_admit_us_median": median(admit[1:])}
+            "vllm_admit_us_median": median(admit[1:]),
+            "vllm_admit_hash_us_median": median(hashing[1:]),
+            "vllm_admit_with_hash_us_median":
+                median([a + h for a, h in zip(admit[1:], hashing[1:])]),
+            "vllm_prefix_hit_rate": round(hits[0] / hits[1], 4)}
 
 
 def main() -> None:
@@ -225,6 +254,7 @@ def main() -> None:
     off = run_decode(prompts, steps, None, num_pages)
     _system, shared = shared_prompt_trace(args.seed, args.requests)
     sp = run_shared(shared, "checking")
+    sp_off = run_shared(shared, None)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     result: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -242,6 +272,9 @@ def main() -> None:
         "decode_commit_us_median": median(on["commit"]),
         "replace_us_median": median(on["replace"]),
         "admit_us_median": median(sp["admit_us"][1:]),
+        "admit_us_median_noop": median(sp_off["admit_us"][1:]),
+        "admit_prefill_us_median": median(sp["prefill_us"][1:]),
+        "admit_prefill_us_median_noop": median(sp_off["prefill_us"][1:]),
         "prefix_hit_rate": round(sp["hit_rate"], 4),
         "issue_reference_vllm_decode_step_us": 2700,
         "issue_reference_vllm_admit_us": 145,
@@ -249,6 +282,13 @@ def main() -> None:
     vllm = run_vllm(prompts, steps, shared)
     if vllm is not None:
         result.update(vllm)
+    if vllm is not None and "vllm_error" not in vllm:  # > 1: kvmem is faster
+        for key, ours, theirs in (
+                ("decode_speedup_vs_vllm", "decode_step_us_median", "vllm_decode_step_us_median"),
+                ("admit_speedup_vs_vllm", "admit_us_median", "vllm_admit_us_median"),
+                ("admit_prefill_speedup_vs_vllm", "admit_prefill_us_median",
+                 "vllm_admit_with_hash_us_median")):
+            result[key] = round(result[theirs] / result[ours], 2)
     print(json.dumps(result, indent=2))
 
 
