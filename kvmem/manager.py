@@ -60,7 +60,7 @@ from kvmem._manager_types import (
 )
 from kvmem.allocator._fences import StepFences, StepHandle
 from kvmem.allocator._page_allocator import PageAllocator
-from kvmem.allocator._page_table import PageTable
+from kvmem.allocator._page_table import GrowResult, PageTable
 from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
 from kvmem.errors import IntegrityError, KVMemError, OutOfPagesError
 from kvmem.integrity import CheckingTracker, NoOpTracker, Tracker
@@ -865,12 +865,19 @@ class KVCacheManager:
         copy_src = copy_dst = _EMPTY_PAGES
         if cow is not None:
             copy_src, copy_dst = self._copy_on_write(*cow)
-        grown = self.table.grow(rows, n, self.allocator)
+        if total == 0:  # the rows map the pages already (an admitted prompt's prefill chunks)
+            start = self.table.num_tokens[rows]
+            seq_lens = start + n
+            self.table.num_tokens[rows] = seq_lens
+            grown = GrowResult(self.table.token_slots(rows, start, n), _EMPTY_PAGES,
+                               rows[:0], _EMPTY_PAGES)
+        else:
+            grown = self.table.grow(rows, n, self.allocator)
+            seq_lens = self.table.num_tokens[rows]
+            start = seq_lens - n
         if self._num_forked:
             self._num_forked -= int(np.count_nonzero(self._forked[rows]))
             self._forked[rows] = False  # every write into a shared tail was just handled
-        seq_lens = self.table.num_tokens[rows]
-        start = seq_lens - n
         self._write_from[rows] = start
         if grown.new_pages.size:
             ns = self._row_ns[grown.new_page_rows]

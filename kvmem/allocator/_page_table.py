@@ -27,6 +27,7 @@ PAD = -1
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
+IntpArray = npt.NDArray[np.intp]  # rows as indices (numpy indexes with intp fastest)
 
 
 class CSRMetadata(NamedTuple):
@@ -48,13 +49,13 @@ class GrowResult(NamedTuple):
 
     slot_mapping: ``[T]``, int64 — slots of the new tokens, row by row, in order
     new_pages: ``[k]``, int32 — pages allocated by this call
-    new_page_rows: ``[k]``, int32 — the row each new page was mapped into
+    new_page_rows: ``[k]``, intp — the row each new page was mapped into
     new_page_positions: ``[k]``, int32 — its position (column) in that row
     """
 
     slot_mapping: Int64Array
     new_pages: Int32Array
-    new_page_rows: Int32Array
+    new_page_rows: IntpArray
     new_page_positions: Int32Array
 
 
@@ -156,7 +157,7 @@ class PageTable:
 
     def remove_rows(self, rows: npt.ArrayLike) -> Int32Array:
         """Close distinct rows; returns their pages, row by row (the caller frees them)."""
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         self._require_live_rows(rows)
         width = int(self.num_pages[rows].max()) if rows.size else 0
         block = self.pages[rows, :width]
@@ -227,7 +228,7 @@ class PageTable:
         -------
         GrowResult with the int64 slot mapping of the new tokens (row by row).
         """
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         self._require_live_rows(rows)
         if np.ndim(num_new_tokens) == 0 and 0 <= int(num_new_tokens) <= self.page_size:  # type: ignore[arg-type]
             return self._grow_by_at_most_one_page(rows, int(num_new_tokens), allocator)  # type: ignore[arg-type]
@@ -254,7 +255,7 @@ class PageTable:
         return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
 
     def _grow_by_at_most_one_page(
-        self, rows: Int32Array, num_new: int, allocator: PageAllocator
+        self, rows: IntpArray, num_new: int, allocator: PageAllocator
     ) -> GrowResult:
         """The decode step: every row gains ``num_new <= page_size`` tokens, so at most one page."""
         start = self.num_tokens[rows]
@@ -274,7 +275,7 @@ class PageTable:
         slot_mapping = self.slot_mapping(rows, start)
         return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
 
-    def _require_room(self, rows: Int32Array, needed: Int64Array) -> None:
+    def _require_room(self, rows: IntpArray, needed: Int64Array) -> None:
         too_long = self.num_pages[rows] + needed > self.max_pages_per_seq
         if too_long.any():
             raise KVMemError(
@@ -301,15 +302,15 @@ class PageTable:
 
         Returns ``[sum(count)]``, int64.
         """
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         start = np.broadcast_to(np.asarray(start, dtype=np.int64), rows.shape)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), rows.shape)
         return self.slot_mapping(*self._token_positions(rows, start, count))
 
     @staticmethod
     def _token_positions(
-        rows: Int32Array, start: Int64Array, count: Int64Array
-    ) -> tuple[Int32Array, Int64Array]:
+        rows: IntpArray, start: Int64Array, count: Int64Array
+    ) -> tuple[IntpArray, Int64Array]:
         token_rows = np.repeat(rows, count)
         within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(
             np.cumsum(count) - count, count
@@ -320,7 +321,7 @@ class PageTable:
         """FlashInfer CSR over the pages that hold each row's first ``seq_lens`` tokens
         (default: all its tokens). Every row must hold at least one token.
         """
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
         used = (lens + self.page_size - 1) // self.page_size
         indptr = np.zeros(rows.size + 1, dtype=np.int32)
@@ -337,7 +338,7 @@ class PageTable:
         """vLLM-style block table ``[B, width]``, int32: each row's pages holding its first
         ``seq_lens`` tokens, PAD after. ``width`` defaults to the widest row.
         """
-        rows = np.asarray(rows, dtype=np.int32).reshape(-1)
+        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
         used = (lens + self.page_size - 1) // self.page_size
         if width is None:
@@ -346,7 +347,7 @@ class PageTable:
         table[np.arange(width) >= used[:, None]] = PAD
         return table
 
-    def _require_live_rows(self, rows: Int32Array) -> None:
+    def _require_live_rows(self, rows: IntpArray) -> None:
         try:
             live = self._live[rows]
         except IndexError:
