@@ -187,3 +187,64 @@ def test_large_batches_in_one_call() -> None:
     assert alloc.free(pages).size == 0
     assert alloc.free(pages).size == 100_000
     alloc.check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_distinct_paths_match_the_general_ones(seed: int) -> None:
+    """free_distinct / share_distinct (int32 or intp pages, listed once) leave exactly the state
+    free / share leave, return the same pages, and hand out the same pages afterwards."""
+    rng = np.random.default_rng(seed)
+    fast, slow = PageAllocator(48), PageAllocator(48)
+    for step in range(300):
+        live = np.flatnonzero(slow.refcounts > 0)
+        op = rng.integers(0, 3)
+        if op == 0 and slow.num_free:
+            n = int(rng.integers(1, slow.num_free + 1))
+            assert fast.allocate(n).tolist() == slow.allocate(n).tolist()
+        elif live.size:
+            pick = rng.choice(live, size=int(rng.integers(1, live.size + 1)), replace=False)
+            pages = pick.astype(np.intp if step % 2 else np.int32)
+            if op == 1:
+                fast.share_distinct(pages)
+                slow.share(pick)
+            else:
+                freed = fast.free_distinct(pages)
+                want = slow.free(pick)
+                assert freed.dtype == want.dtype == np.int32
+                assert freed.tolist() == want.tolist() == sorted(want.tolist())
+        assert snapshot(fast) == snapshot(slow)
+    fast.check()
+    assert fast.take_changed()[-1].tolist() == slow.take_changed()[-1].tolist()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda pages: [pages[1], 3], id="one-free-page-in-call"),
+        pytest.param(lambda pages: [pages[0], 99], id="out-of-range"),
+        pytest.param(lambda pages: [-1], id="negative"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [np.int32, np.intp])
+def test_bad_distinct_calls_change_nothing(bad, dtype) -> None:  # type: ignore[no-untyped-def]
+    alloc = PageAllocator(4)
+    pages = alloc.allocate(2).tolist()
+    before = snapshot(alloc)
+    for call in (alloc.free_distinct, alloc.share_distinct):
+        with pytest.raises(InvalidFreeError):
+            call(np.array(bad(pages), dtype=dtype))
+        assert snapshot(alloc) == before
+    assert alloc.free_distinct(np.empty(0, dtype=dtype)).size == 0
+    alloc.check()
+
+
+def test_free_without_repeats_and_with_them_agree() -> None:
+    """free() checks for repeats before the fast path: a page listed twice loses two holders."""
+    a, b = PageAllocator(8), PageAllocator(8)
+    for alloc in (a, b):
+        alloc.allocate(4)
+        alloc.share([1, 2])
+    assert a.free([2, 1, 2, 1, 0]).tolist() == [0, 1, 2]
+    assert b.free([0, 1, 2]).tolist() == [0]
+    assert b.free([2, 1]).tolist() == [1, 2]
+    assert snapshot(a) == snapshot(b)

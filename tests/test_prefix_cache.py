@@ -89,14 +89,49 @@ def test_a_colliding_key_is_confirmed_against_tokens_and_namespace() -> None:
     """BUGS 10, 11: even if two prefixes collide on the key, a hit is confirmed."""
     cache, alloc = bound()
     pages = store(cache, alloc, np.arange(8), "a", 1)
-    # Forge a collision: another prompt's keys pointed at the stored pages.
-    forged = np.arange(8) + 100
-    for key, page in zip(cache._as_bytes(cache.prompt_keys(forged, "a")), pages.tolist()):
-        cache._index[key] = page
-    assert cache.match(forged, "a", 10, 1).num_pages == 0
-    # And a namespace confusion (stored ids disagree) is refused too.
+    # A namespace confusion (stored ids disagree) is refused.
     assert cache.match(np.arange(8), "a", 10, namespace_id=2).num_pages == 0
     assert cache.match(np.arange(8), "a", 10, namespace_id=1).num_pages == 2
+    # Forge a collision: another prompt's keys name the stored pages, which are cached under
+    # exactly those keys (all 128 bits collide); the stored tokens still refuse the hit.
+    forged = np.arange(8) + 100
+    for key, page in zip(cache.prompt_keys(forged, "a"), pages.tolist()):
+        cache._index[int(key[0])] = page
+        cache._keys[page] = key
+    assert cache.match(forged, "a", 10, 1).num_pages == 0
+
+
+def test_a_first_lane_collision_costs_a_miss_never_a_wrong_page() -> None:
+    """The index is keyed by a key's first 64-bit lane; the second lane is confirmed too."""
+    cache, alloc = bound()
+    tokens = np.arange(12)
+    pages = store(cache, alloc, tokens, None, 0)
+    # Page 1 cached under a key that shares only its first lane with the prompt's page 1: the
+    # match stops before it (the walk), and again when the recent match is reused (the memo).
+    key = cache._keys[pages[1]].copy()
+    cache._keys[pages[1], 1] ^= np.uint64(1)
+    assert cache.match(tokens, None, 10, 0).pages.tolist() == pages[:1].tolist()
+    assert cache.match(tokens, None, 10, 0).pages.tolist() == pages[:1].tolist()
+    cache._keys[pages[1]] = key
+    assert cache.match(tokens, None, 10, 0).num_pages == 3
+    # Inserting another key with a cached key's first lane leaves the cached page in place.
+    other = key.copy()
+    other[1] ^= np.uint64(1)
+    extra = alloc.allocate(1)
+    assert cache.insert(other[None], extra, np.full((1, P), 7), np.zeros(1)).size == 0
+    assert cache.match(tokens, None, 10, 0).num_pages == 3 and not cache.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16, 64])
+def test_the_first_page_key_equals_the_prompt_keys(page_size: int) -> None:
+    alloc = PageAllocator(8)
+    cache = HashedPrefixCache(seed=5)
+    cache.bind(alloc, page_size)
+    rng = np.random.default_rng(page_size)
+    for ns in (None, "tenant", ("lora", 3)):
+        tokens = rng.integers(0, 2**31 - 1, 3 * page_size)
+        want = cache.prompt_keys(tokens, ns)[0]
+        assert cache._first_key(cache.root_key(ns), tokens) == tuple(want.tolist())
 
 
 def test_evict_is_lru_by_release_deepest_first_and_frees_pages() -> None:
@@ -195,7 +230,7 @@ def test_match_finds_exactly_the_stored_prefixes(stored: list[tuple[list[int], o
             assert cache.match(t, other, 99, ns_ids[other]).num_pages == want
 
 
-def test_one_key_in_python_equals_the_vectorized_keys() -> None:
+def test_one_key_at_a_time_equals_the_vectorized_keys() -> None:
     cache, _ = bound(seed=7)
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -227,3 +262,173 @@ def test_a_recent_match_is_reused_only_while_its_pages_are_cached() -> None:
     assert cache.match(np.concatenate([system, [80] * 5]), "a", 4, 1).num_pages == 1
     alloc.free(first.pages[:1])  # behind the cache's back: page 0 is stale
     assert cache.match(np.concatenate([system, [90] * 5]), "a", 4, 1).num_pages == 0
+
+
+# -- the cache against a plain model -------------------------------------------------------------
+
+
+class ModelCache:
+    """The cache's contract in plain Python: an index of 16-byte keys that holds exactly the
+    cached pages, and an LRU (insertion-ordered dict) of the pages only the cache holds."""
+
+    def __init__(self, cache: HashedPrefixCache, alloc: PageAllocator) -> None:
+        self.hasher, self.alloc = cache, alloc
+        self.index: dict[bytes, int] = {}
+        self.entry: dict[int, tuple[bytes, tuple[int, ...], int, int]] = {}
+        self.lru: dict[int, None] = {}
+
+    def match(self, tokens: np.ndarray, ns: object, max_pages: int, ns_id: int) -> list[int]:
+        found: list[int] = []
+        keys = self.hasher.prompt_keys(tokens, ns, max_pages)
+        for i, key in enumerate(keys):
+            page = self.index.get(key.tobytes())
+            if page is None:
+                break
+            _, toks, page_ns, tag = self.entry[page]
+            if (toks != tuple(tokens[i * P : (i + 1) * P].tolist()) or page_ns != ns_id
+                    or tag != self.alloc.tags[page]):
+                break
+            found.append(page)
+        return found
+
+    def insert(self, keys: np.ndarray, pages: np.ndarray, tokens: np.ndarray,
+               ns_ids: np.ndarray) -> list[int]:
+        taken: list[int] = []
+        seen_keys: set[bytes] = set()
+        for key, page, toks, ns in zip(keys, pages.tolist(), tokens.reshape(-1, P), ns_ids):
+            kb = key.tobytes()
+            if page in self.entry or kb in self.index or kb in seen_keys or page in taken:
+                continue
+            seen_keys.add(kb)
+            taken.append(page)
+            self.index[kb] = page
+            self.entry[page] = (kb, tuple(toks.tolist()), int(ns), int(self.alloc.tags[page]))
+        self.alloc.share(taken)
+        return taken
+
+    def acquired(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            self.lru.pop(page, None)
+
+    def released(self, pages: np.ndarray) -> None:
+        for page in pages.tolist()[::-1]:  # deepest first; a page listed twice: its first
+            if page in self.entry and self.alloc.refcounts[page] == 1 and page not in self.lru:
+                self.lru[page] = None
+
+    def _forget(self, pages: list[int]) -> list[bytes]:
+        keys = []
+        for page in pages:
+            kb = self.entry.pop(page)[0]
+            del self.index[kb]
+            self.lru.pop(page, None)
+            keys.append(kb)
+        return keys
+
+    def evict(self, n: int) -> tuple[list[int], list[bytes]]:
+        victims = list(self.lru)[:n]
+        keys = self._forget(victims)
+        self.alloc.free(victims)
+        return victims, keys
+
+    def remove(self, pages: np.ndarray) -> list[int]:
+        gone = sorted({p for p in pages.tolist() if p in self.entry})
+        self._forget(gone)
+        self.alloc.free(gone)
+        return gone
+
+
+def drive(seed: int, num_pages: int, small_buffers: bool, rebuild_often: bool) -> None:
+    """Random admissions, releases, holds, evictions and removals on the cache and on the
+    model (each with its own allocator): every answer and every count must agree."""
+    rng = np.random.default_rng(seed)
+    cache, alloc = bound(num_pages=num_pages, seed=seed)
+    model = ModelCache(cache, PageAllocator(num_pages))
+    if small_buffers:  # the LRU's buffers compact and grow while the cache runs
+        cache._fifo_pages = np.zeros(4, dtype=np.intp)
+        cache._fifo_stamps = np.zeros(4, dtype=np.int64)
+    if rebuild_often:  # the index drops its stale entries after every insert
+        cache._index_limit = 0
+    stems = [rng.integers(0, 3, 6 * P) for _ in range(4)]
+    names = [None, "t"]
+    held: list[np.ndarray] = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:  # admit a prompt: reuse its cached prefix, store the rest, maybe finish
+            stem = stems[int(rng.integers(0, len(stems)))]
+            cut = int(rng.integers(0, stem.size + 1))
+            tokens = np.concatenate([stem[:cut], rng.integers(0, 3, int(rng.integers(1, 4)) * P)])
+            tokens = tokens[: tokens.size // P * P]
+            if tokens.size == 0:
+                continue
+            ns_id = int(rng.integers(0, 2))
+            m = cache.match(tokens, names[ns_id], 99, ns_id)
+            assert m.pages.tolist() == model.match(tokens, names[ns_id], 99, ns_id)
+            assert m.num_evictable == sum(p in model.lru for p in m.pages.tolist())
+            # Sometimes two requests with this prompt, admitted together, commit in one call.
+            copies = 2 if rng.random() < 0.2 else 1
+            need = tokens.size // P - m.num_pages
+            if copies * need > alloc.num_free + cache.num_evictable - m.num_evictable:
+                continue
+            for a, c in ((alloc, cache), (model.alloc, model)):
+                for _ in range(copies):
+                    a.share(m.pages)
+                c.acquired(m.pages)
+            short = copies * need - alloc.num_free
+            if short > 0:
+                got, keys = cache.evict(short)
+                want, want_keys = model.evict(short)
+                assert got.tolist() == want and [k.tobytes() for k in keys] == want_keys
+            own = alloc.allocate(copies * need)
+            assert own.tolist() == model.alloc.allocate(copies * need).tolist()
+            rest = np.vstack([tokens[m.num_pages * P :].reshape(-1, P)] * copies)
+            keys = cache.page_keys(np.vstack([m.last_key] * copies), np.full(copies, need),
+                                   np.full(copies, m.num_pages), rest)
+            ns_ids = np.full(copies * need, ns_id)
+            offered = own
+            if rng.random() < 0.2:  # the same pages offered twice in one call
+                keys, rest = np.vstack([keys, keys]), np.vstack([rest, rest])
+                offered, ns_ids = np.concatenate([own, own]), np.concatenate([ns_ids, ns_ids])
+            got = cache.insert(keys, offered, rest, ns_ids)
+            assert got.tolist() == model.insert(keys, offered, rest, ns_ids)
+            for copy in range(copies):
+                pages = np.concatenate([m.pages, own[copy * need : (copy + 1) * need]])
+                if rng.random() < 0.5:
+                    held.append(pages)
+                else:
+                    for a, cc in ((alloc, cache), (model.alloc, model)):
+                        a.free(pages)
+                        cc.released(pages)
+        elif op < 0.65 and held:  # requests finish, in one release (a page may be listed twice)
+            pages = np.concatenate([held.pop(int(rng.integers(0, len(held)))) for _ in
+                                    range(min(len(held), int(rng.integers(1, 3))))])
+            for a, c in ((alloc, cache), (model.alloc, model)):
+                a.free(pages)
+                c.released(pages)
+        elif op < 0.8 and cache.num_evictable:
+            n = int(rng.integers(1, cache.num_evictable + 1))
+            got, keys = cache.evict(n)
+            want, want_keys = model.evict(n)
+            assert got.tolist() == want and [k.tobytes() for k in keys] == want_keys
+        elif op < 0.9 and cache.num_cached:
+            pick = rng.choice(cache.cached_pages(), size=int(rng.integers(1, 4)))
+            if all(model.alloc.refcounts[p] == 1 for p in pick.tolist()):
+                removed, _ = cache.remove(pick)
+                assert removed.tolist() == model.remove(pick)
+        elif cache.num_cached:  # a request holds cached pages a while (no longer evictable)
+            pick = np.unique(rng.choice(cache.cached_pages(), size=int(rng.integers(1, 4))))
+            for a, c in ((alloc, cache), (model.alloc, model)):
+                a.share(pick)
+                c.acquired(pick)
+            held.append(pick.astype(np.int32))
+        assert cache.num_cached == len(model.entry)
+        assert cache.num_evictable == len(model.lru)
+        assert np.array_equal(alloc.refcounts, model.alloc.refcounts)
+        assert not cache.check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("small_buffers", "rebuild_often"), [(False, False), (True, True)])
+def test_the_cache_agrees_with_a_plain_model(seed: int, small_buffers: bool,
+                                             rebuild_often: bool) -> None:
+    drive(seed, num_pages=24 + 8 * seed, small_buffers=small_buffers,
+          rebuild_often=rebuild_often)

@@ -192,3 +192,36 @@ def test_cli_simulate_json_and_compare(capsys: pytest.CaptureFixture[str]) -> No
     status = main(["simulate", "nope"])
     _, err = capsys.readouterr()
     assert status == 2 and "known models" in err
+
+
+def test_prompt_tokens_are_the_documented_sequence() -> None:
+    """_Arrivals.tokens reads each prompt from one table; it equals the formula."""
+    w = Workload(num_requests=700, concurrency=8, prompt_len=LengthDist.parse("1-300"),
+                 output_len=LengthDist.parse("5"), num_prefixes=3, prefix_len=40,
+                 prefix_fraction=0.5, seed=3)
+    arr = _Arrivals(w)
+    for i in range(w.num_requests):
+        p = int(arr.prefix_id[i])
+        head = arr.prefixes[p] if p >= 0 else np.empty(0, dtype=np.int64)
+        own = (np.arange(int(arr.prompt[i]) - head.size, dtype=np.int64) * 7919 + i) % 100_000
+        own[0] = 100_000 + i
+        got = arr.tokens(i)
+        assert got.dtype == np.int64 and np.array_equal(got, np.concatenate([head, own]))
+
+
+def test_a_fixed_seed_gives_the_same_report() -> None:
+    """Prefixes, two namespaces, queueing, preemption and eviction on a small pool: the counts
+    are pinned (computed before the prefix cache's and simulate's speedups), so an optimization
+    that changes what the manager does shows here."""
+    gpu = GPUSpec(name="tiny", memory_mib=1024, bandwidth_gbs=1000)
+    plan = plan_capacity("smollm2-135m", gpu, 1, policy=FixedReserve(reserve_gib=0.5),
+                         page_size=16)
+    w = Workload(num_requests=200, concurrency=48, prompt_len=LengthDist.parse("100-1500"),
+                 output_len=LengthDist.parse("200-2000"), num_prefixes=3, prefix_len=400,
+                 prefix_fraction=0.6, namespaces=2, seed=7)
+    r = simulate(w, plan, max_running=48)
+    got = (r.num_completed, r.num_queued, r.num_preemptions, r.num_resumes,
+           r.recomputed_tokens, r.num_evictions, r.max_running, r.output_tokens)
+    assert got == (200, 193, 246, 246, 130154, 29563, 17, 221947)
+    assert r.prefix_hit_rate == pytest.approx(0.3296730215944228, rel=1e-12)
+    assert r.simulated_seconds == pytest.approx(184.5930648318171, rel=1e-9)

@@ -15,9 +15,12 @@ allocator reference on every page it remembers; a remembered page nobody else ho
 Keys are chained: the key of page ``i`` of a prompt is computed from the key of page ``i - 1``,
 the page's position and its token ids, starting from a root key derived from the namespace. So
 a key names a whole prefix in one namespace, and two namespaces never share a key. Keys are
-128 bits, stored as ``[k, 2]`` uint64 arrays (one row per page) and as 16-byte ``bytes`` in the
-index. Every hit is confirmed against the token ids and the namespace stored with the page, so
-a hash collision can cost a miss but never a wrong page.
+128 bits, stored as ``[k, 2]`` uint64 arrays (one row per page); the index maps a key's first
+64-bit lane to a page, and every entry found is confirmed against the whole key, the lifetime
+tag, the token ids and the namespace stored with the page, so a hash collision can cost a miss
+but never a wrong page. Forgetting a page does not touch the index: its entry goes stale (the
+page is no longer cached, or is cached under another key) and is overwritten by the next insert
+of that key or dropped when the index is rebuilt, so eviction costs no per-page Python work.
 
 numpy and hashlib only: no torch.
 """
@@ -27,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -216,6 +218,22 @@ _M1_INT = int(_M1)
 _M2_INT = int(_M2)
 
 
+_NO_PAGES = np.empty(0, dtype=np.int32)
+_NO_PAGES.flags.writeable = False
+_NO_KEYS = np.empty((0, 2), dtype=np.uint64)
+_NO_KEYS.flags.writeable = False
+
+
+def _fmix_int(s: int) -> int:
+    """:func:`_fmix` of one value (taken modulo 2**64), in Python ints."""
+    s &= _MASK
+    s ^= s >> 33
+    s = (s * _M1_INT) & _MASK
+    s ^= s >> 33
+    s = (s * _M2_INT) & _MASK
+    return s ^ (s >> 33)
+
+
 def _fmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """64-bit finalizer (avalanche): every output bit depends on every input bit. In place."""
     x ^= x >> _S33
@@ -256,7 +274,9 @@ class HashedPrefixCache(PrefixCache):
         self._rng = rng
         self.page_size = 0
         self._allocator: PageAllocator | None = None
-        self._index: dict[bytes, int] = {}
+        # First 64-bit lane of a key -> page. An entry may be stale (its page was forgotten, or
+        # cached again under another key): lookups confirm it (_live_page, _walk).
+        self._index: dict[int, int] = {}
         self._roots: dict[Namespace, KeyArray] = {}
 
     # -- binding ------------------------------------------------------------------------------
@@ -265,14 +285,16 @@ class HashedPrefixCache(PrefixCache):
         if self._allocator is not None:
             raise ValueError("this prefix cache is already bound to an allocator; make a new one")
         self._allocator = allocator
+        self._rc = allocator.refcounts  # read-only views, looked up once
+        self._atags = allocator.tags
         self.page_size = int(page_size)
         n = allocator.num_pages
         self._K = self._rng.integers(1, 2**63, size=(2, 1, self.page_size), dtype=np.uint64)
         self._K |= np.uint64(1)
         self._Q = self._rng.integers(1, 2**63, size=(2, 1), dtype=np.uint64) | np.uint64(1)
         self._pq = np.arange(1, 1025, dtype=np.uint64)[None] * self._Q  # see _position_values
-        # The same constants as Python ints, for one key computed without numpy (_key_of).
-        self._K_int = [[int(v) for v in lane] for lane in self._K[:, 0, :]]
+        # For one key at a time (_key_ints): K as [2, page_size], Q as Python ints.
+        self._K2 = np.ascontiguousarray(self._K[:, 0, :])
         self._Q_int = [int(v) for v in self._Q[:, 0]]
         # Recent matches, by (namespace, namespace id, first page's token bytes): (tokens of the
         # prompt's full pages, matched pages, their tags, their keys). A prompt that shares
@@ -284,15 +306,21 @@ class HashedPrefixCache(PrefixCache):
         self._tokens = np.zeros((n, self.page_size), dtype=np.int64)  # for confirming hits
         self._namespace = np.zeros(n, dtype=np.int64)  # manager's namespace id of each page
         self._tag = np.zeros(n, dtype=np.int64)  # the page's tag when it was cached
-        # LRU of evictable pages: a FIFO of (page, stamp) chunks; an entry is current while
-        # stamp[page] equals its stamp (a page re-acquired and released later gets a new entry).
+        # LRU of evictable pages: a FIFO of (page, stamp) entries in two flat buffers,
+        # oldest at _fifo_head, newest before _fifo_tail; an entry is current while stamp[page]
+        # equals its stamp (a page re-acquired and released later gets a new entry, and a page
+        # listed twice in one release keeps its first entry current).
         self._stamp = np.zeros(n, dtype=np.int64)  # 0 = not evictable
-        self._scratch = np.zeros(n, dtype=np.int64)
         self._next_stamp = 1
-        self._fifo: list[tuple[Int32Array, Int64Array]] = []
-        self._fifo_head = 0  # offset into self._fifo[0]
-        self._fifo_len = 0
+        cap = 4 * n + 1024
+        self._fifo_pages = np.zeros(cap, dtype=np.intp)
+        self._fifo_stamps = np.zeros(cap, dtype=np.int64)
+        self._fifo_head = 0
+        self._fifo_tail = 0
         self._num_cached = 0
+        # The index is rebuilt from the cached pages when it holds this many entries (live and
+        # stale): each rebuild drops at least 2 * num_pages + 1024 stale entries.
+        self._index_limit = 3 * n + 1024
         self._num_evictable = 0
 
     @property
@@ -316,10 +344,10 @@ class HashedPrefixCache(PrefixCache):
     def _page_values(self, token_ids: npt.NDArray[np.integer],
                      positions: npt.NDArray[np.integer]) -> KeyArray:
         """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[2, k]``."""
-        x = np.multiply(token_ids, self._K, dtype=np.uint64, casting="unsafe")
-        x += self._K  # (token + 1) * K: token 0 still moves the sum
+        # (token + 1) * K: token 0 still moves the sum
+        x = np.multiply(np.add(token_ids, 1, dtype=np.uint64, casting="unsafe"), self._K)
         x ^= x >> _S31
-        s = x.sum(axis=2, dtype=np.uint64)
+        s = np.add.reduce(x, axis=2, dtype=np.uint64)
         s += self._position_values(positions)
         return _fmix(s)
 
@@ -371,86 +399,112 @@ class HashedPrefixCache(PrefixCache):
         keys += np.repeat(np.asarray(parent_keys, dtype=np.uint64).T, counts, axis=1)
         return np.ascontiguousarray(keys.T)
 
-    @staticmethod
-    def _as_bytes(keys: KeyArray) -> list[bytes]:
-        return np.ascontiguousarray(keys).view(np.dtype((np.void, 16))).ravel().tolist()
-
     # -- match -------------------------------------------------------------------------------
 
-    def _key_of(self, parent: KeyArray, tokens: list[int], position: int) -> KeyArray:
-        """The key of one page, in Python ints (no numpy call): equal to :meth:`page_keys`."""
-        out = []
-        for lane in (0, 1):
-            s = 0
-            for t, k in zip(tokens, self._K_int[lane]):
-                x = ((t + 1) * k) & _MASK
-                s += x ^ (x >> 31)
-            s = (s + (position + 1) * self._Q_int[lane]) & _MASK
-            s ^= s >> 33
-            s = (s * _M1_INT) & _MASK
-            s ^= s >> 33
-            s = (s * _M2_INT) & _MASK
-            s ^= s >> 33
-            out.append((int(parent[lane]) + s) & _MASK)
-        return np.array(out, dtype=np.uint64)
+    def _key_of(self, parent: KeyArray, tokens: npt.ArrayLike, position: int) -> KeyArray:
+        """The key of one page (``tokens``: its ``page_size`` ids): equal to :meth:`page_keys`."""
+        return np.array(self._key_ints(int(parent[0]), int(parent[1]), tokens, position),
+                        dtype=np.uint64)
+
+    def _key_ints(self, parent0: int, parent1: int, tokens: npt.ArrayLike,
+                  position: int) -> tuple[int, int]:
+        """:meth:`_key_of` as two Python ints (the key's lanes): five numpy calls for the
+        token sums, the rest in Python ints (cheaper than numpy on two values)."""
+        x = np.multiply(tokens, self._K2, dtype=np.uint64, casting="unsafe")
+        x += self._K2
+        x ^= x >> _S31
+        s0, s1 = np.add.reduce(x, axis=1, dtype=np.uint64).tolist()
+        q0, q1 = self._Q_int
+        return ((parent0 + _fmix_int(s0 + (position + 1) * q0)) & _MASK,
+                (parent1 + _fmix_int(s1 + (position + 1) * q1)) & _MASK)
+
+    def _first_key(self, root: KeyArray, tokens: Int64Array) -> tuple[int, int]:
+        """Key of page 0 (``tokens[:page_size]``) chained from ``root``, as two Python ints."""
+        return self._key_ints(int(root[0]), int(root[1]), tokens[: self.page_size], 0)
+
+    def _entry_live(self, key0: int, page: int) -> bool:
+        """Whether the index entry ``key0 -> page`` is live: the page is cached, under a key
+        whose first lane is ``key0``. Other entries are stale (left by a forgotten page)."""
+        return bool(self._cached[page]) and int(self._keys[page, 0]) == key0
+
+    def _live_page(self, key0: int, key1: int) -> int | None:
+        """The page cached under a key (given as its two lanes), or None."""
+        page = self._index.get(key0)
+        if (page is None or not self._entry_live(key0, page)
+                or int(self._keys[page, 1]) != key1):
+            return None
+        return page
 
     def match(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
               max_pages: int, namespace_id: int | None = None) -> PrefixMatch:
         root = self.root_key(namespace)
         p = self.page_size
         k = min(token_ids.size // p, max_pages)
-        if k <= 0 or not self._index:
-            return PrefixMatch(np.empty(0, np.int32), np.empty((0, 2), np.uint64), root, 0)
+        if k <= 0 or not self._num_cached:
+            return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         tokens = np.asarray(token_ids[: k * p], dtype=np.int64)
         memo_key = (namespace, namespace_id, tokens[:p].tobytes())
         memo = self._memo.get(memo_key)
         if memo is not None:
             m_tokens, m_pages, m_tags, m_keys = memo
             size = min(tokens.size, m_tokens.size)
-            differ = np.flatnonzero(tokens[:size] != m_tokens[:size])
+            differ = (tokens[:size] != m_tokens[:size]).nonzero()[0]
             common = (int(differ[0]) if differ.size else size) // p  # pages with equal tokens
             found = min(common, m_pages.size)
             pages, keys, tags = m_pages[:found], m_keys[:found], m_tags[:found]
+            idx = pages.astype(np.intp)
             # Still cached, in the lifetime they were matched in (a forgotten page's cache tag
             # is 0; a page freed behind the cache's back has another allocator tag), and the
-            # next page not cached (hashed in Python: it usually misses). Otherwise walk.
-            if (np.array_equal(self._tag[pages], tags)
-                    and np.array_equal(self.allocator.tags[pages], tags)
-                    and (found == k or self._key_of(
-                        keys[-1] if found else root, tokens[found * p : (found + 1) * p].tolist(),
-                        found).tobytes() not in self._index)):
-                num_evictable = int(np.count_nonzero(self._stamp[pages])) if found else 0
-                return PrefixMatch(pages, keys, root, num_evictable)
+            # next page not cached (it usually misses). Otherwise walk.
+            if (np.array_equal(self._tag[idx], tags)
+                    and np.array_equal(self.allocator.tags[idx], tags)
+                    and (found == k or self._live_page(*self._key_ints(
+                        *((int(keys[-1, 0]), int(keys[-1, 1])) if found
+                          else (int(root[0]), int(root[1]))),
+                        tokens[found * p : (found + 1) * p], found)) is None)):
+                return PrefixMatch(pages, keys, root, int(np.count_nonzero(self._stamp[idx])))
         new_pages, new_keys = self._walk(tokens, namespace, k, namespace_id)
-        self._remember_match(memo_key, tokens, new_pages, new_keys)
-        num_evictable = int(np.count_nonzero(self._stamp[new_pages])) if new_pages.size else 0
-        return PrefixMatch(new_pages, new_keys, root, num_evictable)
+        if new_pages.size:
+            self._remember_match(memo_key, tokens, new_pages, new_keys)
+            return PrefixMatch(new_pages, new_keys, root,
+                               int(np.count_nonzero(self._stamp[new_pages.astype(np.intp)])))
+        # Nothing cached: a memo would only say what the walk's first look says as cheaply.
+        if memo is not None:
+            del self._memo[memo_key]
+        return PrefixMatch(new_pages, new_keys, root, 0)
 
     def _walk(self, tokens: Int64Array, namespace: Namespace, k: int,
               namespace_id: int | None) -> tuple[Int32Array, KeyArray]:
-        """Hash the prompt's ``k`` full pages, follow the index, confirm every hit."""
+        """Hash the prompt's ``k`` full pages, follow the index, confirm every hit.
+
+        Page 0 is hashed and looked up first, alone: a prompt that misses on it (most prompts
+        without a shared prefix) costs no more hashing."""
+        if self._live_page(*self._first_key(self.root_key(namespace), tokens)) is None:
+            return _NO_PAGES, _NO_KEYS
         keys = self.prompt_keys(tokens, namespace, k)
         get = self._index.get
         found: list[int] = []
-        for key in self._as_bytes(keys):
+        for key in keys[:, 0].tolist():
             page = get(key)
             if page is None:
                 break
             found.append(page)
-        pages = np.array(found, dtype=np.int32)
-        if pages.size:
-            # Confirm every hit against the stored tokens (and namespace, when known).
-            p = self.page_size
-            n = pages.size
-            ok = (self._tokens[pages] == tokens[: n * p].reshape(n, p)).all(axis=1)
-            # Still the lifetime that was cached: a page freed behind the cache's back (and maybe
-            # reallocated) is never handed out, even before anyone notices.
-            ok &= self.allocator.tags[pages] == self._tag[pages]
-            if namespace_id is not None:
-                ok &= self._namespace[pages] == namespace_id
-            if not ok.all():
-                pages = pages[: int(np.argmin(ok))]
-        return pages, keys[: pages.size]
+        idx = np.array(found, dtype=np.intp)
+        # Confirm every hit: the entry is live (the page is cached under the whole key), the
+        # page holds these tokens (and namespace, when known).
+        p = self.page_size
+        n = idx.size
+        ok = self._cached[idx]
+        ok &= (self._keys[idx] == keys[:n]).all(axis=1)
+        ok &= (self._tokens[idx] == tokens[: n * p].reshape(n, p)).all(axis=1)
+        # Still the lifetime that was cached: a page freed behind the cache's back (and maybe
+        # reallocated) is never handed out, even before anyone notices.
+        ok &= self.allocator.tags[idx] == self._tag[idx]
+        if namespace_id is not None:
+            ok &= self._namespace[idx] == namespace_id
+        if np.count_nonzero(ok) != n:
+            n = int(np.argmin(ok))
+        return idx[:n].astype(np.int32), keys[:n]
 
     def _remember_match(self, memo_key: tuple[Any, int | None, bytes], tokens: Int64Array,
                         pages: Int32Array, keys: KeyArray) -> None:
@@ -465,93 +519,112 @@ class HashedPrefixCache(PrefixCache):
         pages = as_page_ids(pages)
         if pages.size == 0:
             return pages
+        keys = np.asarray(keys, dtype=np.uint64)
+        idx = pages.astype(np.intp)
         index = self._index
-        kb = self._as_bytes(keys)
+        kl = keys[:, 0].tolist()
         plist = pages.tolist()
-        if len(set(plist)) == len(plist) and not self._cached[pages].any():
-            # The usual case (pages that just filled): setdefault adds each new key and leaves a
-            # key already cached (or listed earlier in this call) with its page.
-            got = list(map(index.setdefault, kb, plist))
+        cached = self._cached[idx]
+        if not np.count_nonzero(cached) and len(set(plist)) == len(plist):
+            # The usual case (pages that just filled): setdefault adds each new key (or finds a
+            # stale entry that already names the page) ...
+            got = list(map(index.setdefault, kl, plist))
             if got == plist:
-                return self._remember(keys, pages, token_ids, namespace_ids)
-            take = [i for i, (g, p) in enumerate(zip(got, plist)) if g == p]
-        else:
-            # A page is remembered under one key; a key listed twice keeps its first page.
-            seen_k: set[bytes] = set()
-            seen_p: set[int] = set()
-            take = []
-            cached = self._cached[pages].tolist()
-            for i, (k, page) in enumerate(zip(kb, plist)):
-                if not cached[i] and k not in index and k not in seen_k and page not in seen_p:
-                    seen_k.add(k)
-                    seen_p.add(page)
-                    take.append(i)
-            index.update((kb[i], plist[i]) for i in take)
+                return self._remember(keys, pages, idx, token_ids, namespace_ids)
+        # ... else, key by key: a key cached under another page, or listed earlier in this call,
+        # keeps its page; a stale entry is overwritten; a page is remembered under one key.
+        was_cached = cached.tolist()
+        taken: set[int] = set()  # pages remembered by this call ...
+        taken_keys: set[int] = set()  # ... under these keys
+        take = []
+        for i, (key, page) in enumerate(zip(kl, plist)):
+            if was_cached[i] or page in taken or key in taken_keys:
+                continue
+            cur = index.get(key)
+            if cur is not None and cur != page and self._entry_live(key, cur):
+                continue  # (a live entry under another key with this first lane: a miss later)
+            index[key] = page
+            taken.add(page)
+            taken_keys.add(key)
+            take.append(i)
         if not take:
             return np.empty(0, dtype=np.int32)
-        sel = np.array(take, dtype=np.int64)
-        return self._remember(keys[sel], pages[sel],
+        if len(take) == len(plist):
+            return self._remember(keys, pages, idx, token_ids, namespace_ids)
+        sel = np.array(take, dtype=np.intp)
+        return self._remember(keys[sel], pages[sel], idx[sel],
                               np.asarray(token_ids).reshape(-1, self.page_size)[sel],
                               np.asarray(namespace_ids)[sel])
 
-    def _remember(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
+    def _rebuild_index(self) -> None:
+        """Drop the stale entries: the index again maps exactly the cached pages' keys."""
+        cached = self._cached.nonzero()[0]
+        self._index = dict(zip(self._keys[cached, 0].tolist(), cached.tolist()))
+
+    def _remember(self, keys: KeyArray, pages: Int32Array, idx: npt.NDArray[np.intp],
+                  token_ids: npt.NDArray[np.integer],
                   namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
-        """Record pages just added to the index (distinct, not cached before) and hold them."""
-        self.allocator.share_distinct(pages)
-        self._cached[pages] = True
-        self._keys[pages] = keys
-        self._tokens[pages] = np.asarray(token_ids).reshape(-1, self.page_size)
-        self._namespace[pages] = namespace_ids
-        self._tag[pages] = self.allocator.tags[pages]
-        self._num_cached += pages.size
+        """Record pages just added to the index (distinct, not cached before; ``idx``: the same
+        as intp) and hold them."""
+        self.allocator.share_distinct(idx)
+        self._cached[idx] = True
+        self._keys[idx] = keys
+        self._tokens[idx] = np.asarray(token_ids).reshape(-1, self.page_size)
+        self._namespace[idx] = namespace_ids
+        self._tag[idx] = self._atags[idx]
+        self._num_cached += idx.size
+        if len(self._index) > self._index_limit:
+            self._rebuild_index()
         return pages
 
-    def _forget(self, pages: Int32Array, evictable: bool = False) -> KeyArray:
-        """Drop pages from the index and the LRU (not from the allocator); ``evictable``: all
-        of them are (they were just taken from the LRU)."""
-        keys = self._keys[pages]
-        deque(map(self._index.__delitem__, self._as_bytes(keys)), maxlen=0)
-        self._cached[pages] = False
-        self._tag[pages] = 0
+    def _forget(self, idx: npt.NDArray[np.intp], evictable: bool = False) -> KeyArray:
+        """Drop distinct cached pages (intp) from the cache and the LRU (not from the
+        allocator; their index entries go stale); ``evictable``: all of them are (just taken
+        from the LRU)."""
+        keys = self._keys[idx]
+        self._cached[idx] = False
+        self._tag[idx] = 0
         if evictable:
-            self._num_evictable -= pages.size
+            self._num_evictable -= idx.size
         else:
-            self._num_evictable -= int(np.count_nonzero(self._stamp[pages]))
-        self._stamp[pages] = 0
-        self._num_cached -= pages.size
+            self._num_evictable -= int(np.count_nonzero(self._stamp[idx]))
+        self._stamp[idx] = 0
+        self._num_cached -= idx.size
         return keys
 
+    def _cached_of(self, pages: Int32Array) -> npt.NDArray[np.intp]:
+        """The cached ones among ``pages``, distinct and ascending, as intp."""
+        idx = np.unique(as_page_ids(pages)).astype(np.intp)
+        return idx[self._cached[idx]]
+
     def forget(self, pages: Int32Array) -> KeyArray:
-        pages = np.unique(as_page_ids(pages))
-        return self._forget(pages[self._cached[pages]])
+        return self._forget(self._cached_of(pages))
 
     def stale(self) -> Int32Array:
         cached = self.cached_pages()
         return cached[self.allocator.tags[cached] != self._tag[cached]]
 
     def remove(self, pages: Int32Array) -> tuple[Int32Array, KeyArray]:
-        pages = np.unique(as_page_ids(pages))
-        pages = pages[self._cached[pages]]
-        keys = self._forget(pages)
-        self.allocator.free(pages)
-        return pages, keys
+        idx = self._cached_of(pages)
+        keys = self._forget(idx)
+        self.allocator.free_distinct(idx)
+        return idx.astype(np.int32), keys
 
     def clear(self) -> Int32Array:
-        pages = np.flatnonzero(self._cached).astype(np.int32)
-        self._forget(pages)
-        self.allocator.free(pages)
-        self._fifo.clear()
-        self._fifo_head = 0
-        self._fifo_len = 0
-        return pages
+        idx = self._cached.nonzero()[0]
+        self._forget(idx)
+        self.allocator.free_distinct(idx)
+        self._index.clear()
+        self._fifo_head = self._fifo_tail = 0
+        return idx.astype(np.int32)
 
     # -- evictability ------------------------------------------------------------------------
 
     def acquired(self, pages: Int32Array) -> None:
-        pages = as_page_ids(pages)
-        was = self._stamp[pages] != 0
-        if was.any():
-            hit = np.unique(pages[was])
+        idx = as_page_ids(pages).astype(np.intp)
+        was = self._stamp[idx] != 0
+        if np.count_nonzero(was):
+            hit = np.unique(idx[was])
             self._stamp[hit] = 0
             self._num_evictable -= hit.size
 
@@ -560,38 +633,48 @@ class HashedPrefixCache(PrefixCache):
         if pages.size == 0:
             return
         # Deepest pages first, so a prefix outlives its extensions when both become evictable.
-        pages = pages[::-1]
-        now = self._cached[pages] & (self.allocator.refcounts[pages] == 1) & (
-            self._stamp[pages] == 0
-        )
-        if not now.any():
+        idx = pages[::-1].astype(np.intp)
+        now = self._cached[idx]
+        now &= self._rc[idx] == 1
+        now &= self._stamp[idx] == 0
+        new = idx[now]
+        m = new.size
+        if m == 0:
             return
-        new = pages[now]
-        if new.size > 1:  # keep each page's first listing (stamping in reverse: first wins)
-            index = np.arange(new.size)
-            self._scratch[new[::-1]] = index[::-1]
-            first = self._scratch[new] == index
-            if not first.all():
-                new = new[first]
-        stamps = np.arange(self._next_stamp, self._next_stamp + new.size, dtype=np.int64)
-        self._next_stamp += new.size
-        self._stamp[new] = stamps
-        self._num_evictable += new.size
-        self._fifo.append((new.copy(), stamps))
-        self._fifo_len += new.size
-        if self._fifo_len > 4 * self.allocator.num_pages + 1024:
-            self._compact()
+        stamps = np.arange(self._next_stamp, self._next_stamp + m, dtype=np.int64)
+        self._next_stamp += m
+        if m == 1:
+            self._stamp[new] = stamps
+            self._num_evictable += 1
+        else:
+            # Stamped in reverse, so a page listed twice keeps its first listing's stamp (its
+            # later entry is stale from the start, as a re-released page's old entry is).
+            self._stamp[new[::-1]] = stamps[::-1]
+            self._num_evictable += int(np.count_nonzero(self._stamp[new] == stamps))
+        tail = self._fifo_tail
+        if tail + m > self._fifo_pages.size:
+            self._compact(m)
+            tail = self._fifo_tail
+        self._fifo_pages[tail : tail + m] = new
+        self._fifo_stamps[tail : tail + m] = stamps
+        self._fifo_tail = tail + m
 
-    def _compact(self) -> None:
-        """Drop stale FIFO entries (their page was re-acquired or evicted since)."""
-        if not self._fifo:
-            return
-        pages = np.concatenate([p for p, _ in self._fifo])[self._fifo_head :]
-        stamps = np.concatenate([s for _, s in self._fifo])[self._fifo_head :]
+    def _compact(self, room: int = 0) -> None:
+        """Drop stale FIFO entries (their page was re-acquired or evicted since), moving the
+        current ones to the front; grow the buffers if ``room`` more entries still do not fit."""
+        head, tail = self._fifo_head, self._fifo_tail
+        pages = self._fifo_pages[head:tail]
+        stamps = self._fifo_stamps[head:tail]
         live = self._stamp[pages] == stamps
-        self._fifo = [(pages[live], stamps[live])]
-        self._fifo_head = 0
-        self._fifo_len = int(live.sum())
+        pages, stamps = pages[live], stamps[live]  # copies
+        n = pages.size
+        if n + room > self._fifo_pages.size:
+            size = max(2 * self._fifo_pages.size, n + room)
+            self._fifo_pages = np.zeros(size, dtype=np.intp)
+            self._fifo_stamps = np.zeros(size, dtype=np.int64)
+        self._fifo_pages[:n] = pages
+        self._fifo_stamps[:n] = stamps
+        self._fifo_head, self._fifo_tail = 0, n
 
     def evict(self, num_pages: int) -> tuple[Int32Array, KeyArray]:
         if num_pages > self._num_evictable:
@@ -601,30 +684,27 @@ class HashedPrefixCache(PrefixCache):
             )
         if num_pages <= 0:
             return np.empty(0, dtype=np.int32), np.empty((0, 2), dtype=np.uint64)
-        victims: list[Int32Array] = []
+        fifo_pages, fifo_stamps, stamp = self._fifo_pages, self._fifo_stamps, self._stamp
+        head, tail = self._fifo_head, self._fifo_tail
+        victims: list[npt.NDArray[np.intp]] = []
         need = num_pages
         while need > 0:
-            # Look at a window of the oldest chunk only (after _compact() it holds them all).
-            pages, stamps = self._fifo[0]
-            head = self._fifo_head
-            end = min(head + max(2 * need, 64), pages.size)
-            window = pages[head:end]
-            current = np.flatnonzero(self._stamp[window] == stamps[head:end])
+            # A window of the oldest entries; current ones are the LRU's next victims.
+            end = min(head + max(2 * need, 64), tail)
+            window = fifo_pages[head:end]
+            current = (stamp[window] == fifo_stamps[head:end]).nonzero()[0]
             if current.size >= need:
                 end = head + int(current[need - 1]) + 1
                 current = current[:need]
             victims.append(window[current])
             need -= current.size
-            self._fifo_len -= end - head
-            if end == pages.size:
-                self._fifo.pop(0)
-                self._fifo_head = 0
-            else:
-                self._fifo_head = end
+            head = end
+        self._fifo_head = head
         out = np.concatenate(victims) if len(victims) > 1 else victims[0]
+        # Current entries name distinct pages (one stamp each): forget them, then free.
         keys = self._forget(out, evictable=True)
-        self.allocator.free(out)
-        return out, keys
+        self.allocator.free_distinct(out)
+        return out.astype(np.int32), keys
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -654,12 +734,16 @@ class HashedPrefixCache(PrefixCache):
         """The cache's own invariants; returns one line per problem (empty when sound)."""
         problems: list[str] = []
         cached = self.cached_pages()
-        if len(self._index) != cached.size or cached.size != self._num_cached:
+        # Live entries (the page is cached under the entry's key); the rest are stale.
+        idx_keys = np.fromiter(self._index.keys(), dtype=np.uint64, count=len(self._index))
+        idx_pages = np.fromiter(self._index.values(), dtype=np.int64, count=len(self._index))
+        live = self._cached[idx_pages] & (self._keys[idx_pages, 0] == idx_keys)
+        idx_pages = np.sort(idx_pages[live])
+        if idx_pages.size != cached.size or cached.size != self._num_cached:
             problems.append(
-                f"index holds {len(self._index)} keys, {cached.size} pages are marked cached, "
+                f"index holds {idx_pages.size} live keys, {cached.size} pages are marked cached, "
                 f"counter says {self._num_cached}"
             )
-        idx_pages = np.array(sorted(self._index.values()), dtype=np.int32)
         if idx_pages.size == cached.size and not np.array_equal(idx_pages, cached):
             problems.append("the index's pages differ from the pages marked cached")
         rc = self.allocator.refcounts

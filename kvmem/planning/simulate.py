@@ -208,6 +208,9 @@ class SimulationReport(BaseModel):
         return "\n".join(lines)
 
 
+_M = 100_000  # token ids of the simulated prompts are below 2 * _M (+ the request count)
+
+
 class _Arrivals:
     """Request lengths and token ids, generated lazily in blocks (a million prompts of
     thousands of tokens would not fit in memory)."""
@@ -232,17 +235,29 @@ class _Arrivals:
             prefix_rng.integers(0, 100_000, w.prefix_len).astype(np.int64)
             for _ in range(w.num_prefixes)
         ]
+        # Request i's own tokens are (7919 j + i) mod M, j = 0, 1, ...: since 7919 is invertible
+        # mod M, that is the sequence (7919 j) mod M read from j = i / 7919 mod M, so every
+        # request's tokens are one slice of this table (see tokens()).
+        longest = int(self.prompt.max()) if w.num_requests else 0
+        self._own = (np.arange(_M + longest, dtype=np.int64) * 7919) % _M
+        self._start = (np.arange(w.num_requests, dtype=np.int64) * pow(7919, -1, _M)) % _M
+        self._prompt_list = self.prompt.tolist()
+        self._prefix_list = self.prefix_id.tolist()
 
     def tokens(self, i: int) -> npt.NDArray[np.int64]:
         """Request ``i``'s prompt: its prefix, then tokens no other request shares (the first
-        one encodes ``i``), so the only prefix hits are the intended ones."""
-        n = int(self.prompt[i])
-        p = int(self.prefix_id[i])
-        head = self.prefixes[p] if p >= 0 else np.empty(0, dtype=np.int64)
-        rest = n - head.size
-        own = (np.arange(rest, dtype=np.int64) * 7919 + i) % 100_000
-        own[0] = 100_000 + i  # unique per request
-        return np.concatenate([head, own]) if head.size else own
+        one encodes ``i``), so the only prefix hits are the intended ones: the own tokens are
+        ``(7919 j + i) % 100_000`` for ``j = 0, 1, ...``, the first one ``100_000 + i``."""
+        n = self._prompt_list[i]
+        p = self._prefix_list[i]
+        out = np.empty(n, dtype=np.int64)
+        h = self.prefixes[p].size if p >= 0 else 0
+        if h:
+            out[:h] = self.prefixes[p]
+        start = int(self._start[i])
+        out[h:] = self._own[start : start + n - h]
+        out[h] = 100_000 + i  # unique per request
+        return out
 
 
 class _StepClock:
@@ -384,6 +399,7 @@ def simulate(
     last_progress = wall0
     loops = 0
     waited_since = np.ones(total, dtype=np.int64)  # the loop a request started waiting in
+    namespaces = arr.namespace.tolist()
 
     def admit_waiting() -> float:
         """Admit (or resume) waiting requests in order; commit their prompts in one batch."""
@@ -394,7 +410,7 @@ def simulate(
         tails: list[npt.NDArray[np.int64]] = []
         while waiting and len(running) < max_running:
             i = waiting[0]
-            ns = int(arr.namespace[i])
+            ns = namespaces[i]
             resuming = i in resumed_from
             try:
                 if resuming:
