@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmem import PageAllocator
-from kvmem.allocator._prefix_cache import HashedPrefixCache, namespace_bytes
+from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, namespace_bytes
 
 P = 4
 
@@ -432,3 +432,39 @@ def test_the_cache_agrees_with_a_plain_model(seed: int, small_buffers: bool,
                                              rebuild_often: bool) -> None:
     drive(seed, num_pages=24 + 8 * seed, small_buffers=small_buffers,
           rebuild_often=rebuild_often)
+
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("how", ["vectorized", "generic"])
+def test_released_many_equals_one_release_per_holder(seed: int, how: str) -> None:
+    """Holders sharing prefix pages (one may list a page twice), released in one call after
+    all their frees: the LRU ends up as if each had been released right after its own free."""
+    tokens = np.random.default_rng(seed).integers(0, 4, 10 * P)
+    order = []
+    for batched in (False, True):
+        cache, alloc = bound(num_pages=64, seed=seed)
+        pages = store(cache, alloc, tokens, None, 0)  # 10 cached pages, all evictable
+        rng = np.random.default_rng(seed + 100)
+        runs = []
+        for _ in range(int(rng.integers(2, 6))):
+            shared = pages[: int(rng.integers(0, pages.size + 1))]
+            alloc.share(shared)
+            cache.acquired(shared)
+            run = np.concatenate([shared, alloc.allocate(int(rng.integers(0, 3)))])
+            if run.size and rng.random() < 0.3:  # a page listed twice: two references
+                dup = run[int(rng.integers(0, run.size))]
+                alloc.share([dup])
+                run = np.concatenate([run, [dup]])
+            runs.append(run.astype(np.int32))
+        for run in runs:
+            alloc.free(run)
+            if not batched:
+                cache.released(run)
+        if batched and how == "vectorized":
+            cache.released_many(runs)
+        elif batched:
+            PrefixCache.released_many(cache, runs)  # the interface's own, via released()
+        assert not cache.check()
+        order.append(cache.evict(cache.num_evictable)[0].tolist())
+    assert order[0] == order[1] and len(order[0]) == 10

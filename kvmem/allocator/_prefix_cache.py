@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -163,6 +163,21 @@ class PrefixCache(ABC):
     @abstractmethod
     def released(self, pages: Int32Array) -> None:
         """Requests or fences just dropped references on these pages (some may be evictable)."""
+
+    def released_many(self, runs: Sequence[Int32Array]) -> None:
+        """Several holders dropped references, ``runs[0]``'s first, then ``runs[1]``'s, ...,
+        all before this call: the same as calling :meth:`released` on each run right after its
+        own references were dropped. (A page listed in a later run still had that holder when
+        an earlier run was released: only its last run counts.)"""
+        later: set[int] = set()
+        mine: list[Int32Array] = []
+        for run in reversed(runs):
+            pages = as_page_ids(run)
+            plist = pages.tolist()
+            mine.append(pages[[p not in later for p in plist]] if later else pages)
+            later.update(plist)
+        for pages in reversed(mine):
+            self.released(pages)
 
     @abstractmethod
     def evict(self, num_pages: int) -> tuple[Int32Array, KeyArray]:
@@ -311,6 +326,7 @@ class HashedPrefixCache(PrefixCache):
         # equals its stamp (a page re-acquired and released later gets a new entry, and a page
         # listed twice in one release keeps its first entry current).
         self._stamp = np.zeros(n, dtype=np.int64)  # 0 = not evictable
+        self._last_run = np.zeros(n, dtype=np.intp)  # scratch for released_many
         self._next_stamp = 1
         cap = 4 * n + 1024
         self._fifo_pages = np.zeros(cap, dtype=np.intp)
@@ -630,10 +646,26 @@ class HashedPrefixCache(PrefixCache):
 
     def released(self, pages: Int32Array) -> None:
         pages = as_page_ids(pages)
-        if pages.size == 0:
+        if pages.size:
+            # Deepest pages first, so a prefix outlives its extensions when both become
+            # evictable.
+            self._released(pages[::-1].astype(np.intp))
+
+    def released_many(self, runs: Sequence[Int32Array]) -> None:
+        if len(runs) <= 1:
+            if runs:
+                self.released(runs[0])
             return
-        # Deepest pages first, so a prefix outlives its extensions when both become evictable.
-        idx = pages[::-1].astype(np.intp)
+        # Every run reversed (deepest first), in order; an entry counts only in the last run
+        # that lists its page (stamped in run order, the last run wins).
+        rev = [as_page_ids(run)[::-1] for run in runs]
+        idx = np.concatenate(rev).astype(np.intp)
+        run_of = np.repeat(np.arange(len(runs), dtype=np.intp), [r.size for r in rev])
+        self._last_run[idx] = run_of
+        self._released(idx[self._last_run[idx] == run_of])
+
+    def _released(self, idx: npt.NDArray[np.intp]) -> None:
+        """:meth:`released` of intp pages, deepest first."""
         now = self._cached[idx]
         now &= self._rc[idx] == 1
         now &= self._stamp[idx] == 0
