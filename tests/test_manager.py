@@ -344,6 +344,62 @@ def test_pages_released_during_a_step_are_freed_when_it_retires() -> None:
     mgr.check()
 
 
+def _finished_batch(mgr: KVCacheManager) -> list[Any]:
+    """Requests sharing prefixes (two namespaces), a fork, a preempted one: the ids to release."""
+    eng = ToyEngine(mgr)
+    system = list(range(9))
+    for i in range(5):
+        run_prompt(eng, i, system + [100 + i] * (3 + i), ns="t" if i % 2 else None)
+    eng.fork(1, "1b")
+    for _ in range(3):
+        eng.step([0, 1, "1b", 2, 3, 4], 1)
+        eng.commit([0, 1, "1b", 2, 3, 4])
+    eng.preempt(3)
+    return [2, "1b", 0, 3, 1]
+
+
+def test_release_batch_equals_releasing_one_by_one() -> None:
+    one, many = make(num_pages=64), make(num_pages=64)
+    ids = _finished_batch(one)
+    assert _finished_batch(many) == ids
+    freed: dict[KVCacheManager, list[ManagerEvent]] = {one: [], many: []}
+    for mgr in (one, many):
+        mgr.add_hook("free", freed[mgr].append)
+    for rid in ids:
+        one.release(rid)
+    many.release_batch(ids)
+    for mgr in (one, many):
+        mgr.check()
+        assert mgr.running == (4,) and mgr.preempted == ()
+    assert one.stats() == many.stats()
+    assert (one.allocator.refcounts == many.allocator.refcounts).all()
+    assert len(freed[many]) == 1  # one free for the batch
+    assert sorted(np.concatenate([e.pages for e in freed[one]]).tolist()) == sorted(
+        freed[many][0].pages.tolist())
+    assert one.cache is not None and many.cache is not None
+    n = one.cache.num_evictable
+    assert n > 0  # the least recently used first, in the same order
+    assert one.cache.evict(n)[0].tolist() == many.cache.evict(n)[0].tolist()
+
+
+def test_release_batch_is_all_or_nothing_and_fenced() -> None:
+    mgr = make(num_pages=64)
+    ids = _finished_batch(mgr)
+    before = state(mgr)
+    with pytest.raises(KVMemError, match="unknown"):
+        mgr.release_batch([2, "nope", 0])
+    with pytest.raises(ValueError, match="distinct"):
+        mgr.release_batch([2, 0, 2])
+    assert state(mgr) == before
+    handle = mgr.begin_step()
+    mgr.release_batch(ids)
+    assert mgr.stats().num_fenced > 0
+    mgr.check()
+    mgr.retire(handle)
+    assert mgr.stats().num_fenced == 0
+    mgr.check()
+
+
 def test_a_step_opened_after_a_release_does_not_hold_its_pages() -> None:
     mgr = make(num_pages=6, prefix_cache=None)
     eng = ToyEngine(mgr)
