@@ -535,8 +535,7 @@ def simulate(
         done = remaining[ids_arr] == 0
         if done.any():
             finished = ids_arr[done].tolist()
-            for i in finished:
-                mgr.release(i)
+            mgr.release_batch(finished)
             completed += len(finished)
             gone = set(finished)
             running[:] = [i for i in running if i not in gone]
