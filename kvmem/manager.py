@@ -950,8 +950,8 @@ class KVCacheManager:
         indptr = np.zeros(size + 1, dtype=np.int32)
         np.cumsum(counts, out=indptr[1:])
         c = self._bases.get(size)
-        if c is not None and size:
-            kept = gens == c.gens
+        kept = None if c is None or not size else gens == c.gens
+        if c is not None and kept is not None and np.count_nonzero(kept):
             first = np.where(kept, c.counts, 0)  # entries the row keeps
             fresh = counts - first
             changed = np.flatnonzero((fresh != 0) | ~kept)
