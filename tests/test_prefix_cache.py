@@ -468,3 +468,21 @@ def test_released_many_equals_one_release_per_holder(seed: int, how: str) -> Non
         assert not cache.check()
         order.append(cache.evict(cache.num_evictable)[0].tolist())
     assert order[0] == order[1] and len(order[0]) == 10
+
+
+def test_batched_keys_equal_one_at_a_time_for_any_batch_size_and_int_width() -> None:
+    """page_keys hashes into reused scratch buffers that grow with the batch: batches of every
+    size, int32 or int64 token ids (up to the int32 maximum) give the one-page keys."""
+    cache, _ = bound(seed=11)
+    rng = np.random.default_rng(4)
+    for k in (1, 7, 500, 3, 64):
+        tokens = rng.integers(0, 2**31, (k, P))
+        tokens[0, 0] = 2**31 - 1
+        parents = rng.integers(0, 2**63, (k, 2)).astype(np.uint64)
+        positions = rng.integers(0, 3000, k)
+        want = np.array([cache._key_of(parents[i], tokens[i], int(positions[i]))
+                         for i in range(k)])
+        for dtype in (np.int32, np.int64):
+            got = cache.page_keys(parents, np.ones(k, dtype=np.int64), positions,
+                                  tokens.astype(dtype))
+            assert np.array_equal(got, want)

@@ -308,6 +308,7 @@ class HashedPrefixCache(PrefixCache):
         self._K |= np.uint64(1)
         self._Q = self._rng.integers(1, 2**63, size=(2, 1), dtype=np.uint64) | np.uint64(1)
         self._pq = np.arange(1, 1025, dtype=np.uint64)[None] * self._Q  # see _position_values
+        self._hash_scratch = (np.empty(0, np.uint64),) * 3  # see _hash_buffers
         # For one key at a time (_key_ints): K as [2, page_size], Q as Python ints.
         self._K2 = np.ascontiguousarray(self._K[:, 0, :])
         self._Q_int = [int(v) for v in self._Q[:, 0]]
@@ -360,12 +361,31 @@ class HashedPrefixCache(PrefixCache):
     def _page_values(self, token_ids: npt.NDArray[np.integer],
                      positions: npt.NDArray[np.integer]) -> KeyArray:
         """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[2, k]``."""
-        # (token + 1) * K: token 0 still moves the sum
-        x = np.multiply(np.add(token_ids, 1, dtype=np.uint64, casting="unsafe"), self._K)
-        x ^= x >> _S31
+        k, p = token_ids.shape
+        t, x, y = self._hash_buffers(k * p)
+        t = t.reshape(k, p)
+        x = x.reshape(2, k, p)
+        y = y.reshape(2, k, p)
+        np.add(token_ids, 1, out=t, dtype=np.uint64, casting="unsafe")
+        np.multiply(t, self._K, out=x)  # (token + 1) * K: token 0 still moves the sum
+        np.right_shift(x, _S31, out=y)
+        x ^= y
         s = np.add.reduce(x, axis=2, dtype=np.uint64)
         s += self._position_values(positions)
         return _fmix(s)
+
+    def _hash_buffers(self, n: int) -> tuple[KeyArray, KeyArray, KeyArray]:
+        """Scratch for :meth:`_page_values` (``n`` token slots: ``[n]``, ``[2n]``, ``[2n]``,
+        uint64): a prompt's worth of fresh temporaries costs more than hashing into them."""
+        if n > self._hash_scratch[0].size:
+            if n > 1 << 20:  # a rare huge batch: temporaries, not kept
+                return (np.empty(n, np.uint64), np.empty(2 * n, np.uint64),
+                        np.empty(2 * n, np.uint64))
+            size = max(n, 2 * self._hash_scratch[0].size)
+            self._hash_scratch = (np.empty(size, np.uint64), np.empty(2 * size, np.uint64),
+                                  np.empty(2 * size, np.uint64))
+        t, x, y = self._hash_scratch
+        return t[:n], x[: 2 * n], y[: 2 * n]
 
     def _position_values(self, positions: npt.NDArray[np.integer]) -> KeyArray:
         """``(position + 1) * Q`` per lane: ``[2, k]``, uint64 (from a table grown on demand)."""
