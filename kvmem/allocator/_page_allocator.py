@@ -175,13 +175,7 @@ class PageAllocator:
         pages = as_page_ids(pages)
         if pages.size == 0:
             return pages.copy()
-        uniq = pages.astype(np.intp)
-        uniq.sort()
-        if uniq[0] < 0 or uniq[-1] >= self.num_pages:
-            self._require_live(pages, "free")  # raises: out of range
-        held = self._refcounts[uniq]
-        if np.count_nonzero(held) != held.size:
-            self._require_live(pages, "free")  # raises: a free page
+        uniq, held = self._sorted_live(pages)
         if uniq.size > 1 and np.count_nonzero(uniq[1:] == uniq[:-1]):
             # A page listed k times loses k holders: group the repeats first.
             uniq, counts = np.unique(uniq, return_counts=True)
@@ -207,6 +201,14 @@ class PageAllocator:
         """
         if pages.size == 0:
             return np.empty(0, dtype=np.int32)
+        uniq, held = self._sorted_live(pages)
+        held -= 1
+        return self._drop_holders(uniq, held)
+
+    def _sorted_live(self, pages: npt.NDArray[np.integer]
+                     ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]:
+        """``pages`` (non-empty) sorted as intp, and their holders; raises InvalidFreeError,
+        changing nothing, if one is out of range or free."""
         uniq = pages.astype(np.intp)
         uniq.sort()
         if uniq[0] < 0 or uniq[-1] >= self.num_pages:
@@ -214,8 +216,7 @@ class PageAllocator:
         held = self._refcounts[uniq]
         if np.count_nonzero(held) != held.size:
             self._require_live(uniq, "free")  # raises: a free page
-        held -= 1
-        return self._drop_holders(uniq, held)
+        return uniq, held
 
     def _drop_holders(self, uniq: npt.NDArray[np.intp], remaining: npt.NDArray[np.int32]
                       ) -> PageIds:
