@@ -396,7 +396,8 @@ class KVCacheManager:
                 f"token ids must be a 1-D sequence of ints, got shape {tokens.shape} of "
                 f"{tokens.dtype}"
             )
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > _INT32_MAX):
+        if tokens.size and (int(np.minimum.reduce(tokens)) < 0
+                            or int(np.maximum.reduce(tokens)) > _INT32_MAX):
             raise KVMemError(
                 f"token ids must be in 0..{_INT32_MAX}, got min {int(tokens.min())} and max "
                 f"{int(tokens.max())}"
