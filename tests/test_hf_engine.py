@@ -15,6 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
+from model_fixtures import rounded_kv_logits  # noqa: E402
+
 from kvmem.errors import ConfigError  # noqa: E402
 from kvmem.integrations.engine import Engine, Request, _keep_requests  # noqa: E402
 from kvmem.integrations.hf import KVBatch, PagedCausalLM  # noqa: E402
@@ -63,6 +65,25 @@ def test_continuous_batch_equals_generate(tiny: Any) -> None:
     assert any(t.num_decode and t.num_tokens > t.num_decode for t in engine.timings)  # mixed
     assert mgr.stats().num_used == 0
     mgr.check()
+
+
+def test_bf16_pages_equal_attention_over_bf16_rounded_kv(tiny: Any) -> None:
+    """bf16 pages cost exactly the bf16 rounding of K/V, nothing more: teacher-forced logits
+    equal transformers' sdpa forward with its K/V rounded to bf16 (the same 8-token chunks).
+    Queries or attention math in bf16, or a cast that truncates, would differ by about as much
+    as bf16 pages differ from fp32 ones. The real model: test_hf_model.py."""
+    from kvmem.integrations.hf import paged_logits
+
+    ids = np.random.default_rng(2).integers(3, 97, 40).tolist()
+    got = {}
+    for dtype in ("bf16", "fp32"):
+        lm = PagedCausalLM.build(tiny, 16, dtype, page_size=4, device="cpu")
+        mgr = KVCacheManager(16, page_size=4, max_seqs=1, pool=lm.pool, prefix_cache=None)
+        got[dtype] = paged_logits(lm, mgr, ids, chunk_size=8)
+    want = rounded_kv_logits(tiny, ids, chunk_size=8)
+    rounding = (got["bf16"] - got["fp32"]).abs().max().item()
+    assert rounding > 1e-4  # bf16 pages do change the logits...
+    assert (got["bf16"] - want).abs().max().item() <= 0.01 * rounding  # ...by the rounding alone
 
 
 def test_positions_follow_the_metadata(tiny: Any) -> None:
