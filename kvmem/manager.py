@@ -536,11 +536,16 @@ class KVCacheManager:
         if freed.size:
             self._emit("free", pages=freed)
 
-    def _free(self, pages: Int32Array) -> None:
+    def _free(self, pages: Int32Array, runs: list[Int32Array] | None = None) -> None:
+        """Drop one reference per listed page now; ``runs``: ``pages`` is their concatenation,
+        one run per holder, released in that order (the cache's LRU order follows)."""
         freed = self.allocator.free(pages)
         self._page_ns[freed] = -1
         if self.cache is not None:
-            self.cache.released(pages)
+            if runs is None:
+                self.cache.released(pages)
+            else:
+                self.cache.released_many(runs)
         if freed.size:
             self._emit("free", pages=freed)
 
@@ -776,11 +781,7 @@ class KVCacheManager:
         page, and no row writes into a page a fork shares: a constant number of numpy calls."""
         P = self.page_size
         tbl = self.table
-        b = self._batch
-        if b is not None and rows is b.rows:
-            rows_w, rows32 = b.rows_w, b.rows32
-        else:
-            rows_w, rows32 = rows * self.max_pages_per_seq, self._rows32(rows)
+        rows_w, rows32 = self._row_arrays(rows)
         start = tbl.num_tokens[rows]
         end = start + k
         cap = tbl.num_pages[rows]
@@ -833,12 +834,15 @@ class KVCacheManager:
         self._take_changes()
         return step
 
-    @staticmethod
-    def _rows32(rows: IntpArray) -> Int32Array:
-        """StepMetadata.rows: the batch's rows as a read-only int32 array."""
+    def _row_arrays(self, rows: IntpArray) -> tuple[Int64Array, Int32Array]:
+        """``rows * max_pages_per_seq`` (flat index of each row's column 0) and the rows as a
+        read-only int32 array (StepMetadata.rows); the latest reserve's when it is the batch."""
+        b = self._batch
+        if b is not None and rows is b.rows:
+            return b.rows_w, b.rows32
         rows32 = rows.astype(np.int32)
         rows32.flags.writeable = False
-        return rows32
+        return rows * self.max_pages_per_seq, rows32
 
     def _reserve_any(self, ids: tuple[Any, ...], rows: IntpArray, n: Int64Array | int,
                      known: bool) -> StepMetadata:
@@ -888,11 +892,7 @@ class KVCacheManager:
                              self._expected(grown.new_pages, ns), appended=True)
             self._emit("allocate", pages=grown.new_pages)
         counts = (seq_lens + (P - 1)) // P
-        b = self._batch
-        if b is not None and rows is b.rows:
-            rows_w, rows32 = b.rows_w, b.rows32
-        else:
-            rows_w, rows32 = rows * self.max_pages_per_seq, self._rows32(rows)
+        rows_w, rows32 = self._row_arrays(rows)
         gens = self._row_gen[rows]
         indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
         if k >= 0:
@@ -951,8 +951,7 @@ class KVCacheManager:
         indptr = np.zeros(size + 1, dtype=np.int32)
         np.cumsum(counts, out=indptr[1:])
         c = self._bases.get(size)
-        kept = None if c is None or not size else gens == c.gens
-        if c is not None and kept is not None and np.count_nonzero(kept):
+        if c is not None and size and np.count_nonzero(kept := gens == c.gens):
             first = np.where(kept, c.counts, 0)  # entries the row keeps
             fresh = counts - first
             changed = np.flatnonzero((fresh != 0) | ~kept)
@@ -1697,12 +1696,7 @@ class KVCacheManager:
             for pages in runs:
                 self._drop(pages)
         elif runs:
-            freed = self.allocator.free(np.concatenate(runs))
-            self._page_ns[freed] = -1
-            if self.cache is not None:
-                self.cache.released_many(runs)
-            if freed.size:
-                self._emit("free", pages=freed)
+            self._free(np.concatenate(runs), runs)
         owned = dict(zip(running, runs))
         for rid in ids:
             del self._requests[rid]
