@@ -133,15 +133,15 @@ class _Batch:
 
 
 class _Splice(NamedTuple):
-    """How ``_build_csr`` patched a batch's ``indices`` from ``base.indices``: rows
-    ``changed`` keep their first ``first`` entries and get ``fresh`` new ones; ``gone`` are the
-    base's entries that were cut out. ``verify`` of the batch's step, when the previous verify
-    proved ``base``, then checks only the fresh entries."""
+    """How ``_build_csr`` patched a batch's ``indices`` from ``base.indices``: ``pages`` are the
+    entries spliced in (a snapshot, in order), ``wants`` the namespace-qualified tags the
+    CheckingTracker recorded for them when they were spliced (empty without one), ``gone`` the
+    base's entries cut out. ``verify`` of the batch's step, when the previous verify proved
+    ``base``, then checks only the spliced-in entries."""
 
     base: _Batch
-    changed: npt.NDArray[np.intp]
-    first: Int64Array
-    fresh: Int64Array
+    pages: Int32Array
+    wants: Int64Array
     gone: list[Int32Array]
 
 
@@ -258,6 +258,13 @@ class KVCacheManager:
         self.fences = StepFences(cfg.num_pages)
         self.cache = self._make_cache(prefix_cache)
         self.tracker = self._make_tracker(tracker)
+        # A CheckingTracker's expected tags as a flat view, (row, col) at row * W + col as in
+        # the page table, when its rows are that wide.
+        self._expected_flat: Int64Array | None = None
+        if type(self.tracker) is CheckingTracker:
+            expected = self.tracker.expected_tags
+            if expected.shape[1] == cfg.max_pages_per_seq and expected.flags.c_contiguous:
+                self._expected_flat = expected.reshape(-1)
         self.pool = pool
         if pool is not None:
             spec = getattr(pool, "spec", None)
@@ -302,7 +309,7 @@ class KVCacheManager:
         # Recent batches by size (a decode batch survives the prefill reserves between steps):
         # the CSR base of the next reserve of a batch that size.
         self._bases: dict[int, _Batch] = {}
-        self._qo_cache: dict[tuple[int, int], Int32Array] = {}
+        self._qo_cache: dict[tuple[int, int], tuple[Int32Array, Int32Array]] = {}
         # The verified snapshot; per page, how many of its entries list the page; and the pages
         # whose tag changed since it was taken (arrays, as the allocator logged them).
         self._verified: _Verified | None = None
@@ -785,10 +792,10 @@ class KVCacheManager:
         start = tbl.num_tokens[rows]
         end = start + k
         cap = tbl.num_pages[rows]
-        grow = np.flatnonzero(end > cap * P)
+        grow = (end > cap * P).nonzero()[0]
         if grow.size:
             cols = cap[grow]
-            if int(cols.max()) >= self.max_pages_per_seq:
+            if np.maximum.reduce(cols) >= self.max_pages_per_seq:
                 self._too_long(ids, grow[cols >= self.max_pages_per_seq])
             n = grow.size
             if n > self.allocator.num_free:
@@ -796,25 +803,30 @@ class KVCacheManager:
                     raise OutOfPagesError(n, self._available())
                 self._make_room(n)
             new = self.allocator.allocate(n)
-            self._flat_pages[rows_w[grow] + cols] = new
+            at = rows_w[grow] + cols  # (row, column) of each new page, flat
+            self._flat_pages[at] = new
             grow_rows = rows[grow]
             tbl.num_pages[grow_rows] = cols + 1
             ns = self._row_ns[grow_rows]
             new_i = new.astype(np.intp)
             self._page_ns[new_i] = ns
-            if self.tracker.enabled:
+            if self._expected_flat is not None:  # CheckingTracker: record in place
+                self._expected_flat[at] = self._expected(new_i, ns)
+            elif self.tracker.enabled:
                 self._record(grow_rows, cols, self._expected(new_i, ns), appended=True)
-            self._emit("allocate", pages=new)
+            if self._hooks["allocate"]:
+                self._emit("allocate", pages=new)
         tbl.num_tokens[rows] = end
         self._write_from[rows] = start
         token_pages = offset = col = None
         if k == 1:
-            col, offset = np.divmod(start, P)
+            col = start // P
+            offset = start - col * P
             token_pages = self._flat_pages[rows_w + col]
             slots = np.multiply(token_pages, P, dtype=np.int64)
             slots += offset
             counts = col + 1
-            last_len = (offset + 1).astype(np.int32)
+            last_len = np.add(offset, 1, dtype=np.int32)
         else:
             positions = (start[:, None] + self._arange[:k]).reshape(-1)
             slots = tbl.slot_mapping(np.repeat(rows, k), positions)
@@ -822,11 +834,10 @@ class KVCacheManager:
             last_len = ((end - 1) % P + 1).astype(np.int32)
         gens = self._row_gen[rows]
         indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
-        size = rows.size
+        num_new, qo_indptr = self._step_counts(rows.size, k)
         step = StepMetadata(
-            ids, rows32, np.full(size, k, dtype=np.int32), slots.copy(),
-            self._qo_indptr(size, k), indptr.copy(), indices.copy(), last_len,
-            end.astype(np.int32), _EMPTY_PAGES, _EMPTY_PAGES, P, self._epoch,
+            ids, rows32, num_new, slots.copy(), qo_indptr, indptr.copy(), indices.copy(),
+            last_len, end.astype(np.int32), _EMPTY_PAGES, _EMPTY_PAGES, P, self._epoch,
         )
         self._remember(_Batch(ids, rows, rows32, rows_w, gens, counts, indptr, indices,
                               self._epoch, step, start, end, k, slots, token_pages, offset, col,
@@ -896,8 +907,7 @@ class KVCacheManager:
         gens = self._row_gen[rows]
         indptr, indices, splice = self._build_csr(rows, rows_w, gens, counts)
         if k >= 0:
-            num_new = np.full(rows.size, k, dtype=np.int32)
-            qo_indptr = self._qo_indptr(rows.size, k)
+            num_new, qo_indptr = self._step_counts(rows.size, k)
         else:
             num_new = np.asarray(n).astype(np.int32)
             qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
@@ -927,14 +937,19 @@ class KVCacheManager:
             "(nothing was reserved)"
         )
 
-    def _qo_indptr(self, size: int, k: int) -> Int32Array:
-        """``[size + 1]``, int32: ``0, k, 2k, ...`` (a fresh copy of a cached array)."""
-        qo = self._qo_cache.get((size, k))
-        if qo is None:
+    def _step_counts(self, size: int, k: int) -> tuple[Int32Array, Int32Array]:
+        """``num_new_tokens`` ``[size]`` (all ``k``) and ``qo_indptr`` ``[size + 1]``
+        (``0, k, 2k, ...``), int32: fresh copies of cached arrays."""
+        got = self._qo_cache.get((size, k))
+        if got is None:
+            got = (np.full(size, k, dtype=np.int32),
+                   np.multiply(self._arange[: size + 1], k, dtype=np.int32))
+            if k > self.page_size:  # a prefill chunk's length: rarely seen twice
+                return got
             if len(self._qo_cache) > 64:
                 self._qo_cache.clear()
-            qo = self._qo_cache[(size, k)] = (self._arange[: size + 1] * k).astype(np.int32)
-        return qo.copy()
+            self._qo_cache[(size, k)] = got
+        return got[0].copy(), got[1].copy()
 
     def _build_csr(self, rows: IntpArray, rows_w: Int64Array, gens: Int64Array,
                    counts: Int64Array) -> tuple[Int32Array, Int32Array, _Splice | None]:
@@ -944,39 +959,56 @@ class KVCacheManager:
         with nothing but appends since (same generation), the row keeps its previous entries:
         the new ``kv_indices`` is the old one cut at the few rows that changed (grew, or hold
         another request), with their new pages (contiguous in the page table) spliced in, in one
-        concatenation (returned as a :class:`_Splice`). Otherwise one masked gather of the page
+        concatenation (returned as a :class:`_Splice`, with a snapshot of the spliced-in pages
+        and of the tags the tracker expects of them). Otherwise one masked gather of the page
         table (and no splice).
         """
         size = rows.size
         indptr = np.zeros(size + 1, dtype=np.int32)
-        np.cumsum(counts, out=indptr[1:])
+        np.add.accumulate(counts, out=indptr[1:], dtype=np.int32)
+        if size == 1:  # one request (a prefill chunk): a slice of its row
+            at = int(rows_w[0])
+            return indptr, self._flat_pages[at : at + int(counts[0])].copy(), None
         c = self._bases.get(size)
-        if c is not None and size and np.count_nonzero(kept := gens == c.gens):
-            first = np.where(kept, c.counts, 0)  # entries the row keeps
-            fresh = counts - first
-            changed = np.flatnonzero((fresh != 0) | ~kept)
-            if changed.size <= _MAX_SPLICES and (not changed.size or int(fresh.min()) >= 0):
-                c.splice = None  # (a batch keeps only its own splice, not a chain of them)
+        if c is not None and size:
+            if rows is c.rows and c.epoch == self._epoch:  # the same requests, only appends
+                changed = (counts != c.counts).nonzero()[0]
+                first = c.counts[changed]
+            else:
+                kept = gens == c.gens
+                first = c.counts * kept  # entries the row keeps
+                changed = ((counts != first) | ~kept).nonzero()[0]
                 first = first[changed]
-                fresh = fresh[changed]
-                gone: list[Int32Array] = []
+            fresh = counts[changed] - first
+            if changed.size <= _MAX_SPLICES and not (fresh < 0).any():
+                c.splice = None  # (a batch keeps only its own splice, not a chain of them)
                 if not changed.size:
-                    return indptr, c.indices, _Splice(c, changed, first, fresh, gone)
-                spec = zip((c.indptr[changed] + first).tolist(), c.indptr[changed + 1].tolist(),
-                           (rows_w[changed] + first).tolist(), fresh.tolist())
+                    return indptr, c.indices, _Splice(c, _EMPTY_PAGES, _EMPTY_TAGS, [])
                 old = c.indices
                 flat = self._flat_pages
-                parts = []
+                expected = self._expected_flat
+                parts: list[Int32Array] = []
+                pages: list[Int32Array] = []  # the entries spliced in ...
+                wants: list[Int64Array] = []  # ... and the tags the tracker expects of them
+                gone: list[Int32Array] = []  # the entries cut out
                 at = 0
-                for cut, resume, src, num in spec:
+                for cut, resume, src, num in zip(
+                        (c.indptr[changed] + first).tolist(), c.indptr[changed + 1].tolist(),
+                        (rows_w[changed] + first).tolist(), fresh.tolist()):
+                    piece = flat[src : src + num]
                     parts.append(old[at:cut])
-                    parts.append(flat[src : src + num])
+                    parts.append(piece)
+                    pages.append(piece)
+                    if expected is not None:
+                        wants.append(expected[src : src + num])
                     if resume > cut:
                         gone.append(old[cut:resume])
                     at = resume
                 parts.append(old[at:])
                 indices = np.concatenate(parts)
-                return indptr, indices, _Splice(c, changed, first, fresh, gone)
+                return indptr, indices, _Splice(
+                    c, np.concatenate(pages), np.concatenate(wants) if wants else _EMPTY_TAGS,
+                    gone)
         width = int(counts.max()) if size else 0
         mask = self._arange[:width] < counts[:, None]
         return indptr, self.table.pages[rows, :width][mask], None
@@ -1240,7 +1272,7 @@ class KVCacheManager:
         expected_tags = getattr(self.tracker, "expected_tags", None)
         if expected_tags is not None and isinstance(indices, np.ndarray) and isinstance(
                 indptr, np.ndarray):
-            if current is not None and self._verify_spliced(indptr, indices, expected_tags):
+            if current is not None and self._verify_spliced(indptr, indices):
                 return VerifyReport(ids)
             if self._verify_fast(rows, indptr, indices, current, expected_tags):
                 return VerifyReport(ids)
@@ -1253,8 +1285,8 @@ class KVCacheManager:
             self._verified_refs.fill(0)
         self._verified_dirty = []
 
-    def _verify_spliced(self, indptr: npt.NDArray[np.integer], indices: npt.NDArray[np.integer],
-                        expected_tags: Int64Array) -> bool:
+    def _verify_spliced(self, indptr: npt.NDArray[np.integer], indices: npt.NDArray[np.integer]
+                        ) -> bool:
         """verify() of the latest reserve's own step, when the previous verify proved the CSR
         that reserve spliced this one from (the decode loop): True only if the detailed check
         would find nothing (False: the caller looks closer, from scratch).
@@ -1265,37 +1297,31 @@ class KVCacheManager:
                         proven one, at the same place
             kept        no page the proven CSR still lists changed tag since (_verified_refs)
             fresh       each entry reserve spliced in is in range and its live qualified tag
-                        equals the one recorded for (row, position) (never 0: unrecorded)
+                        equals the one recorded for (row, position) when it was spliced in
+                        (never 0: unrecorded)
             write set   every page about to be written has exactly one writer
         """
         b = self._batch
         assert b is not None
         s = b.splice
         v = self._verified
-        if s is None or v is None or s.base.indices is not v.indices:
+        if s is None or v is None or s.base.indices is not v.indices or (
+                self._expected_flat is None):
             return False
         if not (np.array_equal(indptr, b.indptr) and np.array_equal(indices, b.indices)
                 and self._write_set_ok(b.rows, b.step)):
             return False
-        if self._spliced_entries_ok(b, s, expected_tags):
+        if self._spliced_entries_ok(s):
             self._verified = _Verified(b.rows, b.gens, b.counts, b.indptr.astype(np.int64),
                                        b.indices)
             return True
         self._forget_verified()  # the refcounts were half updated: start over
         return False
 
-    def _spliced_entries_ok(self, b: _Batch, s: _Splice, expected_tags: Int64Array) -> bool:
+    def _spliced_entries_ok(self, s: _Splice) -> bool:
         """The kept and fresh checks of :meth:`_verify_spliced` (updates _verified_refs)."""
         self._take_changes()
-        if not self._kept_pages_unchanged(s.gone):
-            return False
-        if not s.changed.size:
-            return True
-        within = _ranges(s.first, s.fresh)  # the fresh entries' page positions in their rows
-        pages = b.indices[within + np.repeat(b.indptr[s.changed], s.fresh)]
-        rows_t = b.rows[s.changed].astype(np.int64) * expected_tags.shape[1]
-        want = expected_tags.reshape(-1)[within + np.repeat(rows_t, s.fresh)]
-        return self._fresh_ok(pages, want)
+        return self._kept_pages_unchanged(s.gone) and self._fresh_ok(s.pages, s.wants)
 
     def _kept_pages_unchanged(self, gone: list[Int32Array]) -> bool:
         """Take the entries ``gone`` out of ``_verified_refs``; then no page the proven entries
@@ -1435,7 +1461,11 @@ class KVCacheManager:
         """Every page the step writes (``step``: its slot mapping; otherwise the slots reserved
         and not committed yet) has exactly one writer."""
         pages: npt.NDArray[np.integer]
-        if step is not None:
+        b = self._batch
+        if step is not None and b is not None and step is b.step and b.slots is not None and (
+                b.token_pages is not None and np.array_equal(step.slot_mapping, b.slots)):
+            pages = b.token_pages  # the reserve's own (so in range)
+        elif step is not None:
             pages = step.slot_mapping // self.page_size
             if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
                 return False

@@ -88,6 +88,7 @@ class PageTable:
         self.page_size = int(page_size)
         self.pages = np.full((self.max_seqs, self.max_pages_per_seq), PAD, dtype=np.int32)
         self._flat_pages = self.pages.reshape(-1)  # a view: page (row, col) is [row * width + col]
+        self._slot_offsets = np.arange(self.page_size, dtype=np.int64)  # slot within a page
         self.num_pages = np.zeros(self.max_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(self.max_seqs, dtype=np.int64)
         self._free_rows = list(range(self.max_seqs - 1, -1, -1))
@@ -305,6 +306,15 @@ class PageTable:
         rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         start = np.broadcast_to(np.asarray(start, dtype=np.int64), rows.shape)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), rows.shape)
+        P = self.page_size
+        first, skip = divmod(int(start[0]), P) if rows.size == 1 else (0, 0)
+        num_pages = (skip + int(count[0]) + P - 1) // P if rows.size == 1 else 0
+        if rows.size == 1 and first + num_pages <= self.max_pages_per_seq:
+            # One request's chunk (a prefill): its pages are one slice of its row.
+            at = int(rows[0]) * self.max_pages_per_seq + first
+            pages = self._flat_pages[at : at + num_pages]
+            slots = np.multiply(pages[:, None], P, dtype=np.int64) + self._slot_offsets
+            return slots.reshape(-1)[skip : skip + int(count[0])]
         return self.slot_mapping(*self._token_positions(rows, start, count))
 
     @staticmethod
