@@ -224,10 +224,14 @@ class PrefixCache(ABC):
 
 # -- the hashed-prefix cache ------------------------------------------------------------------
 
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
-_S33 = np.uint64(33)
-_S31 = np.uint64(31)
+# 0-d arrays rather than numpy scalars: a ufunc takes them as they are, a scalar is converted
+# on every call.
+_M1 = np.array(0xFF51AFD7ED558CCD, dtype=np.uint64)
+_M2 = np.array(0xC4CEB9FE1A85EC53, dtype=np.uint64)
+_S33 = np.array(33, dtype=np.uint64)
+_S31 = np.array(31, dtype=np.uint64)
+_ONE = np.array(1, dtype=np.uint64)
+_LANES = np.dtype((np.void, 16))  # a row of two uint64 lanes as one item
 _MASK = (1 << 64) - 1
 _M1_INT = int(_M1)
 _M2_INT = int(_M2)
@@ -249,13 +253,17 @@ def _fmix_int(s: int) -> int:
     return s ^ (s >> 33)
 
 
-def _fmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """64-bit finalizer (avalanche): every output bit depends on every input bit. In place."""
-    x ^= x >> _S33
+def _fmix(x: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """64-bit finalizer (avalanche): every output bit depends on every input bit. In place;
+    ``tmp``: scratch of ``x``'s shape."""
+    np.right_shift(x, _S33, out=tmp)
+    x ^= tmp
     x *= _M1
-    x ^= x >> _S33
+    np.right_shift(x, _S33, out=tmp)
+    x ^= tmp
     x *= _M2
-    x ^= x >> _S33
+    np.right_shift(x, _S33, out=tmp)
+    x ^= tmp
     return x
 
 
@@ -304,14 +312,14 @@ class HashedPrefixCache(PrefixCache):
         self._atags = allocator.tags
         self.page_size = int(page_size)
         n = allocator.num_pages
-        self._K = self._rng.integers(1, 2**63, size=(2, 1, self.page_size), dtype=np.uint64)
-        self._K |= np.uint64(1)
-        self._Q = self._rng.integers(1, 2**63, size=(2, 1), dtype=np.uint64) | np.uint64(1)
-        self._pq = np.arange(1, 1025, dtype=np.uint64)[None] * self._Q  # see _position_values
-        self._hash_scratch = (np.empty(0, np.uint64),) * 3  # see _hash_buffers
-        # For one key at a time (_key_ints): K as [2, page_size], Q as Python ints.
-        self._K2 = np.ascontiguousarray(self._K[:, 0, :])
-        self._Q_int = [int(v) for v in self._Q[:, 0]]
+        self._K = self._rng.integers(1, 2**63, size=(2, self.page_size), dtype=np.uint64)
+        self._K |= np.uint64(1)  # [2, page_size]: one row per lane
+        self._Q = self._rng.integers(1, 2**63, size=2, dtype=np.uint64) | np.uint64(1)
+        self._pq = self._position_table(1024)
+        self._Q_int = [int(v) for v in self._Q]  # for one key at a time (_key_ints)
+        self._ones = np.ones(self.page_size, dtype=np.uint64)  # sums tokens by matmul
+        # Scratch for _page_values, [pages, 2 * page_size] each: see _hash_buffers.
+        self._hash_x = self._hash_y = self._K_rows = np.empty((0, 2 * self.page_size), np.uint64)
         # Recent matches, by (namespace, namespace id, first page's token bytes): (tokens of the
         # prompt's full pages, matched pages, their tags, their keys). A prompt that shares
         # pages with a recent one reuses what that match found instead of hashing them again.
@@ -360,41 +368,50 @@ class HashedPrefixCache(PrefixCache):
 
     def _page_values(self, token_ids: npt.NDArray[np.integer],
                      positions: npt.NDArray[np.integer]) -> KeyArray:
-        """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[2, k]``."""
+        """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[k, 2]``
+        (a fresh array)."""
         k, p = token_ids.shape
-        t, x, y = self._hash_buffers(k * p)
-        t = t.reshape(k, p)
-        x = x.reshape(2, k, p)
-        y = y.reshape(2, k, p)
-        np.add(token_ids, 1, out=t, dtype=np.uint64, casting="unsafe")
-        np.multiply(t, self._K, out=x)  # (token + 1) * K: token 0 still moves the sum
+        x, y, k_rows = self._hash_buffers(k)
+        # A row per page: its tokens once per lane, so that no operation broadcasts (a
+        # broadcast runs a short loop per page and lane: twice the cost at a decode step).
+        np.concatenate((token_ids, token_ids), axis=1, out=x, casting="unsafe")
+        x += _ONE
+        x *= k_rows  # (token + 1) * K: token 0 still moves the sum
         np.right_shift(x, _S31, out=y)
         x ^= y
-        s = np.add.reduce(x, axis=2, dtype=np.uint64)
+        # The sum per page and lane, [k, 2]: a matmul with ones costs less than np.add.reduce.
+        s = np.matmul(x.reshape(k, 2, p), self._ones)
         s += self._position_values(positions)
-        return _fmix(s)
+        return _fmix(s, np.empty_like(s))
 
-    def _hash_buffers(self, n: int) -> tuple[KeyArray, KeyArray, KeyArray]:
-        """Scratch for :meth:`_page_values` (``n`` token slots: ``[n]``, ``[2n]``, ``[2n]``,
-        uint64): a prompt's worth of fresh temporaries costs more than hashing into them."""
-        if n > self._hash_scratch[0].size:
-            if n > 1 << 20:  # a rare huge batch: temporaries, not kept
-                return (np.empty(n, np.uint64), np.empty(2 * n, np.uint64),
-                        np.empty(2 * n, np.uint64))
-            size = max(n, 2 * self._hash_scratch[0].size)
-            self._hash_scratch = (np.empty(size, np.uint64), np.empty(2 * size, np.uint64),
-                                  np.empty(2 * size, np.uint64))
-        t, x, y = self._hash_scratch
-        return t[:n], x[: 2 * n], y[: 2 * n]
+    def _hash_buffers(self, k: int) -> tuple[KeyArray, KeyArray, KeyArray]:
+        """Scratch for :meth:`_page_values` of ``k`` pages, ``x`` and ``y``, and ``K`` (both
+        lanes) repeated for each page: ``[k, 2 * page_size]``, uint64. A prompt's worth of
+        fresh temporaries costs more than hashing into them."""
+        if k > self._K_rows.shape[0]:
+            row = self._K.reshape(1, -1)
+            if k * self.page_size > 1 << 20:  # a rare huge batch: temporaries, not kept
+                x = np.empty((k, row.size), np.uint64)
+                return x, np.empty_like(x), row
+            size = max(k, 2 * self._K_rows.shape[0])
+            self._hash_x = np.empty((size, row.size), np.uint64)
+            self._hash_y = np.empty_like(self._hash_x)
+            self._K_rows = np.repeat(row, size, axis=0)
+        return self._hash_x[:k], self._hash_y[:k], self._K_rows[:k]
 
     def _position_values(self, positions: npt.NDArray[np.integer]) -> KeyArray:
-        """``(position + 1) * Q`` per lane: ``[2, k]``, uint64 (from a table grown on demand)."""
+        """``(position + 1) * Q`` per lane: ``[k, 2]``, uint64 (from a table grown on demand)."""
         try:
-            return self._pq[:, positions]
+            return self._pq[positions].view(np.uint64).reshape(-1, 2)
         except IndexError:  # a position past the table (positions are never negative)
-            size = max(2 * self._pq.shape[1], int(np.max(positions)) + 1)
-            self._pq = np.arange(1, size + 1, dtype=np.uint64)[None] * self._Q
-            return self._pq[:, positions]
+            self._pq = self._position_table(max(2 * self._pq.size, int(np.max(positions)) + 1))
+            return self._pq[positions].view(np.uint64).reshape(-1, 2)
+
+    def _position_table(self, size: int) -> npt.NDArray[np.void]:
+        """``(position + 1) * Q`` for positions ``0 .. size-1``, a row per position as one
+        item (gathering ``[k]`` items costs half gathering ``[k, 2]`` rows)."""
+        table = np.arange(1, size + 1, dtype=np.uint64)[:, None] * self._Q
+        return table.view(_LANES).reshape(size)
 
     def prompt_keys(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
                     max_pages: int | None = None) -> KeyArray:
@@ -406,34 +423,37 @@ class HashedPrefixCache(PrefixCache):
         k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
         if k <= 0:
             return np.empty((0, 2), dtype=np.uint64)
-        g = self._page_values(token_ids[: k * p].reshape(k, p), np.arange(k))
-        keys = np.cumsum(g, axis=1, dtype=np.uint64)
-        keys += self.root_key(namespace)[:, None]
-        return np.ascontiguousarray(keys.T)
+        keys = self._page_values(token_ids[: k * p].reshape(k, p), np.arange(k))
+        np.cumsum(keys, axis=0, out=keys)
+        keys += self.root_key(namespace)
+        return keys
 
     def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
                   first_positions: npt.NDArray[np.integer],
                   token_ids: npt.NDArray[np.integer]) -> KeyArray:
         token_ids = np.asarray(token_ids)
-        if token_ids.size == np.size(counts) * self.page_size:
+        counts = np.asarray(counts)
+        if token_ids.size == counts.size * self.page_size:
             # One page per run (the decode step): no segmented sum.
-            g = self._page_values(token_ids.reshape(-1, self.page_size),
-                                  np.asarray(first_positions))
-            return g.T + np.asarray(parent_keys, dtype=np.uint64)
-        counts = np.asarray(counts, dtype=np.int64)
+            keys = self._page_values(token_ids.reshape(-1, self.page_size), first_positions)
+            keys += np.asarray(parent_keys, dtype=np.uint64)
+            return keys
+        counts = counts.astype(np.int64, copy=False)
         total = int(counts.sum())
         if total == 0:
             return np.empty((0, 2), dtype=np.uint64)
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         positions = np.repeat(np.asarray(first_positions, dtype=np.int64), counts) + within
-        g = self._page_values(np.asarray(token_ids).reshape(total, self.page_size), positions)
-        # Segmented cumulative sum (mod 2**64): global cumsum minus the sum before each run.
-        c = np.cumsum(g, axis=1, dtype=np.uint64)
-        before = np.where(starts > 0, c[:, np.maximum(starts - 1, 0)], np.uint64(0))
-        keys = c - np.repeat(before, counts, axis=1)
-        keys += np.repeat(np.asarray(parent_keys, dtype=np.uint64).T, counts, axis=1)
-        return np.ascontiguousarray(keys.T)
+        g = self._page_values(token_ids.reshape(total, self.page_size), positions)
+        # Segmented cumulative sum (mod 2**64): the global one, less the sum before each run,
+        # plus the run's parent key. sums[i]: the sum of g before page i.
+        sums = np.zeros((total + 1, 2), dtype=np.uint64)
+        np.cumsum(g, axis=0, out=sums[1:])
+        offsets = sums[starts] - np.asarray(parent_keys, dtype=np.uint64)
+        keys = sums[1:]
+        keys -= np.repeat(offsets, counts, axis=0)
+        return keys
 
     # -- match -------------------------------------------------------------------------------
 
@@ -446,8 +466,8 @@ class HashedPrefixCache(PrefixCache):
                   position: int) -> tuple[int, int]:
         """:meth:`_key_of` as two Python ints (the key's lanes): five numpy calls for the
         token sums, the rest in Python ints (cheaper than numpy on two values)."""
-        x = np.multiply(tokens, self._K2, dtype=np.uint64, casting="unsafe")
-        x += self._K2
+        x = np.multiply(tokens, self._K, dtype=np.uint64, casting="unsafe")
+        x += self._K
         x ^= x >> _S31
         s0, s1 = np.add.reduce(x, axis=1, dtype=np.uint64).tolist()
         q0, q1 = self._Q_int
