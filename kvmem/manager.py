@@ -1094,7 +1094,7 @@ class KVCacheManager:
         """
         row = self._row_of(request_id)
         tokens = self._as_tokens(token_ids)
-        self._commit(np.array([row], dtype=np.int32), np.array([tokens.size], dtype=np.int64),
+        self._commit(np.array([row], dtype=np.intp), np.array([tokens.size], dtype=np.int64),
                      tokens, (request_id,))
 
     @_public

@@ -43,6 +43,19 @@ def test_grow_many_tokens_maps_slots_in_order() -> None:
     ) + reference_slots(table, r0, 4, 3)
 
 
+def test_token_slots_of_one_row_equal_the_reference_at_every_start_and_count() -> None:
+    alloc, table = make()
+    r0, r1 = table.add_row(), table.add_row()
+    for _ in range(8):  # the rows' pages interleave: a row's page ids are not contiguous
+        table.grow([r0, r1], [5, 4], alloc)
+    assert np.diff(table.pages[r0, :10]).max() > 1
+    for start in range(41):
+        for count in range(41 - start):
+            want = reference_slots(table, r0, start, count)
+            assert table.token_slots([r0], start, count).tolist() == want
+            assert table.token_slots(r0, [start], [count]).dtype == np.int64
+
+
 def test_grow_is_all_or_nothing_on_oom() -> None:
     alloc = PageAllocator(3)
     table = PageTable(4, 8, 4)

@@ -304,17 +304,19 @@ class PageTable:
         Returns ``[sum(count)]``, int64.
         """
         rows = np.asarray(rows, dtype=np.intp).reshape(-1)
+        if rows.size == 1 and np.size(start) == 1 and np.size(count) == 1:
+            # One request's chunk (a prefill): its pages are one slice of its row.
+            P = self.page_size
+            first, skip = divmod(int(np.asarray(start).reshape(-1)[0]), P)
+            num = int(np.asarray(count).reshape(-1)[0])
+            num_pages = (skip + num + P - 1) // P
+            if first + num_pages <= self.max_pages_per_seq:
+                at = int(rows[0]) * self.max_pages_per_seq + first
+                pages = self._flat_pages[at : at + num_pages]
+                slots = np.multiply(pages[:, None], P, dtype=np.int64) + self._slot_offsets
+                return slots.reshape(-1)[skip : skip + num]
         start = np.broadcast_to(np.asarray(start, dtype=np.int64), rows.shape)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), rows.shape)
-        P = self.page_size
-        first, skip = divmod(int(start[0]), P) if rows.size == 1 else (0, 0)
-        num_pages = (skip + int(count[0]) + P - 1) // P if rows.size == 1 else 0
-        if rows.size == 1 and first + num_pages <= self.max_pages_per_seq:
-            # One request's chunk (a prefill): its pages are one slice of its row.
-            at = int(rows[0]) * self.max_pages_per_seq + first
-            pages = self._flat_pages[at : at + num_pages]
-            slots = np.multiply(pages[:, None], P, dtype=np.int64) + self._slot_offsets
-            return slots.reshape(-1)[skip : skip + int(count[0])]
         return self.slot_mapping(*self._token_positions(rows, start, count))
 
     @staticmethod
