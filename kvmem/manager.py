@@ -1150,7 +1150,7 @@ class KVCacheManager:
         b.uncommitted = False
         if self.cache is not None:
             assert b.offsets is not None and b.cols is not None
-            full = np.flatnonzero(b.offsets == self.page_size - 1)  # pages that just filled
+            full = (b.offsets == self.page_size - 1).nonzero()[0]  # pages that just filled
             if full.size:
                 self._offer(rows[full], b.cols[full], None, b.token_pages[full])
 
@@ -1179,7 +1179,7 @@ class KVCacheManager:
         if self.cache is not None:
             first = start // self.page_size
             full = end // self.page_size - first  # pages that just became full
-            some = np.flatnonzero(full)
+            some = full.nonzero()[0]
             if some.size:
                 self._offer(rows[some], first[some], full[some])
 
@@ -1383,7 +1383,7 @@ class KVCacheManager:
             kept = gens == v.gens if v.rows.size == size else None
             if kept is not None:
                 first = np.where(kept, v.counts, 0)  # entries each row keeps from the snapshot
-                changed = np.flatnonzero((counts != first) | ~kept)
+                changed = ((counts != first) | ~kept).nonzero()[0]
             if kept is None or changed.size > _MAX_SPLICES:  # another batch: start over
                 self._forget_verified()
                 v = None

@@ -261,7 +261,7 @@ class PageTable:
         """The decode step: every row gains ``num_new <= page_size`` tokens, so at most one page."""
         start = self.num_tokens[rows]
         num_pages = self.num_pages[rows]
-        grow_idx = np.flatnonzero(start + num_new > num_pages * self.page_size)
+        grow_idx = (start + num_new > num_pages * self.page_size).nonzero()[0]
         page_rows = rows[grow_idx]
         page_cols = num_pages[grow_idx]
         if page_cols.size and int(page_cols.max()) >= self.max_pages_per_seq:
