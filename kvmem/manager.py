@@ -1277,7 +1277,7 @@ class KVCacheManager:
             if self._verify_fast(rows, indptr, indices, current, expected_tags):
                 return VerifyReport(ids)
         self._forget_verified()
-        return self._verify_detailed(ids, rows, indptr, indices)
+        return self._verify_detailed(ids, rows, indptr, indices, step)
 
     def _forget_verified(self) -> None:
         if self._verified is not None:
@@ -1299,7 +1299,8 @@ class KVCacheManager:
             fresh       each entry reserve spliced in is in range and its live qualified tag
                         equals the one recorded for (row, position) when it was spliced in
                         (never 0: unrecorded)
-            write set   every page about to be written has exactly one writer
+            writes      the slot mapping sends each token into the page the CSR lists for
+                        it, at its offset; every page about to be written has one writer
         """
         b = self._batch
         assert b is not None
@@ -1309,7 +1310,7 @@ class KVCacheManager:
                 self._expected_flat is None):
             return False
         if not (np.array_equal(indptr, b.indptr) and np.array_equal(indices, b.indices)
-                and self._write_set_ok(b.rows, b.step)):
+                and self._step_writes_ok(b)):
             return False
         if self._spliced_entries_ok(s):
             self._verified = _Verified(b.rows, b.gens, b.counts, b.indptr.astype(np.int64),
@@ -1317,6 +1318,19 @@ class KVCacheManager:
             return True
         self._forget_verified()  # the refcounts were half updated: start over
         return False
+
+    def _step_writes_ok(self, b: _Batch) -> bool:
+        """The batch's step writes every token into the page its CSR lists for it, at its
+        offset (:meth:`_slot_mismatches`), and every page it writes has exactly one writer. For
+        a one-token step in a few calls: its slot mapping is reserve's, each of whose tokens
+        lands in the last page its row lists (the offsets come with the slots)."""
+        assert b.step is not None
+        if b.k != 1 or b.token_pages is None or b.slots is None:
+            return not self._slot_mismatches(b.rows, b.step)[0].size and self._write_set_ok(
+                b.rows, b.step)
+        return (np.array_equal(b.step.slot_mapping, b.slots)
+                and np.array_equal(b.indices[b.indptr[1:] - 1], b.token_pages)
+                and bool((self._writers(b.token_pages) == 1).all()))
 
     def _spliced_entries_ok(self, s: _Splice) -> bool:
         """The kept and fresh checks of :meth:`_verify_spliced` (updates _verified_refs)."""
@@ -1364,6 +1378,8 @@ class KVCacheManager:
             new         every other entry: in range, and its live qualified tag equals the one
                         recorded for (row, position) (never 0: 0 means unrecorded)
             write set   every page about to be written has exactly one writer
+            slots       (given the latest reserve's step) its slot mapping sends each token
+                        into the page the CSR lists for it, at its offset
         """
         P = self.page_size
         size = rows.size
@@ -1373,7 +1389,8 @@ class KVCacheManager:
         counts = indptr[1:] - indptr[:-1]
         need = self.table.num_tokens[rows] + (P - 1)
         need //= P
-        if not np.array_equal(counts, need) or not self._write_set_ok(rows, step):
+        if not np.array_equal(counts, need) or not self._write_set_ok(rows, step) or (
+                step is not None and self._slot_mismatches(rows, step)[0].size):
             return False
         gens = self._row_gen[rows]
         self._take_changes()
@@ -1461,11 +1478,7 @@ class KVCacheManager:
         """Every page the step writes (``step``: its slot mapping; otherwise the slots reserved
         and not committed yet) has exactly one writer."""
         pages: npt.NDArray[np.integer]
-        b = self._batch
-        if step is not None and b is not None and step is b.step and b.slots is not None and (
-                b.token_pages is not None and np.array_equal(step.slot_mapping, b.slots)):
-            pages = b.token_pages  # the reserve's own (so in range)
-        elif step is not None:
+        if step is not None:
             pages = step.slot_mapping // self.page_size
             if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
                 return False
@@ -1482,10 +1495,33 @@ class KVCacheManager:
         wpos = _ranges(start, todo) // self.page_size
         return wb, wpos, self.table.pages[rows[wb], wpos]
 
+    def _slot_mismatches(self, rows: IntpArray, step: StepMetadata
+                         ) -> tuple[IntpArray, Int64Array]:
+        """The step's tokens whose slot is not in the page the step's CSR lists for them, at
+        their offset (the kernel that stores K/V reads the slot mapping: BUGS 12): (batch
+        index, page position) of each. A row's tokens are the latest reserve's,
+        ``[write_from, num_tokens)``, in batch order."""
+        P = self.page_size
+        start = self._write_from[rows]
+        count = self.table.num_tokens[rows] - start
+        batch = np.repeat(np.arange(rows.size), count)
+        positions = _ranges(start, count) // P
+        slots = np.asarray(step.slot_mapping)
+        indptr = np.asarray(step.kv_indptr, dtype=np.int64)
+        indices = np.asarray(step.kv_indices)
+        if slots.shape != batch.shape or indptr.shape != (rows.size + 1,) or not indices.size:
+            return batch, positions  # not this batch's step: every token is suspect
+        at = indptr[batch] + positions
+        listed = (at < indptr[batch + 1]) & (at < indices.size)
+        want = np.multiply(indices[np.where(listed, at, 0)], P, dtype=np.int64)
+        want += _ranges(start, count) % P
+        bad = ~listed | (want != slots)
+        return batch[bad], positions[bad]
+
     def _verify_detailed(self, ids: tuple[Any, ...], rows: IntpArray, indptr: Any,
-                         indices: Any) -> VerifyReport:
-        """The tracker's check of every entry, then the write set; aborts the failing requests
-        with a reason each."""
+                         indices: Any, step: StepMetadata | None = None) -> VerifyReport:
+        """The tracker's check of every entry, then the write set and (given the ``step``) its
+        slot mapping; aborts the failing requests with a reason each."""
         qtags = self._sync_tags()
         num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
         wb, wpos, wpages = self._write_set(rows)
@@ -1513,6 +1549,12 @@ class KVCacheManager:
                                   f"but has {int(holders[k])} holders (a shared page is written "
                                   "only after copy-on-write)")
             first_bad[i] = min(first_bad.get(i, pos), pos)
+        if step is not None:
+            for i, pos in zip(*(a.tolist() for a in self._slot_mismatches(rows, step))):
+                reasons.setdefault(i, f"its slot mapping sends a token of page position {pos} "
+                                      "outside the page its metadata lists there (another "
+                                      "request's page, or the wrong slot)")
+                first_bad[i] = min(first_bad.get(i, pos), pos)
         aborted: dict[Any, str] = {}
         for i in sorted(reasons):
             aborted[ids[i]] = reasons[i]

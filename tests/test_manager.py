@@ -834,6 +834,50 @@ def test_verify_of_the_next_step_catches_faults_on_entries_it_proved_before(
     eng.check_kv(rest)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 5])
+@pytest.mark.parametrize("where", ["another request's page", "an earlier slot of its own"])
+def test_a_slot_mapping_that_sends_a_token_astray_aborts_only_that_request(
+        num_tokens: int, where: str) -> None:
+    """BUGS 12 for the kernel that stores K/V: verify checks the step's slot mapping against
+    the pages its CSR lists, not only that the page written has one holder."""
+    mgr, eng, ids = decoding()
+    spliced = spy_spliced(mgr)
+    step = eng.step(ids, num_tokens)
+    first = step.qo_indptr.tolist()  # each request's first token in the slot mapping
+    c, d = first[ids.index("c")], first[ids.index("d")]
+    if where == "another request's page":  # one "d" holds alone and writes now: one holder
+        step.slot_mapping[c] = step.slot_mapping[d] // P * P + step.slot_mapping[c] % P
+    else:  # overwrites a token "c" committed before (its own page or the one before)
+        step.slot_mapping[c] -= 1
+    report = mgr.verify(ids, step)
+    assert spliced == [False] if num_tokens == 1 else spliced in ([False], [])
+    assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]
+    eng.abort("c")
+    rest = [r for r in ids if r != "c"]
+    eng.commit(rest)
+    step = eng.step(rest, 1)
+    assert mgr.verify(rest, step).ok
+    eng.check_kv(rest)
+    mgr.check()
+
+
+def test_slot_mappings_of_correct_steps_pass_on_every_path() -> None:
+    """The slot check stays silent: decode steps (quick path), speculative and ragged steps
+    (the general path), and the detailed check of a batch that changed."""
+    mgr, eng, ids = decoding()
+    for num in (1, 3, [2, 1, 4, 1, 16], 1, 1):
+        step = eng.step(ids, num)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    mgr._forget_verified()  # nothing proven: the next verify checks everything
+    step = eng.step(ids[::-1], 2)
+    assert mgr.verify(ids[::-1], step).ok
+    assert mgr._slot_mismatches(mgr._rows_of(tuple(ids[::-1])), step)[0].size == 0
+    eng.commit(ids)
+    eng.check_kv()
+    assert mgr.stats().num_integrity_failures == 0
+
+
 def test_verify_of_the_next_step_checks_the_arrays_it_is_given() -> None:
     mgr, eng, ids = decoding()
     step = eng.step(ids, 1)
