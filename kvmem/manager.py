@@ -177,6 +177,12 @@ def _ranges(starts: npt.NDArray[np.integer], lengths: npt.NDArray[np.integer]) -
     return out
 
 
+def _equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
+    """``np.array_equal`` of two numpy arrays, without its conversions: a fraction of its
+    cost on the batch-sized arrays a step compares."""
+    return a.shape == b.shape and not np.count_nonzero(a != b)
+
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -1123,7 +1129,7 @@ class KVCacheManager:
             k = 1 if token_ids.ndim == 1 else token_ids.shape[1]
             counts: Int64Array | int = k
             if (known and k == 1 and b is not None and b.k == 1 and b.token_pages is not None
-                    and b.start is not None and np.array_equal(self._committed[rows], b.start)):
+                    and b.start is not None and _equal(self._committed[rows], b.start)):
                 self._commit_decode(b, flat)  # exactly the tokens the latest reserve handed out
                 return
         else:
@@ -1301,6 +1307,8 @@ class KVCacheManager:
                         (never 0: unrecorded)
             writes      the slot mapping sends each token into the page the CSR lists for
                         it, at its offset; every page about to be written has one writer
+            lengths     seq_lens, kv_last_page_len, num_new_tokens, qo_indptr are the
+                        manager's
         """
         b = self._batch
         assert b is not None
@@ -1309,8 +1317,8 @@ class KVCacheManager:
         if s is None or v is None or s.base.indices is not v.indices or (
                 self._expected_flat is None):
             return False
-        if not (np.array_equal(indptr, b.indptr) and np.array_equal(indices, b.indices)
-                and self._step_writes_ok(b)):
+        if not (_equal(indptr, b.indptr) and _equal(indices, b.indices)
+                and self._step_ok(b)):
             return False
         if self._spliced_entries_ok(s):
             self._verified = _Verified(b.rows, b.gens, b.counts, b.indptr.astype(np.int64),
@@ -1319,18 +1327,27 @@ class KVCacheManager:
         self._forget_verified()  # the refcounts were half updated: start over
         return False
 
-    def _step_writes_ok(self, b: _Batch) -> bool:
-        """The batch's step writes every token into the page its CSR lists for it, at its
-        offset (:meth:`_slot_mismatches`), and every page it writes has exactly one writer. For
-        a one-token step in a few calls: its slot mapping is reserve's, each of whose tokens
-        lands in the last page its row lists (the offsets come with the slots)."""
-        assert b.step is not None
-        if b.k != 1 or b.token_pages is None or b.slots is None:
-            return not self._slot_mismatches(b.rows, b.step)[0].size and self._write_set_ok(
-                b.rows, b.step)
-        return (np.array_equal(b.step.slot_mapping, b.slots)
-                and np.array_equal(b.indices[b.indptr[1:] - 1], b.token_pages)
-                and bool((self._writers(b.token_pages) == 1).all()))
+    def _step_ok(self, b: _Batch) -> bool:
+        """The batch's step gives the kernel the manager's lengths (:meth:`_length_mismatches`)
+        and writes every token into the page its CSR lists for it, at its offset
+        (:meth:`_slot_mismatches`), and every page it writes has exactly one writer. For a
+        one-token step in a few calls: its arrays equal reserve's (the step counts: the cached
+        originals), and each token lands in the last page its row lists."""
+        step = b.step
+        assert step is not None
+        counts = self._qo_cache.get((b.rows.size, b.k))
+        if b.k != 1 or b.token_pages is None or b.slots is None or b.offsets is None or (
+                b.end is None or counts is None):
+            return not (self._slot_mismatches(b.rows, step)[0].size
+                        or self._length_mismatches(b.rows, step).size) and self._write_set_ok(
+                b.rows, step)
+        return (_equal(step.slot_mapping, b.slots)
+                and _equal(b.indices[b.indptr[1:] - 1], b.token_pages)
+                and _equal(step.seq_lens, b.end)
+                and _equal(step.kv_last_page_len, b.offsets + 1)
+                and _equal(step.num_new_tokens, counts[0])
+                and _equal(step.qo_indptr, counts[1])
+                and not np.count_nonzero(self._writers(b.token_pages) != 1))
 
     def _spliced_entries_ok(self, s: _Splice) -> bool:
         """The kept and fresh checks of :meth:`_verify_spliced` (updates _verified_refs)."""
@@ -1357,7 +1374,7 @@ class KVCacheManager:
             return False
         live = self.allocator.tags[pages] << _NS_BITS
         live |= self._page_ns[pages]
-        if not (np.array_equal(live, want) and want.all()):
+        if not _equal(live, want) or np.count_nonzero(want) != want.size:
             return False
         self._count_refs(pages)
         return True
@@ -1379,7 +1396,8 @@ class KVCacheManager:
                         recorded for (row, position) (never 0: 0 means unrecorded)
             write set   every page about to be written has exactly one writer
             slots       (given the latest reserve's step) its slot mapping sends each token
-                        into the page the CSR lists for it, at its offset
+                        into the page the CSR lists for it, at its offset, and its lengths are
+                        the manager's (_length_mismatches)
         """
         P = self.page_size
         size = rows.size
@@ -1390,7 +1408,8 @@ class KVCacheManager:
         need = self.table.num_tokens[rows] + (P - 1)
         need //= P
         if not np.array_equal(counts, need) or not self._write_set_ok(rows, step) or (
-                step is not None and self._slot_mismatches(rows, step)[0].size):
+                step is not None and (self._slot_mismatches(rows, step)[0].size
+                                      or self._length_mismatches(rows, step).size)):
             return False
         gens = self._row_gen[rows]
         self._take_changes()
@@ -1469,7 +1488,7 @@ class KVCacheManager:
         index = self._arange_pages[: pages.size] if pages.size <= self._arange_pages.size else (
             np.arange(pages.size))
         self._page_stamp[pages] = index
-        if np.array_equal(self._page_stamp[pages], index):  # distinct: a plain scatter
+        if _equal(self._page_stamp[pages], index):  # distinct: a plain scatter
             refs[pages] += 1
         else:
             np.add.at(refs, pages, 1)
@@ -1484,7 +1503,7 @@ class KVCacheManager:
                 return False
         else:
             pages = self._write_set(rows)[2]
-        return bool((self._writers(pages) == 1).all())
+        return not np.count_nonzero(self._writers(pages) != 1)
 
     def _write_set(self, rows: IntpArray) -> tuple[Int64Array, Int64Array, Int32Array]:
         """Tokens the latest reserve() handed out and nobody committed yet: (batch index, page
@@ -1518,6 +1537,24 @@ class KVCacheManager:
         bad = ~listed | (want != slots)
         return batch[bad], positions[bad]
 
+    def _length_mismatches(self, rows: IntpArray, step: StepMetadata) -> IntpArray:
+        """Batch indices of the requests whose step gives the kernel other lengths than the
+        manager's: ``seq_lens`` and ``kv_last_page_len`` (a last page said longer than it is
+        reads slots no token of the request wrote: a previous holder's KV), ``num_new_tokens``
+        and ``qo_indptr`` (the latest reserve's new tokens, ``num_tokens - write_from``)."""
+        total = self.table.num_tokens[rows]
+        new = total - self._write_from[rows]
+        qo = np.asarray(step.qo_indptr, dtype=np.int64)
+        arrays = (step.seq_lens, step.kv_last_page_len, step.num_new_tokens)
+        if qo.shape != (rows.size + 1,) or qo[0] != 0 or any(
+                np.shape(a) != rows.shape for a in arrays):
+            return np.arange(rows.size)  # not this batch's step
+        bad = np.asarray(step.seq_lens) != total
+        bad |= np.asarray(step.kv_last_page_len) != (total - 1) % self.page_size + 1
+        bad |= np.asarray(step.num_new_tokens) != new
+        bad |= qo[1:] - qo[:-1] != new
+        return bad.nonzero()[0]
+
     def _verify_detailed(self, ids: tuple[Any, ...], rows: IntpArray, indptr: Any,
                          indices: Any, step: StepMetadata | None = None) -> VerifyReport:
         """The tracker's check of every entry, then the write set and (given the ``step``) its
@@ -1550,6 +1587,12 @@ class KVCacheManager:
                                   "only after copy-on-write)")
             first_bad[i] = min(first_bad.get(i, pos), pos)
         if step is not None:
+            first_new = self._write_from[rows] // self.page_size
+            for i in self._length_mismatches(rows, step).tolist():
+                reasons.setdefault(i, "its step's lengths (seq_lens, kv_last_page_len, "
+                                      "num_new_tokens or qo_indptr) are not its own: a kernel "
+                                      "would read past its tokens or another request's queries")
+                first_bad[i] = min(first_bad.get(i, int(first_new[i])), int(first_new[i]))
             for i, pos in zip(*(a.tolist() for a in self._slot_mismatches(rows, step))):
                 reasons.setdefault(i, f"its slot mapping sends a token of page position {pos} "
                                       "outside the page its metadata lists there (another "

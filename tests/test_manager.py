@@ -861,6 +861,28 @@ def test_a_slot_mapping_that_sends_a_token_astray_aborts_only_that_request(
     mgr.check()
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("field", ["kv_last_page_len", "seq_lens", "num_new_tokens"])
+def test_step_lengths_that_are_not_the_requests_own_abort_only_that_request(
+        num_tokens: int, field: str) -> None:
+    """A last page said longer than it is makes the kernel read slots no token of the request
+    wrote (a previous holder's KV); wrong sequence or query lengths read the wrong tokens."""
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, num_tokens)
+    c = ids.index("c")
+    getattr(step, field)[c] += 1
+    if field == "num_new_tokens":  # the query ranges move with it
+        step.qo_indptr[c + 1 :] += 1
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["c"] and "lengths" in report.aborted["c"]
+    eng.abort("c")
+    rest = [r for r in ids if r != "c"]
+    eng.commit(rest)
+    step = eng.step(rest, 1)
+    assert mgr.verify(rest, step).ok
+    eng.check_kv(rest)
+
+
 def test_slot_mappings_of_correct_steps_pass_on_every_path() -> None:
     """The slot check stays silent: decode steps (quick path), speculative and ragged steps
     (the general path), and the detailed check of a batch that changed."""
