@@ -59,7 +59,7 @@ from kvmem._manager_types import (
     VerifyReport,
 )
 from kvmem.allocator._fences import StepFences, StepHandle
-from kvmem.allocator._page_allocator import PageAllocator
+from kvmem.allocator._page_allocator import PageAllocator, equal_arrays
 from kvmem.allocator._page_table import GrowResult, PageTable
 from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
 from kvmem.errors import IntegrityError, KVMemError, OutOfPagesError
@@ -175,12 +175,6 @@ def _ranges(starts: npt.NDArray[np.integer], lengths: npt.NDArray[np.integer]) -
     out = np.repeat(np.asarray(starts, dtype=np.int64) - ends + lengths, lengths)
     out += np.arange(out.size)
     return out
-
-
-def _equal(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
-    """``np.array_equal`` of two numpy arrays, without its conversions: a fraction of its
-    cost on the batch-sized arrays a step compares."""
-    return a.shape == b.shape and not np.count_nonzero(a != b)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -603,7 +597,7 @@ class KVCacheManager:
             # The counter moved once: for the admit() being run now.
             if (memo[0] == self._mutations - 1 and memo[1] == namespace
                     and (memo[2] is tokens or (memo[2].size == tokens.size
-                                               and np.array_equal(memo[2], tokens)))):
+                                               and equal_arrays(memo[2], tokens)))):
                 return memo[3], self._namespace_id(namespace, register=True), memo[4]
         return self._plan(tokens, namespace, register=True)
 
@@ -639,7 +633,7 @@ class KVCacheManager:
         memo = self._plan_memo
         if (memo is not None and isinstance(token_ids, np.ndarray)
                 and memo[0] == self._mutations - 1 and memo[2].shape == token_ids.shape
-                and np.array_equal(memo[2], token_ids)):
+                and equal_arrays(memo[2], token_ids)):
             tokens = memo[2]  # the prompt can_admit() just validated and copied
         else:
             tokens = self._as_tokens(token_ids)
@@ -869,7 +863,7 @@ class KVCacheManager:
         mapped = self.table.num_pages[rows]
         need = np.maximum((self.table.num_tokens[rows] + (n + P - 1)) // P - mapped, 0)
         too_long = mapped + need > self.max_pages_per_seq
-        if too_long.any():
+        if np.count_nonzero(too_long):
             self._too_long(ids, np.flatnonzero(too_long))
         cow = self._cow_candidates(rows, n)
         total = int(need.sum()) + (0 if cow is None else cow[0].size)
@@ -986,7 +980,7 @@ class KVCacheManager:
                 changed = ((counts != first) | ~kept).nonzero()[0]
                 first = first[changed]
             fresh = counts[changed] - first
-            if changed.size <= _MAX_SPLICES and not (fresh < 0).any():
+            if changed.size <= _MAX_SPLICES and not np.count_nonzero(fresh < 0):
                 c.splice = None  # (a batch keeps only its own splice, not a chain of them)
                 if not changed.size:
                     return indptr, c.indices, _Splice(c, _EMPTY_PAGES, _EMPTY_TAGS, [])
@@ -1129,7 +1123,7 @@ class KVCacheManager:
             k = 1 if token_ids.ndim == 1 else token_ids.shape[1]
             counts: Int64Array | int = k
             if (known and k == 1 and b is not None and b.k == 1 and b.token_pages is not None
-                    and b.start is not None and _equal(self._committed[rows], b.start)):
+                    and b.start is not None and equal_arrays(self._committed[rows], b.start)):
                 self._commit_decode(b, flat)  # exactly the tokens the latest reserve handed out
                 return
         else:
@@ -1166,7 +1160,7 @@ class KVCacheManager:
         start = self._committed[rows]
         end = start + counts
         over = end > self.table.num_tokens[rows]
-        if over.any():
+        if np.count_nonzero(over):
             i = int(np.argmax(over))
             num = counts if isinstance(counts, int) else int(counts[i])
             raise KVMemError(
@@ -1317,7 +1311,7 @@ class KVCacheManager:
         if s is None or v is None or s.base.indices is not v.indices or (
                 self._expected_flat is None):
             return False
-        if not (_equal(indptr, b.indptr) and _equal(indices, b.indices)
+        if not (equal_arrays(indptr, b.indptr) and equal_arrays(indices, b.indices)
                 and self._step_ok(b)):
             return False
         if self._spliced_entries_ok(s):
@@ -1341,12 +1335,12 @@ class KVCacheManager:
             return not (self._slot_mismatches(b.rows, step)[0].size
                         or self._length_mismatches(b.rows, step).size) and self._write_set_ok(
                 b.rows, step)
-        return (_equal(step.slot_mapping, b.slots)
-                and _equal(b.indices[b.indptr[1:] - 1], b.token_pages)
-                and _equal(step.seq_lens, b.end)
-                and _equal(step.kv_last_page_len, b.offsets + 1)
-                and _equal(step.num_new_tokens, counts[0])
-                and _equal(step.qo_indptr, counts[1])
+        return (equal_arrays(step.slot_mapping, b.slots)
+                and equal_arrays(b.indices[b.indptr[1:] - 1], b.token_pages)
+                and equal_arrays(step.seq_lens, b.end)
+                and equal_arrays(step.kv_last_page_len, b.offsets + 1)
+                and equal_arrays(step.num_new_tokens, counts[0])
+                and equal_arrays(step.qo_indptr, counts[1])
                 and not np.count_nonzero(self._writers(b.token_pages) != 1))
 
     def _spliced_entries_ok(self, s: _Splice) -> bool:
@@ -1362,7 +1356,8 @@ class KVCacheManager:
             refs[np.concatenate(gone) if len(gone) > 1 else gone[0]] -= 1
         dirty = self._verified_dirty
         self._verified_dirty = []
-        return not (dirty and refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]].any())
+        return not (dirty and np.count_nonzero(
+            refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]]))
 
     def _fresh_ok(self, pages: npt.NDArray[np.integer], want: Int64Array) -> bool:
         """Entries checked in full: in range, live qualified tag == the recorded one (never 0:
@@ -1374,7 +1369,7 @@ class KVCacheManager:
             return False
         live = self.allocator.tags[pages] << _NS_BITS
         live |= self._page_ns[pages]
-        if not _equal(live, want) or np.count_nonzero(want) != want.size:
+        if not equal_arrays(live, want) or np.count_nonzero(want) != want.size:
             return False
         self._count_refs(pages)
         return True
@@ -1488,7 +1483,7 @@ class KVCacheManager:
         index = self._arange_pages[: pages.size] if pages.size <= self._arange_pages.size else (
             np.arange(pages.size))
         self._page_stamp[pages] = index
-        if _equal(self._page_stamp[pages], index):  # distinct: a plain scatter
+        if equal_arrays(self._page_stamp[pages], index):  # distinct: a plain scatter
             refs[pages] += 1
         else:
             np.add.at(refs, pages, 1)

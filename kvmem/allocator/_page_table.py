@@ -236,7 +236,7 @@ class PageTable:
         new = np.asarray(num_new_tokens, dtype=np.int64)
         if new.ndim == 0:
             new = np.full(rows.size, int(new), dtype=np.int64)
-        if new.shape != rows.shape or (new < 0).any():
+        if new.shape != rows.shape or np.count_nonzero(new < 0):
             raise ValueError(
                 f"num_new_tokens must be an int >= 0 or one per row ({rows.size}), got {new!r}"
             )
@@ -278,7 +278,7 @@ class PageTable:
 
     def _require_room(self, rows: IntpArray, needed: Int64Array) -> None:
         too_long = self.num_pages[rows] + needed > self.max_pages_per_seq
-        if too_long.any():
+        if np.count_nonzero(too_long):
             raise KVMemError(
                 f"rows {rows[too_long].tolist()[:8]} would need more than max_pages_per_seq="
                 f"{self.max_pages_per_seq} pages; finish those requests or raise the limit"
@@ -370,5 +370,5 @@ class PageTable:
         # when no row appears twice (cheaper than np.unique on the per-step path).
         index = self._arange[: rows.size]
         self._stamp[rows] = index
-        if (self._stamp[rows] != index).any():
+        if np.count_nonzero(self._stamp[rows] != index):
             raise ValueError(f"rows must be distinct, got {rows.tolist()[:16]}")

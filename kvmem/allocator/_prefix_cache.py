@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.allocator._page_allocator import PageAllocator, as_page_ids
+from kvmem.allocator._page_allocator import PageAllocator, as_page_ids, equal_arrays
 
 __all__ = ["HashedPrefixCache", "PrefixCache", "PrefixMatch", "namespace_bytes"]
 
@@ -512,8 +512,8 @@ class HashedPrefixCache(PrefixCache):
             # Still cached, in the lifetime they were matched in (a forgotten page's cache tag
             # is 0; a page freed behind the cache's back has another allocator tag), and the
             # next page not cached (it usually misses). Otherwise walk.
-            if (np.array_equal(self._tag[idx], tags)
-                    and np.array_equal(self.allocator.tags[idx], tags)
+            if (equal_arrays(self._tag[idx], tags)
+                    and equal_arrays(self.allocator.tags[idx], tags)
                     and (found == k or self._live_page(*self._key_ints(
                         *((int(keys[-1, 0]), int(keys[-1, 1])) if found
                           else (int(root[0]), int(root[1]))),
