@@ -432,6 +432,12 @@ class KVCacheManager:
         if len(set(ids)) != len(ids):
             raise ValueError(f"request_ids must be distinct (nothing was {what})")
 
+    @staticmethod
+    def _require_distinct_rows(rows: IntpArray, what: str) -> None:
+        """:meth:`_require_distinct` for running requests, by their rows (one per request)."""
+        if rows.size > 1 and np.maximum.reduce(np.bincount(rows)) > 1:
+            raise ValueError(f"request_ids must be distinct (nothing was {what})")
+
     def _touch_row(self, row: int | npt.NDArray[np.integer]) -> None:
         """The row's mapped columns changed other than by appending: cached batches that list
         it must look at it again."""
@@ -778,7 +784,7 @@ class KVCacheManager:
                 raise KVMemError(f"num_tokens must be >= 0, got {k}")
             if k <= self.page_size and not self._num_forked and not self._copy_hold:
                 if not known:
-                    self._require_distinct(ids, "reserved")
+                    self._require_distinct_rows(rows, "reserved")
                 return self._reserve_small(ids, rows, k)
             return self._reserve_any(ids, rows, k, known)
         return self._reserve_any(ids, rows, self._num_new(num_tokens, rows.size), known)
@@ -869,7 +875,7 @@ class KVCacheManager:
         total = int(need.sum()) + (0 if cow is None else cow[0].size)
         held = np.concatenate(self._copy_hold) if self._copy_hold else None
         if not known:
-            self._require_distinct(ids, "reserved")
+            self._require_distinct_rows(rows, "reserved")
         if total > self.allocator.num_free or cow is not None or held is not None:
             # This path mutates before grow() validates: validate everything here.
             if total > self._available():
@@ -1136,7 +1142,7 @@ class KVCacheManager:
             flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         if len(ids) > 1 and not known:
             try:
-                self._require_distinct(ids, "committed")
+                self._require_distinct_rows(rows, "committed")
             except ValueError as e:
                 raise KVMemError(str(e)) from None
         self._commit(rows, counts, flat, ids)

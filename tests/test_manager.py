@@ -382,6 +382,24 @@ def test_release_batch_equals_releasing_one_by_one() -> None:
     assert one.cache.evict(n)[0].tolist() == many.cache.evict(n)[0].tolist()
 
 
+def test_a_request_listed_twice_in_a_batch_is_rejected_and_changes_nothing() -> None:
+    mgr = make(num_pages=64)
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.arange(5))
+    before = state(mgr)
+    for num in (1, P + 1, [1, 2, 3]):  # the one-page path, the general path, per-row counts
+        with pytest.raises(ValueError, match="distinct"):
+            mgr.reserve(["a", "b", "a"], num)
+        assert state(mgr) == before
+    mgr.reserve(["a", "b"], 1)
+    before = state(mgr)
+    with pytest.raises(KVMemError, match="distinct"):
+        mgr.commit_batch(["b", "b"], np.array([1, 2]))
+    assert state(mgr) == before
+    mgr.commit_batch(["a", "b"], np.array([1, 2]))
+    mgr.check()
+
+
 def test_release_batch_is_all_or_nothing_and_fenced() -> None:
     mgr = make(num_pages=64)
     ids = _finished_batch(mgr)
