@@ -133,12 +133,15 @@ class ManagerMachine(RuleBasedStateMachine):
         can = self.mgr.can_reserve(ids, num)
         before = self._snapshot()
         try:
-            self.engine.step(ids, num)
+            step = self.engine.step(ids, num)
         except OutOfPagesError:
             assert not can, "can_reserve said yes but reserve raised OutOfPagesError"
             assert self._snapshot() == before, "a failed reserve changed the manager"
             return
         assert can, "can_reserve said no but reserve succeeded"
+        if data.draw(st.booleans()):  # the step's own metadata, as an engine checks it
+            report = self.mgr.verify(ids, step)
+            assert report.ok, f"verify aborted requests on a correct step: {report.aborted}"
 
     @precondition(lambda self: self.mgr.running)
     @rule(data=st.data())
