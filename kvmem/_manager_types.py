@@ -132,9 +132,9 @@ class StepMetadata:
     def tensors(self, device: Any = "cpu") -> dict[str, Any]:
         """The kernel metadata as torch tensors on ``device`` (one copy each), keyed by field:
         ``slot_mapping`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
-        ``kv_last_page_len``, ``seq_lens``, ``block_table`` (int32). Pass ``kv_indptr`` and
-        ``kv_indices`` to :meth:`KVCacheManager.verify` to check the very tensors a kernel
-        reads."""
+        ``kv_last_page_len``, ``seq_lens``, ``block_table`` (int32). Pass the dict to
+        :meth:`KVCacheManager.verify` (``metadata=``) to check the very tensors the kernels
+        read, on their device."""
         import torch
 
         names = ("slot_mapping", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len",

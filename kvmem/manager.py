@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -175,6 +175,14 @@ def _ranges(starts: npt.NDArray[np.integer], lengths: npt.NDArray[np.integer]) -
     out = np.repeat(np.asarray(starts, dtype=np.int64) - ends + lengths, lengths)
     out += np.arange(out.size)
     return out
+
+
+def _step_fields(step: StepMetadata) -> dict[str, Any]:
+    """The arrays of a step that a kernel reads, by the names ``StepMetadata.tensors`` uses."""
+    return {"slot_mapping": step.slot_mapping, "qo_indptr": step.qo_indptr,
+            "kv_indptr": step.kv_indptr, "kv_indices": step.kv_indices,
+            "kv_last_page_len": step.kv_last_page_len, "seq_lens": step.seq_lens,
+            "num_new_tokens": step.num_new_tokens}
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -1232,7 +1240,8 @@ class KVCacheManager:
 
     @_public
     def verify(self, request_ids: Sequence[Any], step: StepMetadata | None = None, *,
-               kv_indptr: Any = None, kv_indices: Any = None) -> VerifyReport:
+               kv_indptr: Any = None, kv_indices: Any = None,
+               metadata: Mapping[str, Any] | None = None) -> VerifyReport:
         """The integrity check before decode; aborts (and releases) only failing requests.
 
         With ``NoOpTracker`` this returns an empty report at once. Otherwise, for each request:
@@ -1240,13 +1249,19 @@ class KVCacheManager:
         mapped it, and holds the request's namespace's content (one comparison of namespace-
         qualified tags); it lists as many pages as the request's tokens fill; and every page it
         is about to write has no other holder that reads or writes its future slots (step
-        fences and a copy-on-write source awaiting its copy only keep a page from reuse).
+        fences and a copy-on-write source awaiting its copy only keep a page from reuse). Given
+        the step's metadata (``step`` or ``metadata``), also: its slot mapping sends each new
+        token into the page its CSR lists for it, at its offset (padding slots -1), and its
+        lengths (``seq_lens``, ``kv_last_page_len``, ``num_new_tokens``, ``qo_indptr``, those
+        given) are the request's own.
 
-        Which metadata is checked, most faithful first: ``kv_indptr`` / ``kv_indices`` (the
-        very tensors the kernel will read, e.g. torch tensors on the pool's device: checked
-        there, against the pool's tag mirror); ``step`` (the arrays ``reserve`` returned);
-        neither (fresh CSR from the page table). Failing requests are released, counted, sent
-        to the ``integrity_failure`` hook and listed in ``report.aborted``.
+        Which metadata is checked, most faithful first: ``metadata`` (a mapping with
+        ``kv_indptr``, ``kv_indices``, ``slot_mapping`` and optionally the lengths, named as
+        ``StepMetadata.tensors`` names them: the very tensors the kernels will read, e.g. on
+        the pool's device, checked there against the pool's tag mirror); ``kv_indptr`` /
+        ``kv_indices`` (the CSR tensors alone); ``step`` (the arrays ``reserve`` returned);
+        none (fresh CSR from the page table). Failing requests are released, counted, sent to
+        the ``integrity_failure`` hook and listed in ``report.aborted``.
 
         numpy metadata that is correct is proven so incrementally: entries equal to those the
         previous verify proved (same request, same batch position) are compared with its copy,
@@ -1258,7 +1273,18 @@ class KVCacheManager:
         ids = request_ids if type(request_ids) is tuple else tuple(request_ids)
         rows = self._rows_of(ids)
         current = None  # the latest reserve's step, nothing committed since
-        if kv_indptr is not None or kv_indices is not None:
+        meta: Mapping[str, Any] | None = None  # the step's metadata, for the slot checks
+        if metadata is not None:
+            if step is not None or kv_indptr is not None or kv_indices is not None:
+                raise KVMemError("verify() takes metadata= alone, without step or kv_indptr/"
+                                 "kv_indices")
+            missing = {"kv_indptr", "kv_indices", "slot_mapping"} - set(metadata)
+            if missing:
+                raise KVMemError(f"verify(metadata=...) needs {sorted(missing)} too; pass "
+                                 "step.tensors(device) or the engine's own tensors by those names")
+            meta = metadata
+            indptr, indices = metadata["kv_indptr"], metadata["kv_indices"]
+        elif kv_indptr is not None or kv_indices is not None:
             if kv_indptr is None or kv_indices is None:
                 raise KVMemError("verify() needs both kv_indptr and kv_indices, or neither")
             indptr, indices = kv_indptr, kv_indices
@@ -1269,6 +1295,7 @@ class KVCacheManager:
                     "ids the step was reserved for"
                 )
             indptr, indices = step.kv_indptr, step.kv_indices
+            meta = _step_fields(step)
             b = self._batch
             if b is not None and step is b.step and rows is b.rows and b.uncommitted:
                 current = step
@@ -1280,10 +1307,10 @@ class KVCacheManager:
                 indptr, np.ndarray):
             if current is not None and self._verify_spliced(indptr, indices):
                 return VerifyReport(ids)
-            if self._verify_fast(rows, indptr, indices, current, expected_tags):
+            if self._verify_fast(rows, indptr, indices, current, expected_tags, meta):
                 return VerifyReport(ids)
         self._forget_verified()
-        return self._verify_detailed(ids, rows, indptr, indices, step)
+        return self._verify_detailed(ids, rows, indptr, indices, meta)
 
     def _forget_verified(self) -> None:
         if self._verified is not None:
@@ -1338,8 +1365,9 @@ class KVCacheManager:
         counts = self._qo_cache.get((b.rows.size, b.k))
         if b.k != 1 or b.token_pages is None or b.slots is None or b.offsets is None or (
                 b.end is None or counts is None):
-            return not (self._slot_mismatches(b.rows, step)[0].size
-                        or self._length_mismatches(b.rows, step).size) and self._write_set_ok(
+            meta = _step_fields(step)
+            return not (self._slot_mismatches(b.rows, meta)[0].size
+                        or self._length_mismatches(b.rows, meta).size) and self._write_set_ok(
                 b.rows, step)
         return (equal_arrays(step.slot_mapping, b.slots)
                 and equal_arrays(b.indices[b.indptr[1:] - 1], b.token_pages)
@@ -1382,7 +1410,7 @@ class KVCacheManager:
 
     def _verify_fast(self, rows: IntpArray, indptr: npt.NDArray[np.integer],
                      indices: npt.NDArray[np.integer], step: StepMetadata | None,
-                     expected_tags: Int64Array) -> bool:
+                     expected_tags: Int64Array, meta: Mapping[str, Any] | None) -> bool:
         """True only if the detailed check would find nothing (False: look closer).
 
         ::
@@ -1396,9 +1424,9 @@ class KVCacheManager:
             new         every other entry: in range, and its live qualified tag equals the one
                         recorded for (row, position) (never 0: 0 means unrecorded)
             write set   every page about to be written has exactly one writer
-            slots       (given the latest reserve's step) its slot mapping sends each token
-                        into the page the CSR lists for it, at its offset, and its lengths are
-                        the manager's (_length_mismatches)
+            slots       (given the step's metadata) its slot mapping sends each token into
+                        the page the CSR lists for it, at its offset, and its lengths are the
+                        manager's (_slot_mismatches, _length_mismatches)
         """
         P = self.page_size
         size = rows.size
@@ -1409,8 +1437,8 @@ class KVCacheManager:
         need = self.table.num_tokens[rows] + (P - 1)
         need //= P
         if not np.array_equal(counts, need) or not self._write_set_ok(rows, step) or (
-                step is not None and (self._slot_mismatches(rows, step)[0].size
-                                      or self._length_mismatches(rows, step).size)):
+                meta is not None and (self._slot_mismatches(rows, meta)[0].size
+                                      or self._length_mismatches(rows, meta).size)):
             return False
         gens = self._row_gen[rows]
         self._take_changes()
@@ -1515,51 +1543,83 @@ class KVCacheManager:
         wpos = _ranges(start, todo) // self.page_size
         return wb, wpos, self.table.pages[rows[wb], wpos]
 
-    def _slot_mismatches(self, rows: IntpArray, step: StepMetadata
+    def _slot_mismatches(self, rows: IntpArray, meta: Mapping[str, Any]
                          ) -> tuple[IntpArray, Int64Array]:
-        """The step's tokens whose slot is not in the page the step's CSR lists for them, at
-        their offset (the kernel that stores K/V reads the slot mapping: BUGS 12): (batch
-        index, page position) of each. A row's tokens are the latest reserve's,
-        ``[write_from, num_tokens)``, in batch order."""
+        """The step's tokens whose slot (``meta["slot_mapping"]``) is not in the page its CSR
+        (``meta["kv_indptr"]``, ``meta["kv_indices"]``) lists for them, at their offset (the
+        kernel that stores K/V reads the slot mapping: BUGS 12): (batch index, page position)
+        of each. A row's tokens are the latest reserve's, ``[write_from, num_tokens)``, in
+        batch order; slots past them must be -1 (padding). numpy arrays or torch tensors
+        (compared on their device)."""
         P = self.page_size
         start = self._write_from[rows]
         count = self.table.num_tokens[rows] - start
         batch = np.repeat(np.arange(rows.size), count)
-        positions = _ranges(start, count) // P
-        slots = np.asarray(step.slot_mapping)
-        indptr = np.asarray(step.kv_indptr, dtype=np.int64)
-        indices = np.asarray(step.kv_indices)
-        if slots.shape != batch.shape or indptr.shape != (rows.size + 1,) or not indices.size:
-            return batch, positions  # not this batch's step: every token is suspect
-        at = indptr[batch] + positions
-        listed = (at < indptr[batch + 1]) & (at < indices.size)
-        want = np.multiply(indices[np.where(listed, at, 0)], P, dtype=np.int64)
-        want += _ranges(start, count) % P
-        bad = ~listed | (want != slots)
+        tokens = _ranges(start, count)
+        positions = tokens // P
+        slots, indptr, indices = meta["slot_mapping"], meta["kv_indptr"], meta["kv_indices"]
+        if len(slots.shape) != 1 or slots.shape[0] < batch.size or tuple(indptr.shape) != (
+                rows.size + 1,) or len(indices.shape) != 1 or not indices.shape[0]:
+            return batch, positions  # not this batch's metadata: every token is suspect
+        if isinstance(slots, np.ndarray):
+            indptr = np.asarray(indptr, dtype=np.int64)
+            at = indptr[batch] + positions
+            listed = (at < indptr[batch + 1]) & (at < indices.size)
+            want = np.multiply(indices[np.where(listed, at, 0)], P, dtype=np.int64)
+            want += tokens % P
+            bad = ~listed | (want != slots[: batch.size])
+            padded = bool(np.count_nonzero(slots[batch.size :] != -1))
+        else:
+            import torch
+
+            dev = slots.device
+            ip = indptr.long()
+            b_t = torch.as_tensor(batch, device=dev)
+            at = ip[b_t] + torch.as_tensor(positions, device=dev)
+            listed = (at < ip[b_t + 1]) & (at < indices.shape[0])
+            want = indices[torch.where(listed, at, 0)].long() * P + torch.as_tensor(
+                tokens % P, device=dev)
+            bad_t = ~listed | (want != slots[: batch.size].long())
+            padded = bool((slots[batch.size :] != -1).any())
+            bad = bad_t.cpu().numpy()
+        if padded:  # a padding slot writes somewhere: every token is suspect
+            return batch, positions
         return batch[bad], positions[bad]
 
-    def _length_mismatches(self, rows: IntpArray, step: StepMetadata) -> IntpArray:
-        """Batch indices of the requests whose step gives the kernel other lengths than the
-        manager's: ``seq_lens`` and ``kv_last_page_len`` (a last page said longer than it is
-        reads slots no token of the request wrote: a previous holder's KV), ``num_new_tokens``
-        and ``qo_indptr`` (the latest reserve's new tokens, ``num_tokens - write_from``)."""
+    def _length_mismatches(self, rows: IntpArray, meta: Mapping[str, Any]) -> IntpArray:
+        """Batch indices of the requests whose metadata gives the kernel other lengths than
+        the manager's (those of ``meta``'s fields that are there): ``seq_lens`` and
+        ``kv_last_page_len`` (a last page said longer than it is reads slots no token of the
+        request wrote: a previous holder's KV), ``num_new_tokens`` and ``qo_indptr`` (the
+        latest reserve's new tokens, ``num_tokens - write_from``). numpy arrays or torch
+        tensors (compared on their device)."""
         total = self.table.num_tokens[rows]
         new = total - self._write_from[rows]
-        qo = np.asarray(step.qo_indptr, dtype=np.int64)
-        arrays = (step.seq_lens, step.kv_last_page_len, step.num_new_tokens)
-        if qo.shape != (rows.size + 1,) or qo[0] != 0 or any(
-                np.shape(a) != rows.shape for a in arrays):
-            return np.arange(rows.size)  # not this batch's step
-        bad = np.asarray(step.seq_lens) != total
-        bad |= np.asarray(step.kv_last_page_len) != (total - 1) % self.page_size + 1
-        bad |= np.asarray(step.num_new_tokens) != new
-        bad |= qo[1:] - qo[:-1] != new
+        want = {"seq_lens": total, "kv_last_page_len": (total - 1) % self.page_size + 1,
+                "num_new_tokens": new}
+        qo = meta.get("qo_indptr")
+        got = [(meta[name], value) for name, value in want.items() if meta.get(name) is not None]
+        if qo is not None:
+            if tuple(qo.shape) != (rows.size + 1,) or int(qo[0]) != 0:
+                return np.arange(rows.size)  # not this batch's metadata
+            got.append((qo[1:] - qo[:-1], new))
+        if any(tuple(g.shape) != rows.shape for g, _ in got):
+            return np.arange(rows.size)
+        bad = np.zeros(rows.size, dtype=bool)
+        for g, value in got:
+            if isinstance(g, np.ndarray):
+                bad |= g != value
+            else:  # a tensor: compared on its device
+                import torch
+
+                bad |= (g.long() != torch.as_tensor(value, device=g.device)).cpu().numpy()
         return bad.nonzero()[0]
 
     def _verify_detailed(self, ids: tuple[Any, ...], rows: IntpArray, indptr: Any,
-                         indices: Any, step: StepMetadata | None = None) -> VerifyReport:
-        """The tracker's check of every entry, then the write set and (given the ``step``) its
-        slot mapping; aborts the failing requests with a reason each."""
+                         indices: Any, meta: Mapping[str, Any] | None = None) -> VerifyReport:
+        """The tracker's check of every entry, then the write set and (given the step's
+        metadata ``meta``) its slot mapping and lengths; aborts the failing requests with a
+        reason each."""
         qtags = self._sync_tags()
         num_pages = (self.table.num_tokens[rows] + self.page_size - 1) // self.page_size
         wb, wpos, wpages = self._write_set(rows)
@@ -1587,14 +1647,14 @@ class KVCacheManager:
                                   f"but has {int(holders[k])} holders (a shared page is written "
                                   "only after copy-on-write)")
             first_bad[i] = min(first_bad.get(i, pos), pos)
-        if step is not None:
+        if meta is not None:
             first_new = self._write_from[rows] // self.page_size
-            for i in self._length_mismatches(rows, step).tolist():
+            for i in self._length_mismatches(rows, meta).tolist():
                 reasons.setdefault(i, "its step's lengths (seq_lens, kv_last_page_len, "
                                       "num_new_tokens or qo_indptr) are not its own: a kernel "
                                       "would read past its tokens or another request's queries")
                 first_bad[i] = min(first_bad.get(i, int(first_new[i])), int(first_new[i]))
-            for i, pos in zip(*(a.tolist() for a in self._slot_mismatches(rows, step))):
+            for i, pos in zip(*(a.tolist() for a in self._slot_mismatches(rows, meta))):
                 reasons.setdefault(i, f"its slot mapping sends a token of page position {pos} "
                                       "outside the page its metadata lists there (another "
                                       "request's page, or the wrong slot)")

@@ -900,6 +900,33 @@ def test_step_lengths_that_are_not_the_requests_own_abort_only_that_request(
     the_rest_proceed(mgr, eng, ids, ["c"])
 
 
+@pytest.mark.parametrize("fault", ["slot", "last_page_len", "padding"])
+def test_verify_of_tensor_metadata_checks_slots_and_lengths_on_their_device(fault: str) -> None:
+    """verify(ids, metadata=step.tensors(device)): what an engine with a device pool checks
+    (here CPU tensors); padding slots (-1) after the step's tokens are allowed."""
+    import torch
+
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 2)
+    t = step.tensors("cpu")
+    t["slot_mapping"] = torch.cat([t["slot_mapping"], torch.full((3,), -1)])  # padded
+    assert mgr.verify(ids, metadata=t).ok
+    c, d = step.qo_indptr[ids.index("c")], step.qo_indptr[ids.index("d")]
+    if fault == "slot":
+        t["slot_mapping"][c] = t["slot_mapping"][d] // P * P + t["slot_mapping"][c] % P
+    elif fault == "last_page_len":
+        t["kv_last_page_len"][ids.index("c")] += 1
+    else:  # a padding slot that writes somewhere: no token of the step can be trusted
+        t["slot_mapping"][-1] = t["slot_mapping"][0]
+    report = mgr.verify(ids, metadata=t)
+    assert list(report.aborted) == (ids if fault == "padding" else ["c"])
+    if fault != "padding":
+        the_rest_proceed(mgr, eng, ids, ["c"])
+    with pytest.raises(KVMemError, match="slot_mapping"):
+        mgr.verify(mgr.running, metadata={"kv_indptr": t["kv_indptr"],
+                                          "kv_indices": t["kv_indices"]})
+
+
 def test_slot_mappings_of_correct_steps_pass_on_every_path() -> None:
     """The slot check stays silent: decode steps (quick path), speculative and ragged steps
     (the general path), and the detailed check of a batch that changed."""
@@ -911,7 +938,7 @@ def test_slot_mappings_of_correct_steps_pass_on_every_path() -> None:
     mgr._forget_verified()  # nothing proven: the next verify checks everything
     step = eng.step(ids[::-1], 2)
     assert mgr.verify(ids[::-1], step).ok
-    assert mgr._slot_mismatches(mgr._rows_of(tuple(ids[::-1])), step)[0].size == 0
+    assert mgr.verify(ids[::-1], metadata=step.tensors("cpu")).ok  # as tensors, detailed
     eng.commit(ids)
     eng.check_kv()
     assert mgr.stats().num_integrity_failures == 0

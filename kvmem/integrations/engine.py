@@ -242,8 +242,9 @@ class Engine:
         # numpy memory (zero-copy); on a device pool, check the device tensors there.
         if kv.kv_indices.device.type == "cpu":
             report = mgr.verify(ids, step)
-        else:
-            report = mgr.verify(ids, kv_indptr=kv.kv_indptr, kv_indices=kv.kv_indices)
+        else:  # the CSR, slot mapping and lengths the kernels read, checked on their device
+            report = mgr.verify(ids, metadata={k: v for k, v in kv._asdict().items()
+                                               if k != "pool"})
         t4 = time.perf_counter()
         ended: list[Request] = []
         if report.aborted:  # the manager released them; the rest of the batch proceeds
