@@ -60,7 +60,7 @@ from kvmem._manager_types import (
 )
 from kvmem.allocator._fences import StepFences, StepHandle
 from kvmem.allocator._page_allocator import PageAllocator, equal_arrays
-from kvmem.allocator._page_table import GrowResult, PageTable
+from kvmem.allocator._page_table import PAD, GrowResult, PageTable
 from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
 from kvmem.errors import IntegrityError, KVMemError, OutOfPagesError
 from kvmem.integrity import CheckingTracker, NoOpTracker, Tracker
@@ -1256,9 +1256,10 @@ class KVCacheManager:
         given) are the request's own.
 
         Which metadata is checked, most faithful first: ``metadata`` (a mapping with
-        ``kv_indptr``, ``kv_indices``, ``slot_mapping`` and optionally the lengths, named as
-        ``StepMetadata.tensors`` names them: the very tensors the kernels will read, e.g. on
-        the pool's device, checked there against the pool's tag mirror); ``kv_indptr`` /
+        ``slot_mapping``, the CSR ``kv_indptr`` + ``kv_indices`` or else a ``block_table``
+        (PAD past each row's pages), and optionally the lengths, named as
+        ``StepMetadata.tensors`` names them: the very arrays or tensors the kernels will read,
+        e.g. on the pool's device, checked there against the pool's tag mirror); ``kv_indptr`` /
         ``kv_indices`` (the CSR tensors alone); ``step`` (the arrays ``reserve`` returned);
         none (fresh CSR from the page table). Failing requests are released, counted, sent to
         the ``integrity_failure`` hook and listed in ``report.aborted``.
@@ -1278,12 +1279,15 @@ class KVCacheManager:
             if step is not None or kv_indptr is not None or kv_indices is not None:
                 raise KVMemError("verify() takes metadata= alone, without step or kv_indptr/"
                                  "kv_indices")
-            missing = {"kv_indptr", "kv_indices", "slot_mapping"} - set(metadata)
-            if missing:
-                raise KVMemError(f"verify(metadata=...) needs {sorted(missing)} too; pass "
-                                 "step.tensors(device) or the engine's own tensors by those names")
+            has_csr = {"kv_indptr", "kv_indices"} <= set(metadata)
+            if "slot_mapping" not in metadata or not (has_csr or "block_table" in metadata):
+                raise KVMemError(
+                    f"verify(metadata=...) got {sorted(metadata)}; it needs slot_mapping and "
+                    "either kv_indptr + kv_indices or block_table (the names of "
+                    "step.tensors(device))")
             meta = metadata
-            indptr, indices = metadata["kv_indptr"], metadata["kv_indices"]
+            indptr, indices = (metadata["kv_indptr"], metadata["kv_indices"]) if has_csr else (
+                None, None)
         elif kv_indptr is not None or kv_indices is not None:
             if kv_indptr is None or kv_indices is None:
                 raise KVMemError("verify() needs both kv_indptr and kv_indices, or neither")
@@ -1546,26 +1550,39 @@ class KVCacheManager:
     def _slot_mismatches(self, rows: IntpArray, meta: Mapping[str, Any]
                          ) -> tuple[IntpArray, Int64Array]:
         """The step's tokens whose slot (``meta["slot_mapping"]``) is not in the page its CSR
-        (``meta["kv_indptr"]``, ``meta["kv_indices"]``) lists for them, at their offset (the
-        kernel that stores K/V reads the slot mapping: BUGS 12): (batch index, page position)
-        of each. A row's tokens are the latest reserve's, ``[write_from, num_tokens)``, in
-        batch order; slots past them must be -1 (padding). numpy arrays or torch tensors
-        (compared on their device)."""
+        (``meta["kv_indptr"]``, ``meta["kv_indices"]``) or else its block table
+        (``meta["block_table"]``) lists for them, at their offset (the kernel that stores K/V
+        reads the slot mapping: BUGS 12): (batch index, page position) of each. A row's tokens
+        are the latest reserve's, ``[write_from, num_tokens)``, in batch order; slots past them
+        must be -1 (padding). numpy arrays or torch tensors (compared on their device)."""
         P = self.page_size
         start = self._write_from[rows]
         count = self.table.num_tokens[rows] - start
         batch = np.repeat(np.arange(rows.size), count)
         tokens = _ranges(start, count)
         positions = tokens // P
-        slots, indptr, indices = meta["slot_mapping"], meta["kv_indptr"], meta["kv_indices"]
-        if len(slots.shape) != 1 or slots.shape[0] < batch.size or tuple(indptr.shape) != (
-                rows.size + 1,) or len(indices.shape) != 1 or not indices.shape[0]:
-            return batch, positions  # not this batch's metadata: every token is suspect
+        slots = meta["slot_mapping"]
+        if "kv_indices" in meta:  # CSR: a token's page is at indptr[b] + position
+            table, indptr = meta["kv_indices"], meta["kv_indptr"]
+            if tuple(indptr.shape) != (rows.size + 1,) or len(table.shape) != 1:
+                return batch, positions  # not this batch's metadata: every token is suspect
+        else:  # a block table: at [b, position]
+            table, indptr = meta["block_table"], None
+            if len(table.shape) != 2 or table.shape[0] != rows.size:
+                return batch, positions
+        if len(slots.shape) != 1 or slots.shape[0] < batch.size or not table.shape[0]:
+            return batch, positions
         if isinstance(slots, np.ndarray):
-            indptr = np.asarray(indptr, dtype=np.int64)
-            at = indptr[batch] + positions
-            listed = (at < indptr[batch + 1]) & (at < indices.size)
-            want = np.multiply(indices[np.where(listed, at, 0)], P, dtype=np.int64)
+            if indptr is None:
+                listed = positions < table.shape[1]
+                pages = table[batch, np.where(listed, positions, 0)]
+                listed &= pages != PAD
+            else:
+                ip = np.asarray(indptr, dtype=np.int64)
+                at = ip[batch] + positions
+                listed = (at < ip[batch + 1]) & (at < table.size)
+                pages = table[np.where(listed, at, 0)]
+            want = np.multiply(pages, P, dtype=np.int64)
             want += tokens % P
             bad = ~listed | (want != slots[: batch.size])
             padded = bool(np.count_nonzero(slots[batch.size :] != -1))
@@ -1573,15 +1590,20 @@ class KVCacheManager:
             import torch
 
             dev = slots.device
-            ip = indptr.long()
             b_t = torch.as_tensor(batch, device=dev)
-            at = ip[b_t] + torch.as_tensor(positions, device=dev)
-            listed = (at < ip[b_t + 1]) & (at < indices.shape[0])
-            want = indices[torch.where(listed, at, 0)].long() * P + torch.as_tensor(
-                tokens % P, device=dev)
-            bad_t = ~listed | (want != slots[: batch.size].long())
+            pos_t = torch.as_tensor(positions, device=dev)
+            if indptr is None:
+                listed = pos_t < table.shape[1]
+                pages_t = table[b_t, torch.where(listed, pos_t, 0)].long()
+                listed &= pages_t != PAD
+            else:
+                ip = indptr.long()
+                at = ip[b_t] + pos_t
+                listed = (at < ip[b_t + 1]) & (at < table.shape[0])
+                pages_t = table[torch.where(listed, at, 0)].long()
+            want_t = pages_t * P + torch.as_tensor(tokens % P, device=dev)
+            bad = (~listed | (want_t != slots[: batch.size].long())).cpu().numpy()
             padded = bool((slots[batch.size :] != -1).any())
-            bad = bad_t.cpu().numpy()
         if padded:  # a padding slot writes somewhere: every token is suspect
             return batch, positions
         return batch[bad], positions[bad]
@@ -1625,13 +1647,19 @@ class KVCacheManager:
         wb, wpos, wpages = self._write_set(rows)
         holders = self._writers(wpages)
         tags: Any = qtags
-        if not isinstance(indices, np.ndarray):  # tensors: check on their device
+        read = indices if indices is not None else meta["block_table"] if meta else None
+        if read is not None and not isinstance(read, np.ndarray):  # tensors: on their device
             import torch
 
             tags = (self.pool.tags if self.pool is not None
-                    else torch.as_tensor(qtags, device=indices.device))
-        report = self.tracker.verify(rows, num_pages, tags, kv_indptr=indptr,
-                                     kv_indices=indices, ids=ids)
+                    else torch.as_tensor(qtags, device=read.device))
+        if indices is None:  # a block table (metadata=): the tracker checks it, padding too
+            assert meta is not None
+            report = self.tracker.verify(rows, num_pages, tags, block_table=meta["block_table"],
+                                         ids=ids)
+        else:
+            report = self.tracker.verify(rows, num_pages, tags, kv_indptr=indptr,
+                                         kv_indices=indices, ids=ids)
         first_bad: dict[int, int] = {}  # batch index -> first bad page position
         reasons: dict[int, str] = {}
         if not report.ok:

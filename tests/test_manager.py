@@ -927,6 +927,36 @@ def test_verify_of_tensor_metadata_checks_slots_and_lengths_on_their_device(faul
                                           "kv_indices": t["kv_indices"]})
 
 
+@pytest.mark.parametrize("fault", [None, "slot", "stale column", "page"])
+@pytest.mark.parametrize("as_tensors", [False, True])
+def test_verify_of_a_block_table_with_its_slot_mapping(fault: str | None,
+                                                       as_tensors: bool) -> None:
+    """The vLLM form: block table, slot mapping and sequence lengths, as numpy or tensors."""
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 1)
+    meta: dict[str, Any] = {"block_table": step.block_table.copy(),
+                            "slot_mapping": step.slot_mapping.copy(),
+                            "seq_lens": step.seq_lens.copy()}
+    c = ids.index("c")
+    n = int(step.seq_lens[c] - 1) // P  # c's last page
+    if fault == "slot":  # its token into "d"'s page, same offset
+        d = ids.index("d")
+        meta["slot_mapping"][c] = (meta["slot_mapping"][d] // P * P
+                                   + meta["slot_mapping"][c] % P)
+    elif fault == "stale column":  # BUGS 13: a reused buffer keeps a column past c's pages
+        meta["block_table"][c, n + 1] = mgr.pages_of("d")[0]
+    elif fault == "page":  # c's last page listed as another request's
+        meta["block_table"][c, n] = mgr.pages_of("d")[0]
+    if as_tensors:
+        import torch
+
+        meta = {k: torch.from_numpy(v) for k, v in meta.items()}
+    report = mgr.verify(ids, metadata=meta)
+    assert list(report.aborted) == ([] if fault is None else ["c"])
+    if fault is not None:
+        the_rest_proceed(mgr, eng, ids, ["c"])
+
+
 def test_slot_mappings_of_correct_steps_pass_on_every_path() -> None:
     """The slot check stays silent: decode steps (quick path), speculative and ragged steps
     (the general path), and the detailed check of a batch that changed."""
