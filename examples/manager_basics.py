@@ -61,6 +61,19 @@ def main() -> None:
     print(f"verify aborted: {report.aborted}")
     print(f"still running: {mgr.running}")
 
+    #    A vLLM-style engine checks the very block table and slot mapping its kernels read
+    #    (tensors on the pool's device in a real engine): a token sent into another request's
+    #    slot aborts the request whose mapping went wrong, and only it.
+    batch = ["alice", "alice-2", "bob"]
+    step = engine.step(batch, 1)
+    meta = {"block_table": step.block_table, "slot_mapping": step.slot_mapping.copy(),
+            "seq_lens": step.seq_lens}
+    meta["slot_mapping"][0] = meta["slot_mapping"][1]  # alice's token into alice-2's slot
+    report = mgr.verify(batch, metadata=meta)
+    engine.abort("alice")
+    engine.commit(["alice-2", "bob"])
+    print(f"verify of a block table aborted: {report.aborted}")
+
     # 6. Stats (a frozen snapshot) and KV events for a cache-aware router.
     s = mgr.stats()
     print(f"pages: {s.num_free} free, {s.num_used} used, {s.num_cached} cached, "
