@@ -160,41 +160,49 @@ class FloorDecode:
         assert ((self.refcounts - held) >= 0).all()  # every page listed is held
 
 
+def compare(steps: int, batch: int, contenders: dict[str, Any], skip: int = 0
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """kvmem (CheckingTracker), ``contenders`` (name -> class built from ``(prompts, steps,
+    num_pages)``) and vLLM when it imports, in lockstep on the decode trace without
+    replacements (no request finishes: the floors do not admit). Returns the JSON figures
+    (medians without the first ``skip`` steps, paired ratios to vLLM) and the runners."""
+    prompts, trace = decode_trace(0, steps, batch)
+    steady = [(np.empty(0, dtype=np.int64), []) for _ in trace]
+    # Every request's prompt (at most 2000 tokens) and what it decodes, and some to spare.
+    num_pages = batch * ((2000 + steps) // PAGE_SIZE + 2) + 1024
+    runners: dict[str, Any] = {"kvmem": KvmemDecode(prompts, steady, "checking", num_pages)}
+    runners.update({name: make(prompts, steps, num_pages) for name, make in contenders.items()})
+    vllm = None
+    if vllm_imports():
+        api = BestEffort(vllm_api)
+        vllm = BestEffort(lambda: VllmDecode(api.runner, prompts, steady), api.error)
+    lockstep([*runners.values(), *([vllm] if vllm is not None else [])], steps)
+    result: dict[str, Any] = {
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "lockstep": True, "batch": batch, "steps": steps,
+    }
+    for name, runner in runners.items():
+        for k in ("decode_step", "reserve", "verify", "commit") if name != "kvmem" else (
+                "decode_step",):
+            result[f"{name}_{k}_us_median"] = median(runner.times[k.split("_")[0]][skip:])
+    if vllm is not None and vllm.error is None:
+        theirs = vllm.runner.decode[skip:]
+        result["vllm_decode_step_us_median"] = median(theirs)
+        for name, runner in runners.items():
+            result[f"{name}_speedup_vs_vllm"] = paired(theirs, runner.times["decode"][skip:])
+    elif vllm is not None:
+        result["vllm_error"] = vllm.error
+    return result, runners
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
-    prompts, trace = decode_trace(0, args.steps, args.batch)
-    steady = [(np.empty(0, dtype=np.int64), []) for _ in trace]  # no request finishes
-    # Every request's prompt (at most 2000 tokens) and what it decodes, and some to spare.
-    num_pages = args.batch * ((2000 + args.steps) // PAGE_SIZE + 2) + 1024
-    kvmem = KvmemDecode(prompts, steady, "checking", num_pages)
-    floor = FloorDecode(prompts, args.steps, num_pages)
-    runners: list[Any] = [kvmem, floor]
-    vllm = None
-    if vllm_imports():
-        api = BestEffort(vllm_api)
-        vllm = BestEffort(lambda: VllmDecode(api.runner, prompts, steady), api.error)
-        runners.append(vllm)
-    lockstep(runners, args.steps)
-    result: dict[str, Any] = {
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "lockstep": True, "batch": args.batch, "steps": args.steps,
-        "kvmem_decode_step_us_median": median(kvmem.times["decode"]),
-        "floor_decode_step_us_median": median(floor.times["decode"]),
-        **{f"floor_{k}_us_median": median(floor.times[k]) for k in ("reserve", "verify",
-                                                                    "commit")},
-        "kvmem_over_floor": round(median(kvmem.times["decode"])
-                                  / median(floor.times["decode"]), 2),
-    }
-    if vllm is not None and vllm.error is None:
-        theirs = vllm.runner.decode
-        result["vllm_decode_step_us_median"] = median(theirs)
-        result["kvmem_speedup_vs_vllm"] = paired(theirs, kvmem.times["decode"])
-        result["floor_speedup_vs_vllm"] = paired(theirs, floor.times["decode"])
-    elif vllm is not None:
-        result["vllm_error"] = vllm.error
+    result, _ = compare(args.steps, args.batch, {"floor": FloorDecode})
+    result["kvmem_over_floor"] = round(result["kvmem_decode_step_us_median"]
+                                       / result["floor_decode_step_us_median"], 2)
     print(json.dumps(result, indent=2))
 
 

@@ -15,24 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from typing import Any
 
 import numpy as np
-from bench_floor import FloorDecode
-from bench_manager import (
-    PAGE_SIZE,
-    BestEffort,
-    KvmemDecode,
-    VllmDecode,
-    clock,
-    decode_trace,
-    lockstep,
-    median,
-    paired,
-    vllm_api,
-    vllm_imports,
-)
+from bench_floor import FloorDecode, compare
+from bench_manager import PAGE_SIZE, clock
 from numba import njit, types
 from numba.typed import Dict
 
@@ -171,40 +157,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
-    prompts, trace = decode_trace(0, args.steps, args.batch)
-    steady = [(np.empty(0, dtype=np.int64), []) for _ in trace]  # no request finishes
-    num_pages = args.batch * ((2000 + args.steps) // PAGE_SIZE + 2) + 1024
-    kvmem = KvmemDecode(prompts, steady, "checking", num_pages)
-    floor = FloorDecode(prompts, args.steps, num_pages)
-    compiled = CompiledFloorDecode(prompts, args.steps, num_pages)
-    runners: list[Any] = [kvmem, floor, compiled]
-    vllm = None
-    if vllm_imports():
-        api = BestEffort(vllm_api)
-        vllm = BestEffort(lambda: VllmDecode(api.runner, prompts, steady), api.error)
-        runners.append(vllm)
-    lockstep(runners, args.steps)
+    # The compiled step's first calls compile (or load numba's cache): skipped.
+    result, runners = compare(args.steps, args.batch,
+                              {"floor": FloorDecode, "compiled": CompiledFloorDecode}, skip=20)
+    floor, compiled = runners["floor"], runners["compiled"]
     # The same work: the same CSR, page keys (kvmem's key function) and page holders.
     assert np.array_equal(compiled.indices, floor.indices)
     assert np.array_equal(compiled.row_key, floor.row_key)
     assert np.array_equal(compiled.refcounts, floor.refcounts)
-    skip = 20  # the compiled step's first calls compile (or load the cache)
-    result: dict[str, Any] = {
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "lockstep": True, "batch": args.batch, "steps": args.steps,
-        "kvmem_decode_step_us_median": median(kvmem.times["decode"][skip:]),
-        "floor_decode_step_us_median": median(floor.times["decode"][skip:]),
-        "compiled_decode_step_us_median": median(compiled.times["decode"][skip:]),
-        **{f"compiled_{k}_us_median": median(compiled.times[k][skip:])
-           for k in ("reserve", "verify", "commit")},
-    }
-    if vllm is not None and vllm.error is None:
-        theirs = vllm.runner.decode[skip:]
-        result["vllm_decode_step_us_median"] = median(theirs)
-        for name, runner in (("kvmem", kvmem), ("floor", floor), ("compiled", compiled)):
-            result[f"{name}_speedup_vs_vllm"] = paired(theirs, runner.times["decode"][skip:])
-    elif vllm is not None:
-        result["vllm_error"] = vllm.error
     print(json.dumps(result, indent=2))
 
 
