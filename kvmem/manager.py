@@ -1253,7 +1253,8 @@ class KVCacheManager:
         the step's metadata (``step`` or ``metadata``), also: its slot mapping sends each new
         token into the page its CSR lists for it, at its offset (padding slots -1), and its
         lengths (``seq_lens``, ``kv_last_page_len``, ``num_new_tokens``, ``qo_indptr``, those
-        given) are the request's own.
+        given) are the request's own. "New" means the tokens of the request's latest
+        ``reserve``: verify a step before reserving the next one for the same requests.
 
         Which metadata is checked, most faithful first: ``metadata`` (a mapping with
         ``slot_mapping``, the CSR ``kv_indptr`` + ``kv_indices`` or else a ``block_table``
