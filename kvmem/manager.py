@@ -1370,10 +1370,7 @@ class KVCacheManager:
         counts = self._qo_cache.get((b.rows.size, b.k))
         if b.k != 1 or b.token_pages is None or b.slots is None or b.offsets is None or (
                 b.end is None or counts is None):
-            meta = _step_fields(step)
-            return not (self._slot_mismatches(b.rows, meta)[0].size
-                        or self._length_mismatches(b.rows, meta).size) and self._write_set_ok(
-                b.rows, step)
+            return self._writes_ok(b.rows, step, _step_fields(step))
         return (equal_arrays(step.slot_mapping, b.slots)
                 and equal_arrays(b.indices[b.indptr[1:] - 1], b.token_pages)
                 and equal_arrays(step.seq_lens, b.end)
@@ -1441,9 +1438,7 @@ class KVCacheManager:
         counts = indptr[1:] - indptr[:-1]
         need = self.table.num_tokens[rows] + (P - 1)
         need //= P
-        if not np.array_equal(counts, need) or not self._write_set_ok(rows, step) or (
-                meta is not None and (self._slot_mismatches(rows, meta)[0].size
-                                      or self._length_mismatches(rows, meta).size)):
+        if not np.array_equal(counts, need) or not self._writes_ok(rows, step, meta):
             return False
         gens = self._row_gen[rows]
         self._take_changes()
@@ -1527,6 +1522,14 @@ class KVCacheManager:
         else:
             np.add.at(refs, pages, 1)
 
+    def _writes_ok(self, rows: IntpArray, step: StepMetadata | None,
+                   meta: Mapping[str, Any] | None) -> bool:
+        """Every page the step writes has exactly one writer (:meth:`_write_set_ok`) and, given
+        the step's metadata, its slots and lengths are the manager's (:meth:`_slot_mismatches`,
+        :meth:`_length_mismatches`)."""
+        return self._write_set_ok(rows, step) and (meta is None or not (
+            self._slot_mismatches(rows, meta)[0].size or self._length_mismatches(rows, meta).size))
+
     def _write_set_ok(self, rows: IntpArray, step: StepMetadata | None) -> bool:
         """Every page the step writes (``step``: its slot mapping; otherwise the slots reserved
         and not committed yet) has exactly one writer."""
@@ -1573,38 +1576,30 @@ class KVCacheManager:
                 return batch, positions
         if len(slots.shape) != 1 or slots.shape[0] < batch.size or not table.shape[0]:
             return batch, positions
-        if isinstance(slots, np.ndarray):
-            if indptr is None:
-                listed = positions < table.shape[1]
-                pages = table[batch, np.where(listed, positions, 0)]
-                listed &= pages != PAD
-            else:
-                ip = np.asarray(indptr, dtype=np.int64)
-                at = ip[batch] + positions
-                listed = (at < ip[batch + 1]) & (at < table.size)
-                pages = table[np.where(listed, at, 0)]
-            want = np.multiply(pages, P, dtype=np.int64)
-            want += tokens % P
-            bad = ~listed | (want != slots[: batch.size])
-            padded = bool(np.count_nonzero(slots[batch.size :] != -1))
-        else:
+        # One computation for numpy arrays and for tensors (on their device): ``here`` puts a
+        # host array (or a cast) where the metadata lives.
+        here: Any = np.asarray
+        where: Any = np.where
+        wide: Any = np.int64
+        if not isinstance(slots, np.ndarray):
             import torch
 
-            dev = slots.device
-            b_t = torch.as_tensor(batch, device=dev)
-            pos_t = torch.as_tensor(positions, device=dev)
-            if indptr is None:
-                listed = pos_t < table.shape[1]
-                pages_t = table[b_t, torch.where(listed, pos_t, 0)].long()
-                listed &= pages_t != PAD
-            else:
-                ip = indptr.long()
-                at = ip[b_t] + pos_t
-                listed = (at < ip[b_t + 1]) & (at < table.shape[0])
-                pages_t = table[torch.where(listed, at, 0)].long()
-            want_t = pages_t * P + torch.as_tensor(tokens % P, device=dev)
-            bad = (~listed | (want_t != slots[: batch.size].long())).cpu().numpy()
-            padded = bool((slots[batch.size :] != -1).any())
+            here = functools.partial(torch.as_tensor, device=slots.device)
+            where, wide = torch.where, torch.int64
+        b, pos = here(batch), here(positions)
+        if indptr is None:
+            listed = pos < table.shape[1]
+            pages = here(table[b, where(listed, pos, 0)], dtype=wide)
+            listed &= pages != PAD
+        else:
+            ip = here(indptr, dtype=wide)
+            at = ip[b] + pos
+            listed = (at < ip[b + 1]) & (at < table.shape[0])
+            pages = here(table[where(listed, at, 0)], dtype=wide)
+        bad = ~listed | (pages * P + here(tokens % P) != here(slots[: batch.size], dtype=wide))
+        if not isinstance(bad, np.ndarray):
+            bad = bad.cpu().numpy()
+        padded = bool((slots[batch.size :] != -1).any())
         if padded:  # a padding slot writes somewhere: every token is suspect
             return batch, positions
         return batch[bad], positions[bad]
