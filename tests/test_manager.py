@@ -883,6 +883,26 @@ def test_a_slot_mapping_that_sends_a_token_astray_aborts_only_that_request(
     the_rest_proceed(mgr, eng, ids, ["c"])
 
 
+def test_the_decode_quick_check_catches_a_reserve_that_sent_a_slot_astray() -> None:
+    """A bug in reserve itself (its own slots and the step's agree, but not with the CSR it
+    built): the quick check of a decode step sees that the token's page is not the last one
+    its row lists, and the full check aborts exactly that request."""
+    mgr, eng, ids = decoding()
+    spliced = spy_spliced(mgr)
+    step = eng.step(ids, 1)
+    b = mgr._batch
+    assert b is not None and b.slots is not None and b.token_pages is not None
+    c, d = ids.index("c"), ids.index("d")
+    stray = int(b.token_pages[d])  # "d" holds it alone: one writer
+    for slots in (b.slots, step.slot_mapping):
+        slots[c] = stray * P + slots[c] % P
+    b.token_pages[c] = stray
+    report = mgr.verify(ids, step)
+    assert spliced == [False]
+    assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]
+    the_rest_proceed(mgr, eng, ids, ["c"])
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3])
 @pytest.mark.parametrize("field", ["kv_last_page_len", "seq_lens", "num_new_tokens"])
 def test_step_lengths_that_are_not_the_requests_own_abort_only_that_request(
