@@ -79,24 +79,30 @@ def shared_prompt_trace(seed: int, num_requests: int) -> tuple[np.ndarray, list[
                     for _ in range(num_requests)]
 
 
-def lockstep(runners: list[Any], count: int) -> None:
-    """Step i of every runner before step i + 1 of any, the first rotating; then ``finish``."""
+def lockstep(runners: list[Any], count: int,
+             after: Callable[[int], None] | None = None) -> None:
+    """Step i of every runner before step i + 1 of any, the first rotating, then ``after(i)``
+    (untimed); at the end, ``finish``."""
     for i in range(count):
         k = i % len(runners)
         for runner in runners[k:] + runners[:k]:
             runner.step(i)
+        if after is not None:
+            after(i)
     for runner in runners:
         runner.finish()
 
 
 class KvmemDecode:
-    """kvmem on the decode trace; ``__init__`` builds it and admits the initial prompts."""
+    """kvmem on the decode trace; ``__init__`` builds it and admits the initial prompts.
+    ``manager`` is the class (another commit's, for ``ab_manager.py``); ``last_step`` is the
+    latest decode step's metadata."""
 
     def __init__(self, prompts: list[np.ndarray], steps: list, tracker: str | None,
-                 num_pages: int) -> None:
+                 num_pages: int, manager: type = KVCacheManager) -> None:
         batch = len(prompts)
-        self.mgr = KVCacheManager(num_pages=num_pages, page_size=PAGE_SIZE, max_seqs=batch,
-                                  max_pages_per_seq=512, prefix_cache="hashed", tracker=tracker)
+        self.mgr = manager(num_pages=num_pages, page_size=PAGE_SIZE, max_seqs=batch,
+                           max_pages_per_seq=512, prefix_cache="hashed", tracker=tracker)
         self.steps, self.ids, self.next_id = steps, list(range(batch)), batch
         for rid, prompt in zip(self.ids, prompts):
             self.start(rid, prompt)
@@ -126,6 +132,7 @@ class KvmemDecode:
         mgr.commit_batch(ids, self.tokens)
         t4 = clock()
         assert report.ok
+        self.last_step = step
         for key, us in (("replace", t1 - t0), ("decode", t4 - t1), ("step", t4 - t0),
                         ("reserve", t2 - t1), ("verify", t3 - t2), ("commit", t4 - t3)):
             self.times[key].append(us * 1e6)
@@ -135,11 +142,13 @@ class KvmemDecode:
 
 
 class KvmemShared:
-    """kvmem on the shared-prompt trace, ~200 requests running."""
+    """kvmem on the shared-prompt trace, ~200 requests running; ``manager`` and ``last_step``
+    (the latest prefill's metadata) as in ``KvmemDecode``."""
 
-    def __init__(self, prompts: list[np.ndarray], tracker: str | None) -> None:
-        self.mgr = KVCacheManager(num_pages=256 * 96, page_size=PAGE_SIZE, max_seqs=256,
-                                  max_pages_per_seq=128, tracker=tracker)
+    def __init__(self, prompts: list[np.ndarray], tracker: str | None,
+                 manager: type = KVCacheManager) -> None:
+        self.mgr = manager(num_pages=256 * 96, page_size=PAGE_SIZE, max_seqs=256,
+                           max_pages_per_seq=128, tracker=tracker)
         self.prompts, self.live = prompts, []
         self.admit_us: list[float] = []
         self.prefill_us: list[float] = []  # can_admit + admit + the prompt's reserve + commit
@@ -154,9 +163,10 @@ class KvmemShared:
         t1 = clock()
         assert ok
         self.admit_us.append((t1 - t0) * 1e6)
-        mgr.reserve([rid], prompt.size - res.num_cached_tokens)
+        step = mgr.reserve([rid], prompt.size - res.num_cached_tokens)
         mgr.commit(rid, prompt[res.num_cached_tokens:])
         self.prefill_us.append((clock() - t0) * 1e6)
+        self.last_step = step
         self.live.append(rid)
 
     def finish(self) -> None:
