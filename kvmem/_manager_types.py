@@ -7,16 +7,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field
 
-from kvmem.allocator._page_table import PAD, CSRMetadata
-from kvmem.errors import KVMemError
-from kvmem.integrity import IntegrityReport
+from kvmem.allocator import StepMetadata
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError, as_int
+from kvmem.integrity import IntegrityReport, VerifierStats
 
 __all__ = [
     "HOOK_KINDS",
@@ -30,12 +28,13 @@ __all__ = [
     "PagesRemoved",
     "PagesStored",
     "StepMetadata",
+    "VerifierStats",
     "VerifyReport",
 ]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
-_INT32_MAX = int(np.iinfo(np.int32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)  # page ids, token ids
 
 HOOK_KINDS = (
     "admit",  # a request was admitted or resumed: request_id, pages (all it maps), detail
@@ -55,17 +54,34 @@ HOOK_KINDS = (
 # -- boundary and results -----------------------------------------------------------------------
 
 
-class ManagerConfig(BaseModel):
-    """The numeric configuration of a :class:`KVCacheManager` (validated at the boundary)."""
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    """The numeric configuration of a :class:`KVCacheManager` (validated by :meth:`make`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_pages: int
+    page_size: int
+    max_seqs: int
+    max_pages_per_seq: int
+    watermark: float
+    kv_events: bool
 
-    num_pages: int = Field(gt=0, le=_INT32_MAX)
-    page_size: int = Field(default=16, gt=0, le=1 << 16)
-    max_seqs: int = Field(default=256, gt=0)
-    max_pages_per_seq: int = Field(gt=0)
-    watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
-    kv_events: bool = False
+    @classmethod
+    def make(cls, num_pages: Any, page_size: Any, max_seqs: Any, max_pages_per_seq: Any,
+             watermark: Any, kv_events: Any) -> ManagerConfig:
+        """Check every argument (ArgumentError / ArgumentTypeError naming it)."""
+        n = as_int("num_pages", num_pages, 1, INT32_MAX)
+        if max_pages_per_seq is None:
+            max_pages_per_seq = min(n, 2048)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float, np.floating)):
+            raise ArgumentTypeError(f"watermark must be a float in [0, 1), got {watermark!r}")
+        if not 0.0 <= float(watermark) < 1.0:
+            raise ArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
+        if not isinstance(kv_events, (bool, np.bool_)):
+            raise ArgumentTypeError(f"kv_events must be a bool, got {kv_events!r}")
+        return cls(n, as_int("page_size", page_size, 1, 1 << 16),
+                   as_int("max_seqs", max_seqs, 1, 1 << 24),
+                   as_int("max_pages_per_seq", max_pages_per_seq, 1, INT32_MAX),
+                   float(watermark), bool(kv_events))
 
 
 class AdmitResult(NamedTuple):
@@ -82,76 +98,6 @@ class AdmitResult(NamedTuple):
     num_prompt_tokens: int
     num_pages: int
     num_hit_pages: int
-
-
-@dataclass(frozen=True)
-class StepMetadata:
-    """Kernel metadata for one reserved step of a batch of ``B`` requests.
-
-    request_ids: the batch, in order
-    rows: ``[B]``, int32 — page-table rows
-    num_new_tokens: ``[B]``, int32 — tokens reserved per request this step
-    slot_mapping: ``[T]``, int64 — where to write each new token's K/V
-        (``page * page_size + offset``), request by request, ``T = sum(num_new_tokens)``
-    qo_indptr: ``[B + 1]``, int32 — request ``b``'s new tokens are ``qo_indptr[b]:qo_indptr[b+1]``
-    kv_indptr: ``[B + 1]``, int32; kv_indices: ``[nnz]``, int32; kv_last_page_len: ``[B]``,
-        int32 — FlashInfer CSR over each request's pages, covering every token up to and
-        including the reserved ones
-    seq_lens: ``[B]``, int32 — tokens per request including the reserved ones
-    copy_src, copy_dst: ``[C]``, int32 — copy-on-write page copies to do before writing, when
-        no pool is attached (the manager keeps ``copy_src`` alive until the next ``reserve``);
-        empty when a pool is attached (the manager already called ``pool.copy_pages``)
-    """
-
-    request_ids: tuple[Any, ...]
-    rows: Int32Array
-    num_new_tokens: Int32Array
-    slot_mapping: Int64Array
-    qo_indptr: Int32Array
-    kv_indptr: Int32Array
-    kv_indices: Int32Array
-    kv_last_page_len: Int32Array
-    seq_lens: Int32Array
-    copy_src: Int32Array
-    copy_dst: Int32Array
-    page_size: int
-    epoch: int = field(default=-1, repr=False)  # the manager's row epoch at reserve()
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.rows.size)
-
-    @property
-    def num_pages(self) -> Int32Array:
-        """Pages each request reads: ``[B]``, int32."""
-        return np.diff(self.kv_indptr)
-
-    def csr(self) -> CSRMetadata:
-        return CSRMetadata(self.kv_indptr, self.kv_indices, self.kv_last_page_len)
-
-    def tensors(self, device: Any = "cpu") -> dict[str, Any]:
-        """The kernel metadata as torch tensors on ``device`` (one copy each), keyed by field:
-        ``slot_mapping`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
-        ``kv_last_page_len``, ``seq_lens``, ``block_table`` (int32). Pass the dict to
-        :meth:`KVCacheManager.verify` (``metadata=``) to check the very tensors the kernels
-        read, on their device."""
-        import torch
-
-        names = ("slot_mapping", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len",
-                 "seq_lens", "block_table")
-        return {name: torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device)
-                for name in names}
-
-    @cached_property
-    def block_table(self) -> Int32Array:
-        """vLLM / flash-attn block table ``[B, W]``, int32, PAD (-1) past each request's pages;
-        ``W`` is the widest request of the batch. Built from the CSR on first use."""
-        counts = np.diff(self.kv_indptr)
-        width = int(counts.max()) if counts.size else 0
-        table = np.full((counts.size, width), PAD, dtype=np.int32)
-        cols = np.arange(self.kv_indices.size) - np.repeat(self.kv_indptr[:-1], counts)
-        table[np.repeat(np.arange(counts.size), counts), cols] = self.kv_indices
-        return table
 
 
 @dataclass(frozen=True)

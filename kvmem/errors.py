@@ -6,6 +6,10 @@
     ├── OutOfPagesError             an allocation asked for more pages than are free
     ├── InvalidFreeError            a free of a page that is free, out of range, or over-freed
     ├── IntegrityError              bookkeeping or a request's page mapping is inconsistent
+    ├── MetadataError (ValueError)  kernel metadata handed to verify() is malformed
+    ├── ConcurrentUseError          two threads inside one manager at once
+    ├── ArgumentError (ValueError)  an argument has a wrong value (a negative count, ...)
+    ├── ArgumentTypeError (TypeError)  an argument has a wrong type (a float for an int, ...)
     └── ConfigError (ValueError)    a spec, plan or model description that cannot work
 
 Messages say what was asked, what was found, and what to do. An operation that raises has
@@ -14,11 +18,20 @@ changed no state.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ConcurrentUseError",
     "ConfigError",
     "IntegrityError",
     "InvalidFreeError",
     "KVMemError",
+    "MetadataError",
     "OutOfPagesError",
 ]
 
@@ -52,3 +65,84 @@ class IntegrityError(KVMemError):
 
 class ConfigError(KVMemError, ValueError):
     """A configuration (pool spec, model, plan) that cannot work as given."""
+
+
+class MetadataError(KVMemError, ValueError):
+    """Kernel metadata given to ``verify`` is malformed (a field of the wrong shape, a CSR whose
+    ``kv_indptr`` does not fit its ``kv_indices``...): it was refused, nothing changed."""
+
+
+class ConcurrentUseError(KVMemError):
+    """Two threads were inside one manager at once; the second was refused before it changed
+    anything. A manager is used by one thread at a time (hold a lock of your own around it)."""
+
+
+class ArgumentError(KVMemError, ValueError):
+    """An argument has a value the call cannot take; nothing changed."""
+
+
+class ArgumentTypeError(KVMemError, TypeError):
+    """An argument has a type the call cannot take; nothing changed."""
+
+
+# -- argument checks: the contract every public entry point keeps (docs/errors.md) ------------
+# Integer-like means a Python int or a numpy integer, never a bool, a float or a str.
+
+
+def as_int(name: str, value: Any, minimum: int | None = 0, maximum: int | None = None) -> int:
+    """``value`` as an int if it is integer-like and in ``[minimum, maximum]``; else
+    ArgumentTypeError / ArgumentError naming ``name``, the value and what was expected."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentTypeError(
+            f"{name} must be an int (or a numpy integer), got {type(value).__name__} {value!r}"
+        )
+    out = int(value)
+    if (minimum is not None and out < minimum) or (maximum is not None and out > maximum):
+        bounds = (f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+                  if minimum is not None else f"<= {maximum}")
+        raise ArgumentError(f"{name} must be {bounds}, got {out}; nothing changed")
+    return out
+
+
+def as_ints(name: str, values: Any, minimum: int | None = 0, maximum: int | None = None,
+            size: int | None = None) -> npt.NDArray[np.int64]:
+    """``values`` (a 1-D sequence or array of integer-likes) as ``[k]`` int64, each in
+    ``[minimum, maximum]`` and ``k == size`` when given; else ArgumentTypeError / ArgumentError.
+    One value where a sequence is expected is refused."""
+    if isinstance(values, (str, bytes)) or np.ndim(values) != 1:
+        raise ArgumentTypeError(
+            f"{name} must be a 1-D sequence of ints, got {type(values).__name__} {values!r:.60}"
+        )
+    arr = np.asarray(values)
+    if arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.bool_):
+        raise ArgumentTypeError(f"{name} must hold ints, got {arr.dtype} ({values!r:.60})")
+    if size is not None and arr.size != size:
+        raise ArgumentError(f"{name} must list {size} values, got {arr.size}; nothing changed")
+    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > 2**62:
+        raise ArgumentError(f"{name} holds {int(arr.max())}, far out of range; nothing changed")
+    out = arr.astype(np.int64)
+    bad = np.zeros(out.size, dtype=bool)
+    if minimum is not None:
+        bad |= out < minimum
+    if maximum is not None:
+        bad |= out > maximum
+    if bad.any():
+        raise ArgumentError(
+            f"{name} must hold values in {minimum}..{maximum if maximum is not None else 'inf'},"
+            f" got {out[bad].tolist()[:8]}; nothing changed"
+        )
+    return out
+
+
+def as_ids(name: str, values: Any) -> tuple[Any, ...]:
+    """Request ids given as a sequence (list, tuple, array...) as a tuple. One id where a
+    sequence is expected (a str, bytes, an int) is refused: ``"AB"`` is not ``["A", "B"]``."""
+    if type(values) is tuple:
+        return values
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__") or not hasattr(
+            values, "__len__"):
+        raise ArgumentTypeError(
+            f"{name} must be a sequence of request ids (a list or tuple), got "
+            f"{type(values).__name__} {values!r:.60}; wrap one id in a list"
+        )
+    return tuple(values.tolist() if isinstance(values, np.ndarray) else values)

@@ -33,7 +33,7 @@ def state(mgr: KVCacheManager) -> tuple[Any, ...]:
     """Everything a failed operation must leave untouched."""
     return (mgr.allocator.refcounts.tobytes(), mgr.allocator.tags.tobytes(),
             mgr.table.pages.tobytes(), mgr.table.num_tokens.tobytes(), mgr.stats(),
-            tuple(mgr.running), tuple(mgr.preempted), mgr._committed.tobytes())
+            tuple(mgr.running), tuple(mgr.preempted), mgr.table.num_committed.tobytes())
 
 
 def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
@@ -175,14 +175,14 @@ def test_the_manager_keeps_its_own_copy_of_token_ids() -> None:
     assert mgr.resume("a").num_prompt_tokens == 6
     mgr.reserve(["a"], 6)
     mgr.commit("a", np.arange(6))
-    assert mgr._tokens_of(mgr._rows["a"]).tolist() == list(range(6))
+    assert mgr.tokens_of("a").tolist() == list(range(6))
 
 
 def test_tracker_configuration_is_checked() -> None:
     with pytest.raises(KVMemError, match="tracker records"):
         make(tracker=CheckingTracker(2, 2))
     with pytest.raises(KVMemError):
-        make(tracker="paranoid")
+        make(tracker="bogus")
     with pytest.raises(KVMemError):
         make(prefix_cache="radix")
     with pytest.raises(ValueError):
@@ -543,7 +543,7 @@ def test_a_reused_row_has_no_stale_columns() -> None:
     run_prompt(eng, "short", [2] * 3)
     step = eng.step(["short"], 1)
     assert step.block_table.tolist() == [[mgr.pages_of("short")[0]]]
-    assert (mgr.table.pages[mgr._rows["short"], 1:] == -1).all()
+    assert (mgr.table.pages[step.rows[0], 1:] == -1).all()
     assert mgr.verify(["short"], step).ok
 
 
@@ -739,7 +739,7 @@ def test_verify_on_the_pool_device_against_its_tag_mirror() -> None:
     run_prompt(eng, "a", list(range(9)))
     run_prompt(eng, "b", [7] * 5)
     step = eng.step(["a", "b"], 1)
-    qtags = mgr._sync_tags()
+    qtags = mgr.mirror.sync()
     assert torch.equal(pool.tags, torch.as_tensor(qtags))  # the mirror holds qualified tags
     t = step.tensors("cpu")
     assert t["slot_mapping"].dtype == torch.int64 and t["kv_indices"].dtype == torch.int32
@@ -762,8 +762,8 @@ def test_commit_batch_takes_one_token_each_k_each_or_ragged_lists() -> None:
     mgr.commit_batch(["a", "b"], [np.array([2, 3, 4]), [12]])
     mgr.reserve(["a", "b"], 1)
     mgr.commit_batch(["a", "b"], np.array([5, 13], dtype=np.int32))
-    assert mgr._tokens_of(mgr._rows["a"]).tolist() == [0, 1, 2, 3, 4, 5]
-    assert mgr._tokens_of(mgr._rows["b"]).tolist() == [10, 11, 12, 13]
+    assert mgr.tokens_of("a").tolist() == [0, 1, 2, 3, 4, 5]
+    assert mgr.tokens_of("b").tolist() == [10, 11, 12, 13]
     with pytest.raises(KVMemError, match="token lists"):
         mgr.commit_batch(["a", "b"], [[1]])
     with pytest.raises(KVMemError):
@@ -785,7 +785,8 @@ def decoding(num_steps: int = 3, **kw: Any) -> tuple[KVCacheManager, ToyEngine, 
         step = eng.step(ids, 1)
         assert mgr.verify(ids, step).ok
         eng.commit(ids)
-    assert mgr._verified is not None
+    stats = mgr.verifier.stats
+    assert stats.spliced_proved + stats.incremental_proved == num_steps  # a proof is held
     return mgr, eng, ids
 
 
@@ -805,17 +806,23 @@ def the_rest_proceed(mgr: KVCacheManager, eng: ToyEngine, ids: list[str],
         mgr.check()
 
 
-def spy_spliced(mgr: KVCacheManager) -> list[bool]:
-    """What each verify's quick check of a decode step's spliced entries answered."""
-    answers: list[bool] = []
-    check = mgr._verify_spliced
+class Spliced:
+    """What the verifier's quick check of a decode step's spliced entries answered since
+    this was made (from the verifier's counters)."""
 
-    def spy(*args: Any) -> bool:
-        answers.append(check(*args))
-        return answers[-1]
+    def __init__(self, mgr: KVCacheManager) -> None:
+        self.verifier = mgr.verifier
+        self.before = mgr.verifier.stats
 
-    mgr._verify_spliced = spy  # type: ignore[method-assign]
-    return answers
+    def answers(self) -> tuple[int, int]:
+        """(proved, declined) since."""
+        now = self.verifier.stats
+        return (now.spliced_proved - self.before.spliced_proved,
+                now.spliced_declined - self.before.spliced_declined)
+
+
+def spy_spliced(mgr: KVCacheManager) -> Spliced:
+    return Spliced(mgr)
 
 
 def test_a_decode_loop_checks_only_the_entries_reserve_spliced_in() -> None:
@@ -832,7 +839,7 @@ def test_a_decode_loop_checks_only_the_entries_reserve_spliced_in() -> None:
         step = eng.step(ids, 1)
         assert mgr.verify(ids, step).ok
         eng.commit(ids)
-    assert spliced == [True] * 16
+    assert spliced.answers() == (16, 0)
     eng.check_kv()
     mgr.check()
 
@@ -856,7 +863,7 @@ def test_verify_of_the_next_step_catches_faults_on_entries_it_proved_before(
     if after_reserve:
         fault(mgr)
     report = mgr.verify(ids, step)
-    assert spliced == [False]  # the quick check of the spliced entries saw the fault too
+    assert spliced.answers() == (0, 1)  # the quick check of the spliced entries saw it too
     assert list(report.aborted) == victims
     assert all(any(w in report.aborted[v] for w in what) for v in victims)
     the_rest_proceed(mgr, eng, ids, victims, faulted_pages=True)
@@ -878,7 +885,7 @@ def test_a_slot_mapping_that_sends_a_token_astray_aborts_only_that_request(
     else:  # overwrites a token "c" committed before (its own page or the one before)
         step.slot_mapping[c] -= 1
     report = mgr.verify(ids, step)
-    assert spliced == [False] if num_tokens == 1 else spliced in ([False], [])
+    assert spliced.answers() == (0, 1) if num_tokens == 1 else spliced.answers()[0] == 0
     assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]
     the_rest_proceed(mgr, eng, ids, ["c"])
 
@@ -890,7 +897,7 @@ def test_the_decode_quick_check_catches_a_reserve_that_sent_a_slot_astray() -> N
     mgr, eng, ids = decoding()
     spliced = spy_spliced(mgr)
     step = eng.step(ids, 1)
-    b = mgr._batch
+    b = mgr.steps.latest
     assert b is not None and b.slots is not None and b.token_pages is not None
     c, d = ids.index("c"), ids.index("d")
     stray = int(b.token_pages[d])  # "d" holds it alone: one writer
@@ -898,7 +905,7 @@ def test_the_decode_quick_check_catches_a_reserve_that_sent_a_slot_astray() -> N
         slots[c] = stray * P + slots[c] % P
     b.token_pages[c] = stray
     report = mgr.verify(ids, step)
-    assert spliced == [False]
+    assert spliced.answers() == (0, 1)
     assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]
     the_rest_proceed(mgr, eng, ids, ["c"])
 
@@ -985,7 +992,7 @@ def test_slot_mappings_of_correct_steps_pass_on_every_path() -> None:
         step = eng.step(ids, num)
         assert mgr.verify(ids, step).ok
         eng.commit(ids)
-    mgr._forget_verified()  # nothing proven: the next verify checks everything
+    mgr.verifier.forget()  # nothing proven: the next verify checks everything
     step = eng.step(ids[::-1], 2)
     assert mgr.verify(ids[::-1], step).ok
     assert mgr.verify(ids[::-1], metadata=step.tensors("cpu")).ok  # as tensors, detailed

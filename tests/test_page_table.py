@@ -138,11 +138,17 @@ def test_rows_run_out_with_clear_error() -> None:
         table.add_row()
 
 
-def test_replace_page() -> None:
+def test_generations_change_unless_a_row_only_appends() -> None:
+    """A row's generation names "this request, nothing but appends since": growing keeps it;
+    replacing a page (copy-on-write), closing and reopening the row each change it."""
     alloc, table = make()
     row = table.add_row()
+    gen = int(table.generation[row])
     table.grow([row], 5, alloc)
-    old = table.replace_page(row, 1, 42)
-    assert old == 1 and table.pages[row, 1] == 42
-    with pytest.raises(KVMemError):
-        table.replace_page(row, 2, 7)
+    assert table.generation[row] == gen
+    table.replace_pages(np.array([row]), np.array([1]), np.array([42], dtype=np.int32))
+    assert table.pages[row, 1] == 42 and table.generation[row] != gen
+    gen = int(table.generation[row])
+    table.remove_row(row)
+    again = table.add_row()
+    assert again == row and table.generation[row] not in (gen, 0)

@@ -20,6 +20,24 @@ def bound(num_pages: int = 32, seed: int = 1) -> tuple[HashedPrefixCache, PageAl
     return cache, alloc
 
 
+def insert(cache: HashedPrefixCache, keys: np.ndarray, pages: np.ndarray, tokens: np.ndarray,
+           ns_ids: np.ndarray) -> np.ndarray:
+    """What the manager does on commit: the pages' tokens go into the page-token store (not
+    into a page that is cached already: its content never changes), then the pages are
+    offered."""
+    tokens = np.asarray(tokens).reshape(-1, P)
+    fresh = ~cache.is_cached(pages)
+    cache.page_tokens[pages[fresh]] = tokens[fresh]
+    return cache.insert(keys, pages, ns_ids)
+
+
+def key_of(cache: HashedPrefixCache, parent: np.ndarray, tokens: object, position: int
+           ) -> np.ndarray:
+    """One page's key, from the key function's one-at-a-time path."""
+    return np.array(cache.keys.key_ints(int(parent[0]), int(parent[1]), tokens, position),
+                    dtype=np.uint64)
+
+
 def store(cache: HashedPrefixCache, alloc: PageAllocator, tokens: np.ndarray, ns_name: object,
           ns_id: int) -> np.ndarray:
     """A request computes ``tokens`` (full pages), offers them, and finishes."""
@@ -27,7 +45,7 @@ def store(cache: HashedPrefixCache, alloc: PageAllocator, tokens: np.ndarray, ns
     pages = alloc.allocate(k)
     root = cache.root_key(ns_name)
     keys = cache.page_keys(root[None], np.array([k]), np.array([0]), tokens.reshape(k, P))
-    cache.insert(keys, pages, tokens.reshape(k, P), np.full(k, ns_id))
+    insert(cache, keys, pages, tokens.reshape(k, P), np.full(k, ns_id))
     alloc.free(pages)
     cache.released(pages)
     return pages
@@ -118,7 +136,7 @@ def test_a_first_lane_collision_costs_a_miss_never_a_wrong_page() -> None:
     other = key.copy()
     other[1] ^= np.uint64(1)
     extra = alloc.allocate(1)
-    assert cache.insert(other[None], extra, np.full((1, P), 7), np.zeros(1)).size == 0
+    assert insert(cache, other[None], extra, np.full((1, P), 7), np.zeros(1)).size == 0
     assert cache.match(tokens, None, 10, 0).num_pages == 3 and not cache.check()
 
 
@@ -131,7 +149,7 @@ def test_the_first_page_key_equals_the_prompt_keys(page_size: int) -> None:
     for ns in (None, "tenant", ("lora", 3)):
         tokens = rng.integers(0, 2**31 - 1, 3 * page_size)
         want = cache.prompt_keys(tokens, ns)[0]
-        assert cache._first_key(cache.root_key(ns), tokens) == tuple(want.tolist())
+        assert cache.keys.first_key(cache.root_key(ns), tokens) == tuple(want.tolist())
 
 
 def test_evict_is_lru_by_release_deepest_first_and_frees_pages() -> None:
@@ -169,7 +187,7 @@ def test_insert_keeps_the_first_page_for_a_key_and_dedupes_within_a_call() -> No
     tokens = np.arange(4)
     pages = alloc.allocate(2)
     keys = np.vstack([cache.prompt_keys(tokens, None)] * 2)
-    inserted = cache.insert(keys, pages, np.vstack([tokens, tokens]), np.zeros(2))
+    inserted = insert(cache, keys, pages, np.vstack([tokens, tokens]), np.zeros(2))
     assert inserted.tolist() == [pages[0]]
     assert alloc.refcounts.tolist()[: 2] == [2, 1]
     assert cache.num_cached == 1 and not cache.check()
@@ -211,7 +229,7 @@ def test_match_finds_exactly_the_stored_prefixes(stored: list[tuple[list[int], o
             own = alloc.allocate(k - m.num_pages)
             keys = cache.page_keys(m.last_key[None], np.array([k - m.num_pages]),
                                    np.array([m.num_pages]), full[m.num_pages * P :].reshape(-1, P))
-            cache.insert(keys, own, full[m.num_pages * P :].reshape(-1, P),
+            insert(cache, keys, own, full[m.num_pages * P :].reshape(-1, P),
                          np.full(own.size, ns_ids[ns]))
             held = np.concatenate([m.pages, own])
             alloc.free(held)
@@ -238,7 +256,7 @@ def test_one_key_at_a_time_equals_the_vectorized_keys() -> None:
         parent = rng.integers(0, 2**63, 2).astype(np.uint64)
         position = int(rng.integers(0, 5000))
         want = cache.page_keys(parent[None], np.array([1]), np.array([position]), tokens[None])
-        assert np.array_equal(cache._key_of(parent, tokens.tolist(), position), want[0])
+        assert np.array_equal(key_of(cache, parent, tokens.tolist(), position), want[0])
 
 
 def test_a_recent_match_is_reused_only_while_its_pages_are_cached() -> None:
@@ -388,7 +406,7 @@ def drive(seed: int, num_pages: int, small_buffers: bool, rebuild_often: bool) -
             if rng.random() < 0.2:  # the same pages offered twice in one call
                 keys, rest = np.vstack([keys, keys]), np.vstack([rest, rest])
                 offered, ns_ids = np.concatenate([own, own]), np.concatenate([ns_ids, ns_ids])
-            got = cache.insert(keys, offered, rest, ns_ids)
+            got = insert(cache, keys, offered, rest, ns_ids)
             assert got.tolist() == model.insert(keys, offered, rest, ns_ids)
             for copy in range(copies):
                 pages = np.concatenate([m.pages, own[copy * need : (copy + 1) * need]])
@@ -480,7 +498,7 @@ def test_batched_keys_equal_one_at_a_time_for_any_batch_size_and_int_width() -> 
         tokens[0, 0] = 2**31 - 1
         parents = rng.integers(0, 2**63, (k, 2)).astype(np.uint64)
         positions = rng.integers(0, 3000, k)
-        want = np.array([cache._key_of(parents[i], tokens[i], int(positions[i]))
+        want = np.array([key_of(cache, parents[i], tokens[i], int(positions[i]))
                          for i in range(k)])
         for dtype in (np.int32, np.int64):
             got = cache.page_keys(parents, np.ones(k, dtype=np.int64), positions,

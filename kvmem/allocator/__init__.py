@@ -1,8 +1,57 @@
-"""Page bookkeeping in numpy (no torch): the allocator, the page table, prefix caches, fences."""
+"""Page bookkeeping in numpy (no torch).
+
+::
+
+    _page_allocator.py  PageAllocator: free pages, refcounts, a lifetime tag per page
+    _change_log.py      ChangeLog: pages whose tag changed, a cursor per reader
+    _page_table.py      PageTable: each request's row of pages and its per-row state
+    _step_metadata.py   StepMetadata, StepBuilder: kernel metadata (CSR splice, slot mapping)
+    _fences.py          StepFences: references held until a step retires or a copy is made
+    _prefix_keys.py     PrefixKeys: the chained key function, namespace encoding
+    _prefix_cache.py    PrefixCache (interface), HashedPrefixCache: index, confirmation, LRU
+    _pages.py           Pages: one manager's references (allocate/evict/drop), page contents
+    _reserve.py         Reserver: a batch's token slots, pages, copy-on-write, step metadata
+    _commits.py         Committer: committed tokens, full pages offered to the prefix cache
+"""
 
 from __future__ import annotations
 
+from kvmem.allocator._change_log import ChangeLog, ChangeReader
+from kvmem.allocator._commits import Committer, keys_as_ints
+from kvmem.allocator._fences import StepFences, StepHandle
 from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
-from kvmem.allocator._page_table import PAD, CSRMetadata, GrowResult, PageTable
+from kvmem.allocator._page_table import CSRMetadata, GrowResult, PageTable
+from kvmem.allocator._pages import Pages
+from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
+from kvmem.allocator._prefix_keys import Namespace, PrefixKeys, namespace_bytes
+from kvmem.allocator._reserve import Reserver, token_counts
+from kvmem.allocator._step_metadata import Splice, StepBuilder, StepMetadata, StepRecord
+from kvmem.integrity import PAD
 
-__all__ = ["PAD", "AllocatorStats", "CSRMetadata", "GrowResult", "PageAllocator", "PageTable"]
+__all__ = [
+    "PAD",
+    "AllocatorStats",
+    "CSRMetadata",
+    "ChangeLog",
+    "ChangeReader",
+    "Committer",
+    "GrowResult",
+    "HashedPrefixCache",
+    "Namespace",
+    "PageAllocator",
+    "PageTable",
+    "Pages",
+    "PrefixCache",
+    "PrefixKeys",
+    "PrefixMatch",
+    "Reserver",
+    "Splice",
+    "StepBuilder",
+    "StepFences",
+    "StepHandle",
+    "StepMetadata",
+    "StepRecord",
+    "keys_as_ints",
+    "namespace_bytes",
+    "token_counts",
+]

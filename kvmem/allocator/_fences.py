@@ -1,4 +1,5 @@
-"""Step fences: pages dropped while a step is in flight are freed only when it retires.
+"""Step fences: a page reference dropped while something may still read the page is held
+until that reader is done.
 
 An engine that overlaps host scheduling with device work launches step ``n`` and, while the
 device still runs it, frees the pages of finished requests and schedules step ``n + 1``. Without
@@ -12,6 +13,12 @@ reads it. With one::
 A deferred batch waits for every step that was open when it was deferred, so steps may retire
 in any order. The fence *holds* the references it defers (it does not free them), so the pages
 stay live, keep their tags, and cannot be evicted or reallocated meanwhile.
+
+A copy-on-write source is the same kind of wait: the engine copies it to its new page before
+the step writes there, so it is held (``hold_for_copy``) until the copies are done
+(``copies_done``, which the manager calls at the next ``reserve`` or when no request is left to
+copy for); by then a step in flight may still read it, so the caller defers what comes back.
+One list of pending references, one ``held`` count per page, for both.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from kvmem.errors import KVMemError
 __all__ = ["StepFences", "StepHandle"]
 
 Int32Array = npt.NDArray[np.int32]
+_COPIES = 0  # what copy-on-write sources wait for (steps are numbered from 1)
+_NO_PAGES = np.empty(0, dtype=np.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,17 +50,20 @@ class StepFences:
 
     Attributes
     ----------
-    held: ``[num_pages]``, int32 — references each page has in pending batches
+    held: ``[num_pages]``, int32 — references each page has in pending batches (read-only)
     """
 
     def __init__(self, num_pages: int) -> None:
         self._open: set[int] = set()
         self._next_id = 1
         self._pending: list[tuple[set[int], Int32Array]] = []
-        self.held = np.zeros(num_pages, dtype=np.int32)
+        self._held = np.zeros(num_pages, dtype=np.int32)
+        self.held = self._held.view()
+        self.held.flags.writeable = False
 
     @property
     def in_flight(self) -> bool:
+        """Whether a step is open (begun and not retired)."""
         return bool(self._open)
 
     @property
@@ -60,7 +72,7 @@ class StepFences:
 
     @property
     def holds_any(self) -> bool:
-        """Whether any reference is waiting for a step (``held`` is all zero when not)."""
+        """Whether any reference is waiting (``held`` is all zero when not)."""
         return bool(self._pending)
 
     @property
@@ -76,12 +88,18 @@ class StepFences:
 
     def defer(self, pages: npt.ArrayLike) -> None:
         """Hold these references until every step open now has retired (requires one open)."""
-        pages = as_page_ids(pages)
         if not self._open:
             raise KVMemError("defer() needs a step in flight; free the pages directly instead")
+        self._hold(set(self._open), as_page_ids(pages))
+
+    def hold_for_copy(self, pages: npt.ArrayLike) -> None:
+        """Hold copy-on-write sources until :meth:`copies_done`."""
+        self._hold({_COPIES}, as_page_ids(pages))
+
+    def _hold(self, waits: set[int], pages: Int32Array) -> None:
         if pages.size:
-            self._pending.append((set(self._open), pages.copy()))
-            np.add.at(self.held, pages, 1)
+            self._pending.append((waits, pages.copy()))
+            np.add.at(self._held, pages, 1)
 
     def check_retire(self, handle: StepHandle) -> None:
         if not isinstance(handle, StepHandle) or handle.step_id not in self._open:
@@ -94,17 +112,29 @@ class StepFences:
         """Close a step; returns the references no open step waits for any more (to free)."""
         self.check_retire(handle)
         self._open.discard(handle.step_id)
+        return self._release(handle.step_id)
+
+    def copies_done(self) -> Int32Array:
+        """The engine has made every copy-on-write copy handed out so far: returns the sources
+        held for them (references to drop: defer them if a step is in flight)."""
+        return self._release(_COPIES)
+
+    @property
+    def copies_pending(self) -> bool:
+        return any(_COPIES in waits for waits, _ in self._pending)
+
+    def _release(self, step_id: int) -> Int32Array:
         done: list[Int32Array] = []
         keep: list[tuple[set[int], Int32Array]] = []
         for waits, pages in self._pending:
-            waits.discard(handle.step_id)
+            waits.discard(step_id)
             if waits:
                 keep.append((waits, pages))
             else:
                 done.append(pages)
         self._pending = keep
         if not done:
-            return np.empty(0, dtype=np.int32)
+            return _NO_PAGES
         out = np.concatenate(done)
-        np.subtract.at(self.held, out, 1)
+        np.subtract.at(self._held, out, 1)
         return out

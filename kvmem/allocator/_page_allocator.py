@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem.allocator._change_log import ChangeLog
 from kvmem.errors import IntegrityError, InvalidFreeError, OutOfPagesError
 
 __all__ = ["AllocatorStats", "PageAllocator"]
@@ -70,6 +71,9 @@ class PageAllocator:
         Holders of each page; 0 for a free page.
     tags: ``[num_pages]``, int64, read-only view
         Lifetime tag of each live page (> 0); 0 for a free page.
+    changes: :class:`ChangeLog`
+        Every array of pages whose tag changed (allocate, free), for readers that follow the
+        tags (``changes.reader()``: each reader has its own cursor).
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -85,9 +89,8 @@ class PageAllocator:
         self._tags = np.zeros(self.num_pages, dtype=np.int64)
         self._last_tag = 0
         self._num_frees = 0
-        # Pages whose tag changed since the last pop_changed_pages(): lets a device mirror of the
-        # tags update only what changed.
-        self._changed: list[PageIds] = []
+        self.changes = ChangeLog()
+        self._popped = self.changes.reader()  # pop_changed_pages()'s own cursor
         self.refcounts = self._refcounts.view()
         self.refcounts.flags.writeable = False
         self.tags = self._tags.view()
@@ -141,7 +144,7 @@ class PageAllocator:
         self._refcounts[idx] = 1
         self._tags[idx] = np.arange(self._last_tag + 1, self._last_tag + 1 + num, dtype=np.int64)
         self._last_tag += num
-        self._changed.append(pages)
+        self.changes.append(pages)
         return pages
 
     def share(self, pages: npt.ArrayLike) -> None:
@@ -235,22 +238,18 @@ class PageAllocator:
         self._free_stack[self._num_free : self._num_free + out.size] = out
         self._num_free += out.size
         self._num_frees += out.size
-        self._changed.append(out)
+        self.changes.append(out)
         return out
 
-    def take_changed(self) -> list[PageIds]:
-        """The raw log behind :meth:`pop_changed_pages` (arrays of pages whose tag changed, in
-        order, possibly overlapping), and forget it: for callers that need no sorting."""
-        changed, self._changed = self._changed, []
-        return changed
-
     def pop_changed_pages(self) -> PageIds:
-        """Pages whose tag changed since the last call (unique, int32), and forget them."""
-        if not self._changed:
-            return np.empty(0, dtype=np.int32)
-        changed = np.unique(np.concatenate(self._changed))
-        self._changed.clear()
-        return changed
+        """Pages whose tag changed since the previous call (or since the allocator was made):
+        ``[k]``, int32, ascending. Every page when too many changes went unread.
+
+        This call has a cursor of its own in :attr:`changes`: it hides nothing from any other
+        reader (a device mirror, the manager's verifier), and they hide nothing from it.
+        """
+        got = self._popped.read_pages()
+        return np.arange(self.num_pages, dtype=np.int32) if got is None else got
 
     # -- validation ---------------------------------------------------------------------------
 

@@ -1,10 +1,19 @@
-"""PageTable: which pages each live request maps, and the kernel metadata for a batch of rows.
+"""PageTable: which pages each live request maps, the request's per-row state, and the page
+positions behind a batch's kernel metadata.
 
 One row per live request::
 
-    pages[row]       | p0 | p1 | p2 | -1 | -1 | ... |     (PAD = -1 past the mapped pages)
-    num_pages[row]     3
-    num_tokens[row]    37    (tokens with a slot; page_size 16 -> the last page holds 5)
+    pages[row]          | p0 | p1 | p2 | -1 | -1 | ... |     (PAD = -1 past the mapped pages)
+    num_pages[row]        3
+    num_tokens[row]       37    tokens with a slot (page_size 16 -> the last page holds 5)
+    num_committed[row]    36    tokens whose K/V the engine said it wrote (<= num_tokens)
+    write_from[row]       36    first slot the latest reserve handed out
+    namespace_ids[row]    the manager's id of the request's namespace
+    prefix_keys[row]      prefix-cache key of the row's last committed full page (chain parent)
+    forked[row]           a fork may share the row's partly filled tail (copy it on write)
+    generation[row]       changes whenever the row's mapped columns change other than by
+                          appending (opened, closed, a page replaced): equal generations mean
+                          the same request with nothing but appends since
 
 Token ``t`` of a row lives in slot ``pages[row, t // page_size] * page_size + t % page_size``.
 A row may map pages ahead of its tokens (reserved room); kernel metadata covers only the pages
@@ -13,21 +22,27 @@ that hold tokens. Every per-step method is vectorized over rows.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.allocator._page_allocator import PageAllocator, as_page_ids
-from kvmem.errors import KVMemError
+from kvmem.allocator._page_allocator import as_page_ids
+from kvmem.errors import ArgumentError, KVMemError
+from kvmem.integrity import PAD
 
 __all__ = ["PAD", "CSRMetadata", "GrowResult", "PageTable"]
 
-PAD = -1
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]  # rows as indices (numpy indexes with intp fastest)
+
+
+class Allocates(Protocol):
+    """Where :meth:`PageTable.grow` takes pages from (a :class:`PageAllocator`, say)."""
+
+    def allocate(self, num: int) -> Int32Array: ...
 
 
 class CSRMetadata(NamedTuple):
@@ -82,7 +97,7 @@ class PageTable:
             ("page_size", page_size),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise ArgumentError(f"{name} must be a positive int, got {value!r}")
         self.max_seqs = int(max_seqs)
         self.max_pages_per_seq = int(max_pages_per_seq)
         self.page_size = int(page_size)
@@ -91,10 +106,19 @@ class PageTable:
         self._slot_offsets = np.arange(self.page_size, dtype=np.int64)  # slot within a page
         self.num_pages = np.zeros(self.max_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(self.max_seqs, dtype=np.int64)
+        self.num_committed = np.zeros(self.max_seqs, dtype=np.int64)
+        self.write_from = np.zeros(self.max_seqs, dtype=np.int64)
+        self.namespace_ids = np.zeros(self.max_seqs, dtype=np.int64)
+        self.prefix_keys = np.zeros((self.max_seqs, 2), dtype=np.uint64)
+        self.forked = np.zeros(self.max_seqs, dtype=bool)
+        self.num_forked = 0  # rows with forked set
+        self.generation = np.zeros(self.max_seqs, dtype=np.int64)
+        self.epoch = 0  # generation changes so far, over all rows
         self._free_rows = list(range(self.max_seqs - 1, -1, -1))
         self._live = np.zeros(self.max_seqs, dtype=bool)
         self._stamp = np.zeros(self.max_seqs, dtype=np.int64)  # scratch for the distinct check
-        self._arange = np.arange(max(self.max_seqs, self.max_pages_per_seq), dtype=np.int64)
+        self._arange = np.arange(max(self.max_seqs, self.max_pages_per_seq, self.page_size) + 1,
+                                 dtype=np.int64)
 
     # -- rows -----------------------------------------------------------------------------------
 
@@ -102,8 +126,20 @@ class PageTable:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
-    def is_live(self, row: int) -> bool:
-        return bool(self._live[row])
+    @property
+    def live_rows(self) -> IntpArray:
+        """Rows that are open: ``[k]``, intp, ascending."""
+        return self._live.nonzero()[0]
+
+    def touch(self, rows: int | npt.NDArray[np.integer]) -> None:
+        """Give rows a new generation: their mapped columns changed other than by appending."""
+        if isinstance(rows, (int, np.integer)):
+            self.epoch += 1
+            self.generation[rows] = self.epoch
+        else:
+            n = len(rows)
+            self.generation[rows] = self.epoch + 1 + self._arange[:n]
+            self.epoch += n
 
     def add_row(self) -> int:
         """Open an empty row for a new request."""
@@ -119,12 +155,14 @@ class PageTable:
         rows = np.array(self._free_rows[len(self._free_rows) - num :][::-1], dtype=np.int32)
         del self._free_rows[len(self._free_rows) - num :]
         self._live[rows] = True
+        self.touch(rows)
         return rows
 
-    def open_row(self, pages: Int32Array, num_tokens: int) -> int:
-        """:meth:`add_row`, :meth:`map_pages` and :meth:`set_num_tokens` at once, for an
-        admission: a new row mapping ``pages`` (``[k]``, int32, held by the caller) of which
-        ``num_tokens`` slots hold tokens. Raises KVMemError, changing nothing, if it cannot."""
+    def open_row(self, pages: Int32Array, num_tokens: int, num_committed: int | None = None,
+                 namespace_id: int = 0, prefix_key: npt.NDArray[np.uint64] | None = None) -> int:
+        """A new row mapping ``pages`` (``[k]``, int32, held by the caller) of which
+        ``num_tokens`` slots hold tokens, ``num_committed`` of them (default all) committed:
+        an admission or a fork. Raises KVMemError, changing nothing, if it cannot."""
         num = int(pages.size)
         if num > self.max_pages_per_seq or not 0 <= num_tokens <= num * self.page_size:
             raise KVMemError(
@@ -138,9 +176,13 @@ class PageTable:
             )
         row = self._free_rows.pop()
         self._live[row] = True
+        self.touch(row)
         self.pages[row, :num] = pages
         self.num_pages[row] = num
-        self.num_tokens[row] = num_tokens
+        self.num_tokens[row] = self.write_from[row] = num_tokens
+        self.num_committed[row] = num_tokens if num_committed is None else num_committed
+        self.namespace_ids[row] = namespace_id
+        self.prefix_keys[row] = 0 if prefix_key is None else prefix_key
         return row
 
     def remove_row(self, row: int) -> Int32Array:
@@ -150,9 +192,7 @@ class PageTable:
         num = int(self.num_pages[row])
         pages = self.pages[row, :num].copy()
         self.pages[row, :num] = PAD
-        self.num_pages[row] = 0
-        self.num_tokens[row] = 0
-        self._live[row] = False
+        self._reset(row)
         self._free_rows.append(row)
         return pages
 
@@ -164,16 +204,25 @@ class PageTable:
         block = self.pages[rows, :width]
         pages = block[block != PAD]  # mapped pages are never PAD, and PAD follows them
         self.pages[rows, :width] = PAD
-        self.num_pages[rows] = 0
-        self.num_tokens[rows] = 0
-        self._live[rows] = False
+        self._reset(rows)
         self._free_rows.extend(rows.tolist())
         return pages
+
+    def _reset(self, rows: int | IntpArray) -> None:
+        self.num_forked -= int(np.count_nonzero(self.forked[rows]))
+        for arr in (self.num_pages, self.num_tokens, self.num_committed, self.write_from,
+                    self.namespace_ids, self.prefix_keys, self.forked):
+            arr[rows] = 0
+        self._live[rows] = False
+        self.touch(rows)
 
     def map_pages(self, row: int, pages: npt.ArrayLike) -> None:
         """Append already-held pages (a prefix hit, a fork) to a row; the caller holds them."""
         pages = as_page_ids(pages)
         self._require_live_rows(np.array([row]))
+        if pages.size and int(pages.min()) < 0:
+            raise ArgumentError(f"map_pages() got page ids {pages[pages < 0].tolist()[:8]}; "
+                                "page ids are >= 0 (PAD marks the end of a row)")
         start = int(self.num_pages[row])
         if start + pages.size > self.max_pages_per_seq:
             raise KVMemError(
@@ -185,6 +234,7 @@ class PageTable:
 
     def set_num_tokens(self, row: int, num_tokens: int) -> None:
         """Declare that ``num_tokens`` of the row's slots hold tokens (e.g. after a prefix hit)."""
+        self._require_live_rows(np.array([row]))
         num_slots = int(self.num_pages[row]) * self.page_size
         if not 0 <= num_tokens <= num_slots:
             raise KVMemError(
@@ -193,13 +243,18 @@ class PageTable:
             )
         self.num_tokens[row] = num_tokens
 
-    def replace_page(self, row: int, position: int, page: int) -> int:
-        """Put ``page`` at column ``position`` of ``row`` (copy-on-write); returns the old page."""
-        if not 0 <= position < self.num_pages[row]:
-            raise KVMemError(f"row {row} maps {self.num_pages[row]} pages; no position {position}")
-        old = int(self.pages[row, position])
-        self.pages[row, position] = page
-        return old
+    def replace_pages(self, rows: IntpArray, cols: npt.NDArray[np.integer],
+                      pages: Int32Array) -> None:
+        """Put ``pages`` at ``(rows, cols)`` (copy-on-write: the columns are mapped already);
+        the rows get new generations."""
+        self.pages[rows, cols] = pages
+        self.touch(rows)
+
+    def set_forked(self, rows: npt.NDArray[np.integer], forked: bool) -> None:
+        """Mark (or unmark) rows whose partly filled tail a fork may share."""
+        before = int(np.count_nonzero(self.forked[rows]))
+        self.forked[rows] = forked
+        self.num_forked += int(np.count_nonzero(self.forked[rows])) - before
 
     def row_pages(self, row: int) -> Int32Array:
         return self.pages[row, : self.num_pages[row]]
@@ -214,7 +269,7 @@ class PageTable:
         return np.maximum(needed, 0)
 
     def grow(
-        self, rows: npt.ArrayLike, num_new_tokens: int | npt.ArrayLike, allocator: PageAllocator
+        self, rows: npt.ArrayLike, num_new_tokens: int | npt.ArrayLike, allocator: Allocates
     ) -> GrowResult:
         """Give each row ``num_new_tokens`` more token slots, allocating pages only where a row
         crosses a page boundary. All or nothing: on any error nothing changes.
@@ -223,7 +278,8 @@ class PageTable:
         ----------
         rows: ``[B]``, int — distinct live rows
         num_new_tokens: int or ``[B]``, int — tokens each row gains (>= 0)
-        allocator: where new pages come from
+        allocator: where new pages come from (a PageAllocator, or anything whose
+            ``allocate(num)`` returns ``num`` pages or raises changing nothing)
 
         Returns
         -------
@@ -256,7 +312,7 @@ class PageTable:
         return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
 
     def _grow_by_at_most_one_page(
-        self, rows: IntpArray, num_new: int, allocator: PageAllocator
+        self, rows: IntpArray, num_new: int, allocator: Allocates
     ) -> GrowResult:
         """The decode step: every row gains ``num_new <= page_size`` tokens, so at most one page."""
         start = self.num_tokens[rows]

@@ -12,13 +12,14 @@ allocator reference on every page it remembers; a remembered page nobody else ho
     used and cached       >= 2       requests + the cache
     cached, evictable     1          the cache alone        <- LRU victims
 
-Keys are chained: the key of page ``i`` of a prompt is computed from the key of page ``i - 1``,
-the page's position and its token ids, starting from a root key derived from the namespace. So
-a key names a whole prefix in one namespace, and two namespaces never share a key. Keys are
-128 bits, stored as ``[k, 2]`` uint64 arrays (one row per page); the index maps a key's first
-64-bit lane to a page, and every entry found is confirmed against the whole key, the lifetime
-tag, the token ids and the namespace stored with the page, so a hash collision can cost a miss
-but never a wrong page. Forgetting a page does not touch the index: its entry goes stale (the
+Keys are chained (``kvmem.allocator._prefix_keys``, the key function): the key of page ``i`` of
+a prompt is computed from the key of page ``i - 1``, the page's position and its token ids,
+starting from a root key derived from the namespace. So a key names a whole prefix in one
+namespace, and two namespaces never share a key. Keys are 128 bits, stored as ``[k, 2]`` uint64
+arrays (one row per page); the index maps a key's first 64-bit lane to a page, and every entry
+found is confirmed against the whole key, the lifetime tag, the page's token ids (read from the
+manager's store of page tokens: stored once) and its namespace, so a hash collision can cost a
+miss but never a wrong page. Forgetting a page does not touch the index: its entry goes stale (the
 page is no longer cached, or is cached under another key) and is overwritten by the next insert
 of that key or dropped when the index is rebuilt, so eviction costs no per-page Python work.
 
@@ -27,24 +28,22 @@ numpy and hashlib only: no torch.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvmem.allocator._page_allocator import PageAllocator, as_page_ids, equal_arrays
+from kvmem.allocator._prefix_keys import KeyArray, Namespace, PrefixKeys, namespace_bytes
+from kvmem.errors import ArgumentError
 
-__all__ = ["HashedPrefixCache", "PrefixCache", "PrefixMatch", "namespace_bytes"]
+__all__ = ["HashedPrefixCache", "Namespace", "PrefixCache", "PrefixMatch", "namespace_bytes"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
-KeyArray = npt.NDArray[np.uint64]  # [k, 2]: one 128-bit key per row
-
-Namespace = Hashable  # None, str, int, bytes, or a tuple of those (tenant, LoRA id, salt, ...)
 
 
 class PrefixMatch(NamedTuple):
@@ -71,30 +70,6 @@ class PrefixMatch(NamedTuple):
         return self.keys[-1] if self.pages.size else self.root_key
 
 
-def namespace_bytes(namespace: Namespace) -> bytes:
-    """A stable, injective byte encoding of a namespace (None, str, int, bytes or a tuple)."""
-    if namespace is None:
-        return b"n"
-    if isinstance(namespace, bool):
-        return b"o1" if namespace else b"o0"
-    if isinstance(namespace, int):
-        return b"i" + str(namespace).encode()
-    if isinstance(namespace, str):
-        data = namespace.encode()
-        return b"s" + str(len(data)).encode() + b":" + data
-    if isinstance(namespace, bytes):
-        return b"b" + str(len(namespace)).encode() + b":" + namespace
-    if isinstance(namespace, tuple):
-        parts = [namespace_bytes(x) for x in namespace]
-        return b"t" + str(len(parts)).encode() + b"(" + b"".join(
-            str(len(p)).encode() + b":" + p for p in parts
-        ) + b")"
-    raise TypeError(
-        f"a namespace must be None, str, int, bytes or a tuple of those, got "
-        f"{type(namespace).__name__}; encode other values (a LoRA config, an image hash) as one"
-    )
-
-
 class PrefixCache(ABC):
     """What the manager needs from a prefix-reuse policy.
 
@@ -108,8 +83,12 @@ class PrefixCache(ABC):
     page_size: int
 
     @abstractmethod
-    def bind(self, allocator: PageAllocator, page_size: int) -> None:
-        """Attach to the allocator whose pages the cache will hold."""
+    def bind(self, allocator: PageAllocator, page_size: int,
+             page_tokens: npt.NDArray[np.int32] | None = None) -> None:
+        """Attach to the allocator whose pages the cache will hold. ``page_tokens``
+        (``[num_pages, page_size]``, read-only) holds the token ids committed into each
+        page, written by the manager; without it the cache keeps a store of its own
+        (``page_tokens`` attribute) that its caller writes before :meth:`insert`."""
 
     @abstractmethod
     def root_key(self, namespace: Namespace) -> KeyArray:
@@ -142,14 +121,15 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
+    def insert(self, keys: KeyArray, pages: Int32Array,
                namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
-        """Remember full pages under their keys; a key already cached keeps its page.
+        """Remember full pages under their keys; a key already cached keeps its page. The
+        pages' token ids are in the page-token store (:meth:`bind`).
 
         Parameters
         ----------
         keys: ``[k, 2]``, uint64; pages: ``[k]``, int32 (held by requests);
-        token_ids: ``[k, page_size]``; namespace_ids: ``[k]`` (the manager's ids)
+        namespace_ids: ``[k]`` (the manager's ids)
 
         Returns
         -------
@@ -224,62 +204,18 @@ class PrefixCache(ABC):
 
 # -- the hashed-prefix cache ------------------------------------------------------------------
 
-# 0-d arrays rather than numpy scalars: a ufunc takes them as they are, a scalar is converted
-# on every call.
-_M1 = np.array(0xFF51AFD7ED558CCD, dtype=np.uint64)
-_M2 = np.array(0xC4CEB9FE1A85EC53, dtype=np.uint64)
-_S33 = np.array(33, dtype=np.uint64)
-_S31 = np.array(31, dtype=np.uint64)
-_ONE = np.array(1, dtype=np.uint64)
-_LANES = np.dtype((np.void, 16))  # a row of two uint64 lanes as one item
-_MASK = (1 << 64) - 1
-_M1_INT = int(_M1)
-_M2_INT = int(_M2)
-
-
 _NO_PAGES = np.empty(0, dtype=np.int32)
 _NO_PAGES.flags.writeable = False
 _NO_KEYS = np.empty((0, 2), dtype=np.uint64)
 _NO_KEYS.flags.writeable = False
 
 
-def _fmix_int(s: int) -> int:
-    """:func:`_fmix` of one value (taken modulo 2**64), in Python ints."""
-    s &= _MASK
-    s ^= s >> 33
-    s = (s * _M1_INT) & _MASK
-    s ^= s >> 33
-    s = (s * _M2_INT) & _MASK
-    return s ^ (s >> 33)
-
-
-def _fmix(x: npt.NDArray[np.uint64], tmp: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """64-bit finalizer (avalanche): every output bit depends on every input bit. In place;
-    ``tmp``: scratch of ``x``'s shape."""
-    np.right_shift(x, _S33, out=tmp)
-    x ^= tmp
-    x *= _M1
-    np.right_shift(x, _S33, out=tmp)
-    x ^= tmp
-    x *= _M2
-    np.right_shift(x, _S33, out=tmp)
-    x ^= tmp
-    return x
-
-
 class HashedPrefixCache(PrefixCache):
-    """Chained 128-bit page keys in a dict; LRU eviction of pages only the cache holds.
+    """Chained 128-bit page keys (:class:`~kvmem.allocator._prefix_keys.PrefixKeys`) in a
+    dict; LRU eviction of pages only the cache holds.
 
-    Key of page ``i`` (per 64-bit lane ``l`` of two, all arithmetic modulo 2**64)::
-
-        s_i   = sum_c  xorshift((token[c] + 1) * K[l, c])      (c = 0 .. page_size-1)
-        g_i   = fmix(s_i + (i + 1) * Q[l])
-        key_i = key_{i-1} + g_i,      key_{-1} = root(namespace) = blake2b(secret, namespace)
-
-    ``K`` and ``Q`` are random odd constants drawn from ``seed``, so the keys of a whole prompt
-    come from a dozen vectorized numpy calls instead of a hash call per page. The keys are keyed,
-    not cryptographic: every hit is confirmed against the page's stored token ids and namespace,
-    so a collision can only cost a miss, never a wrong page. Pass ``seed`` to make keys
+    Every hit is confirmed against the page's stored token ids and namespace, so a key
+    collision can only cost a miss, never a wrong page. Pass ``seed`` to make keys
     reproducible across processes (a cache-aware router recomputes them); leave it None for a
     per-process secret.
 
@@ -291,43 +227,38 @@ class HashedPrefixCache(PrefixCache):
     def __init__(self, seed: int | None = None) -> None:
         if seed is None:
             seed = int.from_bytes(os.urandom(16), "little")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ArgumentError(f"seed must be a non-negative int or None, got {seed!r}")
         self.seed = int(seed)
-        rng = np.random.default_rng(self.seed)
-        self._secret = rng.bytes(32)
-        self._rng = rng
         self.page_size = 0
         self._allocator: PageAllocator | None = None
         # First 64-bit lane of a key -> page. An entry may be stale (its page was forgotten, or
         # cached again under another key): lookups confirm it (_live_page, _walk).
         self._index: dict[int, int] = {}
-        self._roots: dict[Namespace, KeyArray] = {}
 
     # -- binding ------------------------------------------------------------------------------
 
-    def bind(self, allocator: PageAllocator, page_size: int) -> None:
+    def bind(self, allocator: PageAllocator, page_size: int,
+             page_tokens: npt.NDArray[np.int32] | None = None) -> None:
         if self._allocator is not None:
-            raise ValueError("this prefix cache is already bound to an allocator; make a new one")
+            raise ArgumentError("this prefix cache is already bound to an allocator; make a new "
+                                "one for each manager")
         self._allocator = allocator
         self._rc = allocator.refcounts  # read-only views, looked up once
         self._atags = allocator.tags
         self.page_size = int(page_size)
         n = allocator.num_pages
-        self._K = self._rng.integers(1, 2**63, size=(2, self.page_size), dtype=np.uint64)
-        self._K |= np.uint64(1)  # [2, page_size]: one row per lane
-        self._Q = self._rng.integers(1, 2**63, size=2, dtype=np.uint64) | np.uint64(1)
-        self._pq = self._position_table(1024)
-        self._Q_int = [int(v) for v in self._Q]  # for one key at a time (_key_ints)
-        self._ones = np.ones(self.page_size, dtype=np.uint64)  # sums tokens by matmul
-        # Scratch for _page_values, [pages, 2 * page_size] each: see _hash_buffers.
-        self._hash_x = self._hash_y = self._K_rows = np.empty((0, 2 * self.page_size), np.uint64)
+        self.keys = PrefixKeys(self.seed, self.page_size)
+        if page_tokens is None:
+            page_tokens = np.zeros((n, self.page_size), dtype=np.int32)
+        self.page_tokens = page_tokens
         # Recent matches, by (namespace, namespace id, first page's token bytes): (tokens of the
         # prompt's full pages, matched pages, their tags, their keys). A prompt that shares
         # pages with a recent one reuses what that match found instead of hashing them again.
-        self._memo: dict[tuple[Any, int | None, bytes], tuple[Int64Array, Int32Array,
-                                                              Int64Array, KeyArray]] = {}
+        self._memo: dict[tuple[bytes, int | None, bytes], tuple[Int64Array, Int32Array,
+                                                                Int64Array, KeyArray]] = {}
         self._cached = np.zeros(n, dtype=bool)
         self._keys = np.zeros((n, 2), dtype=np.uint64)  # key of each cached page
-        self._tokens = np.zeros((n, self.page_size), dtype=np.int64)  # for confirming hits
         self._namespace = np.zeros(n, dtype=np.int64)  # manager's namespace id of each page
         self._tag = np.zeros(n, dtype=np.int64)  # the page's tag when it was cached
         # LRU of evictable pages: a FIFO of (page, stamp) entries in two flat buffers,
@@ -354,64 +285,10 @@ class HashedPrefixCache(PrefixCache):
             raise ValueError("the prefix cache is not bound; give it to a KVCacheManager first")
         return self._allocator
 
-    # -- keys --------------------------------------------------------------------------------
+    # -- keys (the key function is PrefixKeys') ----------------------------------------------
 
     def root_key(self, namespace: Namespace) -> KeyArray:
-        root = self._roots.get(namespace)
-        if root is None:
-            digest = hashlib.blake2b(
-                namespace_bytes(namespace), digest_size=16, key=self._secret
-            ).digest()
-            root = np.frombuffer(digest, dtype=np.uint64).copy()
-            self._roots[namespace] = root
-        return root
-
-    def _page_values(self, token_ids: npt.NDArray[np.integer],
-                     positions: npt.NDArray[np.integer]) -> KeyArray:
-        """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[k, 2]``
-        (a fresh array)."""
-        k, p = token_ids.shape
-        x, y, k_rows = self._hash_buffers(k)
-        # A row per page: its tokens once per lane, so that no operation broadcasts (a
-        # broadcast runs a short loop per page and lane: twice the cost at a decode step).
-        np.concatenate((token_ids, token_ids), axis=1, out=x, casting="unsafe")
-        x += _ONE
-        x *= k_rows  # (token + 1) * K: token 0 still moves the sum
-        np.right_shift(x, _S31, out=y)
-        x ^= y
-        # The sum per page and lane, [k, 2]: a matmul with ones costs less than np.add.reduce.
-        s = np.matmul(x.reshape(k, 2, p), self._ones)
-        s += self._position_values(positions)
-        return _fmix(s, np.empty_like(s))
-
-    def _hash_buffers(self, k: int) -> tuple[KeyArray, KeyArray, KeyArray]:
-        """Scratch for :meth:`_page_values` of ``k`` pages, ``x`` and ``y``, and ``K`` (both
-        lanes) repeated for each page: ``[k, 2 * page_size]``, uint64. A prompt's worth of
-        fresh temporaries costs more than hashing into them."""
-        if k > self._K_rows.shape[0]:
-            row = self._K.reshape(1, -1)
-            if k * self.page_size > 1 << 20:  # a rare huge batch: temporaries, not kept
-                x = np.empty((k, row.size), np.uint64)
-                return x, np.empty_like(x), row
-            size = max(k, 2 * self._K_rows.shape[0])
-            self._hash_x = np.empty((size, row.size), np.uint64)
-            self._hash_y = np.empty_like(self._hash_x)
-            self._K_rows = np.repeat(row, size, axis=0)
-        return self._hash_x[:k], self._hash_y[:k], self._K_rows[:k]
-
-    def _position_values(self, positions: npt.NDArray[np.integer]) -> KeyArray:
-        """``(position + 1) * Q`` per lane: ``[k, 2]``, uint64 (from a table grown on demand)."""
-        try:
-            return self._pq[positions].view(np.uint64).reshape(-1, 2)
-        except IndexError:  # a position past the table (positions are never negative)
-            self._pq = self._position_table(max(2 * self._pq.size, int(np.max(positions)) + 1))
-            return self._pq[positions].view(np.uint64).reshape(-1, 2)
-
-    def _position_table(self, size: int) -> npt.NDArray[np.void]:
-        """``(position + 1) * Q`` for positions ``0 .. size-1``, a row per position as one
-        item (gathering ``[k]`` items costs half gathering ``[k, 2]`` rows)."""
-        table = np.arange(1, size + 1, dtype=np.uint64)[:, None] * self._Q
-        return table.view(_LANES).reshape(size)
+        return self.keys.root(namespace)
 
     def prompt_keys(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
                     max_pages: int | None = None) -> KeyArray:
@@ -419,64 +296,14 @@ class HashedPrefixCache(PrefixCache):
 
         This is what a cache-aware router computes (with the same ``seed``) to follow events.
         """
-        p = self.page_size
-        k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
-        if k <= 0:
-            return np.empty((0, 2), dtype=np.uint64)
-        keys = self._page_values(token_ids[: k * p].reshape(k, p), np.arange(k))
-        np.cumsum(keys, axis=0, out=keys)
-        keys += self.root_key(namespace)
-        return keys
+        return self.keys.prompt_keys(token_ids, self.root_key(namespace), max_pages)
 
     def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
                   first_positions: npt.NDArray[np.integer],
                   token_ids: npt.NDArray[np.integer]) -> KeyArray:
-        token_ids = np.asarray(token_ids)
-        counts = np.asarray(counts)
-        if token_ids.size == counts.size * self.page_size:
-            # One page per run (the decode step): no segmented sum.
-            keys = self._page_values(token_ids.reshape(-1, self.page_size), first_positions)
-            keys += np.asarray(parent_keys, dtype=np.uint64)
-            return keys
-        counts = counts.astype(np.int64, copy=False)
-        total = int(counts.sum())
-        if total == 0:
-            return np.empty((0, 2), dtype=np.uint64)
-        starts = np.cumsum(counts) - counts
-        within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
-        positions = np.repeat(np.asarray(first_positions, dtype=np.int64), counts) + within
-        g = self._page_values(token_ids.reshape(total, self.page_size), positions)
-        # Segmented cumulative sum (mod 2**64): the global one, less the sum before each run,
-        # plus the run's parent key. sums[i]: the sum of g before page i.
-        sums = np.zeros((total + 1, 2), dtype=np.uint64)
-        np.cumsum(g, axis=0, out=sums[1:])
-        offsets = sums[starts] - np.asarray(parent_keys, dtype=np.uint64)
-        keys = sums[1:]
-        keys -= np.repeat(offsets, counts, axis=0)
-        return keys
+        return self.keys.page_keys(parent_keys, counts, first_positions, token_ids)
 
     # -- match -------------------------------------------------------------------------------
-
-    def _key_of(self, parent: KeyArray, tokens: npt.ArrayLike, position: int) -> KeyArray:
-        """The key of one page (``tokens``: its ``page_size`` ids): equal to :meth:`page_keys`."""
-        return np.array(self._key_ints(int(parent[0]), int(parent[1]), tokens, position),
-                        dtype=np.uint64)
-
-    def _key_ints(self, parent0: int, parent1: int, tokens: npt.ArrayLike,
-                  position: int) -> tuple[int, int]:
-        """:meth:`_key_of` as two Python ints (the key's lanes): five numpy calls for the
-        token sums, the rest in Python ints (cheaper than numpy on two values)."""
-        x = np.multiply(tokens, self._K, dtype=np.uint64, casting="unsafe")
-        x += self._K
-        x ^= x >> _S31
-        s0, s1 = np.add.reduce(x, axis=1, dtype=np.uint64).tolist()
-        q0, q1 = self._Q_int
-        return ((parent0 + _fmix_int(s0 + (position + 1) * q0)) & _MASK,
-                (parent1 + _fmix_int(s1 + (position + 1) * q1)) & _MASK)
-
-    def _first_key(self, root: KeyArray, tokens: Int64Array) -> tuple[int, int]:
-        """Key of page 0 (``tokens[:page_size]``) chained from ``root``, as two Python ints."""
-        return self._key_ints(int(root[0]), int(root[1]), tokens[: self.page_size], 0)
 
     def _entry_live(self, key0: int, page: int) -> bool:
         """Whether the index entry ``key0 -> page`` is live: the page is cached, under a key
@@ -499,7 +326,7 @@ class HashedPrefixCache(PrefixCache):
         if k <= 0 or not self._num_cached:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         tokens = np.asarray(token_ids[: k * p], dtype=np.int64)
-        memo_key = (namespace, namespace_id, tokens[:p].tobytes())
+        memo_key = (namespace_bytes(namespace), namespace_id, tokens[:p].tobytes())
         memo = self._memo.get(memo_key)
         if memo is not None:
             m_tokens, m_pages, m_tags, m_keys = memo
@@ -514,7 +341,7 @@ class HashedPrefixCache(PrefixCache):
             # next page not cached (it usually misses). Otherwise walk.
             if (equal_arrays(self._tag[idx], tags)
                     and equal_arrays(self.allocator.tags[idx], tags)
-                    and (found == k or self._live_page(*self._key_ints(
+                    and (found == k or self._live_page(*self.keys.key_ints(
                         *((int(keys[-1, 0]), int(keys[-1, 1])) if found
                           else (int(root[0]), int(root[1]))),
                         tokens[found * p : (found + 1) * p], found)) is None)):
@@ -535,7 +362,7 @@ class HashedPrefixCache(PrefixCache):
 
         Page 0 is hashed and looked up first, alone: a prompt that misses on it (most prompts
         without a shared prefix) costs no more hashing."""
-        if self._live_page(*self._first_key(self.root_key(namespace), tokens)) is None:
+        if self._live_page(*self.keys.first_key(self.root_key(namespace), tokens)) is None:
             return _NO_PAGES, _NO_KEYS
         keys = self.prompt_keys(tokens, namespace, k)
         get = self._index.get
@@ -552,7 +379,7 @@ class HashedPrefixCache(PrefixCache):
         n = idx.size
         ok = self._cached[idx]
         ok &= (self._keys[idx] == keys[:n]).all(axis=1)
-        ok &= (self._tokens[idx] == tokens[: n * p].reshape(n, p)).all(axis=1)
+        ok &= (self.page_tokens[idx] == tokens[: n * p].reshape(n, p)).all(axis=1)
         # Still the lifetime that was cached: a page freed behind the cache's back (and maybe
         # reallocated) is never handed out, even before anyone notices.
         ok &= self.allocator.tags[idx] == self._tag[idx]
@@ -562,7 +389,7 @@ class HashedPrefixCache(PrefixCache):
             n = int(np.argmin(ok))
         return idx[:n].astype(np.int32), keys[:n]
 
-    def _remember_match(self, memo_key: tuple[Any, int | None, bytes], tokens: Int64Array,
+    def _remember_match(self, memo_key: tuple[bytes, int | None, bytes], tokens: Int64Array,
                         pages: Int32Array, keys: KeyArray) -> None:
         if len(self._memo) >= 256:
             self._memo.clear()
@@ -570,7 +397,7 @@ class HashedPrefixCache(PrefixCache):
 
     # -- insert / remove ---------------------------------------------------------------------
 
-    def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
+    def insert(self, keys: KeyArray, pages: Int32Array,
                namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
         pages = as_page_ids(pages)
         if pages.size == 0:
@@ -586,7 +413,7 @@ class HashedPrefixCache(PrefixCache):
             # stale entry that already names the page) ...
             got = list(map(index.setdefault, kl, plist))
             if got == plist:
-                return self._remember(keys, pages, idx, token_ids, namespace_ids)
+                return self._remember(keys, pages, idx, namespace_ids)
         # ... else, key by key: a key cached under another page, or listed earlier in this call,
         # keeps its page; a stale entry is overwritten; a page is remembered under one key.
         was_cached = cached.tolist()
@@ -606,11 +433,9 @@ class HashedPrefixCache(PrefixCache):
         if not take:
             return np.empty(0, dtype=np.int32)
         if len(take) == len(plist):
-            return self._remember(keys, pages, idx, token_ids, namespace_ids)
+            return self._remember(keys, pages, idx, namespace_ids)
         sel = np.array(take, dtype=np.intp)
-        return self._remember(keys[sel], pages[sel], idx[sel],
-                              np.asarray(token_ids).reshape(-1, self.page_size)[sel],
-                              np.asarray(namespace_ids)[sel])
+        return self._remember(keys[sel], pages[sel], idx[sel], np.asarray(namespace_ids)[sel])
 
     def _rebuild_index(self) -> None:
         """Drop the stale entries: the index again maps exactly the cached pages' keys."""
@@ -618,14 +443,12 @@ class HashedPrefixCache(PrefixCache):
         self._index = dict(zip(self._keys[cached, 0].tolist(), cached.tolist()))
 
     def _remember(self, keys: KeyArray, pages: Int32Array, idx: npt.NDArray[np.intp],
-                  token_ids: npt.NDArray[np.integer],
                   namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
         """Record pages just added to the index (distinct, not cached before; ``idx``: the same
         as intp) and hold them."""
         self.allocator.share_distinct(idx)
         self._cached[idx] = True
         self._keys[idx] = keys
-        self._tokens[idx] = np.asarray(token_ids).reshape(-1, self.page_size)
         self._namespace[idx] = namespace_ids
         self._tag[idx] = self._atags[idx]
         self._num_cached += idx.size
@@ -750,7 +573,7 @@ class HashedPrefixCache(PrefixCache):
 
     def evict(self, num_pages: int) -> tuple[Int32Array, KeyArray]:
         if num_pages > self._num_evictable:
-            raise ValueError(
+            raise ArgumentError(
                 f"asked to evict {num_pages} pages but only {self._num_evictable} cached pages "
                 "are held by the cache alone; nothing was evicted"
             )

@@ -7,7 +7,10 @@ Storage (one stacked tensor per kind, page id on dim 1 so one index moves a page
     token_scales   [num_layers, num_pages, C, page_size, H]      float32, fp8 token_head only
                    (HND: [..., C, H, page_size])
     static_scales  [num_layers, C, Hs]                           float32, fp8 tensor (Hs=1)/head
-    tags           [num_pages]                                   int64, allocator tag mirror
+    tags           [num_pages]                                   int64, tag mirror (one writer:
+                                                                 the allocator's follower via
+                                                                 sync_tags, or the manager that
+                                                                 claimed the pool)
 
     C = 2 (K, V) for MHA/GQA; MLA keeps its latent as C = 1, H = 1, D = kv_lora_rank + rope.
 
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from kvmem.cuda._spec import PoolSpec
-from kvmem.errors import ConfigError
+from kvmem.errors import ConfigError, KVMemError
 from kvmem.quant import make_codec
 
 __all__ = ["PagePool", "PoolStats"]
@@ -117,6 +120,7 @@ class PagePool:
         # Layers whose every fixed scale is known (> 0); others calibrate on their next write.
         self._calibrated = [spec.static_scales is not None] * L
         self.tags = torch.zeros(P, dtype=torch.int64, device=device)
+        self._tag_key: object | None = None  # set by claim_tags(): the mirror's one writer
         self._counters = torch.zeros((L, 2), dtype=torch.int64, device=device)
         log.debug("PagePool on %s: %s", device, spec.describe())
 
@@ -348,14 +352,36 @@ class PagePool:
         if self.token_scales is not None:
             self.token_scales[:, dst] = self.token_scales[:, src]
 
-    def update_tags(self, page_ids: IndexLike, tags: IndexLike) -> None:
-        """Set the device mirror of allocator tags for the pages that changed.
+    def claim_tags(self) -> object:
+        """Make the caller the only writer of :attr:`tags` (a ``KVCacheManager`` claims the pool
+        it manages: its tags are namespace-qualified, see ``kvmem.integrity``). Returns the key
+        to pass to :meth:`update_tags`; every other write of the mirror is refused."""
+        if self._tag_key is not None:
+            raise KVMemError(
+                "this pool's tag mirror is already claimed (by the KVCacheManager that manages "
+                "it); give each manager a pool of its own"
+            )
+        self._tag_key = object()
+        return self._tag_key
+
+    def _require_unclaimed(self, what: str, key: object = None) -> None:
+        if self._tag_key is not None and key is not self._tag_key:
+            raise KVMemError(
+                f"{what} refused: this pool's tags are written by the KVCacheManager that "
+                "manages it (namespace-qualified tags; two writers would disagree). Let the "
+                "manager keep them current; nothing changed."
+            )
+
+    def update_tags(self, page_ids: IndexLike, tags: IndexLike, *, key: object = None) -> None:
+        """Set the device mirror of page tags for the pages that changed.
 
         Parameters
         ----------
         page_ids : [n], integer, distinct
-        tags : [n], int64 (the allocator's new tags of those pages)
+        tags : [n], int64 (the new tags of those pages)
+        key : the key from :meth:`claim_tags`, when the pool is claimed
         """
+        self._require_unclaimed("update_tags", key)
         ids = self._index(page_ids, "page_ids")
         values = self._index(tags, "tags")
         if ids.shape != values.shape:
@@ -373,7 +399,9 @@ class PagePool:
 
         ``allocator`` is anything with ``pop_changed_pages() -> int array`` and a ``tags``
         array, as :class:`kvmem.PageAllocator` has. Returns how many pages were updated.
+        Refused on a pool a manager claimed (the manager keeps its tags current).
         """
+        self._require_unclaimed("sync_tags")
         changed = np.asarray(allocator.pop_changed_pages())
         if changed.size:
             self.update_tags(changed, np.asarray(allocator.tags)[changed])
@@ -381,6 +409,7 @@ class PagePool:
 
     def load_tags(self, tags: IndexLike) -> None:
         """Replace the whole tag mirror (e.g. at start-up): ``tags`` [num_pages], int64."""
+        self._require_unclaimed("load_tags")
         values = self._index(tags, "tags")
         if values.shape != self.tags.shape:
             raise ConfigError(

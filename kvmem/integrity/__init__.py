@@ -1,26 +1,65 @@
-"""Integrity: page tags, trackers and the batched mapping check (numpy; torch form lazily)."""
+"""Integrity: page tags, trackers, the batched mapping check and the verifier (numpy; torch
+forms lazily).
+
+::
+
+    _tags.py         the namespace-qualified tag format, and the tag mirror (host + device)
+    _check.py        the full check of a batch's page lists (CSR or block table), validation
+    _step_checks.py  the step's writes: one writer per page, slot mapping, lengths
+    _tracker.py      NoOpTracker (default), CheckingTracker (expected tags per row, position)
+    _verifier.py     the verifier: the full check's verdict, proved incrementally when it can
+"""
 
 from __future__ import annotations
 
 from kvmem.integrity._check import (
+    PAD,
     BadEntries,
     Reason,
     check_block_table,
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    validate_block_table,
+    validate_csr,
+)
+from kvmem.integrity._step_checks import validate_step_fields
+from kvmem.integrity._tags import (
+    MAX_NAMESPACES,
+    NS_BITS,
+    TagMirror,
+    lifetime_of,
+    namespace_id_of,
+    qualify,
+    qualify_live,
 )
 from kvmem.integrity._tracker import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
+from kvmem.integrity._verifier import Metadata, Verdict, Verifier, VerifierStats
 
 __all__ = [
+    "MAX_NAMESPACES",
+    "NS_BITS",
+    "PAD",
     "BadEntries",
     "CheckingTracker",
     "IntegrityReport",
+    "Metadata",
     "NoOpTracker",
     "Reason",
+    "TagMirror",
     "Tracker",
+    "Verdict",
+    "Verifier",
+    "VerifierStats",
     "check_block_table",
     "check_block_table_torch",
     "check_csr",
     "check_csr_torch",
+    "lifetime_of",
+    "namespace_id_of",
+    "qualify",
+    "qualify_live",
+    "validate_block_table",
+    "validate_csr",
+    "validate_step_fields",
 ]

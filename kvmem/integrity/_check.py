@@ -7,6 +7,11 @@ when the page was mapped. Block-table entries past ``num_pages[b]`` must be the 
 
 One function per metadata format, each in a numpy form and a torch form (tensors on any device)
 that return identical results. The torch form is imported lazily so this module needs no torch.
+
+Metadata that is malformed as a whole (a field of the wrong rank, length or dtype, a
+``kv_indptr`` that does not start at 0, decreases, or does not end at ``kv_indices``' length) is
+no request's fault: :func:`validate_csr` and :func:`validate_block_table` refuse it with a
+:class:`~kvmem.errors.MetadataError` naming the field, before anything is checked or changed.
 """
 
 from __future__ import annotations
@@ -16,19 +21,25 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvmem.errors import MetadataError
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "PAD",
     "BadEntries",
     "Reason",
     "check_block_table",
     "check_block_table_torch",
     "check_csr",
     "check_csr_torch",
+    "require_int_array",
+    "validate_block_table",
+    "validate_csr",
 ]
 
-PAD = -1
+PAD = -1  # what a block table holds past a request's pages (kvmem.integrity.PAD)
 
 
 class Reason:
@@ -72,6 +83,54 @@ class BadEntries(NamedTuple):
     @property
     def num_bad(self) -> int:
         return int(self.batch_index.size)
+
+
+# -- validation: malformed metadata is refused, never checked -----------------------------------
+
+
+def require_int_array(name: str, value: Any, shape: tuple[int | None, ...]) -> None:
+    """Refuse ``value`` unless it is a numpy array or torch tensor of integers whose shape
+    matches ``shape`` (None: any length). Raises MetadataError naming the field."""
+    if isinstance(value, np.ndarray):
+        integer = value.dtype.kind in "iu"
+    elif hasattr(value, "is_floating_point") and hasattr(value, "shape"):  # a torch tensor
+        integer = not (value.is_floating_point() or value.is_complex()
+                       or str(value.dtype) == "torch.bool")
+    else:
+        raise MetadataError(
+            f"{name} must be a numpy array or a torch tensor of integers, got "
+            f"{type(value).__name__}; pass the arrays the kernel reads (e.g. step.tensors())"
+        )
+    got = tuple(value.shape)
+    if not integer or len(got) != len(shape) or any(
+            want is not None and g != want for g, want in zip(got, shape)):
+        want_text = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise MetadataError(
+            f"{name} must be integers shaped {want_text}, got shape {list(got)} of "
+            f"{value.dtype}; nothing was checked or changed"
+        )
+
+
+def validate_csr(kv_indptr: Any, kv_indices: Any, batch_size: int) -> None:
+    """Refuse a CSR that is malformed as a whole: ``kv_indptr`` ``[batch_size + 1]`` from 0,
+    non-decreasing, ending at ``kv_indices``' length; ``kv_indices`` ``[nnz]``; integers, numpy
+    or torch. Raises MetadataError naming the field, what it is, and what was expected."""
+    require_int_array("kv_indptr", kv_indptr, (batch_size + 1,))
+    require_int_array("kv_indices", kv_indices, (None,))
+    first, last = int(kv_indptr[0]), int(kv_indptr[-1])
+    steps = kv_indptr[1:] - kv_indptr[:-1]
+    if first != 0 or last != kv_indices.shape[0] or bool((steps < 0).any()):
+        raise MetadataError(
+            f"kv_indptr must start at 0, never decrease, and end at len(kv_indices) = "
+            f"{kv_indices.shape[0]}; got first {first}, last {last}"
+            f"{', and it decreases' if bool((steps < 0).any()) else ''}. Nothing was checked "
+            "or changed"
+        )
+
+
+def validate_block_table(block_table: Any, batch_size: int) -> None:
+    """Refuse a block table that is not ``[batch_size, W]`` integers (numpy or torch)."""
+    require_int_array("block_table", block_table, (batch_size, None))
 
 
 def _reasons(xp: Any, page: Any, in_range: Any, found: Any, expected: Any) -> Any:
@@ -125,7 +184,12 @@ def check_block_table(
     num_pages: ``[B]``, int — pages the kernel reads per row
     expected_tags: ``[B, >= W]``, int64 — tag recorded per (request, position); 0 = none
     tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
+
+    Entries past ``expected_tags``' width are checked as padding. Raises MetadataError for a
+    block table that is not ``[B, W]`` integers.
     """
+    validate_block_table(block_table, len(num_pages))
+    expected_tags = _widen(expected_tags, block_table.shape[1])
     width = block_table.shape[1]
     inside = np.arange(width) < np.asarray(num_pages)[:, None]
     if _all_good_np(block_table[inside], expected_tags[:, :width][inside], tags) and (
@@ -146,6 +210,17 @@ def check_block_table(
     )
 
 
+def _widen(expected: Any, width: int) -> Any:
+    """``expected`` ``[B, w]`` padded with zeros (nothing recorded) to at least ``width``."""
+    if expected.shape[1] >= width:
+        return expected
+    if isinstance(expected, np.ndarray):
+        return np.pad(expected, ((0, 0), (0, width - expected.shape[1])))
+    import torch
+
+    return torch.nn.functional.pad(expected, (0, width - expected.shape[1]))
+
+
 def check_csr(
     kv_indptr: npt.NDArray[np.int32],
     kv_indices: npt.NDArray[np.int32],
@@ -161,7 +236,10 @@ def check_csr(
     num_pages: ``[B]``, int — pages each request should read
     expected_tags: ``[B, max_pages]``, int64 — tag recorded per (request, position); 0 = none
     tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
+
+    Raises MetadataError (see :func:`validate_csr`) for a malformed CSR.
     """
+    validate_csr(kv_indptr, kv_indices, len(num_pages))
     indptr = kv_indptr.astype(np.int64)
     counts = indptr[1:] - indptr[:-1]
     width = int(counts.max()) if counts.size else 0
@@ -214,6 +292,8 @@ def check_block_table_torch(
     """:func:`check_block_table` on torch tensors (all on one device); one host sync at the end."""
     import torch
 
+    validate_block_table(block_table, int(num_pages.shape[0]))
+    expected_tags = _widen(expected_tags, block_table.shape[1])
     width = block_table.shape[1]
     inside = torch.arange(width, device=block_table.device) < num_pages[:, None]
     in_range, found = _lookup_torch(block_table, tags)
@@ -238,6 +318,7 @@ def check_csr_torch(
     """:func:`check_csr` on torch tensors (all on one device); one host sync at the end."""
     import torch
 
+    validate_csr(kv_indptr, kv_indices, int(num_pages.shape[0]))
     counts = kv_indptr[1:].long() - kv_indptr[:-1].long()
     b = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
     j = torch.arange(kv_indices.numel(), device=counts.device) - kv_indptr[:-1].long()[b]

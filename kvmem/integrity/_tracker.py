@@ -6,7 +6,10 @@ decode, it checks a whole batch against the live tags in one vectorized operatio
 * :class:`NoOpTracker` (the default) records nothing and checks nothing. Its ``enabled`` is
   False, and callers test that flag first so that they do not even build a tracker's inputs.
 * :class:`CheckingTracker` keeps ``expected_tags[row, position]`` (int64, 0 = nothing recorded),
-  one row per page-table row.
+  one row per page-table row, and ``versions[row]``, which changes whenever what a row expects
+  at a position it already had changes (``record``, ``forget``): a verifier that proved a row
+  compares versions to know nothing it proved was re-recorded since. It is the only writer of
+  both (``expected_tags`` is a read-only view).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.integrity._check import (
     BadEntries,
     Reason,
@@ -128,22 +132,73 @@ class CheckingTracker:
     Parameters
     ----------
     max_seqs, max_pages_per_seq: the shape of the page table it shadows.
+    paranoid: a manager using this tracker runs the full check beside every fast verification
+        and raises :class:`~kvmem.errors.IntegrityError` if they disagree (for tests and
+        fuzzing: it costs a full check per step).
 
     Attributes
     ----------
-    expected_tags: ``[max_seqs, max_pages_per_seq]``, int64 — 0 where nothing is recorded
+    expected_tags: ``[max_seqs, max_pages_per_seq]``, int64, read-only — 0 where nothing is
+        recorded
+    versions: ``[max_seqs]``, int64, read-only — changes when a row is re-recorded or forgotten
     """
 
     enabled = True
 
-    def __init__(self, max_seqs: int, max_pages_per_seq: int) -> None:
-        self.expected_tags = np.zeros((max_seqs, max_pages_per_seq), dtype=np.int64)
+    def __init__(self, max_seqs: int, max_pages_per_seq: int, paranoid: bool = False) -> None:
+        for name, value in (("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.paranoid = bool(paranoid)
+        self._expected = np.zeros((int(max_seqs), int(max_pages_per_seq)), dtype=np.int64)
+        self._flat = self._expected.reshape(-1)  # (row, position) at row * width + position
+        self._versions = np.zeros(int(max_seqs), dtype=np.int64)
+        self._version = 0
+        self.expected_tags = self._expected.view()
+        self.expected_tags.flags.writeable = False
+        self.versions = self._versions.view()
+        self.versions.flags.writeable = False
+
+    def _rows(self, rows: npt.ArrayLike) -> npt.NDArray[np.intp]:
+        out = np.asarray(rows).reshape(-1)
+        if out.dtype.kind not in "iu" and out.size:
+            raise ArgumentTypeError(f"rows must be integers, got {out.dtype}")
+        out = out.astype(np.intp)
+        if out.size and (int(out.min()) < 0 or int(out.max()) >= self._expected.shape[0]):
+            raise ArgumentError(f"rows must be in 0..{self._expected.shape[0] - 1}, got "
+                                f"{out.tolist()[:8]}; nothing changed")
+        return out
+
+    def _bump(self, rows: npt.NDArray[np.intp]) -> None:
+        self._versions[rows] = self._version + 1 + np.arange(rows.size)
+        self._version += rows.size
 
     def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
-        self.expected_tags[np.asarray(rows), np.asarray(positions)] = np.asarray(tags)
+        rows_i = self._rows(rows)
+        pos = np.asarray(positions).reshape(-1)
+        if pos.size and (pos.dtype.kind not in "iu" or int(pos.min()) < 0
+                         or int(pos.max()) >= self._expected.shape[1]):
+            raise ArgumentError(f"positions must be ints in 0..{self._expected.shape[1] - 1}, "
+                                f"got {pos.tolist()[:8]}; nothing changed")
+        self._expected[rows_i, pos] = np.asarray(tags)
+        self._bump(np.unique(rows_i))
+
+    def record_row(self, row: int, tags: npt.NDArray[np.int64]) -> None:
+        """A new row's recorded tags, positions ``0 .. len(tags) - 1`` (the rest 0)."""
+        self._expected[row, : tags.size] = tags
+        self._expected[row, tags.size :] = 0
+        self._bump(np.array([row], dtype=np.intp))
+
+    def append(self, flat_positions: npt.NDArray[np.integer], tags: npt.NDArray[np.int64]) -> None:
+        """Record pages a row gained past the ones it had (``flat_positions``: ``row * width +
+        position``): a verifier checks entries it has not proved in full, so no version
+        changes. The manager's per-step path; it never calls this for a position it had."""
+        self._flat[flat_positions] = tags
 
     def forget(self, rows: npt.ArrayLike) -> None:
-        self.expected_tags[np.asarray(rows)] = 0
+        rows_i = self._rows(rows)
+        self._expected[rows_i] = 0
+        self._bump(np.unique(rows_i))
 
     def verify(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmem.allocator import StepHandle
 from kvmem.manager import KVCacheManager
 
 __all__ = [
@@ -23,7 +24,7 @@ __all__ = [
 
 
 def _row(mgr: KVCacheManager, request_id: Any) -> int:
-    return mgr._rows[request_id]
+    return mgr.row_of(request_id)
 
 
 def free_behind_back(mgr: KVCacheManager, request_id: Any, position: int) -> int:
@@ -65,7 +66,7 @@ def share_write_page(mgr: KVCacheManager, request_id: Any) -> int:
     """Give the page a request is about to write a second, phantom holder (BUG 14: a partly
     filled page written by two requests without copy-on-write). Returns the page."""
     row = _row(mgr, request_id)
-    pos = int(mgr._committed[row]) // mgr.page_size
+    pos = mgr.num_committed(request_id) // mgr.page_size
     page = int(mgr.table.pages[row, pos])
     mgr.allocator.share([page])
     return page
@@ -75,6 +76,7 @@ def lose_fence_completion(mgr: KVCacheManager) -> int:
     """Forget every reference waiting on a step fence, as if the completion signal never came
     and the engine dropped the bookkeeping (BUG 2). Returns the references lost."""
     lost = mgr.fences.num_held
-    mgr.fences._pending.clear()
-    mgr.fences.held[:] = 0
+    for step_id in mgr.fences.open_steps:  # retired behind the manager's back: never freed
+        mgr.fences.retire(StepHandle(step_id))
+    mgr.fences.copies_done()
     return lost

@@ -1,0 +1,145 @@
+"""Commit: the engine wrote the K/V of these tokens; pages that filled become reusable.
+
+A row's committed tokens are recorded in the page-token store (``Pages.tokens``, written only
+here) and every page that a commit fills is offered to the prefix cache, chained from the
+row's last offered page (``PageTable.prefix_keys``). A page is never offered before all its
+tokens are committed, so a same-step prefix hit can never map a page whose K/V is not written
+yet (BUGS 6)::
+
+    row    | full p0 | full p1 | p2 (5/16) |        commit 11 more tokens
+    row    | full p0 | full p1 | full p2 | p3 (0/16) ...   -> p2 offered: key(p2) = f(key(p1), p2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._page_table import PageTable
+from kvmem.allocator._pages import Pages
+from kvmem.allocator._step_metadata import StepRecord
+from kvmem.errors import KVMemError
+
+__all__ = ["Committer", "keys_as_ints"]
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+IntpArray = npt.NDArray[np.intp]
+KeyArray = npt.NDArray[np.uint64]
+# fn(row, page keys, parent key (None at the prompt's start), token ids) per run of pages a
+# commit inserted into the cache: what a KV event (PagesStored) says.
+OnStored = Callable[[int, tuple[int, ...], "int | None", tuple[int, ...]], None]
+
+
+def keys_as_ints(keys: KeyArray) -> list[int]:
+    """128-bit keys ``[k, 2]`` as Python ints (as vLLM's events carry block hashes)."""
+    return [int.from_bytes(k, "big") for k in
+            np.ascontiguousarray(keys).view(np.dtype((np.void, 16))).ravel().tolist()]
+
+
+class Committer:
+    """Records committed tokens and offers full pages to the prefix cache.
+
+    Parameters
+    ----------
+    table, pages: the manager's page table and page references (with the cache).
+    on_stored: called per run of pages newly cached (KV events), or None.
+    """
+
+    def __init__(self, table: PageTable, pages: Pages, on_stored: OnStored | None) -> None:
+        self.table = table
+        self.pages = pages
+        self.on_stored = on_stored
+        self._ones = np.ones(table.max_seqs, dtype=np.int64)
+        self._ones.flags.writeable = False
+        self._arange = np.arange(table.max_seqs + 1, dtype=np.int64)
+
+    def commit(self, rows: IntpArray, counts: Int64Array | int, flat: npt.NDArray[np.integer],
+               ids: Sequence[Any]) -> None:
+        """Tokens ``flat`` (row by row, ``counts`` each) are the rows' next committed ones.
+        Raises, changing nothing, if a row commits more than it reserved."""
+        t = self.table
+        start = t.num_committed[rows]
+        end = start + counts
+        over = end > t.num_tokens[rows]
+        if np.count_nonzero(over):
+            i = int(np.argmax(over))
+            num = counts if isinstance(counts, int) else int(counts[i])
+            raise KVMemError(
+                f"request {ids[i]!r} commits {num} tokens after {int(start[i])} but only "
+                f"{int(t.num_tokens[rows[i]])} slots are reserved; reserve() them first "
+                "(nothing was committed)"
+            )
+        if isinstance(counts, int) and counts == 1:  # the decode step: one token per request
+            slots = t.slot_mapping(rows, start)
+        else:
+            slots = t.token_slots(rows, start, counts)
+        self.pages.write_tokens(slots, flat)
+        t.num_committed[rows] = end
+        if self.pages.cache is not None:
+            first = start // t.page_size
+            full = end // t.page_size - first  # pages that just became full
+            some = full.nonzero()[0]
+            if some.size:
+                self.offer(rows[some], first[some], full[some])
+
+    def commit_decode(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
+        """:meth:`commit` of one token per row of ``b``, the latest reserve's batch, when
+        nothing was committed since: the tokens land in the slots it handed out."""
+        assert b.slots is not None and b.offsets is not None and b.cols is not None
+        self.pages.write_tokens(b.slots, tokens)
+        self.table.num_committed[b.rows] = b.end
+        b.uncommitted = False
+        if self.pages.cache is not None:
+            full = (b.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
+            if full.size:
+                assert b.token_pages is not None
+                self.offer(b.rows[full], b.cols[full], None, b.token_pages[full])
+
+    def offer(self, rows: IntpArray, first: Int64Array, counts: Int64Array | None,
+              pages: Int32Array | None = None) -> None:
+        """Give newly full pages (runs of ``counts`` pages from column ``first``; one page each
+        when ``counts`` is None, then ``pages`` may name them) to the cache."""
+        t = self.table
+        cache = self.pages.cache
+        assert cache is not None
+        last: Int64Array | None = None  # run ends (None: one page per run)
+        if counts is None:  # one page per row: the decode step
+            rep, cols, starts = rows, first, self._arange[: rows.size]
+            counts = self._ones[: rows.size]
+            if pages is None:
+                pages = t.pages[rows, first]
+        else:
+            total = int(counts.sum())
+            starts = np.cumsum(counts) - counts
+            cols = np.repeat(first, counts) + np.arange(total) - np.repeat(starts, counts)
+            rep = np.repeat(rows, counts)
+            pages = t.pages[rep, cols]
+            last = starts + counts - 1
+        tokens = self.pages.tokens[pages]
+        parent = t.prefix_keys[rows]
+        keys = cache.page_keys(parent, counts, first, tokens)
+        inserted = cache.insert(keys, pages, t.namespace_ids[rep])
+        t.prefix_keys[rows] = keys if last is None else keys[last]
+        if self.on_stored is not None and inserted.size:
+            self._stored(rows, starts, counts, cols, keys, parent, tokens,
+                         np.isin(pages, inserted))
+
+    def _stored(self, rows: IntpArray, starts: Int64Array, counts: Int64Array,
+                cols: Int64Array, keys: KeyArray, parent: KeyArray, tokens: Int32Array,
+                is_new: npt.NDArray[np.bool_]) -> None:
+        """One ``on_stored`` call per row's run of newly cached pages."""
+        assert self.on_stored is not None
+        parents = np.empty_like(keys)
+        parents[1:] = keys[:-1]
+        parents[starts] = parent
+        for r, s, c in zip(rows.tolist(), starts.tolist(), counts.tolist()):
+            sel = np.flatnonzero(is_new[s : s + c]) + s
+            if sel.size:
+                at_root = int(cols[sel[0]]) == 0
+                self.on_stored(r, tuple(keys_as_ints(keys[sel])),
+                               None if at_root else keys_as_ints(parents[sel[:1]])[0],
+                               tuple(tokens[sel].reshape(-1).tolist()))

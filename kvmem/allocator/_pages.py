@@ -1,0 +1,183 @@
+"""Pages: every reference a manager's pages have, and what each page holds.
+
+::
+
+    allocator       refcounts and lifetime tags (requests, the cache and fences hold references)
+    fences          references held until a launched step retires or a copy is made
+    cache           the prefix cache's references (evictable when it holds a page alone)
+    namespace_ids   [num_pages]               whose content each page holds (-1 when free)
+    tokens          [num_pages, page_size]    the token id committed into each slot
+
+A page enters a lifetime in :meth:`Pages.allocate` (evicting cached pages first when the free
+list is short) and leaves it when its last reference is dropped (:meth:`Pages.drop`: now, or
+when the steps in flight retire). This object is the one writer of ``namespace_ids`` and
+``tokens``; the prefix cache reads ``tokens`` to confirm its hits (the tokens are stored once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._fences import StepFences
+from kvmem.allocator._page_allocator import PageAllocator
+from kvmem.allocator._prefix_cache import PrefixCache
+from kvmem.errors import OutOfPagesError
+
+__all__ = ["Pages"]
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+KeyArray = npt.NDArray[np.uint64]
+
+
+def _ignore(*_: object) -> None:
+    return None
+
+
+class Pages:
+    """The page references of one manager.
+
+    Parameters
+    ----------
+    num_pages, page_size: the pool's shape.
+    cache: a prefix cache to bind (or None: no reuse).
+    on_evict: ``fn(pages, keys)`` after cached pages were evicted (and freed).
+    on_free: ``fn(pages)`` after pages lost their last reference.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, cache: PrefixCache | None = None,
+                 on_evict: Callable[[Int32Array, KeyArray], None] = _ignore,
+                 on_free: Callable[[Int32Array], None] = _ignore) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.fences = StepFences(num_pages)
+        self.namespace_ids = np.full(num_pages, -1, dtype=np.int64)
+        self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
+        self._tokens_flat = self.tokens.reshape(-1)  # slot s at [s]
+        self.cache = cache
+        if cache is not None:
+            view = self.tokens.view()
+            view.flags.writeable = False
+            cache.bind(self.allocator, page_size, view)
+        # An eviction has a fixed cost (a few dozen numpy calls), so a big pool evicts up to
+        # num_pages / 512 more of the least recently used pages than it must (see make_room).
+        self._evict_ahead = num_pages >> 9
+        self.num_evictions = 0
+        self.on_evict = on_evict
+        self.on_free = on_free
+
+    # -- counts -------------------------------------------------------------------------------
+
+    def available(self) -> int:
+        """Pages allocation can obtain now: free ones plus evictable cached ones."""
+        return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    def require(self, num: int) -> None:
+        """Raise OutOfPagesError (nothing changed) unless ``num`` pages can be obtained."""
+        if num > self.allocator.num_free and num > self.available():  # (free: no cache call)
+            raise OutOfPagesError(num, self.available())
+
+    def writers(self, pages: npt.NDArray[np.integer]) -> Int64Array:
+        """Holders that may read or write these pages' future slots: requests and the cache.
+        A fence holds a reference only so a launched step can still read the existing slots,
+        or a copy be made; it never reads a slot a request is about to write."""
+        holders = self.allocator.refcounts[pages].astype(np.int64)
+        if self.fences.holds_any:
+            holders -= self.fences.held[pages]
+        return holders
+
+    # -- references ---------------------------------------------------------------------------
+
+    def make_room(self, num: int) -> None:
+        """Evict cached pages until ``num`` are free (the caller checked that they can be).
+        In a pool of 512 pages or more, up to ``num_pages / 512`` more of the least recently
+        used pages go too: the next allocations find them free."""
+        short = num - self.allocator.num_free
+        if short <= 0:
+            return
+        assert self.cache is not None
+        ahead = min(self._evict_ahead, self.cache.num_evictable - short)
+        pages, keys = self.cache.evict(short + max(ahead, 0))
+        self.namespace_ids[pages] = -1
+        self.num_evictions += pages.size
+        self.on_evict(pages, keys)
+
+    def allocate(self, num: int, namespace_ids: Int64Array | int) -> Int32Array:
+        """``num`` fresh pages holding ``namespace_ids``' content (one reference each)."""
+        self.make_room(num)
+        pages = self.allocator.allocate(num)
+        self.namespace_ids[pages] = namespace_ids
+        return pages
+
+    def share_hits(self, pages: Int32Array) -> None:
+        """A request takes a reference on prefix-cache hits (distinct pages)."""
+        if pages.size:
+            self.allocator.share_distinct(pages)
+            assert self.cache is not None
+            self.cache.acquired(pages)
+
+    def drop(self, pages: Int32Array) -> None:
+        """Drop one reference per listed page: now, or when the steps in flight retire."""
+        if pages.size == 0:
+            return
+        if self.fences.in_flight:
+            self.fences.defer(pages)
+        else:
+            self.free(pages)
+
+    def drop_runs(self, runs: Sequence[Int32Array]) -> None:
+        """:meth:`drop` of several holders' runs at once, released in order (the cache's LRU
+        order follows)."""
+        if not runs:
+            return
+        if self.fences.in_flight:
+            for pages in runs:
+                self.fences.defer(pages)
+        else:
+            self.free(np.concatenate(runs), runs)
+
+    def free(self, pages: Int32Array, runs: Sequence[Int32Array] | None = None) -> None:
+        """Drop one reference per listed page now; ``runs``: ``pages`` is their concatenation,
+        one run per holder, released in that order."""
+        freed = self.allocator.free(pages)
+        self.namespace_ids[freed] = -1
+        if self.cache is not None:
+            if runs is None:
+                self.cache.released(pages)
+            else:
+                self.cache.released_many(runs)
+        if freed.size:
+            self.on_free(freed)
+
+    def forget_freed(self, pages: Int32Array) -> None:
+        """After the cache dropped its references: pages now free lose their namespace."""
+        freed = pages[self.allocator.refcounts[pages] == 0]
+        self.namespace_ids[freed] = -1
+        if freed.size:
+            self.on_free(freed)
+
+    def copy_for_write(self, sources: Int32Array) -> Int32Array:
+        """New pages for copy-on-write of ``sources`` (same namespaces and tokens); each source
+        is held (:meth:`StepFences.hold_for_copy`) until :meth:`copies_done`."""
+        new = self.allocate(sources.size, self.namespace_ids[sources])
+        self.tokens[new] = self.tokens[sources]
+        self.fences.hold_for_copy(sources)
+        return new
+
+    def copies_done(self) -> None:
+        """Every copy handed out so far was made: drop the sources' references."""
+        self.drop(self.fences.copies_done())
+
+    # -- contents -----------------------------------------------------------------------------
+
+    def write_tokens(self, slots: npt.NDArray[np.integer], token_ids: npt.ArrayLike) -> None:
+        """Record the token ids committed into ``slots`` (``page * page_size + offset``)."""
+        self._tokens_flat[slots] = token_ids
+
+    def tokens_at(self, slots: npt.NDArray[np.integer]) -> Int64Array:
+        """Token ids committed into ``slots``: ``[k]``, int64."""
+        return self._tokens_flat[slots].astype(np.int64)

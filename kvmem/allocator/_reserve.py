@@ -1,0 +1,277 @@
+"""Reserve: a batch's next token slots, the pages they need, and the step's kernel metadata.
+
+Every request of a batch gains ``n`` token slots (a prefill chunk, one decode token, ``k``
+speculative tokens). A row allocates a page only where it grows past the pages it maps; a row
+about to write into a partly filled page it shares with a fork first gets a copy of it
+(copy-on-write)::
+
+    before   | p0 | p1 (9/16, shared with a fork) |
+    after    | p0 | p1' (copy, 9/16) | p2 |      reserve(ids, 20): p1 copied, p2 allocated
+
+All or nothing: everything that can fail (a request too long, too few pages) is checked
+before the first change. Two paths, one result: :meth:`Reserver.reserve_small` is the decode
+step's (every row gains ``k <= page_size`` tokens, no fork to copy: a constant number of numpy
+calls), :meth:`Reserver.reserve_any` the general one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._page_table import PageTable
+from kvmem.allocator._pages import Pages
+from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
+from kvmem.errors import KVMemError, as_int, as_ints
+from kvmem.integrity import CheckingTracker, Tracker, qualify_live
+
+__all__ = ["Reserver"]
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+IntpArray = npt.NDArray[np.intp]
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
+_EMPTY_PAGES.flags.writeable = False
+_EMPTY_TAGS = np.empty(0, dtype=np.int64)
+
+
+class Reserver:
+    """Reserves token slots for batches of page-table rows.
+
+    Parameters
+    ----------
+    table, pages, steps: the manager's page table, page references and step builder.
+    tracker: records the qualified tag of every page a row gains.
+    copy_pages: ``fn(src, dst)`` that copies pages now (a pool's ``copy_pages``), or None:
+        the step lists the copies (``copy_src``/``copy_dst``) for the engine to make.
+    on_allocate: ``fn(pages)`` after pages were allocated.
+    """
+
+    def __init__(self, table: PageTable, pages: Pages, steps: StepBuilder, tracker: Tracker,
+                 copy_pages: Callable[[Int32Array, Int32Array], None] | None,
+                 on_allocate: Callable[[Int32Array], None]) -> None:
+        self.table = table
+        self.pages = pages
+        self.steps = steps
+        self.tracker = tracker
+        self.checking = type(tracker) is CheckingTracker
+        self.copy_pages = copy_pages
+        self.on_allocate = on_allocate
+        self.num_cow_copies = 0
+        self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs, table.page_size) + 1,
+                                 dtype=np.int64)
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def pages_needed(self, rows: IntpArray, n: Int64Array | int) -> int:
+        """Pages ``reserve(rows, n)`` would allocate (new pages and copies), or -1 if a row
+        would exceed ``max_pages_per_seq``."""
+        t = self.table
+        mapped = t.num_pages[rows]
+        need = np.maximum((t.num_tokens[rows] + n + t.page_size - 1) // t.page_size - mapped, 0)
+        if np.count_nonzero(mapped + need > t.max_pages_per_seq):
+            return -1
+        cow = self.cow_candidates(rows, n)
+        return int(need.sum()) + (0 if cow is None else cow[0].size)
+
+    def _too_long(self, ids: tuple[Any, ...], where: npt.NDArray[np.integer]) -> None:
+        raise KVMemError(
+            f"requests {[ids[i] for i in where[:8].tolist()]} would need more than "
+            f"max_pages_per_seq={self.table.max_pages_per_seq} pages; finish them or raise the "
+            "limit (nothing was reserved)"
+        )
+
+    def cow_candidates(self, rows: IntpArray, n: Int64Array | int
+                       ) -> tuple[IntpArray, Int64Array, Int32Array] | None:
+        """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages).
+
+        Only a fork shares a partly filled page (cached prefix pages are full, and a prompt's
+        last token always lands in a page of its own), so only rows marked at a fork are looked
+        at; a batch without forks pays one check.
+        """
+        t = self.table
+        if not t.num_forked:
+            return None
+        forked = t.forked[rows] & (np.asarray(n) > 0)
+        if not forked.any():
+            return None
+        r = rows[forked]
+        tok = t.num_tokens[r]
+        partial = tok % t.page_size != 0
+        r, cols = r[partial], tok[partial] // t.page_size
+        pages = t.pages[r, cols]
+        holders = self.pages.writers(pages)
+        shared = holders > 1
+        if not shared.any():
+            return None
+        r, cols, pages, holders = r[shared], cols[shared], pages[shared], holders[shared]
+        # When every holder of a page writes into it this step, the first keeps it.
+        _, first, count = np.unique(pages, return_index=True, return_counts=True)
+        whole = first[count == holders[first]]
+        if whole.size:
+            keep = np.ones(pages.size, dtype=bool)
+            keep[whole] = False
+            r, cols, pages = r[keep], cols[keep], pages[keep]
+        return (r, cols, pages) if pages.size else None
+
+    # -- recording ----------------------------------------------------------------------------
+
+    def expected(self, pages: npt.NDArray[np.integer], namespace_ids: Int64Array | int
+                 ) -> Int64Array:
+        """The qualified tags a request records for live pages it maps: ``[k]``, int64."""
+        return qualify_live(self.pages.allocator.tags[pages], namespace_ids)
+
+    def _record_new(self, rows: IntpArray, cols: Int64Array, flat_at: Int64Array,
+                    pages: npt.NDArray[np.integer], ns: Int64Array) -> None:
+        """Record pages rows gained past the ones they had."""
+        if self.checking:
+            assert isinstance(self.tracker, CheckingTracker)
+            self.tracker.append(flat_at, self.expected(pages, ns))
+        elif self.tracker.enabled:
+            self.tracker.record(rows, cols, self.expected(pages, ns))
+
+    # -- the decode step ----------------------------------------------------------------------
+
+    def reserve_small(self, ids: tuple[Any, ...], rows: IntpArray, k: int) -> StepMetadata:
+        """Every row gains ``k <= page_size`` tokens (decode, short speculation), so at most one
+        page, and no row writes into a page a fork shares: a constant number of numpy calls."""
+        t = self.table
+        P = t.page_size
+        rows_w, rows32 = self.steps.row_arrays(rows)
+        start = t.num_tokens[rows]
+        end = start + k
+        cap = t.num_pages[rows]
+        grow = (end > cap * P).nonzero()[0]
+        if grow.size:
+            cols = cap[grow]
+            if np.maximum.reduce(cols) >= t.max_pages_per_seq:
+                self._too_long(ids, grow[cols >= t.max_pages_per_seq])
+            self.pages.require(grow.size)
+            new = self.pages.allocate(grow.size, t.namespace_ids[rows[grow]])
+            at = rows_w[grow] + cols  # (row, column) of each new page, flat
+            t.pages.reshape(-1)[at] = new
+            grow_rows = rows[grow]
+            t.num_pages[grow_rows] = cols + 1
+            self._record_new(grow_rows, cols, at, new.astype(np.intp), t.namespace_ids[grow_rows])
+            self.on_allocate(new)
+        t.num_tokens[rows] = end
+        t.write_from[rows] = start
+        if k != 1:
+            positions = (start[:, None] + self._arange[:k]).reshape(-1)
+            slots = t.slot_mapping(np.repeat(rows, k), positions)
+            return self._finish(ids, rows, rows_w, rows32, start, end, k, slots, None)
+        col = start // P
+        offset = start - col * P
+        token_pages = t.pages.reshape(-1)[rows_w + col]
+        slots = np.multiply(token_pages, P, dtype=np.int64)
+        slots += offset
+        return self._finish(ids, rows, rows_w, rows32, start, end, 1, slots, None,
+                            (token_pages, offset, col))
+
+    # -- the general step ---------------------------------------------------------------------
+
+    def reserve_any(self, ids: tuple[Any, ...], rows: IntpArray, n: Int64Array | int
+                    ) -> StepMetadata:
+        """Per-row counts, long chunks, copy-on-write of forked tails."""
+        t = self.table
+        P = t.page_size
+        mapped = t.num_pages[rows]
+        start = t.num_tokens[rows]
+        need = np.maximum((start + (n + P - 1)) // P - mapped, 0)
+        too_long = mapped + need > t.max_pages_per_seq
+        if np.count_nonzero(too_long):
+            self._too_long(ids, np.flatnonzero(too_long))
+        cow = self.cow_candidates(rows, n)
+        self.pages.require(int(need.sum()) + (0 if cow is None else cow[0].size))
+        # Nothing can fail from here on.
+        if self.pages.fences.copies_pending:  # the engine made last step's copies by now
+            self.pages.copies_done()
+        copies = (_EMPTY_PAGES, _EMPTY_PAGES) if cow is None else self._copy_on_write(*cow)
+        if t.num_forked:
+            t.set_forked(rows, False)  # every write into a shared tail was just handled
+        if need.any():
+            grown = t.grow(rows, n, _Labelled(self.pages, np.repeat(t.namespace_ids[rows], need)))
+            new_rows, cols = grown.new_page_rows, grown.new_page_positions.astype(np.int64)
+            self._record_new(new_rows, cols, new_rows * t.max_pages_per_seq + cols,
+                             grown.new_pages, t.namespace_ids[new_rows])
+            self.on_allocate(grown.new_pages)
+            slots = grown.slot_mapping
+        else:  # the rows map the pages already (an admitted prompt's prefill chunks)
+            t.num_tokens[rows] = start + n
+            slots = t.token_slots(rows, start, n)
+        t.write_from[rows] = start
+        rows_w, rows32 = self.steps.row_arrays(rows)
+        k = n if isinstance(n, int) else -1
+        return self._finish(ids, rows, rows_w, rows32, start, start + n, k, slots, copies)
+
+    def _copy_on_write(self, rows: IntpArray, cols: Int64Array, old: Int32Array
+                       ) -> tuple[Int32Array, Int32Array]:
+        """Give each row a copy of its shared tail; (copy_src, copy_dst) for the engine, empty
+        when a pool copied them now."""
+        t = self.table
+        new = self.pages.copy_for_write(old)
+        t.replace_pages(rows, cols, new)
+        if self.tracker.enabled:
+            self.tracker.record(rows, cols, self.expected(new, self.pages.namespace_ids[new]))
+        self.num_cow_copies += old.size
+        self.on_allocate(new)
+        if self.copy_pages is not None:
+            self.copy_pages(old, new)
+            self.pages.copies_done()
+            return _EMPTY_PAGES, _EMPTY_PAGES
+        return old.copy(), new
+
+    # -- the metadata -------------------------------------------------------------------------
+
+    def _finish(self, ids: tuple[Any, ...], rows: IntpArray, rows_w: Int64Array,
+                rows32: Int32Array, start: Int64Array, end: Int64Array, k: int,
+                slots: Int64Array, copies: tuple[Int32Array, Int32Array] | None,
+                decode: tuple[Int32Array, Int64Array, Int64Array] | None = None
+                ) -> StepMetadata:
+        """The step's metadata, and its record (private copies) for verify and the next step."""
+        t = self.table
+        P = t.page_size
+        counts = (end + (P - 1)) // P
+        gens = t.generation[rows]
+        indptr, indices, splice = self.steps.csr(rows, rows_w, gens, counts)
+        if k >= 0:
+            num_new, qo_indptr = self.steps.step_counts(rows.size, k)
+        else:
+            num_new = (end - start).astype(np.int32)
+            qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
+            np.cumsum(num_new, out=qo_indptr[1:])
+        last_len = ((end - 1) % P + 1).astype(np.int32)
+        src, dst = copies if copies is not None else (_EMPTY_PAGES, _EMPTY_PAGES)
+        step = StepMetadata(ids, rows32, num_new, slots.copy(), qo_indptr, indptr.copy(),
+                            indices.copy(), last_len, end.astype(np.int32), src, dst, P)
+        versions = (self.tracker.versions[rows] if isinstance(self.tracker, CheckingTracker)
+                    else _EMPTY_TAGS)
+        token_pages, offsets, cols = decode if decode is not None else (None, None, None)
+        self.steps.record(StepRecord(
+            0, ids, rows, rows32, rows_w, t.epoch, gens, versions, counts, indptr, indices,
+            qo_indptr.copy(), start, end, k, slots, token_pages, offsets, cols, splice=splice,
+            step=step))
+        return step
+
+
+def token_counts(num_tokens: Any, size: int, most: int) -> Int64Array | int:
+    """``num_tokens`` as an int (one count for the whole batch) or ``[size]`` int64, each in
+    ``0 .. most`` (a request's most tokens); raises ArgumentError / ArgumentTypeError naming
+    what was wrong."""
+    if isinstance(num_tokens, (int, np.integer)) or np.ndim(num_tokens) == 0:
+        return as_int("num_tokens", num_tokens, 0, most)
+    return as_ints("num_tokens", num_tokens, 0, most, size=size)
+
+
+class _Labelled:
+    """What ``PageTable.grow`` allocates from: pages labelled with their rows' namespaces."""
+
+    def __init__(self, pages: Pages, namespace_ids: Int64Array) -> None:
+        self.pages = pages
+        self.namespace_ids = namespace_ids
+
+    def allocate(self, num: int) -> Int32Array:
+        return self.pages.allocate(num, self.namespace_ids)

@@ -1,0 +1,291 @@
+"""Kernel metadata of a reserved step: what the attention and KV-store kernels read.
+
+:class:`StepMetadata` is what ``reserve`` returns: the slot mapping, FlashInfer CSR, lengths,
+and (built on first use) vLLM's block table. :class:`StepBuilder` makes it from the page table,
+and remembers each batch it built (:class:`StepRecord`, private copies) so that:
+
+* the next step of a batch of the same size keeps the CSR entries of the rows that did not
+  change and splices in only the new ones (a decode step changes a few rows: a copy, not a
+  gather; :meth:`StepBuilder.csr`)::
+
+      previous kv_indices   | r0 r0 r0 | r1 r1 | r2 r2 r2 r2 |
+      r1 grew a page        | r0 r0 r0 | r1 r1 +new | r2 r2 r2 r2 |     one concatenation
+
+* ``verify`` of the very step just reserved compares the arrays it is given with the record's
+  private copies and checks in full only what was spliced in (``kvmem.integrity``).
+
+A record names its splice's base by serial number (:attr:`Splice.base_serial`), never by
+object identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._page_table import CSRMetadata, PageTable
+from kvmem.integrity import PAD
+
+__all__ = ["Splice", "StepBuilder", "StepMetadata", "StepRecord"]
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+IntpArray = npt.NDArray[np.intp]
+_EMPTY_TAGS = np.empty(0, dtype=np.int64)
+_EMPTY_ROWS = np.empty(0, dtype=np.intp)
+# Rows that changed since the previous step (grew a page, or hold another request) up to which
+# the CSR is patched by splicing slices (more: one vectorized rebuild).
+MAX_SPLICES = 64
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Kernel metadata for one reserved step of a batch of ``B`` requests.
+
+    request_ids: the batch, in order
+    rows: ``[B]``, int32 — page-table rows
+    num_new_tokens: ``[B]``, int32 — tokens reserved per request this step
+    slot_mapping: ``[T]``, int64 — where to write each new token's K/V
+        (``page * page_size + offset``), request by request, ``T = sum(num_new_tokens)``
+    qo_indptr: ``[B + 1]``, int32 — request ``b``'s new tokens are ``qo_indptr[b]:qo_indptr[b+1]``
+    kv_indptr: ``[B + 1]``, int32; kv_indices: ``[nnz]``, int32; kv_last_page_len: ``[B]``,
+        int32 — FlashInfer CSR over each request's pages, covering every token up to and
+        including the reserved ones
+    seq_lens: ``[B]``, int32 — tokens per request including the reserved ones
+    copy_src, copy_dst: ``[C]``, int32 — copy-on-write page copies to do before writing, when
+        no pool is attached (the manager keeps ``copy_src`` alive until the next ``reserve``);
+        empty when a pool is attached (the manager already called ``pool.copy_pages``)
+    """
+
+    request_ids: tuple[Any, ...]
+    rows: Int32Array
+    num_new_tokens: Int32Array
+    slot_mapping: Int64Array
+    qo_indptr: Int32Array
+    kv_indptr: Int32Array
+    kv_indices: Int32Array
+    kv_last_page_len: Int32Array
+    seq_lens: Int32Array
+    copy_src: Int32Array
+    copy_dst: Int32Array
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.size)
+
+    @property
+    def num_pages(self) -> Int32Array:
+        """Pages each request reads: ``[B]``, int32."""
+        return np.diff(self.kv_indptr)
+
+    def csr(self) -> CSRMetadata:
+        return CSRMetadata(self.kv_indptr, self.kv_indices, self.kv_last_page_len)
+
+    def fields(self) -> dict[str, Any]:
+        """The arrays the kernels read, by the names :meth:`tensors` uses (no block table)."""
+        return {"slot_mapping": self.slot_mapping, "qo_indptr": self.qo_indptr,
+                "kv_indptr": self.kv_indptr, "kv_indices": self.kv_indices,
+                "kv_last_page_len": self.kv_last_page_len, "seq_lens": self.seq_lens,
+                "num_new_tokens": self.num_new_tokens}
+
+    def tensors(self, device: Any = "cpu") -> dict[str, Any]:
+        """The kernel metadata as torch tensors on ``device`` (one copy each), keyed by field:
+        ``slot_mapping`` (int64), ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
+        ``kv_last_page_len``, ``seq_lens``, ``num_new_tokens``, ``block_table`` (int32). Pass
+        the dict to ``KVCacheManager.verify(ids, metadata=...)`` to check the very tensors the
+        kernels read, on their device."""
+        import torch
+
+        arrays = {**self.fields(), "block_table": self.block_table}
+        return {name: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                for name, a in arrays.items()}
+
+    @cached_property
+    def block_table(self) -> Int32Array:
+        """vLLM / flash-attn block table ``[B, W]``, int32, PAD (-1) past each request's pages;
+        ``W`` is the widest request of the batch. Built from the CSR on first use."""
+        counts = np.diff(self.kv_indptr)
+        width = int(counts.max()) if counts.size else 0
+        table = np.full((counts.size, width), PAD, dtype=np.int32)
+        cols = np.arange(self.kv_indices.size) - np.repeat(self.kv_indptr[:-1], counts)
+        table[np.repeat(np.arange(counts.size), counts), cols] = self.kv_indices
+        return table
+
+
+class Splice(NamedTuple):
+    """How a record's ``indices`` was patched from its base's: ``changed`` the batch
+    positions whose entries were cut or added, ``pages`` the entries spliced in (a snapshot,
+    in order), ``wants`` the qualified tags the tracker had recorded for them then (empty
+    without a CheckingTracker), ``gone`` the base's entries cut out."""
+
+    base_serial: int
+    changed: IntpArray
+    pages: Int32Array
+    wants: Int64Array
+    gone: list[Int32Array]
+
+
+@dataclass(slots=True, eq=False)
+class StepRecord:
+    """A reserved batch, as built (private copies; ``indptr``/``indices`` are what the step's
+    arrays were copied from, and what the next step of a batch this size splices from)."""
+
+    serial: int
+    ids: tuple[Any, ...]
+    rows: IntpArray  # read-only
+    rows32: Int32Array
+    rows_w: Int64Array  # rows * max_pages_per_seq: flat index of each row's column 0
+    epoch: int  # the page table's epoch when built
+    gens: Int64Array  # the rows' generations when built
+    versions: Int64Array  # the tracker's row versions when built (empty without one)
+    counts: Int64Array  # pages listed per row
+    indptr: Int32Array
+    indices: Int32Array
+    qo_indptr: Int32Array
+    start: Int64Array  # tokens each row held before the reserve ...
+    end: Int64Array  # ... and after it
+    k: int = -1  # tokens per row when the batch got one count (-1: per-row counts)
+    slots: Int64Array | None = None  # k == 1: the slot each new token lands in ...
+    token_pages: Int32Array | None = None  # ... its page ...
+    offsets: Int64Array | None = None  # ... its slot within the page ...
+    cols: Int64Array | None = None  # ... and the page's position in the row
+    uncommitted: bool = True  # no commit since: the write set is the step's
+    splice: Splice | None = None
+    step: StepMetadata | None = field(default=None, repr=False)
+
+
+class StepBuilder:
+    """Builds steps' kernel metadata from a page table and remembers recent batches.
+
+    Parameters
+    ----------
+    table: the page table.
+    expected_flat: the tracker's expected tags as a flat ``[max_seqs * max_pages_per_seq]``
+        view (a CheckingTracker's), so a splice snapshots what was recorded for its new
+        entries; None without one.
+    """
+
+    def __init__(self, table: PageTable, expected_flat: Int64Array | None = None) -> None:
+        self.table = table
+        self.expected_flat = expected_flat
+        self.latest: StepRecord | None = None
+        self._bases: dict[int, StepRecord] = {}  # recent batches by size (a few)
+        self._serial = 0
+        self._counts: dict[tuple[int, int], tuple[Int32Array, Int32Array]] = {}
+        self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs) + 1, dtype=np.int64)
+
+    def current(self, ids: tuple[Any, ...]) -> StepRecord | None:
+        """The latest record if it is ``ids``' batch and no row changed since (the page
+        table's epoch is the same)."""
+        b = self.latest
+        if b is not None and b.epoch == self.table.epoch and ids == b.ids:
+            return b
+        return None
+
+    def row_arrays(self, rows: IntpArray) -> tuple[Int64Array, Int32Array]:
+        """``rows * max_pages_per_seq`` and the rows as read-only int32 (``StepMetadata.rows``):
+        the latest record's own when ``rows`` is its array (read-only, so the same values)."""
+        b = self.latest
+        if b is not None and rows is b.rows:
+            return b.rows_w, b.rows32
+        rows32 = rows.astype(np.int32)
+        rows32.flags.writeable = False
+        return rows * self.table.max_pages_per_seq, rows32
+
+    def step_counts(self, size: int, k: int) -> tuple[Int32Array, Int32Array]:
+        """``num_new_tokens`` ``[size]`` (all ``k``) and ``qo_indptr`` ``[size + 1]``
+        (``0, k, 2k, ...``), int32: fresh copies of cached arrays."""
+        got = self._counts.get((size, k))
+        if got is None:
+            got = (np.full(size, k, dtype=np.int32),
+                   np.multiply(self._arange[: size + 1], k, dtype=np.int32))
+            if k > self.table.page_size:  # a prefill chunk's length: rarely seen twice
+                return got
+            if len(self._counts) > 64:
+                self._counts.clear()
+            self._counts[(size, k)] = got
+        return got[0].copy(), got[1].copy()
+
+    def csr(self, rows: IntpArray, rows_w: Int64Array, gens: Int64Array, counts: Int64Array
+            ) -> tuple[Int32Array, Int32Array, Splice | None]:
+        """FlashInfer ``kv_indptr``, ``kv_indices`` over each row's first ``counts`` pages.
+
+        When the previous batch of this size had, at the same position, the same row with
+        nothing but appends since (same generation), the row keeps its entries: the new
+        ``kv_indices`` is the old one cut at the rows that changed, their new pages spliced
+        in, in one concatenation (and a :class:`Splice`). Otherwise one masked gather.
+        """
+        size = rows.size
+        indptr = np.zeros(size + 1, dtype=np.int32)
+        np.add.accumulate(counts, out=indptr[1:], dtype=np.int32)
+        if size == 1:  # one request (a prefill chunk): a slice of its row
+            at = int(rows_w[0])
+            return indptr, self.table.pages.reshape(-1)[at : at + int(counts[0])].copy(), None
+        c = self._bases.get(size)
+        if c is not None and size:
+            spliced = self._splice(c, rows_w, gens, counts)
+            if spliced is not None:
+                return indptr, *spliced
+        width = int(counts.max()) if size else 0
+        mask = self._arange[:width] < counts[:, None]
+        return indptr, self.table.pages[rows, :width][mask], None
+
+    def _splice(self, c: StepRecord, rows_w: Int64Array, gens: Int64Array, counts: Int64Array
+                ) -> tuple[Int32Array, Splice] | None:
+        """``kv_indices`` spliced from ``c``'s, or None when too much changed."""
+        kept = gens == c.gens
+        first = c.counts * kept  # entries each row keeps
+        changed = ((counts != first) | ~kept).nonzero()[0]
+        first = first[changed]
+        fresh = counts[changed] - first
+        if changed.size > MAX_SPLICES or np.count_nonzero(fresh < 0):
+            return None
+        c.splice = None  # (a record keeps only its own splice, not a chain of them)
+        if not changed.size:
+            return c.indices, Splice(c.serial, changed, _EMPTY_ROWS.astype(np.int32),
+                                     _EMPTY_TAGS, [])
+        old = c.indices
+        flat = self.table.pages.reshape(-1)
+        expected = self.expected_flat
+        parts: list[Int32Array] = []
+        pages: list[Int32Array] = []  # the entries spliced in ...
+        wants: list[Int64Array] = []  # ... and the tags the tracker expects of them
+        gone: list[Int32Array] = []  # the entries cut out
+        at = 0
+        for cut, resume, src, num in zip(
+                (c.indptr[changed] + first).tolist(), c.indptr[changed + 1].tolist(),
+                (rows_w[changed] + first).tolist(), fresh.tolist()):
+            piece = flat[src : src + num]
+            parts.append(old[at:cut])
+            parts.append(piece)
+            pages.append(piece)
+            if expected is not None:
+                wants.append(expected[src : src + num])
+            if resume > cut:
+                gone.append(old[cut:resume])
+            at = resume
+        parts.append(old[at:])
+        return np.concatenate(parts), Splice(
+            c.serial, changed, np.concatenate(pages),
+            np.concatenate(wants) if wants else _EMPTY_TAGS, gone)
+
+    def record(self, b: StepRecord) -> StepRecord:
+        """Remember a built batch (the latest, and the base of the next batch its size)."""
+        self._serial += 1
+        b.serial = self._serial
+        self.latest = b
+        self._bases.pop(b.rows.size, None)
+        self._bases[b.rows.size] = b
+        if len(self._bases) > 4:
+            del self._bases[next(iter(self._bases))]  # the least recently reserved size
+        return b
+
+    def forget(self) -> None:
+        """Forget every record (the next steps build their CSR by a gather)."""
+        self.latest = None
+        self._bases.clear()

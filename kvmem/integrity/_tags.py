@@ -1,0 +1,129 @@
+"""Namespace-qualified tags: the one format every check compares, defined here only.
+
+The allocator gives a page a fresh 64-bit tag for every lifetime (0 while free). The manager
+records, for every page a request maps, and checks, before every step, the page's tag
+*qualified* by the namespace of the content it holds::
+
+    qualified = tag << NS_BITS | namespace_id      a live page (tag > 0, 0 <= namespace_id < 2**20)
+    qualified = 0                                  a free page
+
+so one comparison proves three things: the page is live, it is in the lifetime the request
+mapped it in, and it holds the request's namespace's content (a tenant's, an adapter's).
+Tags stay far below ``2**43``, so qualified tags never overflow int64.
+
+:class:`TagMirror` keeps the qualified tag of every page, on the host and, when the pages live
+in a pool, on its device (``pool.tags``), so a check of device metadata runs on the device. It
+is the only writer of both; it follows the allocator through a change-log reader of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "MAX_NAMESPACES",
+    "NS_BITS",
+    "TagMirror",
+    "lifetime_of",
+    "namespace_id_of",
+    "qualify",
+    "qualify_live",
+]
+
+NS_BITS = 20
+MAX_NAMESPACES = 1 << NS_BITS
+_NS_MASK = MAX_NAMESPACES - 1
+
+Int64Array = npt.NDArray[np.int64]
+
+
+def qualify(tags: npt.NDArray[np.int64], namespace_ids: npt.ArrayLike) -> Int64Array:
+    """Qualified tags of pages: ``tag << NS_BITS | namespace_id``, 0 where ``tag`` is 0.
+
+    ``tags``: ``[k]``, int64 (the allocator's); ``namespace_ids``: ``[k]`` or a scalar (a free
+    page's -1 is ignored) -> ``[k]``, int64.
+    """
+    out = (tags << NS_BITS) | np.maximum(namespace_ids, 0)
+    out[tags == 0] = 0
+    return out
+
+
+def qualify_live(tags: npt.NDArray[np.int64], namespace_ids: Int64Array | int) -> Int64Array:
+    """:func:`qualify` of pages that should be live (two numpy calls): a free page (tag 0)
+    gives its namespace id or -1, never a valid qualified tag, so it fails any comparison with
+    a recorded one (recorded tags have a lifetime > 0)."""
+    out = tags << NS_BITS
+    out |= namespace_ids
+    return out
+
+
+def lifetime_of(qualified: Any) -> Any:
+    """The allocator tag inside qualified tags (an int or an array)."""
+    return qualified >> NS_BITS
+
+
+def namespace_id_of(qualified: Any) -> Any:
+    """The namespace id inside qualified tags (an int or an array)."""
+    return qualified & _NS_MASK
+
+
+class _Reader(Protocol):
+    def read(self) -> list[npt.NDArray[np.int32]] | None: ...
+
+
+class _Pool(Protocol):
+    tags: Any
+
+    def claim_tags(self) -> object: ...
+
+    def update_tags(self, page_ids: Any, tags: Any, *, key: object = None) -> None: ...
+
+
+class TagMirror:
+    """The qualified tag of every page, kept current from the allocator's change log.
+
+    Parameters
+    ----------
+    tags: ``[num_pages]``, int64 — the allocator's tags (a read-only view)
+    namespace_ids: ``[num_pages]``, int64 — whose content each page holds (-1 when free)
+    changes: a reader of the allocator's change log (its own: nobody else reads it)
+    pool: optional ``PagePool`` whose ``tags`` tensor becomes this mirror's device copy; the
+        mirror claims it, so nothing else writes it
+    """
+
+    def __init__(self, tags: npt.NDArray[np.int64], namespace_ids: Int64Array, changes: _Reader,
+                 pool: _Pool | None = None) -> None:
+        self._tags = tags
+        self._namespace_ids = namespace_ids
+        self._changes = changes
+        self.host = qualify(tags, namespace_ids)
+        self._pool = pool
+        self._key = None if pool is None else pool.claim_tags()
+        if pool is not None:
+            self._write_pool(np.arange(tags.size))
+
+    @property
+    def device(self) -> Any:
+        """The device copy (the pool's ``tags`` tensor), or None without a pool."""
+        return None if self._pool is None else self._pool.tags
+
+    def sync(self) -> Int64Array:
+        """Bring both copies up to date; returns the host copy ``[num_pages]``, int64."""
+        log = self._changes.read()
+        if log is None:  # fell behind: everything
+            changed: npt.NDArray[np.integer] = np.arange(self._tags.size)
+        elif not log:
+            return self.host
+        else:
+            changed = np.unique(np.concatenate(log)) if len(log) > 1 else np.unique(log[0])
+        self.host[changed] = qualify(self._tags[changed], self._namespace_ids[changed])
+        if self._pool is not None:
+            self._write_pool(changed)
+        return self.host
+
+    def _write_pool(self, pages: npt.NDArray[np.integer]) -> None:
+        assert self._pool is not None
+        self._pool.update_tags(pages, self.host[pages], key=self._key)
