@@ -139,6 +139,8 @@ def as_ids(name: str, values: Any) -> tuple[Any, ...]:
     sequence is expected (a str, bytes, an int) is refused: ``"AB"`` is not ``["A", "B"]``."""
     if type(values) is tuple:
         return values
+    if type(values) is list:
+        return tuple(values)
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__") or not hasattr(
             values, "__len__"):
         raise ArgumentTypeError(

@@ -69,6 +69,7 @@ from kvmem.allocator import (
     Reserver,
     StepBuilder,
     StepHandle,
+    StepRecord,
     namespace_bytes,
     token_counts,
 )
@@ -92,8 +93,8 @@ from kvmem.integrity import (
     Tracker,
     Verifier,
     lifetime_of,
+    require_int_array,
     validate_block_table,
-    validate_csr,
     validate_step_fields,
 )
 
@@ -307,12 +308,14 @@ class KVCacheManager:
             )
         return row
 
-    def _batch(self, request_ids: Any, what: str) -> tuple[tuple[Any, ...], IntpArray]:
-        """(ids, rows) of a batch of distinct running requests (rows read-only, intp)."""
+    def _batch(self, request_ids: Any, what: str
+               ) -> tuple[tuple[Any, ...], IntpArray, StepRecord | None]:
+        """(ids, rows, the latest reserve's record if it is this batch's and no row changed
+        since) of a batch of distinct running requests (rows read-only, intp)."""
         ids = as_ids("request_ids", request_ids)
         b = self.steps.current(ids)
         if b is not None:
-            return ids, b.rows
+            return ids, b.rows, b
         try:
             rows = np.fromiter(map(self._rows.__getitem__, ids), dtype=np.intp, count=len(ids))
         except (KeyError, TypeError):
@@ -322,7 +325,7 @@ class KVCacheManager:
         if rows.size > 1 and np.maximum.reduce(np.bincount(rows)) > 1:
             raise ArgumentError(f"request_ids must be distinct (nothing was {what})")
         rows.flags.writeable = False
-        return ids, rows
+        return ids, rows, None
 
     @staticmethod
     def _as_tokens(token_ids: Any, name: str = "token_ids") -> Int64Array:
@@ -386,8 +389,8 @@ class KVCacheManager:
         memo, self._plan_memo = self._plan_memo, None
         # The counter moved once since can_admit: for the admit() being run now.
         if (memo is not None and memo[0] == self._mutations - 1
-                and memo[1] == namespace_bytes(namespace) and memo[2].shape == tokens.shape
-                and not np.count_nonzero(memo[2] != tokens)):
+                and memo[1] == namespace_bytes(namespace) and (memo[2] is tokens or (
+                    memo[2].shape == tokens.shape and not np.count_nonzero(memo[2] != tokens)))):
             return memo[3], self._namespace_id(namespace, register=True), memo[4]
         return self._plan(tokens, namespace, register=True)
 
@@ -412,7 +415,13 @@ class KVCacheManager:
         if request_id in self._requests:
             raise KVMemError(f"request {request_id!r} is already known to the manager; release "
                              "it first or use a new id")
-        tokens = self._as_tokens(token_ids)
+        memo = self._plan_memo
+        if (memo is not None and type(token_ids) is np.ndarray and memo[0] == self._mutations - 1
+                and memo[2].shape == token_ids.shape and not np.count_nonzero(
+                    memo[2] != token_ids)):
+            tokens = memo[2]  # the prompt can_admit() just validated and copied
+        else:
+            tokens = self._as_tokens(token_ids)
         return self._admit(request_id, tokens, namespace)
 
     def _admit(self, request_id: Any, tokens: Int64Array, namespace: Any) -> AdmitResult:
@@ -456,7 +465,7 @@ class KVCacheManager:
 
     def can_reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find enough pages now."""
-        _, rows = self._batch(request_ids, "reserved")
+        _, rows, _ = self._batch(request_ids, "reserved")
         n = token_counts(num_tokens, rows.size, self._most_tokens)
         need = self._reserver.pages_needed(rows, n)
         return 0 <= need <= self.pages.available()
@@ -481,7 +490,7 @@ class KVCacheManager:
         OutOfPagesError: not enough free + evictable pages; preempt a request and retry
         KVMemError: a request is not running or would exceed max_pages_per_seq
         """
-        ids, rows = self._batch(request_ids, "reserved")
+        ids, rows, _ = self._batch(request_ids, "reserved")
         n = token_counts(num_tokens, rows.size, self._most_tokens)
         if isinstance(n, int) and n <= self.page_size and not self.table.num_forked and (
                 not self.fences.copies_pending):
@@ -520,14 +529,13 @@ class KVCacheManager:
         token_ids: ``[B]`` ints (one token each: the decode step; a list, an array or a
             tensor), ``[B, k]`` ints, or a list of ``B`` 1-D int sequences (ragged)
         """
-        ids, rows = self._batch(request_ids, "committed")
+        ids, rows, b = self._batch(request_ids, "committed")
         if hasattr(token_ids, "detach"):
             token_ids = token_ids.detach().cpu().numpy()
         flat, counts = _batch_tokens(token_ids, rows.size, self._as_tokens)
-        b = self.steps.current(ids)
         if (isinstance(counts, int) and counts == 1 and b is not None and b.k == 1
                 and b.token_pages is not None and b.uncommitted
-                and np.array_equal(self.table.num_committed[rows], b.start)):
+                and not np.count_nonzero(self.table.num_committed[rows] != b.start)):
             self._committer.commit_decode(b, flat)  # the tokens the latest reserve handed out
             return
         self._committer.commit(rows, counts, flat, ids)
@@ -567,9 +575,8 @@ class KVCacheManager:
         """
         if not self.tracker.enabled:  # nothing recorded, nothing to look at
             return VerifyReport(as_ids("request_ids", request_ids))
-        ids, rows = self._batch(request_ids, "verified")
-        md = self._metadata(rows, step, kv_indptr, kv_indices, metadata)
-        b = self.steps.current(ids)
+        ids, rows, b = self._batch(request_ids, "verified")
+        md = self._metadata(rows, step, kv_indptr, kv_indices, metadata, b)
         verdict = self.verifier.check(ids, rows, md, b if b is not None and b.uncommitted
                                       else None)
         aborted: dict[Any, str] = {}
@@ -579,7 +586,8 @@ class KVCacheManager:
         return VerifyReport(ids, aborted, verdict.report)
 
     def _metadata(self, rows: IntpArray, step: StepMetadata | None, kv_indptr: Any,
-                  kv_indices: Any, metadata: Mapping[str, Any] | None) -> Metadata:
+                  kv_indices: Any, metadata: Mapping[str, Any] | None,
+                  latest: StepRecord | None = None) -> Metadata:
         """The metadata verify checks, validated (MetadataError names a malformed field)."""
         size = rows.size
         if metadata is not None:
@@ -609,22 +617,26 @@ class KVCacheManager:
                     f"{getattr(step, 'batch_size', type(step).__name__)}; pass the StepMetadata "
                     "the batch's reserve returned")
             fields, has_csr = step.fields(), True
+            if latest is not None and step is latest.step:  # made by reserve: its arrays'
+                # types and shapes are reserve's (their values the verifier compares)
+                return Metadata(step.kv_indptr, step.kv_indices, None, fields, True)
         else:
             csr = self.table.csr(rows)
-            return Metadata(csr.kv_indptr, csr.kv_indices, None, None)
+            return Metadata(csr.kv_indptr, csr.kv_indices, None, None, True)
+        # Shapes and dtypes here; the values (a CSR's kv_indptr, the slot count) the verifier
+        # checks unless the arrays are reserve's own.
         if has_csr:
-            validate_csr(fields["kv_indptr"], fields["kv_indices"], size)
+            require_int_array("kv_indptr", fields["kv_indptr"], (size + 1,))
+            require_int_array("kv_indices", fields["kv_indices"], (None,))
         else:
             validate_block_table(fields["block_table"], size)
-        t = self.table
         step_fields = None
         if fields.get("slot_mapping") is not None:
-            new = int((t.num_tokens[rows] - t.write_from[rows]).sum())
-            validate_step_fields(fields, size, new)
+            validate_step_fields(fields, size)
             step_fields = fields
         if has_csr:
-            return Metadata(fields["kv_indptr"], fields["kv_indices"], None, step_fields)
-        return Metadata(None, None, fields["block_table"], step_fields)
+            return Metadata.of(fields["kv_indptr"], fields["kv_indices"], None, step_fields)
+        return Metadata.of(None, None, fields["block_table"], step_fields)
 
     def _abort(self, request_id: Any, first_bad: int, reason: str) -> None:
         row = self._rows[request_id]
@@ -671,6 +683,12 @@ class KVCacheManager:
             if found.size == 1:
                 out.append(np.array([[j, int(found[0])]], dtype=np.int64))
         return np.concatenate(out)
+
+    def _forget_row(self, row: int) -> None:
+        if isinstance(self.tracker, CheckingTracker):
+            self.tracker.clear_row(row)
+        elif self.tracker.enabled:
+            self.tracker.forget([row])
 
     def _row_is_own(self, row: int) -> bool:
         """Whether every page a row maps carries the tag the tracker recorded (always True
@@ -734,8 +752,7 @@ class KVCacheManager:
                       "it provably holds were released")
             logger.warning("kvmem: request %r: %s", request_id, reason)
             self._hooks.emit("integrity_failure", request_id, detail=reason)
-        if self.tracker.enabled:
-            self.tracker.forget([row])
+        self._forget_row(row)
         pages = self.table.remove_row(row)
         if owned is not None:
             pages = owned
@@ -816,8 +833,7 @@ class KVCacheManager:
             for rid in running:  # every row closed first, then one drop of all their pages
                 row = self._rows.pop(rid)
                 self._row_ids[row] = None
-                if self.tracker.enabled:
-                    self.tracker.forget([row])
+                self._forget_row(row)
                 runs.append(self.table.remove_row(row))
             self.pages.drop_runs(runs)
             if not self._rows and self.fences.copies_pending:
@@ -1064,6 +1080,11 @@ def _require_hashable(request_id: Any) -> None:
 def _batch_tokens(token_ids: Any, size: int, as_tokens: Callable[..., Int64Array]
                   ) -> tuple[npt.NDArray[np.integer], Int64Array | int]:
     """commit_batch's tokens as (flat, counts): ``[B]`` one each, ``[B, k]``, or ragged."""
+    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.shape[0] == size and (
+            token_ids.dtype.kind in "iu") and size:  # the decode step's [B] ints
+        if int(np.minimum.reduce(token_ids)) < 0 or int(np.maximum.reduce(token_ids)) > INT32_MAX:
+            raise ArgumentError(f"token ids must be in 0..{INT32_MAX} (nothing was committed)")
+        return token_ids, 1
     arr = None
     if isinstance(token_ids, np.ndarray) or (
             isinstance(token_ids, (list, tuple)) and all(

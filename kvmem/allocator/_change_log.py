@@ -14,8 +14,6 @@ have changed" (start over from the full state). With no reader, logging costs no
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import numpy.typing as npt
 
@@ -27,7 +25,7 @@ PageIds = npt.NDArray[np.int32]
 class ChangeReader:
     """One reader's cursor into a :class:`ChangeLog` (get one from :meth:`ChangeLog.reader`)."""
 
-    __slots__ = ("__weakref__", "_log", "position")
+    __slots__ = ("_log", "position")
 
     def __init__(self, log: ChangeLog, position: int) -> None:
         self._log = log
@@ -61,7 +59,7 @@ class ChangeLog:
         self.limit = limit
         self._entries: list[PageIds] = []
         self._start = 0  # absolute index of _entries[0]
-        self._readers: weakref.WeakSet[ChangeReader] = weakref.WeakSet()
+        self._readers: list[ChangeReader] = []  # (few, and as long-lived as the log)
 
     @property
     def _end(self) -> int:
@@ -70,7 +68,7 @@ class ChangeLog:
     def reader(self) -> ChangeReader:
         """A new reader whose first read returns what is logged from now on."""
         reader = ChangeReader(self, self._end)
-        self._readers.add(reader)
+        self._readers.append(reader)
         return reader
 
     def append(self, pages: PageIds) -> None:
@@ -87,8 +85,9 @@ class ChangeLog:
         if at < 0:
             return None
         got = self._entries[at - self._start :]
-        self._trim(min((r.position for r in self._readers if r.position >= 0),
-                       default=self._end))
+        if len(self._entries) > 64:  # (trimming costs more than a few entries kept a while)
+            self._trim(min((r.position for r in self._readers if r.position >= 0),
+                           default=self._end))
         return got
 
     def _trim(self, upto: int) -> None:

@@ -81,13 +81,13 @@ class Pages:
         if num > self.allocator.num_free and num > self.available():  # (free: no cache call)
             raise OutOfPagesError(num, self.available())
 
-    def writers(self, pages: npt.NDArray[np.integer]) -> Int64Array:
+    def writers(self, pages: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
         """Holders that may read or write these pages' future slots: requests and the cache.
         A fence holds a reference only so a launched step can still read the existing slots,
         or a copy be made; it never reads a slot a request is about to write."""
-        holders = self.allocator.refcounts[pages].astype(np.int64)
+        holders = self.allocator.refcounts[pages]
         if self.fences.holds_any:
-            holders -= self.fences.held[pages]
+            return holders - self.fences.held[pages]
         return holders
 
     # -- references ---------------------------------------------------------------------------

@@ -35,7 +35,6 @@ Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 _EMPTY_PAGES.flags.writeable = False
-_EMPTY_TAGS = np.empty(0, dtype=np.int64)
 
 
 class Reserver:
@@ -169,7 +168,7 @@ class Reserver:
         slots = np.multiply(token_pages, P, dtype=np.int64)
         slots += offset
         return self._finish(ids, rows, rows_w, rows32, start, end, 1, slots, None,
-                            (token_pages, offset, col))
+                            (token_pages, offset, col), col + 1, np.add(offset, 1, dtype=np.int32))
 
     # -- the general step ---------------------------------------------------------------------
 
@@ -229,30 +228,34 @@ class Reserver:
     def _finish(self, ids: tuple[Any, ...], rows: IntpArray, rows_w: Int64Array,
                 rows32: Int32Array, start: Int64Array, end: Int64Array, k: int,
                 slots: Int64Array, copies: tuple[Int32Array, Int32Array] | None,
-                decode: tuple[Int32Array, Int64Array, Int64Array] | None = None
+                decode: tuple[Int32Array, Int64Array, Int64Array] | None = None,
+                counts: Int64Array | None = None, last_len: Int32Array | None = None
                 ) -> StepMetadata:
-        """The step's metadata, and its record (private copies) for verify and the next step."""
+        """The step's metadata, and its record (private copies) for verify and the next step.
+        ``counts`` (pages per row) and ``last_len`` when the caller has them at hand."""
         t = self.table
         P = t.page_size
-        counts = (end + (P - 1)) // P
+        if counts is None:
+            counts = (end + (P - 1)) // P
+        if last_len is None:
+            last_len = ((end - 1) % P + 1).astype(np.int32)
         gens = t.generation[rows]
         indptr, indices, splice = self.steps.csr(rows, rows_w, gens, counts)
         if k >= 0:
-            num_new, qo_indptr = self.steps.step_counts(rows.size, k)
+            num_new, qo_indptr, own_qo = self.steps.step_counts(rows.size, k)
         else:
             num_new = (end - start).astype(np.int32)
             qo_indptr = np.zeros(rows.size + 1, dtype=np.int32)
             np.cumsum(num_new, out=qo_indptr[1:])
-        last_len = ((end - 1) % P + 1).astype(np.int32)
+            own_qo = qo_indptr.copy()
         src, dst = copies if copies is not None else (_EMPTY_PAGES, _EMPTY_PAGES)
         step = StepMetadata(ids, rows32, num_new, slots.copy(), qo_indptr, indptr.copy(),
                             indices.copy(), last_len, end.astype(np.int32), src, dst, P)
-        versions = (self.tracker.versions[rows] if isinstance(self.tracker, CheckingTracker)
-                    else _EMPTY_TAGS)
+        changes = self.tracker.num_changes if self.checking else -1  # type: ignore[attr-defined]
         token_pages, offsets, cols = decode if decode is not None else (None, None, None)
         self.steps.record(StepRecord(
-            0, ids, rows, rows32, rows_w, t.epoch, gens, versions, counts, indptr, indices,
-            qo_indptr.copy(), start, end, k, slots, token_pages, offsets, cols, splice=splice,
+            0, ids, rows, rows32, rows_w, t.epoch, gens, changes, counts, indptr, indices,
+            own_qo, start, end, k, slots, token_pages, offsets, cols, splice=splice,
             step=step))
         return step
 

@@ -36,7 +36,7 @@ Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
 _EMPTY_TAGS = np.empty(0, dtype=np.int64)
-_EMPTY_ROWS = np.empty(0, dtype=np.intp)
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
 # Rows that changed since the previous step (grew a page, or hold another request) up to which
 # the CSR is patched by splicing slices (more: one vectorized rebuild).
 MAX_SPLICES = 64
@@ -119,9 +119,9 @@ class StepMetadata:
 
 class Splice(NamedTuple):
     """How a record's ``indices`` was patched from its base's: ``changed`` the batch
-    positions whose entries were cut or added, ``pages`` the entries spliced in (a snapshot,
-    in order), ``wants`` the qualified tags the tracker had recorded for them then (empty
-    without a CheckingTracker), ``gone`` the base's entries cut out."""
+    positions whose entries were cut or added (``[c]``, intp), ``pages`` the entries spliced
+    in (a snapshot, in order), ``wants`` the qualified tags the tracker had recorded for them
+    then (empty without a CheckingTracker), ``gone`` the base's entries cut out."""
 
     base_serial: int
     changed: IntpArray
@@ -142,7 +142,7 @@ class StepRecord:
     rows_w: Int64Array  # rows * max_pages_per_seq: flat index of each row's column 0
     epoch: int  # the page table's epoch when built
     gens: Int64Array  # the rows' generations when built
-    versions: Int64Array  # the tracker's row versions when built (empty without one)
+    tracker_changes: int  # the tracker's num_changes when built (-1 without a CheckingTracker)
     counts: Int64Array  # pages listed per row
     indptr: Int32Array
     indices: Int32Array
@@ -197,19 +197,21 @@ class StepBuilder:
         rows32.flags.writeable = False
         return rows * self.table.max_pages_per_seq, rows32
 
-    def step_counts(self, size: int, k: int) -> tuple[Int32Array, Int32Array]:
+    def step_counts(self, size: int, k: int) -> tuple[Int32Array, Int32Array, Int32Array]:
         """``num_new_tokens`` ``[size]`` (all ``k``) and ``qo_indptr`` ``[size + 1]``
-        (``0, k, 2k, ...``), int32: fresh copies of cached arrays."""
+        (``0, k, 2k, ...``), int32, fresh copies of cached arrays; and the cached
+        ``qo_indptr`` itself (read-only: a record's private copy)."""
         got = self._counts.get((size, k))
         if got is None:
             got = (np.full(size, k, dtype=np.int32),
                    np.multiply(self._arange[: size + 1], k, dtype=np.int32))
+            got[1].flags.writeable = False
             if k > self.table.page_size:  # a prefill chunk's length: rarely seen twice
-                return got
+                return got[0], got[1].copy(), got[1]
             if len(self._counts) > 64:
                 self._counts.clear()
             self._counts[(size, k)] = got
-        return got[0].copy(), got[1].copy()
+        return got[0].copy(), got[1].copy(), got[1]
 
     def csr(self, rows: IntpArray, rows_w: Int64Array, gens: Int64Array, counts: Int64Array
             ) -> tuple[Int32Array, Int32Array, Splice | None]:
@@ -247,8 +249,7 @@ class StepBuilder:
             return None
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
         if not changed.size:
-            return c.indices, Splice(c.serial, changed, _EMPTY_ROWS.astype(np.int32),
-                                     _EMPTY_TAGS, [])
+            return c.indices, Splice(c.serial, changed, _EMPTY_PAGES, _EMPTY_TAGS, [])
         old = c.indices
         flat = self.table.pages.reshape(-1)
         expected = self.expected_flat

@@ -20,6 +20,7 @@ from kvmem.integrity._check import (
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    require_int_array,
     validate_block_table,
     validate_csr,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "namespace_id_of",
     "qualify",
     "qualify_live",
+    "require_int_array",
     "validate_block_table",
     "validate_csr",
     "validate_step_fields",

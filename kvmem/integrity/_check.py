@@ -90,7 +90,13 @@ class BadEntries(NamedTuple):
 
 def require_int_array(name: str, value: Any, shape: tuple[int | None, ...]) -> None:
     """Refuse ``value`` unless it is a numpy array or torch tensor of integers whose shape
-    matches ``shape`` (None: any length). Raises MetadataError naming the field."""
+    matches ``shape`` (1-D or 2-D; None: any length). Raises MetadataError naming the field."""
+    if isinstance(value, np.ndarray):  # (the common case first, in a few attribute reads)
+        got_shape = value.shape
+        if value.dtype.kind in "iu" and len(got_shape) == len(shape) and (
+                shape[0] is None or got_shape[0] == shape[0]) and (
+                len(shape) < 2 or shape[1] is None or got_shape[1] == shape[1]):
+            return
     if isinstance(value, np.ndarray):
         integer = value.dtype.kind in "iu"
     elif hasattr(value, "is_floating_point") and hasattr(value, "shape"):  # a torch tensor
@@ -118,13 +124,12 @@ def validate_csr(kv_indptr: Any, kv_indices: Any, batch_size: int) -> None:
     require_int_array("kv_indptr", kv_indptr, (batch_size + 1,))
     require_int_array("kv_indices", kv_indices, (None,))
     first, last = int(kv_indptr[0]), int(kv_indptr[-1])
-    steps = kv_indptr[1:] - kv_indptr[:-1]
-    if first != 0 or last != kv_indices.shape[0] or bool((steps < 0).any()):
+    decreases = bool((kv_indptr[1:] < kv_indptr[:-1]).sum())
+    if first != 0 or last != kv_indices.shape[0] or decreases:
         raise MetadataError(
             f"kv_indptr must start at 0, never decrease, and end at len(kv_indices) = "
             f"{kv_indices.shape[0]}; got first {first}, last {last}"
-            f"{', and it decreases' if bool((steps < 0).any()) else ''}. Nothing was checked "
-            "or changed"
+            f"{', and it decreases' if decreases else ''}. Nothing was checked or changed"
         )
 
 

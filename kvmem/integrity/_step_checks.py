@@ -56,15 +56,16 @@ def write_set(pages: npt.NDArray[np.int32], rows: IntpArray, start: Int64Array,
     return batch, positions, pages[rows[batch], positions].astype(np.int64)
 
 
-def validate_step_fields(meta: Mapping[str, Any], batch_size: int, num_new: int) -> None:
+def validate_step_fields(meta: Mapping[str, Any], batch_size: int,
+                         num_new: int | None = None) -> None:
     """Refuse a step's slot mapping and lengths (those given) unless they are integer arrays
-    or tensors shaped for a batch of ``batch_size`` requests with ``num_new`` new tokens:
-    ``slot_mapping [>= num_new]``, ``seq_lens`` / ``kv_last_page_len`` / ``num_new_tokens``
-    ``[B]``, ``qo_indptr [B + 1]``. Raises MetadataError naming the field."""
+    or tensors shaped for a batch of ``batch_size`` requests (with ``num_new`` new tokens, when
+    given): ``slot_mapping [>= num_new]``, ``seq_lens`` / ``kv_last_page_len`` /
+    ``num_new_tokens`` ``[B]``, ``qo_indptr [B + 1]``. Raises MetadataError naming the field."""
     slots = meta.get("slot_mapping")
     if slots is not None:
         require_int_array("slot_mapping", slots, (None,))
-        if slots.shape[0] < num_new:
+        if num_new is not None and slots.shape[0] < num_new:
             raise MetadataError(
                 f"slot_mapping lists {slots.shape[0]} slots but the batch's latest reserve "
                 f"handed out {num_new} new tokens; pass the step's slot mapping (padding -1 "

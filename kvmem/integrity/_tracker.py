@@ -6,10 +6,12 @@ decode, it checks a whole batch against the live tags in one vectorized operatio
 * :class:`NoOpTracker` (the default) records nothing and checks nothing. Its ``enabled`` is
   False, and callers test that flag first so that they do not even build a tracker's inputs.
 * :class:`CheckingTracker` keeps ``expected_tags[row, position]`` (int64, 0 = nothing recorded),
-  one row per page-table row, and ``versions[row]``, which changes whenever what a row expects
-  at a position it already had changes (``record``, ``forget``): a verifier that proved a row
-  compares versions to know nothing it proved was re-recorded since. It is the only writer of
-  both (``expected_tags`` is a read-only view).
+  one row per page-table row. ``record`` and ``forget`` (anyone may call them) may change what a
+  row expects at positions a verifier already proved: they bump ``versions[row]`` and the
+  counter ``num_changes``, so a verifier knows. ``record_row``, ``clear_row`` and ``append`` are
+  the manager's row-lifecycle calls: a new row, a closed row (both get a new page-table
+  generation anyway) and pages appended past the row's proven ones; they bump nothing. The
+  tracker is the only writer of its arrays (``expected_tags`` is a read-only view).
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ class CheckingTracker:
     ----------
     expected_tags: ``[max_seqs, max_pages_per_seq]``, int64, read-only — 0 where nothing is
         recorded
-    versions: ``[max_seqs]``, int64, read-only — changes when a row is re-recorded or forgotten
+    versions: ``[max_seqs]``, int64, read-only — changes when ``record``/``forget`` touch a row
+    num_changes: how many ``record``/``forget`` calls so far
     """
 
     enabled = True
@@ -153,7 +156,7 @@ class CheckingTracker:
         self._expected = np.zeros((int(max_seqs), int(max_pages_per_seq)), dtype=np.int64)
         self._flat = self._expected.reshape(-1)  # (row, position) at row * width + position
         self._versions = np.zeros(int(max_seqs), dtype=np.int64)
-        self._version = 0
+        self.num_changes = 0
         self.expected_tags = self._expected.view()
         self.expected_tags.flags.writeable = False
         self.versions = self._versions.view()
@@ -170,8 +173,8 @@ class CheckingTracker:
         return out
 
     def _bump(self, rows: npt.NDArray[np.intp]) -> None:
-        self._versions[rows] = self._version + 1 + np.arange(rows.size)
-        self._version += rows.size
+        self.num_changes += 1
+        self._versions[rows] = self.num_changes
 
     def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
         rows_i = self._rows(rows)
@@ -184,10 +187,14 @@ class CheckingTracker:
         self._bump(np.unique(rows_i))
 
     def record_row(self, row: int, tags: npt.NDArray[np.int64]) -> None:
-        """A new row's recorded tags, positions ``0 .. len(tags) - 1`` (the rest 0)."""
+        """A new row's recorded tags, positions ``0 .. len(tags) - 1`` (the rest 0): the
+        manager's call for a row it just opened."""
         self._expected[row, : tags.size] = tags
         self._expected[row, tags.size :] = 0
-        self._bump(np.array([row], dtype=np.intp))
+
+    def clear_row(self, row: int) -> None:
+        """Drop a row's recorded tags: the manager's call for a row it closes."""
+        self._expected[row] = 0
 
     def append(self, flat_positions: npt.NDArray[np.integer], tags: npt.NDArray[np.int64]) -> None:
         """Record pages a row gained past the ones it had (``flat_positions``: ``row * width +

@@ -46,8 +46,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import IntegrityError
-from kvmem.integrity._check import Reason
-from kvmem.integrity._step_checks import length_mismatches, ranges, slot_mismatches, write_set
+from kvmem.integrity._check import Reason, validate_csr
+from kvmem.integrity._step_checks import (
+    length_mismatches,
+    ranges,
+    slot_mismatches,
+    validate_step_fields,
+    write_set,
+)
 from kvmem.integrity._tags import TagMirror, lifetime_of, namespace_id_of, qualify_live
 from kvmem.integrity._tracker import IntegrityReport, Tracker
 
@@ -62,20 +68,26 @@ MAX_CHANGED_ROWS = 64
 
 
 class Metadata(NamedTuple):
-    """What the kernels of a step will read (validated): the CSR (``indptr``, ``indices``) or a
+    """What the kernels of a step will read, shapes and dtypes checked
+    (:func:`~kvmem.integrity.require_int_array`): the CSR (``indptr``, ``indices``) or a
     ``block_table``, and the step's other fields by ``StepMetadata.tensors`` names (None when
-    only the page lists were given). numpy arrays or torch tensors."""
+    only the page lists were given). numpy arrays or torch tensors. The verifier checks the
+    values that make it well formed (:func:`~kvmem.integrity.validate_csr`, the slot count)
+    unless they are reserve's own."""
 
     indptr: Any
     indices: Any
     block_table: Any
     fields: Mapping[str, Any] | None
+    is_numpy_csr: bool  # a CSR, every array a numpy array (the fast paths' domain)
 
-    @property
-    def is_numpy_csr(self) -> bool:
-        return isinstance(self.indptr, np.ndarray) and isinstance(self.indices, np.ndarray) and (
-            self.fields is None or all(isinstance(v, np.ndarray) for v in self.fields.values()
-                                       if v is not None))
+    @classmethod
+    def of(cls, indptr: Any, indices: Any, block_table: Any,
+           fields: Mapping[str, Any] | None) -> Metadata:
+        numpy = indices is not None and type(indptr) is np.ndarray and type(
+            indices) is np.ndarray and (fields is None or all(
+                type(v) is np.ndarray for v in fields.values() if v is not None))
+        return cls(indptr, indices, block_table, fields, numpy)
 
 
 class Verdict(NamedTuple):
@@ -87,6 +99,9 @@ class Verdict(NamedTuple):
     @property
     def ok(self) -> bool:
         return not self.failed
+
+
+_PROVED = Verdict({})  # (never mutated)
 
 
 class VerifierStats(NamedTuple):
@@ -121,7 +136,8 @@ class _Proof(NamedTuple):
     serial: int  # the step record whose own arrays were proved (-1: none)
     rows: IntpArray
     gens: Int64Array
-    versions: Int64Array
+    changes: int  # the tracker's num_changes when proved
+    versions: Int64Array | None  # the rows' tracker versions then (None: not gathered)
     counts: Int64Array  # pages listed per row
     indptr: Int64Array
     indices: Int32Array
@@ -143,7 +159,7 @@ class Verifier:
 
     def __init__(self, tracker: Tracker, table: _Table, tags: Int64Array,
                  namespace_ids: Int64Array, mirror: TagMirror, changes: Any,
-                 writers: Callable[[npt.NDArray[np.integer]], Int64Array]) -> None:
+                 writers: Callable[[npt.NDArray[np.integer]], npt.NDArray[np.integer]]) -> None:
         self.tracker = tracker
         self.table = table
         self.page_size = table.page_size
@@ -156,6 +172,7 @@ class Verifier:
         expected = getattr(tracker, "expected_tags", None)
         self._expected: Int64Array | None = expected
         self._versions: Int64Array | None = getattr(tracker, "versions", None)
+        self._tracker = tracker if self._versions is not None else None
         self.paranoid = bool(getattr(tracker, "paranoid", False))
         self._proof: _Proof | None = None
         self._refs = np.zeros(self.num_pages, dtype=np.int32)  # proven entries per page
@@ -175,22 +192,35 @@ class Verifier:
         this batch's and nothing was committed since (its private copies make the spliced check
         possible)."""
         if self._expected is not None and md.is_numpy_csr:
-            serial = -1  # the step record whose own arrays md holds, if any
-            if latest is not None and _equal(md.indptr, latest.indptr) and _equal(
-                    md.indices, latest.indices):
-                serial = latest.serial
-            proved = (serial >= 0 and self._try("spliced", self.check_spliced(md, latest))
-                      ) or self._try("incremental", self.check_incremental(rows, md, serial))
+            proved = latest is not None and self._try("spliced", self.check_spliced(md, latest))
+            if not proved:
+                self._require_well_formed(rows, md)
+                serial = -1  # the step record whose own arrays md holds, if any
+                if latest is not None and _equal(md.indptr, latest.indptr) and _equal(
+                        md.indices, latest.indices):
+                    serial = latest.serial
+                proved = self._try("incremental", self.check_incremental(rows, md, serial))
             if proved:
                 if self.paranoid:
                     self._paranoid(ids, rows, md)
-                return Verdict({})
+                return _PROVED
         self.forget()
+        self._require_well_formed(rows, md)
         self._counts["full_checks"] += 1
         return self.full_check(ids, rows, md)
 
+    def _require_well_formed(self, rows: IntpArray, md: Metadata) -> None:
+        """Refuse (MetadataError) a CSR that is malformed as a whole or a slot mapping shorter
+        than the batch's new tokens."""
+        if md.indices is not None:
+            validate_csr(md.indptr, md.indices, rows.size)
+        if md.fields is not None and md.fields.get("slot_mapping") is not None:
+            t = self.table
+            new = int(t.num_tokens[rows].sum() - t.write_from[rows].sum())
+            validate_step_fields({"slot_mapping": md.fields["slot_mapping"]}, rows.size, new)
+
     def _try(self, path: str, proved: bool) -> bool:
-        self._counts[f"{path}_{'proved' if proved else 'declined'}"] += 1
+        self._counts[path + ("_proved" if proved else "_declined")] += 1
         return proved
 
     def _paranoid(self, ids: tuple[Any, ...], rows: IntpArray, md: Metadata) -> None:
@@ -315,24 +345,21 @@ class Verifier:
         p = self._proof
         if s is None or p is None or s.base_serial != p.serial or self._expected is None:
             return False
-        # Nothing re-recorded since reserve, nor, in the rows the splice kept, since the proof.
-        versions = self._versions_of(b.rows)
-        kept = np.ones(b.rows.size, dtype=bool)
-        kept[s.changed] = False
-        if not (_equal(versions, b.versions) and _equal(versions[kept], p.versions[kept])
-                and _equal(md.indptr, b.indptr) and _equal(md.indices, b.indices)
+        # Nothing re-recorded (tracker.record / forget) since the proof.
+        if not self._changes_now() == b.tracker_changes == p.changes:
+            return False
+        if not (_equal(md.indptr, b.indptr) and _equal(md.indices, b.indices)
                 and self._step_ok(b, md.fields)):
             return False
         if self._kept_unchanged(s.gone) and self._fresh_ok(s.pages, s.wants):
-            self._proof = _Proof(b.serial, b.rows, b.gens, self._versions_of(b.rows), b.counts,
+            self._proof = _Proof(b.serial, b.rows, b.gens, p.changes, None, b.counts,
                                  b.indptr.astype(np.int64), b.indices)
             return True
         self.forget()  # the counts were half updated: start over
         return False
 
-    def _versions_of(self, rows: IntpArray) -> Int64Array:
-        assert self._versions is not None
-        return self._versions[rows]
+    def _changes_now(self) -> int:
+        return int(getattr(self._tracker, "num_changes", -1))
 
     def _step_ok(self, b: Any, fields: Mapping[str, Any] | None) -> bool:
         """The step's writes are the manager's: for a one-token step in a few calls (its given
@@ -340,21 +367,22 @@ class Verifier:
         writer each); otherwise the general checks."""
         if b.k != 1 or b.token_pages is None:
             return self._writes_ok(b.rows, fields, b.indptr, b.indices)
-        P = self.page_size
         if fields is not None:
-            want = {"slot_mapping": b.slots, "seq_lens": b.end,
-                    "kv_last_page_len": b.offsets + 1, "num_new_tokens": 1}
-            for name, value in want.items():
-                got = fields.get(name)
-                if got is not None and not (got.shape == b.rows.shape
-                                            and not np.count_nonzero(got != value)):
-                    return False
-            qo = fields.get("qo_indptr")
-            if qo is not None and not (qo.shape == (b.rows.size + 1,)
-                                       and not np.count_nonzero(qo != b.qo_indptr)):
+            get = fields.get
+            slot_mapping, seq_lens = get("slot_mapping"), get("seq_lens")
+            last_len, num_new, qo = get("kv_last_page_len"), get("num_new_tokens"), get(
+                "qo_indptr")
+            if not ((slot_mapping is None or _equal(slot_mapping, b.slots))
+                    and (seq_lens is None or _equal(seq_lens, b.end))
+                    and (last_len is None or _equal(last_len - 1, b.offsets))
+                    and (num_new is None or (num_new.shape == b.rows.shape
+                                             and not np.count_nonzero(num_new != 1)))
+                    and (qo is None or _equal(qo, b.qo_indptr))):
                 return False
-        return (_equal(b.indices[b.indptr[1:] - 1], b.token_pages)
-                and _equal(b.slots // P, b.token_pages.astype(np.int64))
+        # reserve's record is consistent by construction (slots = token_pages * P + offsets,
+        # end = start + 1); paranoid mode checks that trust beside every answer.
+        return (_equal(self.table.num_tokens[b.rows], b.end)
+                and _equal(b.indices[b.indptr[1:] - 1], b.token_pages)
                 and not np.count_nonzero(self.writers(b.token_pages) != 1))
 
     # -- the incremental check ----------------------------------------------------------------
@@ -372,13 +400,16 @@ class Verifier:
                                                                     indices):
             return False
         gens = t.generation[rows]
-        versions = self._versions_of(rows)
+        changes = self._changes_now()
+        assert self._versions is not None
+        versions = self._versions[rows]
         p = self._proof
         changed: IntpArray = np.empty(0, dtype=np.intp)
         first = None
         if p is not None:
-            kept = (gens == p.gens) & (versions == p.versions) if p.rows.size == rows.size \
-                else None
+            kept = gens == p.gens if p.rows.size == rows.size else None
+            if kept is not None and changes != p.changes:  # re-recorded since: which rows?
+                kept = kept & (versions == p.versions) if p.versions is not None else None
             if kept is not None:
                 first = np.where(kept, p.counts, 0)  # entries each row keeps from the proof
                 changed = ((counts != first) | ~kept).nonzero()[0]
@@ -398,7 +429,7 @@ class Verifier:
             proven, pages, want = got
         if not self._fresh_ok(pages, want):
             return False
-        self._proof = _Proof(serial, rows, gens, versions, counts.astype(np.int64),
+        self._proof = _Proof(serial, rows, gens, changes, versions, counts.astype(np.int64),
                              indptr.astype(np.int64), proven)
         return True
 
