@@ -231,7 +231,7 @@ class KVCacheManager:
         self._committer = Committer(self.table, self.pages,
                                     self._stored if cfg.kv_events else None)
         self.mirror = TagMirror(self.allocator.tags, self.pages.namespace_ids,
-                                self.allocator.changes.reader(), pool)
+                                None if pool is None else self.allocator.changes.reader(), pool)
         self.verifier = Verifier(self.tracker, self.table, self.allocator.tags,
                                  self.pages.namespace_ids, self.mirror,
                                  self.allocator.changes.reader(), self.pages.writers)

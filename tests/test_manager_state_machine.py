@@ -19,7 +19,7 @@ class NoReuseMachine(ManagerMachine):
     def make_manager(self) -> KVCacheManager:
         return KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
                               max_seqs=self.max_seqs, max_pages_per_seq=self.max_pages_per_seq,
-                              prefix_cache=None, tracker="checking", watermark=0.0)
+                              prefix_cache=None, tracker="paranoid", watermark=0.0)
 
 
 class RoomyMachine(ManagerMachine):

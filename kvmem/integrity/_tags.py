@@ -89,18 +89,22 @@ class TagMirror:
     ----------
     tags: ``[num_pages]``, int64 — the allocator's tags (a read-only view)
     namespace_ids: ``[num_pages]``, int64 — whose content each page holds (-1 when free)
-    changes: a reader of the allocator's change log (its own: nobody else reads it)
+    changes: a reader of the allocator's change log (its own: nobody else reads it); only
+        with a pool (without one, :meth:`sync` recomputes the host copy, which only full
+        checks ask for)
     pool: optional ``PagePool`` whose ``tags`` tensor becomes this mirror's device copy; the
         mirror claims it, so nothing else writes it
     """
 
-    def __init__(self, tags: npt.NDArray[np.int64], namespace_ids: Int64Array, changes: _Reader,
-                 pool: _Pool | None = None) -> None:
+    def __init__(self, tags: npt.NDArray[np.int64], namespace_ids: Int64Array,
+                 changes: _Reader | None = None, pool: _Pool | None = None) -> None:
         self._tags = tags
         self._namespace_ids = namespace_ids
         self._changes = changes
         self.host = qualify(tags, namespace_ids)
         self._pool = pool
+        if pool is not None and changes is None:
+            raise ValueError("a mirror with a pool follows the allocator: give it a reader")
         self._key = None if pool is None else pool.claim_tags()
         if pool is not None:
             self._write_pool(np.arange(tags.size))
@@ -112,6 +116,9 @@ class TagMirror:
 
     def sync(self) -> Int64Array:
         """Bring both copies up to date; returns the host copy ``[num_pages]``, int64."""
+        if self._changes is None:
+            self.host = qualify(self._tags, self._namespace_ids)
+            return self.host
         log = self._changes.read()
         if log is None:  # fell behind: everything
             changed: npt.NDArray[np.integer] = np.arange(self._tags.size)

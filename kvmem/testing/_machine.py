@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvmem.errors import KVMemError, OutOfPagesError
-from kvmem.manager import KVCacheManager
+from kvmem.manager import KVCacheManager, StepMetadata
 from kvmem.testing._toy_engine import ToyEngine
 
 __all__ = ["NAMESPACES", "ManagerMachine", "prompts"]
@@ -48,6 +48,20 @@ def prompts(draw: st.DrawFn, max_len: int = 20) -> list[int]:
     return (head + tail) or [0]
 
 
+def _verify_args(step: StepMetadata, form: str) -> dict[str, Any]:
+    """``verify`` keyword arguments that pass ``step``'s metadata in one of its forms."""
+    if form == "step":
+        return {"step": step}
+    if form == "csr":
+        return {"kv_indptr": step.kv_indptr, "kv_indices": step.kv_indices}
+    if form == "numpy":
+        return {"metadata": step.fields()}
+    if form == "tensors":
+        return {"metadata": step.tensors("cpu")}
+    return {"metadata": {"block_table": step.block_table, "slot_mapping": step.slot_mapping,
+                         "seq_lens": step.seq_lens}}
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """Drives a small KVCacheManager through a :class:`ToyEngine` (see the module docstring)."""
 
@@ -59,7 +73,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def make_manager(self) -> KVCacheManager:
         return KVCacheManager(
             num_pages=self.num_pages, page_size=self.page_size, max_seqs=self.max_seqs,
-            max_pages_per_seq=self.max_pages_per_seq, tracker="checking", watermark=0.0,
+            max_pages_per_seq=self.max_pages_per_seq, tracker="paranoid", watermark=0.0,
         )
 
     def __init__(self) -> None:
@@ -139,8 +153,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self._snapshot() == before, "a failed reserve changed the manager"
             return
         assert can, "can_reserve said no but reserve succeeded"
-        if data.draw(st.booleans()):  # the step's own metadata, as an engine checks it
-            report = self.mgr.verify(ids, step)
+        form = data.draw(st.sampled_from(["none", "step", "csr", "numpy", "tensors", "table"]))
+        if form != "none":  # the step's metadata, in one of the forms an engine checks it
+            report = self.mgr.verify(ids, **_verify_args(step, form))
             assert report.ok, f"verify aborted requests on a correct step: {report.aborted}"
 
     @precondition(lambda self: self.mgr.running)

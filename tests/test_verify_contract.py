@@ -1,0 +1,353 @@
+"""verify gives the full check's verdict in every form, refuses malformed metadata, and the
+manager frees only what a request holds (issue 11's findings, each reproduced here)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem import KVMemError
+from kvmem.errors import ArgumentError, IntegrityError, MetadataError
+from kvmem.manager import KVCacheManager, StepMetadata
+from kvmem.testing import ToyEngine, faults
+
+P = 4
+
+
+def make(**kw: Any) -> KVCacheManager:
+    kw.setdefault("tracker", "paranoid")
+    return KVCacheManager(num_pages=kw.pop("num_pages", 64), page_size=P, max_seqs=8,
+                          max_pages_per_seq=16, watermark=0.0, **kw)
+
+
+def state(mgr: KVCacheManager) -> tuple[Any, ...]:
+    return (mgr.allocator.refcounts.tobytes(), mgr.allocator.tags.tobytes(),
+            mgr.table.pages.tobytes(), mgr.table.num_tokens.tobytes(), mgr.stats(),
+            tuple(mgr.running), tuple(mgr.preempted), mgr.table.num_committed.tobytes())
+
+
+def decoding(mgr: KVCacheManager | None = None, steps: int = 3
+             ) -> tuple[KVCacheManager, ToyEngine, list[str]]:
+    """Five requests (two share a prefix) that decoded a few verified steps."""
+    mgr = mgr or make()
+    eng = ToyEngine(mgr)
+    ids = ["a", "b", "c", "d", "e"]
+    for i, rid in enumerate(ids):
+        prompt = list(range(10)) if rid in "ab" else [i] * (5 + 3 * i)
+        res = eng.admit(rid, prompt)
+        eng.step([rid], len(prompt) - res.num_cached_tokens)
+        eng.commit([rid])
+    for _ in range(steps):
+        assert mgr.verify(ids, eng.step(ids, 1)).ok
+        eng.commit(ids)
+    return mgr, eng, ids
+
+
+def forms(step: StepMetadata) -> dict[str, dict[str, Any]]:
+    """The ways of calling verify with a step's metadata (keyword arguments)."""
+    tensors = step.tensors("cpu")
+    numpy_fields = step.fields()
+    return {
+        "ids": {},
+        "step": {"step": step},
+        "csr": {"kv_indptr": step.kv_indptr, "kv_indices": step.kv_indices},
+        "numpy dict": {"metadata": numpy_fields},
+        "block table": {"metadata": {"block_table": step.block_table,
+                                     "slot_mapping": step.slot_mapping,
+                                     "seq_lens": step.seq_lens}},
+        "tensors": {"metadata": tensors},
+    }
+
+
+# -- 1, 2: malformed metadata is refused, naming the field, changing nothing ----------------------
+
+
+def test_a_short_or_long_csr_is_refused_never_passed() -> None:
+    """Finding 1: with a request that reads 2 pages, a CSR listing one entry passed."""
+    mgr = make()
+    mgr.admit("a", np.arange(6))
+    s = mgr.reserve(["a"], 6)
+    assert s.kv_indptr.tolist() == [0, 2]
+    before = state(mgr)
+    for indices in (s.kv_indices[:1], s.kv_indices[1:], np.concatenate([s.kv_indices, [0]])):
+        with pytest.raises(MetadataError, match="kv_indptr"):
+            mgr.verify(["a"], kv_indptr=s.kv_indptr, kv_indices=indices)
+    assert state(mgr) == before
+    assert mgr.verify(["a"], kv_indptr=s.kv_indptr, kv_indices=s.kv_indices).ok
+
+
+BAD = {
+    "indptr decreases": lambda s: {"kv_indptr": np.array([0, 3, 2, 5, 6, 8], np.int32),
+                                   "kv_indices": s.kv_indices[:8]},
+    "indptr too short": lambda s: {"kv_indptr": s.kv_indptr[:-1], "kv_indices": s.kv_indices},
+    "indptr of floats": lambda s: {"kv_indptr": s.kv_indptr.astype(float),
+                                   "kv_indices": s.kv_indices},
+    "indices 2-D": lambda s: {"kv_indptr": s.kv_indptr, "kv_indices": s.kv_indices[None]},
+    "lists": lambda s: {"kv_indptr": s.kv_indptr.tolist(), "kv_indices": s.kv_indices.tolist()},
+    "tensor of a wrong shape": lambda s: {"kv_indptr": torch.from_numpy(s.kv_indptr[:-2]),
+                                          "kv_indices": torch.from_numpy(s.kv_indices)},
+    "block table missing a row": lambda s: {"metadata": {"block_table": s.block_table[1:],
+                                                         "slot_mapping": s.slot_mapping}},
+    "block table 1-D": lambda s: {"metadata": {"block_table": s.block_table[0],
+                                               "slot_mapping": s.slot_mapping}},
+    "slot mapping too short": lambda s: {"metadata": {**s.fields(),
+                                                      "slot_mapping": s.slot_mapping[:2]}},
+    "slot mapping 2-D": lambda s: {"metadata": {**s.fields(),
+                                                "slot_mapping": s.slot_mapping[None]}},
+    "seq_lens too long": lambda s: {"metadata": {**s.fields(),
+                                                 "seq_lens": np.append(s.seq_lens, 1)}},
+    "qo_indptr tensor too short": lambda s: {"metadata": {
+        **s.tensors("cpu"), "qo_indptr": torch.from_numpy(s.qo_indptr[:-1])}},
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_malformed_metadata_is_refused_before_anything_changes(bad: str) -> None:
+    """Finding 2: these crashed verify with numpy/torch errors; now MetadataError."""
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 1)
+    before = state(mgr)
+    with pytest.raises(MetadataError) as info:
+        mgr.verify(ids, **BAD[bad](step))
+    assert isinstance(info.value, KVMemError) and isinstance(info.value, ValueError)
+    assert any(name in str(info.value) for name in (
+        "kv_indptr", "kv_indices", "block_table", "slot_mapping", "seq_lens", "qo_indptr"))
+    assert state(mgr) == before
+    assert mgr.verify(ids, step).ok  # the real metadata still verifies
+
+
+def test_a_block_table_wider_than_the_rows_is_fine_when_padded() -> None:
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 1)
+    wide = np.full((len(ids), 40), -1, dtype=np.int32)
+    wide[:, : step.block_table.shape[1]] = step.block_table
+    meta = {"block_table": wide, "slot_mapping": step.slot_mapping}
+    assert mgr.verify(ids, metadata=meta).ok
+    wide[1, 39] = int(mgr.pages_of("d")[0])  # a stale column far past the row's pages
+    assert list(mgr.verify(ids, metadata=meta).aborted) == [ids[1]]
+
+
+# -- 3: a drained change log hides nothing ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["ids", "step", "csr", "numpy dict", "block table", "tensors"])
+def test_a_drained_change_log_hides_no_freed_page(form: str) -> None:
+    """Finding 3: free a page of "d" behind the manager's back, drain the allocator's public
+    log (as PagePool.sync_tags does), then reserve + verify: every form aborts "d"."""
+    mgr, eng, ids = decoding(make(tracker="checking"))
+    faults.free_behind_back(mgr, "d", 0)
+    mgr.allocator.pop_changed_pages()
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert list(report.aborted) == ["d"], report.aborted
+
+
+def test_change_log_readers_have_their_own_cursors() -> None:
+    from kvmem.allocator import PageAllocator
+
+    alloc = PageAllocator(8)
+    mine, yours = alloc.changes.reader(), alloc.changes.reader()
+    pages = alloc.allocate(3)
+    assert alloc.pop_changed_pages().tolist() == [0, 1, 2]
+    assert mine.read_pages().tolist() == [0, 1, 2]  # the pop hid nothing from this reader
+    alloc.free(pages[:1])
+    assert yours.read_pages().tolist() == [0, 1, 2]
+    assert mine.read_pages().tolist() == [0] and mine.read_pages().tolist() == []
+
+
+def test_a_reader_that_falls_too_far_behind_is_told_so() -> None:
+    from kvmem.allocator import ChangeLog
+
+    log = ChangeLog(limit=4)
+    slow, fast = log.reader(), log.reader()
+    for i in range(10):
+        log.append(np.array([i], dtype=np.int32))
+        assert fast.read() is not None
+    assert slow.read() is None  # lost: "anything may have changed"
+    log.append(np.array([42], dtype=np.int32))
+    assert [a.tolist() for a in slow.read() or []] == [[42]]  # back in step
+
+
+# -- 4: one writer of the device tag mirror --------------------------------------------------------
+
+
+def pooled() -> tuple[KVCacheManager, Any]:
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=64, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cpu"))
+    return make(pool=pool), pool
+
+
+def test_nobody_but_the_manager_writes_a_managed_pools_tags() -> None:
+    """Finding 4: sync_tags on a managed pool wrote raw tags over the qualified ones, and the
+    next verify of device metadata aborted a healthy request."""
+    mgr, pool = pooled()
+    _, eng, ids = decoding(mgr)
+    before = pool.tags.clone()
+    for call in (lambda: pool.sync_tags(mgr.allocator), lambda: pool.load_tags(before * 0),
+                 lambda: pool.update_tags([0], [5])):
+        with pytest.raises(KVMemError, match="written by the KVCacheManager"):
+            call()
+    assert torch.equal(pool.tags, before)
+    step = eng.step(ids, 1)
+    assert mgr.verify(ids, metadata=step.tensors("cpu")).ok
+    assert torch.equal(pool.tags, torch.as_tensor(mgr.mirror.sync()))
+    with pytest.raises(KVMemError, match="already claimed"):
+        make(pool=pool)
+
+
+def test_an_unmanaged_pool_still_follows_an_allocator() -> None:
+    from kvmem.allocator import PageAllocator
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=8, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cpu"))
+    alloc = PageAllocator(8)
+    alloc.allocate(2)
+    assert pool.sync_tags(alloc) == 2 and pool.tags[:3].tolist() == [1, 2, 0]
+
+
+# -- 5: release and preempt free only what the request holds ----------------------------------------
+
+
+@pytest.mark.parametrize("how", ["release", "preempt", "release_batch"])
+def test_release_of_a_row_overwritten_behind_the_managers_back(how: str) -> None:
+    """Finding 5: a row entry overwritten after the step's metadata was built: verify of that
+    metadata passes, and release then dropped another request's reference and leaked its own."""
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 1)
+    failures: list[Any] = []
+    mgr.add_hook("integrity_failure", lambda e: failures.append(e.request_id))
+    own = int(mgr.pages_of("c")[0])
+    other = int(mgr.pages_of("e")[0])
+    held = int(mgr.allocator.refcounts[other])
+    faults.overwrite_page_entry(mgr, "c", 0, other)
+    assert mgr.verify(ids, step).ok  # the metadata handed out is right
+    eng.commit(ids)
+    if how == "release_batch":
+        mgr.release_batch(["c"])
+    else:
+        getattr(mgr, how)("c")
+    assert int(mgr.allocator.refcounts[other]) == held  # "e"'s page untouched
+    assert int(mgr.allocator.refcounts[own]) == 0 or mgr.cache is not None
+    assert failures == ["c"] and mgr.stats().num_integrity_failures == 1
+    mgr.check()  # nothing leaked, nothing over-freed
+    rest = [r for r in ids if r != "c"]
+    eng.seqs.pop("c")
+    assert mgr.verify(rest, eng.step(rest, 1)).ok
+
+
+def test_a_healthy_release_counts_no_failure() -> None:
+    mgr, eng, ids = decoding()
+    eng.release("c")
+    mgr.release_batch(["a", "d"])
+    assert mgr.stats().num_integrity_failures == 0
+    mgr.check()
+
+
+# -- 6: duplicates are refused ---------------------------------------------------------------------
+
+
+def test_a_request_listed_twice_in_verify_is_refused() -> None:
+    """Finding 6: a failing request listed twice was aborted once, then a KeyError escaped."""
+    mgr, eng, ids = decoding()
+    faults.free_behind_back(mgr, "c", 0)
+    before = state(mgr)
+    with pytest.raises(ArgumentError, match="distinct"):
+        mgr.verify(["c", "a", "c"])
+    assert state(mgr) == before
+    assert list(mgr.verify(["c", "a"]).aborted) == ["c"]
+
+
+# -- one verdict: the fast paths never pass what the full check fails --------------------------------
+
+
+def test_paranoid_mode_fires_when_a_fast_path_is_wrong() -> None:
+    """The detector behind the differential test: a fast path made to lie is caught by the
+    full check beside it. The lie: reserve's record of the step's CSR (what the quick check of
+    a decode step trusts for the entries it did not splice in) lists another request's page,
+    and so does the step handed out, as a bug in reserve would make them."""
+    mgr, eng, ids = decoding()
+    step = eng.step(ids, 1)
+    b = mgr.steps.latest
+    assert b is not None and b.splice is not None
+    c = ids.index("c")
+    j = int(b.indptr[c])  # c's first page: kept from the proven step, not spliced in
+    b.indices[j] = step.kv_indices[j] = int(mgr.pages_of("e")[0])
+    with pytest.raises(IntegrityError, match="paranoid"):
+        mgr.verify(ids, step)
+    quiet = make(tracker="checking")  # without paranoid mode the lie would pass
+    _, eng2, _ = decoding(quiet)
+    step = eng2.step(ids, 1)
+    b = quiet.steps.latest
+    assert b is not None
+    b.indices[j] = step.kv_indices[j] = int(quiet.pages_of("e")[0])
+    assert quiet.verify(ids, step).ok
+
+
+FAULTS = {
+    "free": lambda m, r: faults.free_behind_back(m, r, 0),
+    "reallocate": lambda m, r: faults.reallocate_behind_back(m, r, 0),
+    "overwrite": lambda m, r: faults.overwrite_page_entry(m, r, 0, int(m.pages_of("x0")[0])),
+    "share write page": lambda m, r: faults.share_write_page(m, r),
+    "drain log": lambda m, r: (faults.free_behind_back(m, r, 0),
+                               m.allocator.pop_changed_pages())[0],
+}
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("KVMEM_DIFF_SEEDS", "30"))))
+def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int) -> None:
+    """A differential test in paranoid mode: random decode runs (admissions, releases,
+    replacements, k-token steps), a random fault now and then, and verify in a random form;
+    every fast answer is checked by the full check beside it (paranoid raises otherwise), a
+    victim is aborted with its batch proceeding, and no healthy request is ever aborted."""
+    rng = np.random.default_rng(seed)
+    mgr = make(num_pages=96)
+    eng = ToyEngine(mgr, seed=seed)
+    next_id = 0
+    for _ in range(60):
+        running = list(mgr.running)
+        if len(running) < 5:
+            rid = f"x{next_id}"
+            next_id += 1
+            prompt = rng.integers(0, 4, int(rng.integers(1, 14))).tolist()
+            if mgr.can_admit(np.array(prompt)):
+                res = eng.admit(rid, prompt)
+                eng.step([rid], len(prompt) - res.num_cached_tokens)
+                eng.commit([rid])
+            continue
+        ids = [running[i] for i in rng.permutation(len(running))[: int(rng.integers(1, 6))]]
+        k = int(rng.choice([1, 1, 1, 2, 3]))
+        if not mgr.can_reserve(ids, k):
+            eng.release(running[0])
+            continue
+        victim = None
+        if rng.random() < 0.25 and "x0" in mgr.running and ids[0] != "x0":
+            victim = ids[0]
+            fault = list(FAULTS)[int(rng.integers(len(FAULTS)))]
+        step = eng.step(ids, k)
+        allowed = set()
+        if victim is not None:
+            mapped = {r: set(mgr.pages_of(r).tolist()) for r in ids}
+            page = FAULTS[fault](mgr, victim)
+            allowed = {victim} | ({r for r in ids if page in mapped[r]}
+                                  if fault != "overwrite" else set())
+        form = list(forms(step))[int(rng.integers(6))]
+        report = mgr.verify(ids, **forms(step)[form])
+        assert set(report.aborted) <= allowed, (form, fault, report.aborted)
+        for rid in report.aborted:
+            eng.seqs.pop(rid)
+        ok = [r for r in ids if r not in report.aborted and r in mgr.running]
+        if victim is not None:
+            # The victim is aborted, except when only the page table was overwritten after the
+            # step's metadata was built: that metadata is still right (release copes later).
+            if fault != "overwrite" or form == "ids":
+                assert victim in report.aborted, (form, fault)
+            break
+        eng.commit(ok)
+        eng.check_kv(ok)
