@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.allocator import StepMetadata
-from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError, as_int
-from kvmem.integrity import IntegrityReport, VerifierStats
+from kvmem.allocator import HashedPrefixCache, PrefixCache, StepMetadata
+from kvmem.errors import INT32_MAX, ArgumentError, ArgumentTypeError, KVMemError, as_int
+from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker, VerifierStats
 
 __all__ = [
     "HOOK_KINDS",
@@ -30,11 +30,13 @@ __all__ = [
     "StepMetadata",
     "VerifierStats",
     "VerifyReport",
+    "check_pool",
+    "make_cache",
+    "make_tracker",
 ]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
-INT32_MAX = int(np.iinfo(np.int32).max)  # page ids, token ids
 
 HOOK_KINDS = (
     "admit",  # a request was admitted or resumed: request_id, pages (all it maps), detail
@@ -207,3 +209,65 @@ KVEvent = PagesStored | PagesRemoved | AllPagesCleared
 
 class HookError(KVMemError):
     """A hook raised. The operation that triggered it completed; every other hook still ran."""
+
+
+# -- the constructor's other arguments -----------------------------------------------------------
+
+
+def make_cache(spec: str | PrefixCache | None) -> PrefixCache | None:
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec != "hashed":
+            raise ArgumentError(f"prefix_cache={spec!r} is not known; use 'hashed', None, or a "
+                                "PrefixCache")
+        return HashedPrefixCache()
+    if not isinstance(spec, PrefixCache):
+        raise ArgumentError(
+            f"prefix_cache must be 'hashed', None or a PrefixCache, got {type(spec).__name__}"
+        )
+    return spec
+
+
+def make_tracker(spec: Tracker | str | None, cfg: ManagerConfig) -> Tracker:
+    if spec is None:
+        return NoOpTracker()
+    if isinstance(spec, str):
+        if spec not in ("checking", "paranoid"):
+            raise ArgumentError(f"tracker={spec!r} is not known; use 'checking', 'paranoid' or "
+                                "a Tracker")
+        return CheckingTracker(cfg.max_seqs, cfg.max_pages_per_seq, paranoid=spec == "paranoid")
+    if not isinstance(spec, Tracker):
+        raise ArgumentError(f"tracker must be 'checking', 'paranoid', None or a Tracker, got "
+                            f"{type(spec).__name__}")
+    expected = getattr(spec, "expected_tags", None)
+    if expected is not None and (
+        expected.shape[0] < cfg.max_seqs or expected.shape[1] < cfg.max_pages_per_seq
+    ):
+        raise ArgumentError(
+            f"the tracker records {expected.shape} (rows, pages) but the manager needs "
+            f"({cfg.max_seqs}, {cfg.max_pages_per_seq}); build it with "
+            "CheckingTracker(max_seqs, max_pages_per_seq) or pass tracker='checking'"
+        )
+    return spec
+
+
+def check_pool(pool: Any, cfg: ManagerConfig) -> None:
+    """A pool must hold at least the manager's pages, of the manager's page size."""
+    if pool is None:
+        return
+    spec = getattr(pool, "spec", None)
+    n = getattr(spec, "num_pages", None)
+    size = getattr(spec, "page_size", None)
+    if n is None or size is None or not hasattr(pool, "copy_pages"):
+        raise ArgumentError(f"pool must be a kvmem.cuda.PagePool, got {type(pool).__name__}")
+    if int(n) < cfg.num_pages:
+        raise ArgumentError(
+            f"the pool holds {n} pages but the manager was asked to manage {cfg.num_pages}; "
+            "give the manager at most the pool's page count"
+        )
+    if int(size) != cfg.page_size:
+        raise ArgumentError(
+            f"the pool's pages hold {size} tokens but the manager's page_size is "
+            f"{cfg.page_size}; build both with the same page size"
+        )

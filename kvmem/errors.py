@@ -148,3 +148,33 @@ def as_ids(name: str, values: Any) -> tuple[Any, ...]:
             f"{type(values).__name__} {values!r:.60}; wrap one id in a list"
         )
     return tuple(values.tolist() if isinstance(values, np.ndarray) else values)
+
+
+INT32_MAX = int(np.iinfo(np.int32).max)  # the largest page id or token id
+
+
+def as_token_ids(name: str, value: Any) -> npt.NDArray[np.int64]:
+    """Token ids (a 1-D sequence, array or tensor of ints in ``0 .. INT32_MAX``) as a fresh
+    ``[n]`` int64 array: the caller keeps its own object."""
+    if hasattr(value, "detach"):  # a torch tensor, on any device
+        value = value.detach().cpu().numpy()
+    if isinstance(value, (str, bytes)) or np.ndim(value) != 1:
+        raise ArgumentError(f"{name} must be a 1-D sequence of ints, got "
+                            f"{type(value).__name__} of shape {np.shape(value)}")
+    tokens = np.asarray(value)
+    if tokens.size == 0:
+        return tokens.astype(np.int64)
+    if tokens.dtype.kind not in "iu":
+        raise ArgumentError(f"{name} must be ints, got {tokens.dtype}")
+    if int(np.minimum.reduce(tokens)) < 0 or int(np.maximum.reduce(tokens)) > INT32_MAX:
+        raise ArgumentError(f"{name} must be in 0..{INT32_MAX}, got min {int(tokens.min())} "
+                            f"and max {int(tokens.max())}")
+    return tokens.astype(np.int64)
+
+
+def is_hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

@@ -18,8 +18,10 @@ Life of a request (``P`` = page_size)::
                            are aborted and released, the rest proceed
     fork / preempt / resume / release
 
-This module is the facade: the public methods and the request registry. Each mechanism lives
-in the room that owns its data::
+This module is the facade: the public methods and the request registry. (It runs past 500
+lines because the facade has some thirty public methods, each documented where an engine
+author reads it; none holds a mechanism.) Each mechanism lives in the room that owns its
+data::
 
     kvmem.allocator   Pages (references, eviction, page contents), PageTable (rows and per-row
                       state), Reserver (reserve), StepBuilder (kernel metadata), Committer
@@ -46,7 +48,6 @@ import numpy.typing as npt
 from kvmem._hooks import HookBus
 from kvmem._manager_types import (
     HOOK_KINDS,
-    INT32_MAX,
     AdmitResult,
     AllPagesCleared,
     HookError,
@@ -59,18 +60,24 @@ from kvmem._manager_types import (
     StepMetadata,
     VerifierStats,
     VerifyReport,
+    check_pool,
+    make_cache,
+    make_tracker,
 )
 from kvmem.allocator import (
+    Admission,
     Committer,
-    HashedPrefixCache,
+    Namespaces,
     PageTable,
+    Plan,
     PrefixCache,
-    PrefixMatch,
     Reserver,
     StepBuilder,
     StepHandle,
     StepRecord,
-    namespace_bytes,
+    batch_tokens,
+    page_classes,
+    problems,
     token_counts,
 )
 from kvmem.allocator import Pages as PageRefs
@@ -80,22 +87,19 @@ from kvmem.errors import (
     ConcurrentUseError,
     IntegrityError,
     KVMemError,
-    OutOfPagesError,
     as_ids,
     as_int,
+    as_token_ids,
+    is_hashable,
 )
 from kvmem.integrity import (
-    MAX_NAMESPACES,
     CheckingTracker,
-    Metadata,
-    NoOpTracker,
     TagMirror,
     Tracker,
     Verifier,
-    lifetime_of,
-    require_int_array,
-    validate_block_table,
-    validate_step_fields,
+    owned_pages,
+    resolve_metadata,
+    row_is_own,
 )
 
 __all__ = [
@@ -120,8 +124,6 @@ logger = logging.getLogger(__name__)
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
-_EMPTY_PAGES = np.empty(0, dtype=np.int32)
-_EMPTY_PAGES.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -133,6 +135,12 @@ class _Request:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _require_hashable(request_id: Any) -> None:
+    if not is_hashable(request_id):
+        raise ArgumentError(f"a request id must be hashable (a str or an int), got "
+                            f"{type(request_id).__name__}")
 
 
 def _public(fn: _F) -> _F:
@@ -212,9 +220,9 @@ class KVCacheManager:
         self.num_pages, self.page_size = cfg.num_pages, cfg.page_size
         self.max_seqs, self.max_pages_per_seq = cfg.max_seqs, cfg.max_pages_per_seq
         self.watermark_pages = int(cfg.watermark * cfg.num_pages)
-        _check_pool(pool, cfg)
-        cache = _make_cache(prefix_cache)
-        self.tracker = _make_tracker(tracker, cfg)
+        check_pool(pool, cfg)
+        cache = make_cache(prefix_cache)
+        self.tracker = make_tracker(tracker, cfg)
         self._lock = threading.RLock()
         self._hooks = HookBus(cfg.kv_events)
         self.pages = PageRefs(cfg.num_pages, cfg.page_size, cache, self._evicted, self._freed)
@@ -238,10 +246,9 @@ class KVCacheManager:
         self._requests: dict[Any, _Request] = {}  # every known request (running or preempted)
         self._rows: dict[Any, int] = {}  # running request -> page-table row
         self._row_ids: list[Any] = [None] * cfg.max_seqs
-        self._namespaces: dict[bytes, int] = {b"n": 0}  # canonical encoding -> id (None: 0)
-        self._namespace_names: list[Any] = [None]
+        self.namespaces = Namespaces()
+        self._admission = Admission(self.pages, self.table, self.namespaces)
         self._mutations = 0  # public operations run so far
-        self._plan_memo: tuple[int, Any, Int64Array, int, PrefixMatch | None] | None = None
         self._counters = dict.fromkeys(("prefix_queries", "prefix_query_tokens",
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
@@ -281,26 +288,8 @@ class KVCacheManager:
 
     # -- the registry ------------------------------------------------------------------------------
 
-    def _namespace_id(self, namespace: Any, register: bool) -> int:
-        """The id of ``namespace`` (by its canonical encoding: ``1`` and ``True`` differ), -1
-        if unseen and not ``register``."""
-        data = namespace_bytes(namespace)
-        ns = self._namespaces.get(data)
-        if ns is None:
-            if not register:
-                return -1  # unseen: no page can belong to it
-            ns = len(self._namespace_names)
-            if ns >= MAX_NAMESPACES:
-                raise KVMemError(
-                    f"this manager has seen {ns} namespaces, the most it can tell apart; "
-                    "use fewer (a namespace is a tenant, adapter or salt, not a request)"
-                )
-            self._namespaces[data] = ns
-            self._namespace_names.append(namespace)
-        return ns
-
     def _row_of(self, request_id: Any) -> int:
-        row = self._rows.get(request_id) if _hashable(request_id) else None
+        row = self._rows.get(request_id) if is_hashable(request_id) else None
         if row is None:
             state = "preempted" if request_id in self._requests else "unknown or released"
             raise KVMemError(
@@ -327,72 +316,16 @@ class KVCacheManager:
         rows.flags.writeable = False
         return ids, rows, None
 
-    @staticmethod
-    def _as_tokens(token_ids: Any, name: str = "token_ids") -> Int64Array:
-        if hasattr(token_ids, "detach"):  # a torch tensor, on any device
-            token_ids = token_ids.detach().cpu().numpy()
-        if isinstance(token_ids, (str, bytes)) or np.ndim(token_ids) != 1:
-            raise ArgumentError(f"{name} must be a 1-D sequence of ints, got "
-                                f"{type(token_ids).__name__} of shape {np.shape(token_ids)}")
-        tokens = np.asarray(token_ids)
-        if tokens.size == 0:
-            return tokens.astype(np.int64)
-        if tokens.dtype.kind not in "iu":
-            raise ArgumentError(f"{name} must be ints, got {tokens.dtype}")
-        if int(np.minimum.reduce(tokens)) < 0 or int(np.maximum.reduce(tokens)) > INT32_MAX:
-            raise ArgumentError(f"{name} must be in 0..{INT32_MAX}, got min "
-                                f"{int(tokens.min())} and max {int(tokens.max())}")
-        return tokens.astype(np.int64)  # a private copy: the engine keeps its own object
-
     # -- admission ---------------------------------------------------------------------------------
-
-    def _plan(self, tokens: Int64Array, namespace: Any, register: bool
-              ) -> tuple[int, int, PrefixMatch | None]:
-        """(pages the prompt needs, namespace id, prefix match); raises if it can never fit."""
-        n = tokens.size
-        if n == 0:
-            raise ArgumentError("a request needs at least one prompt token; got none")
-        num_pages = -(-n // self.page_size)
-        if num_pages > self.max_pages_per_seq:
-            raise KVMemError(
-                f"a prompt of {n} tokens needs {num_pages} pages but a request may map at most "
-                f"max_pages_per_seq={self.max_pages_per_seq}; shorten it or raise the limit"
-            )
-        ns = self._namespace_id(namespace, register)
-        match = None
-        if self.cache is not None:
-            # At most (n - 1) // P pages: the last prompt token is always computed (it yields
-            # the first logits), and it must land in a page the request holds alone.
-            match = self.cache.match(tokens, namespace, (n - 1) // self.page_size, ns)
-        return num_pages, ns, match
-
-    def _fits(self, num_pages: int, match: PrefixMatch | None, keep_free: int) -> bool:
-        if self.table.num_free_rows == 0:
-            return False
-        hits = match.num_pages if match is not None else 0
-        lost = match.num_evictable if match is not None else 0  # hits stop being evictable
-        return num_pages - hits + keep_free <= self.pages.available() - lost
 
     @_public
     def can_admit(self, token_ids: Any, namespace: Any = None) -> bool:
         """Whether ``admit(…, token_ids, namespace)`` would succeed now and leave the
         watermark's pages free. Counts the prefix pages the request would reuse. Changes
         nothing."""
-        tokens = self._as_tokens(token_ids)
-        num_pages, _, match = self._plan(tokens, namespace, register=False)
-        # admit() right after (nothing changed in between) reuses this plan.
-        self._plan_memo = (self._mutations, namespace_bytes(namespace), tokens, num_pages, match)
-        return self._fits(num_pages, match, self.watermark_pages)
-
-    def _planned(self, tokens: Int64Array, namespace: Any
-                 ) -> tuple[int, int, PrefixMatch | None]:
-        memo, self._plan_memo = self._plan_memo, None
-        # The counter moved once since can_admit: for the admit() being run now.
-        if (memo is not None and memo[0] == self._mutations - 1
-                and memo[1] == namespace_bytes(namespace) and (memo[2] is tokens or (
-                    memo[2].shape == tokens.shape and not np.count_nonzero(memo[2] != tokens)))):
-            return memo[3], self._namespace_id(namespace, register=True), memo[4]
-        return self._plan(tokens, namespace, register=True)
+        plan = self._admission.plan(as_token_ids("token_ids", token_ids), namespace, False)
+        self._admission.remember(self._mutations, plan)  # for the admit() right after
+        return self._admission.fits(plan, self.watermark_pages)
 
     @_public
     def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> AdmitResult:
@@ -415,43 +348,27 @@ class KVCacheManager:
         if request_id in self._requests:
             raise KVMemError(f"request {request_id!r} is already known to the manager; release "
                              "it first or use a new id")
-        memo = self._plan_memo
-        if (memo is not None and type(token_ids) is np.ndarray and memo[0] == self._mutations - 1
-                and memo[2].shape == token_ids.shape and not np.count_nonzero(
-                    memo[2] != token_ids)):
-            tokens = memo[2]  # the prompt can_admit() just validated and copied
-        else:
-            tokens = self._as_tokens(token_ids)
-        return self._admit(request_id, tokens, namespace)
+        # The counter moved once since a can_admit of this prompt: for this admit.
+        plan = self._admission.recall(self._mutations - 1, token_ids, namespace)
+        if plan is None:
+            plan = self._admission.plan(as_token_ids("token_ids", token_ids), namespace, True)
+        return self._admit(request_id, plan, namespace)
 
-    def _admit(self, request_id: Any, tokens: Int64Array, namespace: Any) -> AdmitResult:
-        num_pages, ns, match = self._planned(tokens, namespace)
-        if self.table.num_free_rows == 0:
-            raise KVMemError(f"all max_seqs={self.max_seqs} rows are mapped; release or preempt "
-                             "a request before admitting another")
-        if not self._fits(num_pages, match, 0):
-            hits = match.num_pages if match is not None else 0
-            raise OutOfPagesError(num_pages - hits, self.pages.available()
-                                  - (match.num_evictable if match is not None else 0))
-        hit_pages = match.pages if match is not None else _EMPTY_PAGES
-        self.pages.share_hits(hit_pages)
-        new = self.pages.allocate(num_pages - hit_pages.size, ns)
-        pages = np.concatenate([hit_pages, new]) if hit_pages.size else new
-        num_cached = hit_pages.size * self.page_size
-        row = self.table.open_row(pages, num_cached, namespace_id=ns,
-                                  prefix_key=None if match is None else match.last_key)
-        if match is not None:
+    def _admit(self, request_id: Any, plan: Plan, namespace: Any) -> AdmitResult:
+        row, pages, new = self._admission.map(plan)
+        num_cached = plan.hits * self.page_size
+        if plan.match is not None:
             self._counters["prefix_queries"] += 1
-            self._counters["prefix_query_tokens"] += tokens.size
+            self._counters["prefix_query_tokens"] += plan.tokens.size
             self._counters["prefix_hit_tokens"] += num_cached
-        self._record_row(row, pages, ns)
+        self._record_row(row, pages, plan.namespace_id)
         self._rows[request_id] = row
         self._row_ids[row] = request_id
-        self._requests[request_id] = _Request(namespace, ns, tokens)
+        self._requests[request_id] = _Request(namespace, plan.namespace_id, plan.tokens)
         self._hooks.emit("allocate", request_id, new)
         self._hooks.emit("admit", request_id, pages, detail=num_cached)
-        return AdmitResult(request_id, num_cached, int(tokens.size), num_pages,
-                           int(hit_pages.size))
+        return AdmitResult(request_id, num_cached, int(plan.tokens.size), plan.num_pages,
+                           plan.hits)
 
     def _record_row(self, row: int, pages: Int32Array, ns: int) -> None:
         """The tracker records a new row's pages."""
@@ -510,7 +427,7 @@ class KVCacheManager:
         token_ids: ``[k]`` ints — the tokens whose K/V the engine wrote, in order
         """
         row = self._row_of(request_id)
-        tokens = self._as_tokens(token_ids)
+        tokens = as_token_ids("token_ids", token_ids)
         self._committer.commit(np.array([row], dtype=np.intp),
                                np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
         self._uncommitted_done()
@@ -530,9 +447,7 @@ class KVCacheManager:
             tensor), ``[B, k]`` ints, or a list of ``B`` 1-D int sequences (ragged)
         """
         ids, rows, b = self._batch(request_ids, "committed")
-        if hasattr(token_ids, "detach"):
-            token_ids = token_ids.detach().cpu().numpy()
-        flat, counts = _batch_tokens(token_ids, rows.size, self._as_tokens)
+        flat, counts = batch_tokens(token_ids, rows.size)
         if (isinstance(counts, int) and counts == 1 and b is not None and b.k == 1
                 and b.token_pages is not None and b.uncommitted
                 and not np.count_nonzero(self.table.num_committed[rows] != b.start)):
@@ -576,7 +491,8 @@ class KVCacheManager:
         if not self.tracker.enabled:  # nothing recorded, nothing to look at
             return VerifyReport(as_ids("request_ids", request_ids))
         ids, rows, b = self._batch(request_ids, "verified")
-        md = self._metadata(rows, step, kv_indptr, kv_indices, metadata, b)
+        md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
+                              None if b is None else b.step, lambda: self.table.csr(rows)[:2])
         verdict = self.verifier.check(ids, rows, md, b if b is not None and b.uncommitted
                                       else None)
         aborted: dict[Any, str] = {}
@@ -584,59 +500,6 @@ class KVCacheManager:
             aborted[ids[i]] = reason
             self._abort(ids[i], first_bad, reason)
         return VerifyReport(ids, aborted, verdict.report)
-
-    def _metadata(self, rows: IntpArray, step: StepMetadata | None, kv_indptr: Any,
-                  kv_indices: Any, metadata: Mapping[str, Any] | None,
-                  latest: StepRecord | None = None) -> Metadata:
-        """The metadata verify checks, validated (MetadataError names a malformed field)."""
-        size = rows.size
-        if metadata is not None:
-            if step is not None or kv_indptr is not None or kv_indices is not None:
-                raise ArgumentError("verify() takes metadata= alone, without step or "
-                                    "kv_indptr/kv_indices")
-            if not isinstance(metadata, Mapping):
-                raise ArgumentError(f"metadata must be a mapping of field names to arrays, got "
-                                    f"{type(metadata).__name__}")
-            has_csr = metadata.get("kv_indptr") is not None and metadata.get(
-                "kv_indices") is not None
-            if metadata.get("slot_mapping") is None or not (
-                    has_csr or metadata.get("block_table") is not None):
-                raise ArgumentError(
-                    f"verify(metadata=...) got {sorted(metadata)}; it needs slot_mapping and "
-                    "either kv_indptr + kv_indices or block_table (the names of "
-                    "step.tensors(device))")
-            fields = dict(metadata)
-        elif kv_indptr is not None or kv_indices is not None:
-            if kv_indptr is None or kv_indices is None:
-                raise ArgumentError("verify() needs both kv_indptr and kv_indices, or neither")
-            fields, has_csr = {"kv_indptr": kv_indptr, "kv_indices": kv_indices}, True
-        elif step is not None:
-            if not isinstance(step, StepMetadata) or step.batch_size != size:
-                raise ArgumentError(
-                    f"verify() got {size} requests and a step of "
-                    f"{getattr(step, 'batch_size', type(step).__name__)}; pass the StepMetadata "
-                    "the batch's reserve returned")
-            fields, has_csr = step.fields(), True
-            if latest is not None and step is latest.step:  # made by reserve: its arrays'
-                # types and shapes are reserve's (their values the verifier compares)
-                return Metadata(step.kv_indptr, step.kv_indices, None, fields, True)
-        else:
-            csr = self.table.csr(rows)
-            return Metadata(csr.kv_indptr, csr.kv_indices, None, None, True)
-        # Shapes and dtypes here; the values (a CSR's kv_indptr, the slot count) the verifier
-        # checks unless the arrays are reserve's own.
-        if has_csr:
-            require_int_array("kv_indptr", fields["kv_indptr"], (size + 1,))
-            require_int_array("kv_indices", fields["kv_indices"], (None,))
-        else:
-            validate_block_table(fields["block_table"], size)
-        step_fields = None
-        if fields.get("slot_mapping") is not None:
-            validate_step_fields(fields, size)
-            step_fields = fields
-        if has_csr:
-            return Metadata.of(fields["kv_indptr"], fields["kv_indices"], None, step_fields)
-        return Metadata.of(None, None, fields["block_table"], step_fields)
 
     def _abort(self, request_id: Any, first_bad: int, reason: str) -> None:
         row = self._rows[request_id]
@@ -657,32 +520,16 @@ class KVCacheManager:
         self._close(request_id, owned[:, 1].astype(np.int32))
         del self._requests[request_id]
 
-    def _owned_pages(self, row: int) -> Int64Array:
-        """(position, page) of each reference a row really holds: ``[k, 2]``, int64.
-
-        With a checking tracker, a row entry whose page no longer carries the recorded tag is
-        not this request's reference: the page was freed (maybe reallocated) behind its back,
-        or the entry was overwritten; in the last case the recorded page is found by its
-        (unique) tag. Without one, the row's live pages are trusted.
-        """
-        pages = self.table.row_pages(row).astype(np.int64)
-        positions = np.arange(pages.size)
-        in_range = (pages >= 0) & (pages < self.num_pages)
+    def _recorded(self, row: int) -> Any:
+        """The qualified tags recorded for a row's pages (None without a checking tracker)."""
         if not isinstance(self.tracker, CheckingTracker):
-            live = in_range.copy()
-            live[live] = self.allocator.refcounts[pages[live]] > 0
-            return np.stack([positions[live], pages[live]], axis=1)
-        want = lifetime_of(self.tracker.expected_tags[row, : pages.size])
-        tags = self.allocator.tags
-        ok = in_range.copy()
-        ok[ok] = tags[pages[ok]] == want[ok]
-        ok &= want > 0
-        out = [np.stack([positions[ok], pages[ok]], axis=1)]
-        for j in np.flatnonzero(~ok & (want > 0)).tolist():
-            found = np.flatnonzero(tags == int(want[j]))
-            if found.size == 1:
-                out.append(np.array([[j, int(found[0])]], dtype=np.int64))
-        return np.concatenate(out)
+            return None
+        return self.tracker.expected_tags[row, : int(self.table.num_pages[row])]
+
+    def _owned_pages(self, row: int) -> Any:
+        """(position, page) of each reference a row really holds (``owned_pages``)."""
+        return owned_pages(self.table.row_pages(row), self._recorded(row), self.allocator.tags,
+                           self.allocator.refcounts)
 
     def _forget_row(self, row: int) -> None:
         if isinstance(self.tracker, CheckingTracker):
@@ -691,14 +538,9 @@ class KVCacheManager:
             self.tracker.forget([row])
 
     def _row_is_own(self, row: int) -> bool:
-        """Whether every page a row maps carries the tag the tracker recorded (always True
-        without a checking tracker)."""
-        if not isinstance(self.tracker, CheckingTracker):
-            return True
-        pages = self.table.row_pages(row)
-        want = lifetime_of(self.tracker.expected_tags[row, : pages.size])
-        return bool((pages >= 0).all() and (pages < self.num_pages).all()
-                    and np.array_equal(self.allocator.tags[pages], want))
+        recorded = self._recorded(row)
+        return recorded is None or row_is_own(self.table.row_pages(row), recorded,
+                                              self.allocator.tags)
 
     # -- fork, preempt, resume, release ------------------------------------------------------------
 
@@ -783,32 +625,33 @@ class KVCacheManager:
         self._hooks.emit("preempt", request_id, pages)
 
     def can_resume(self, request_id: Any) -> bool:
-        req = self._requests.get(request_id) if _hashable(request_id) else None
+        req = self._requests.get(request_id) if is_hashable(request_id) else None
         if req is None or req.saved is None:
             raise KVMemError(f"request {request_id!r} is not preempted")
-        num_pages, _, match = self._plan(req.saved, req.namespace, register=False)
-        return self._fits(num_pages, match, self.watermark_pages)
+        plan = self._admission.plan(req.saved, req.namespace, False)
+        return self._admission.fits(plan, self.watermark_pages)
 
     @_public
     def resume(self, request_id: Any, token_ids: Any = None) -> AdmitResult:
         """Re-admit a preempted request with its saved tokens (committed tokens, then the rest
         of the prompt), or with ``token_ids`` if given. Recompute from ``num_cached_tokens``.
         A resume that raises changes nothing (the request stays preempted, in its place)."""
-        req = self._requests.get(request_id) if _hashable(request_id) else None
+        req = self._requests.get(request_id) if is_hashable(request_id) else None
         if req is None or req.saved is None:
             raise KVMemError(
                 f"request {request_id!r} is not preempted; only a preempted request can resume"
             )
-        tokens = req.saved if token_ids is None else self._as_tokens(token_ids)
+        tokens = req.saved if token_ids is None else as_token_ids("token_ids", token_ids)
         # What must be recomputed is the request's prompt from now on. (_admit replaces the
         # registry entry in place, so the request keeps its place; if it raises, nothing
         # changed.)
-        return self._admit(request_id, tokens, req.namespace)
+        return self._admit(request_id, self._admission.plan(tokens, req.namespace, True),
+                           req.namespace)
 
     @_public
     def release(self, request_id: Any) -> None:
         """Forget a request (finished or cancelled), running or preempted; drop its pages."""
-        if not _hashable(request_id) or request_id not in self._requests:
+        if not is_hashable(request_id) or request_id not in self._requests:
             raise KVMemError(f"request {request_id!r} is unknown or already released")
         pages = self._close(request_id) if request_id in self._rows else None
         del self._requests[request_id]
@@ -821,7 +664,7 @@ class KVCacheManager:
         in order; all or nothing (an unknown or repeated id raises, releasing none).
         """
         ids = as_ids("request_ids", request_ids)
-        unknown = [rid for rid in ids if not _hashable(rid) or rid not in self._requests]
+        unknown = [rid for rid in ids if not is_hashable(rid) or rid not in self._requests]
         if unknown:
             raise KVMemError(f"requests {unknown[:8]!r} are unknown or already released "
                              "(nothing was released)")
@@ -894,11 +737,11 @@ class KVCacheManager:
         ns = int(self.pages.namespace_ids[page])
         if ns < 0:
             raise KVMemError(f"page {page} is free")
-        return self._namespace_names[ns]
+        return self.namespaces.name(ns)
 
     def stats(self) -> ManagerStats:
         """A frozen snapshot (costs a few numpy passes over the pages)."""
-        used, cached, fenced = self._page_classes()
+        used, cached, fenced = page_classes(self.pages)
         c = self._counters
         return ManagerStats(
             num_pages=self.num_pages, page_size=self.page_size,
@@ -912,79 +755,12 @@ class KVCacheManager:
             steps_in_flight=len(self.fences.open_steps),
         )
 
-    def _cached_mask(self) -> npt.NDArray[np.bool_]:
-        if self.cache is None:
-            return np.zeros(self.num_pages, dtype=bool)
-        return self.cache.is_cached(np.arange(self.num_pages, dtype=np.int32))
-
-    def _page_classes(self) -> tuple[npt.NDArray[np.bool_], ...]:
-        rc = self.allocator.refcounts
-        cached = self._cached_mask()
-        held = self.fences.held
-        used = rc - held - cached > 0
-        in_cache = ~used & cached
-        fenced = ~used & ~cached & (held > 0)
-        return used, in_cache, fenced
-
     def check(self) -> None:
-        """Verify every bookkeeping invariant; raise IntegrityError listing each problem.
-
-        Allocator invariants; each page's refcount equals its holders (request rows + the cache
-        + fences); free + used + cached + fenced == total; every page a request maps holds its
-        namespace's content; committed <= reserved <= mapped slots; the cache's own invariants.
-        """
-        problems: list[str] = []
-        try:
-            self.allocator.check()
-        except IntegrityError as e:
-            problems.append(str(e))
-        t = self.table
-        rows = np.array(sorted(self._rows.values()), dtype=np.intp)
-        mapped = (np.concatenate([t.row_pages(r) for r in rows.tolist()])
-                  if rows.size else np.empty(0, dtype=np.int32))
-        holders = np.bincount(mapped[(mapped >= 0) & (mapped < self.num_pages)],
-                              minlength=self.num_pages)[: self.num_pages]
-        cached = self._cached_mask()
-        holders = holders + cached + self.fences.held
-        bad = np.flatnonzero(holders != self.allocator.refcounts)
-        if bad.size:
-            problems.append(
-                f"refcounts {self.allocator.refcounts[bad].tolist()[:8]} of pages "
-                f"{bad.tolist()[:8]} differ from their holders {holders[bad].tolist()[:8]}"
-            )
-        used, in_cache, fenced = self._page_classes()
-        total = self.allocator.num_free + int(used.sum() + in_cache.sum() + fenced.sum())
-        if total != self.num_pages:
-            problems.append(f"free + used + cached + fenced = {total} != {self.num_pages} pages")
-        problems.extend(self._row_problems())
-        if self.cache is not None:
-            cpages = np.flatnonzero(cached)
-            if hasattr(self.cache, "namespaces_of"):
-                wrong = cpages[self.cache.namespaces_of(cpages) != self.pages.namespace_ids[cpages]]
-                if wrong.size:
-                    problems.append(f"cached pages {wrong.tolist()[:8]} disagree on namespace")
-            if hasattr(self.cache, "check"):
-                problems.extend(self.cache.check())
-        if problems:
-            raise IntegrityError("KVCacheManager.check() failed: " + "; ".join(problems))
-
-    def _row_problems(self) -> list[str]:
-        t = self.table
-        problems = []
-        for rid, row in self._rows.items():
-            pages = t.row_pages(row)
-            ok = (pages >= 0) & (pages < self.num_pages)
-            foreign = pages[~ok]
-            foreign = np.concatenate([foreign, pages[ok][self.pages.namespace_ids[pages[ok]]
-                                                         != t.namespace_ids[row]]])
-            if foreign.size:
-                problems.append(f"request {rid!r} maps pages {foreign.tolist()[:8]} of another "
-                                "namespace (or none)")
-            if not (t.num_committed[row] <= t.num_tokens[row]
-                    <= t.num_pages[row] * self.page_size):
-                problems.append(f"request {rid!r}: committed {t.num_committed[row]} > reserved "
-                                f"{t.num_tokens[row]} or beyond its pages")
-        return problems
+        """Verify every bookkeeping invariant (``kvmem.allocator._invariants``); raise
+        IntegrityError listing each problem."""
+        found = problems(self.pages, self.table, self._rows.items())
+        if found:
+            raise IntegrityError("KVCacheManager.check() failed: " + "; ".join(found))
 
     @_public
     def clear_prefix_cache(self) -> int:
@@ -999,114 +775,3 @@ class KVCacheManager:
     def __repr__(self) -> str:
         return (f"KVCacheManager(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"running={len(self._rows)}, free={self.allocator.num_free})")
-
-
-# -- construction and argument helpers -------------------------------------------------------------
-
-
-def _make_cache(spec: str | PrefixCache | None) -> PrefixCache | None:
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        if spec != "hashed":
-            raise ArgumentError(f"prefix_cache={spec!r} is not known; use 'hashed', None, or a "
-                                "PrefixCache")
-        return HashedPrefixCache()
-    if not isinstance(spec, PrefixCache):
-        raise ArgumentError(
-            f"prefix_cache must be 'hashed', None or a PrefixCache, got {type(spec).__name__}"
-        )
-    return spec
-
-
-def _make_tracker(spec: Tracker | str | None, cfg: ManagerConfig) -> Tracker:
-    if spec is None:
-        return NoOpTracker()
-    if isinstance(spec, str):
-        if spec not in ("checking", "paranoid"):
-            raise ArgumentError(f"tracker={spec!r} is not known; use 'checking', 'paranoid' or "
-                                "a Tracker")
-        return CheckingTracker(cfg.max_seqs, cfg.max_pages_per_seq, paranoid=spec == "paranoid")
-    if not isinstance(spec, Tracker):
-        raise ArgumentError(f"tracker must be 'checking', 'paranoid', None or a Tracker, got "
-                            f"{type(spec).__name__}")
-    expected = getattr(spec, "expected_tags", None)
-    if expected is not None and (
-        expected.shape[0] < cfg.max_seqs or expected.shape[1] < cfg.max_pages_per_seq
-    ):
-        raise ArgumentError(
-            f"the tracker records {expected.shape} (rows, pages) but the manager needs "
-            f"({cfg.max_seqs}, {cfg.max_pages_per_seq}); build it with "
-            "CheckingTracker(max_seqs, max_pages_per_seq) or pass tracker='checking'"
-        )
-    return spec
-
-
-def _check_pool(pool: Any, cfg: ManagerConfig) -> None:
-    """A pool must hold at least the manager's pages, of the manager's page size."""
-    if pool is None:
-        return
-    spec = getattr(pool, "spec", None)
-    n = getattr(spec, "num_pages", None)
-    size = getattr(spec, "page_size", None)
-    if n is None or size is None or not hasattr(pool, "copy_pages"):
-        raise ArgumentError(f"pool must be a kvmem.cuda.PagePool, got {type(pool).__name__}")
-    if int(n) < cfg.num_pages:
-        raise ArgumentError(
-            f"the pool holds {n} pages but the manager was asked to manage {cfg.num_pages}; "
-            "give the manager at most the pool's page count"
-        )
-    if int(size) != cfg.page_size:
-        raise ArgumentError(
-            f"the pool's pages hold {size} tokens but the manager's page_size is "
-            f"{cfg.page_size}; build both with the same page size"
-        )
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _require_hashable(request_id: Any) -> None:
-    if not _hashable(request_id):
-        raise ArgumentError(f"a request id must be hashable (a str or an int), got "
-                            f"{type(request_id).__name__}")
-
-
-def _batch_tokens(token_ids: Any, size: int, as_tokens: Callable[..., Int64Array]
-                  ) -> tuple[npt.NDArray[np.integer], Int64Array | int]:
-    """commit_batch's tokens as (flat, counts): ``[B]`` one each, ``[B, k]``, or ragged."""
-    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.shape[0] == size and (
-            token_ids.dtype.kind in "iu") and size:  # the decode step's [B] ints
-        if int(np.minimum.reduce(token_ids)) < 0 or int(np.maximum.reduce(token_ids)) > INT32_MAX:
-            raise ArgumentError(f"token ids must be in 0..{INT32_MAX} (nothing was committed)")
-        return token_ids, 1
-    arr = None
-    if isinstance(token_ids, np.ndarray) or (
-            isinstance(token_ids, (list, tuple)) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in token_ids)):
-        arr = np.asarray(token_ids)
-        if token_ids is not arr and arr.size == 0:
-            arr = arr.astype(np.int64)
-    if arr is not None and arr.ndim in (1, 2) and arr.shape[0] == size and (
-            arr.size == 0 or arr.dtype.kind in "iu"):
-        flat = arr.reshape(-1)
-        if flat.size and (int(flat.min()) < 0 or int(flat.max()) > INT32_MAX):
-            raise ArgumentError(f"token ids must be in 0..{INT32_MAX} (nothing was committed)")
-        return flat, 1 if arr.ndim == 1 else int(arr.shape[1])
-    if arr is not None and arr.dtype.kind not in "iuO" and arr.size:
-        raise ArgumentError(f"token ids must be ints, got {arr.dtype} (nothing was committed)")
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-        raise ArgumentError(f"commit_batch takes [B] or [B, k] ints or B token lists, got "
-                            f"{type(token_ids).__name__}")
-    if len(token_ids) != size:
-        raise ArgumentError(
-            f"commit_batch got {len(token_ids)} token lists for {size} requests"
-        )
-    parts = [as_tokens(t) for t in token_ids]
-    counts = np.array([p.size for p in parts], dtype=np.int64)
-    return (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)), counts

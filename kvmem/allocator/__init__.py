@@ -10,15 +10,19 @@
     _prefix_keys.py     PrefixKeys: the chained key function, namespace encoding
     _prefix_cache.py    PrefixCache (interface), HashedPrefixCache: index, confirmation, LRU
     _pages.py           Pages: one manager's references (allocate/evict/drop), page contents
+    _admission.py       Admission: a prompt's pages and cached prefix, whether it fits; namespaces
     _reserve.py         Reserver: a batch's token slots, pages, copy-on-write, step metadata
     _commits.py         Committer: committed tokens, full pages offered to the prefix cache
+    _invariants.py      the bookkeeping invariants, checked in full
 """
 
 from __future__ import annotations
 
+from kvmem.allocator._admission import Admission, Namespaces, Plan
 from kvmem.allocator._change_log import ChangeLog, ChangeReader
-from kvmem.allocator._commits import Committer, keys_as_ints
+from kvmem.allocator._commits import Committer, batch_tokens, keys_as_ints
 from kvmem.allocator._fences import StepFences, StepHandle
+from kvmem.allocator._invariants import page_classes, problems
 from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
 from kvmem.allocator._page_table import CSRMetadata, GrowResult, PageTable
 from kvmem.allocator._pages import Pages
@@ -30,6 +34,7 @@ from kvmem.integrity import PAD
 
 __all__ = [
     "PAD",
+    "Admission",
     "AllocatorStats",
     "CSRMetadata",
     "ChangeLog",
@@ -38,9 +43,11 @@ __all__ = [
     "GrowResult",
     "HashedPrefixCache",
     "Namespace",
+    "Namespaces",
     "PageAllocator",
     "PageTable",
     "Pages",
+    "Plan",
     "PrefixCache",
     "PrefixKeys",
     "PrefixMatch",
@@ -51,7 +58,10 @@ __all__ = [
     "StepHandle",
     "StepMetadata",
     "StepRecord",
+    "batch_tokens",
     "keys_as_ints",
     "namespace_bytes",
+    "page_classes",
+    "problems",
     "token_counts",
 ]

@@ -21,9 +21,9 @@ import numpy.typing as npt
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepRecord
-from kvmem.errors import KVMemError
+from kvmem.errors import INT32_MAX, ArgumentError, KVMemError, as_token_ids
 
-__all__ = ["Committer", "keys_as_ints"]
+__all__ = ["Committer", "batch_tokens", "keys_as_ints"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -143,3 +143,40 @@ class Committer:
                 self.on_stored(r, tuple(keys_as_ints(keys[sel])),
                                None if at_root else keys_as_ints(parents[sel[:1]])[0],
                                tuple(tokens[sel].reshape(-1).tolist()))
+
+
+def batch_tokens(token_ids: Any, size: int
+                 ) -> tuple[npt.NDArray[np.integer], Int64Array | int]:
+    """A batch's committed tokens as (flat, counts): ``[B]`` ints (one each: counts 1),
+    ``[B, k]`` (counts k), or ``B`` 1-D sequences (ragged: counts ``[B]``). Lists, arrays and
+    tensors; raises ArgumentError naming what was wrong."""
+    if hasattr(token_ids, "detach"):
+        token_ids = token_ids.detach().cpu().numpy()
+    if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.shape[0] == size and (
+            token_ids.dtype.kind in "iu") and size:  # the decode step's [B] ints
+        if int(np.minimum.reduce(token_ids)) < 0 or int(np.maximum.reduce(token_ids)) > INT32_MAX:
+            raise ArgumentError(f"token ids must be in 0..{INT32_MAX} (nothing was committed)")
+        return token_ids, 1
+    arr = None
+    if isinstance(token_ids, np.ndarray) or (
+            isinstance(token_ids, (list, tuple)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in token_ids)):
+        arr = np.asarray(token_ids)
+        if token_ids is not arr and arr.size == 0:
+            arr = arr.astype(np.int64)
+    if arr is not None and arr.ndim in (1, 2) and arr.shape[0] == size and (
+            arr.size == 0 or arr.dtype.kind in "iu"):
+        flat = arr.reshape(-1)
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) > INT32_MAX):
+            raise ArgumentError(f"token ids must be in 0..{INT32_MAX} (nothing was committed)")
+        return flat, 1 if arr.ndim == 1 else int(arr.shape[1])
+    if arr is not None and arr.dtype.kind not in "iuO" and arr.size:
+        raise ArgumentError(f"token ids must be ints, got {arr.dtype} (nothing was committed)")
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise ArgumentError(f"commit_batch takes [B] or [B, k] ints or B token lists, got "
+                            f"{type(token_ids).__name__}")
+    if len(token_ids) != size:
+        raise ArgumentError(f"commit_batch got {len(token_ids)} token lists for {size} requests")
+    parts = [as_token_ids("token_ids", t) for t in token_ids]
+    counts = np.array([p.size for p in parts], dtype=np.int64)
+    return (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)), counts

@@ -7,7 +7,10 @@ forms lazily).
     _check.py        the full check of a batch's page lists (CSR or block table), validation
     _step_checks.py  the step's writes: one writer per page, slot mapping, lengths
     _tracker.py      NoOpTracker (default), CheckingTracker (expected tags per row, position)
+    _metadata.py     the metadata verify checks, in any form, resolved and shape-checked
+    _full_check.py   the full check: every entry, the write set, slots and lengths
     _verifier.py     the verifier: the full check's verdict, proved incrementally when it can
+    _ownership.py    what a request provably holds when its row disagrees with its records
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from kvmem.integrity._check import (
     validate_block_table,
     validate_csr,
 )
+from kvmem.integrity._full_check import FullCheck, Verdict
+from kvmem.integrity._metadata import Metadata, resolve_metadata
+from kvmem.integrity._ownership import owned_pages, row_is_own
 from kvmem.integrity._step_checks import validate_step_fields
 from kvmem.integrity._tags import (
     MAX_NAMESPACES,
@@ -35,7 +41,7 @@ from kvmem.integrity._tags import (
     qualify_live,
 )
 from kvmem.integrity._tracker import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
-from kvmem.integrity._verifier import Metadata, Verdict, Verifier, VerifierStats
+from kvmem.integrity._verifier import Verifier, VerifierStats
 
 __all__ = [
     "MAX_NAMESPACES",
@@ -43,6 +49,7 @@ __all__ = [
     "PAD",
     "BadEntries",
     "CheckingTracker",
+    "FullCheck",
     "IntegrityReport",
     "Metadata",
     "NoOpTracker",
@@ -58,9 +65,12 @@ __all__ = [
     "check_csr_torch",
     "lifetime_of",
     "namespace_id_of",
+    "owned_pages",
     "qualify",
     "qualify_live",
     "require_int_array",
+    "resolve_metadata",
+    "row_is_own",
     "validate_block_table",
     "validate_csr",
     "validate_step_fields",

@@ -1,15 +1,5 @@
-"""The verifier: the full check of a batch's metadata, and the incremental proof that gives
-the same verdict for a fraction of its cost.
-
-**The full check** (:meth:`Verifier.full_check`), for each request ``b`` of the batch:
-
-* every page its metadata lists (CSR or block table) is in range, live, and carries the
-  qualified tag the tracker recorded for ``(row, position)`` (``kvmem.integrity._tags``): the
-  same lifetime and namespace as when the request mapped it; block-table padding is PAD;
-* it lists as many pages as its tokens fill;
-* the pages the step writes (its slot mapping's, else the slots the latest reserve handed
-  out) each have one writer, and, given the step's fields, its slots and lengths are its own
-  (``kvmem.integrity._step_checks``).
+"""The verifier: the verdict of the full check (``kvmem.integrity._full_check``) on a
+batch's metadata, proved incrementally for a fraction of its cost when it can be.
 
 **The incremental proof** (numpy metadata, a :class:`CheckingTracker`) remembers what it proved
 last (the rows, their generations and tracker versions, the CSR) and, per page, how many
@@ -39,25 +29,21 @@ it disagrees. :attr:`Verifier.stats` counts what each path answered.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import IntegrityError
-from kvmem.integrity._check import Reason, validate_csr
-from kvmem.integrity._step_checks import (
-    length_mismatches,
-    ranges,
-    slot_mismatches,
-    validate_step_fields,
-    write_set,
-)
-from kvmem.integrity._tags import TagMirror, lifetime_of, namespace_id_of, qualify_live
-from kvmem.integrity._tracker import IntegrityReport, Tracker
+from kvmem.integrity._check import validate_csr
+from kvmem.integrity._full_check import FullCheck, Verdict, Writers, _Table
+from kvmem.integrity._metadata import Metadata
+from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, validate_step_fields
+from kvmem.integrity._tags import TagMirror, qualify_live
+from kvmem.integrity._tracker import Tracker
 
-__all__ = ["Metadata", "Verdict", "Verifier", "VerifierStats"]
+__all__ = ["Verifier", "VerifierStats"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -65,40 +51,6 @@ IntpArray = npt.NDArray[np.intp]
 _EMPTY = np.empty(0, dtype=np.int64)
 # More changed rows than this: the proof starts over (one full gather is cheaper).
 MAX_CHANGED_ROWS = 64
-
-
-class Metadata(NamedTuple):
-    """What the kernels of a step will read, shapes and dtypes checked
-    (:func:`~kvmem.integrity.require_int_array`): the CSR (``indptr``, ``indices``) or a
-    ``block_table``, and the step's other fields by ``StepMetadata.tensors`` names (None when
-    only the page lists were given). numpy arrays or torch tensors. The verifier checks the
-    values that make it well formed (:func:`~kvmem.integrity.validate_csr`, the slot count)
-    unless they are reserve's own."""
-
-    indptr: Any
-    indices: Any
-    block_table: Any
-    fields: Mapping[str, Any] | None
-    is_numpy_csr: bool  # a CSR, every array a numpy array (the fast paths' domain)
-
-    @classmethod
-    def of(cls, indptr: Any, indices: Any, block_table: Any,
-           fields: Mapping[str, Any] | None) -> Metadata:
-        numpy = indices is not None and type(indptr) is np.ndarray and type(
-            indices) is np.ndarray and (fields is None or all(
-                type(v) is np.ndarray for v in fields.values() if v is not None))
-        return cls(indptr, indices, block_table, fields, numpy)
-
-
-class Verdict(NamedTuple):
-    """Per failing batch index: (first bad page position, one readable reason)."""
-
-    failed: dict[int, tuple[int, str]]
-    report: IntegrityReport | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
 
 
 _PROVED = Verdict({})  # (never mutated)
@@ -121,17 +73,6 @@ class VerifierStats(NamedTuple):
     paranoid_checks: int = 0
 
 
-class _Table(Protocol):
-    """What the verifier reads of the page table (kvmem.PageTable)."""
-
-    pages: Int32Array
-    num_tokens: Int64Array
-    num_committed: Int64Array
-    write_from: Int64Array
-    generation: Int64Array
-    page_size: int
-
-
 class _Proof(NamedTuple):
     serial: int  # the step record whose own arrays were proved (-1: none)
     rows: IntpArray
@@ -143,7 +84,7 @@ class _Proof(NamedTuple):
     indices: Int32Array
 
 
-class Verifier:
+class Verifier(FullCheck):
     """Checks batches for a manager (see the module docstring).
 
     Parameters
@@ -159,16 +100,12 @@ class Verifier:
 
     def __init__(self, tracker: Tracker, table: _Table, tags: Int64Array,
                  namespace_ids: Int64Array, mirror: TagMirror, changes: Any,
-                 writers: Callable[[npt.NDArray[np.integer]], npt.NDArray[np.integer]]) -> None:
-        self.tracker = tracker
-        self.table = table
-        self.page_size = table.page_size
+                 writers: Writers) -> None:
+        super().__init__(tracker, table, mirror, writers)
         self._tags = tags
         self._namespace_ids = namespace_ids
         self.num_pages = tags.size
-        self.mirror = mirror
         self._changes = changes
-        self.writers = writers
         expected = getattr(tracker, "expected_tags", None)
         self._expected: Int64Array | None = expected
         self._versions: Int64Array | None = getattr(tracker, "versions", None)
@@ -242,98 +179,6 @@ class Verifier:
     def _dirty(self) -> list[Int32Array] | None:
         """Pages whose tag changed since this verifier last looked (None: lost track)."""
         return self._changes.read()
-
-    # -- the full check -----------------------------------------------------------------------
-
-    def full_check(self, ids: tuple[Any, ...], rows: IntpArray, md: Metadata) -> Verdict:
-        """Every entry, the write set and (given) the step's slots and lengths; one reason per
-        failing request. Changes nothing but the tag mirror."""
-        t = self.table
-        P = self.page_size
-        qtags = self.mirror.sync()
-        total = t.num_tokens[rows]
-        num_pages = (total + P - 1) // P
-        read = md.indices if md.indices is not None else md.block_table
-        tags: Any = qtags
-        if not isinstance(read, np.ndarray):  # tensors: on their device, against the mirror
-            import torch
-
-            tags = self.mirror.device
-            if tags is None or tags.device != read.device:
-                tags = torch.as_tensor(qtags, device=read.device)
-        if md.indices is None:
-            report = self.tracker.verify(rows, num_pages, tags, block_table=md.block_table,
-                                         ids=ids)
-        else:
-            report = self.tracker.verify(rows, num_pages, tags, kv_indptr=md.indptr,
-                                         kv_indices=md.indices, ids=ids)
-        failed: dict[int, tuple[int, str]] = {}
-        e = report.entries
-        for k in np.argsort(e.position, kind="stable").tolist():
-            i = int(e.batch_index[k])
-            if i not in failed:
-                failed[i] = (max(int(e.position[k]), 0),
-                             describe(e, k, int(np.count_nonzero(e.batch_index == i))))
-        for i, pos, reason in self._write_failures(rows, md):
-            first, why = failed.get(i, (pos, reason))
-            failed[i] = (min(first, pos), why)
-        return Verdict(dict(sorted(failed.items())), None if report.ok else report)
-
-    def _write_failures(self, rows: IntpArray, md: Metadata) -> list[tuple[int, int, str]]:
-        """(batch index, page position, reason) of each failing write: a written page with
-        another holder, a stray slot, lengths that are not the request's."""
-        t = self.table
-        P = self.page_size
-        start = t.write_from[rows]
-        total = t.num_tokens[rows]
-        out: list[tuple[int, int, str]] = []
-        wb, wpos, wpages = self.write_set(rows, md.fields)
-        holders = self.writers(wpages)
-        for k in np.flatnonzero(holders != 1).tolist():
-            out.append((int(wb[k]), int(wpos[k]),
-                        f"page {int(wpages[k])} at position {int(wpos[k])} is about to be "
-                        f"written but has {int(holders[k])} holders (a shared page is written "
-                        "only after copy-on-write)"))
-        if md.fields is None:
-            return out
-        first_new = start // P
-        for i in length_mismatches(md.fields, total, total - start, P).tolist():
-            out.append((i, int(first_new[i]),
-                        "its step's lengths (seq_lens, kv_last_page_len, num_new_tokens or "
-                        "qo_indptr) are not its own: a kernel would read past its tokens or "
-                        "another request's queries"))
-        if md.fields.get("slot_mapping") is not None:
-            csr = {"kv_indptr": md.indptr, "kv_indices": md.indices} if md.indices is not None \
-                else {"block_table": md.block_table}
-            bad_b, bad_pos = slot_mismatches({**csr, "slot_mapping": md.fields["slot_mapping"]},
-                                             start, total - start, P)
-            for i, pos in zip(bad_b.tolist(), bad_pos.tolist()):
-                out.append((i, pos, f"its slot mapping sends a token of page position {pos} "
-                                    "outside the page its metadata lists there (another "
-                                    "request's page, or the wrong slot)"))
-        return out
-
-    def write_set(self, rows: IntpArray, fields: Mapping[str, Any] | None
-                  ) -> tuple[IntpArray, Int64Array, Int64Array]:
-        """(batch index, page position, page) of each token the step is about to write: the
-        slots its latest reserve handed out that nobody committed yet, in the pages the step's
-        slot mapping names when given (slots out of range are left to the slot check), else in
-        the page table's."""
-        t = self.table
-        P = self.page_size
-        start = t.write_from[rows]
-        done = np.maximum(t.num_committed[rows], start)
-        total = t.num_tokens[rows]
-        wb, wpos, wpages = write_set(t.pages, rows, done, total, P)
-        slots = None if fields is None else fields.get("slot_mapping")
-        if slots is None:
-            return wb, wpos, wpages
-        first = np.cumsum(total - start) - (total - start)  # each row's first slot index
-        at = ranges(first + done - start, total - done)
-        picked = slots[at] if isinstance(slots, np.ndarray) else slots[at].cpu().numpy()
-        spages = np.asarray(picked, dtype=np.int64) // P
-        ok = (spages >= 0) & (spages < self.num_pages)
-        return wb[ok], wpos[ok], spages[ok]
 
     # -- the spliced check (the decode loop) --------------------------------------------------
 
@@ -538,18 +383,3 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a.shape == b.shape and not np.count_nonzero(a != b))
 
 
-def describe(e: Any, k: int, num_bad: int) -> str:
-    """One readable line for bad entry ``k`` of :class:`BadEntries` (qualified tags decoded)."""
-    reason, pos, page = int(e.reason[k]), int(e.position[k]), int(e.page[k])
-    expected, found = int(e.expected_tag[k]), int(e.found_tag[k])
-    more = f" ({num_bad} bad entries)" if num_bad > 1 else ""
-    if reason == Reason.REALLOCATED and lifetime_of(expected) == lifetime_of(found):
-        what = (f"page holds namespace {namespace_id_of(found)}'s content, the request is in "
-                f"namespace {namespace_id_of(expected)}")
-    elif reason == Reason.LENGTH:
-        return f"{Reason.NAMES[reason]}{more}"
-    else:
-        what = Reason.NAMES.get(reason, f"reason {reason}")
-        if expected > 0 and found > 0:
-            what += f" (expected tag {lifetime_of(expected)}, found {lifetime_of(found)})"
-    return f"{what}: position {pos}, page {page}{more}"

@@ -1,0 +1,154 @@
+"""Admission: what a prompt needs (pages, its cached prefix) and whether it fits now.
+
+::
+
+    plan(prompt, ns)      pages = ceil(n / P); the longest cached prefix of at most
+                          (n - 1) // P full pages in the namespace (the last prompt token is
+                          always computed: it yields the first logits)
+    fits(plan, keep)      a free row, and pages - hits + keep <= free + evictable - (hits that
+                          stop being evictable)
+    map(plan)             share the hits, allocate the rest, open the row
+
+``can_admit`` plans and checks; the ``admit`` right after it (nothing changed in between)
+reuses that plan instead of matching the prompt again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.allocator._page_table import PageTable
+from kvmem.allocator._pages import Pages
+from kvmem.allocator._prefix_cache import PrefixMatch
+from kvmem.allocator._prefix_keys import namespace_bytes
+from kvmem.errors import ArgumentError, KVMemError, OutOfPagesError
+from kvmem.integrity import MAX_NAMESPACES
+
+__all__ = ["Admission", "Namespaces", "Plan"]
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+_EMPTY_PAGES = np.empty(0, dtype=np.int32)
+_EMPTY_PAGES.flags.writeable = False
+
+
+class Namespaces:
+    """The namespaces a manager has seen, by canonical encoding (``1`` and ``True``, or
+    ``(1, "a")`` and ``(True, "a")``, are different namespaces): id 0 is None."""
+
+    def __init__(self) -> None:
+        self._ids: dict[bytes, int] = {b"n": 0}
+        self._names: list[Any] = [None]
+
+    def id_of(self, namespace: Any, register: bool) -> int:
+        """The namespace's id; -1 if unseen and not ``register`` (no page can hold it)."""
+        data = namespace_bytes(namespace)
+        ns = self._ids.get(data)
+        if ns is None:
+            if not register:
+                return -1
+            ns = len(self._names)
+            if ns >= MAX_NAMESPACES:
+                raise KVMemError(
+                    f"this manager has seen {ns} namespaces, the most it can tell apart; use "
+                    "fewer (a namespace is a tenant, adapter or salt, not a request)"
+                )
+            self._ids[data] = ns
+            self._names.append(namespace)
+        return ns
+
+    def name(self, namespace_id: int) -> Any:
+        return self._names[namespace_id]
+
+
+class Plan(NamedTuple):
+    """What admitting a prompt takes: ``num_pages`` for the whole prompt, of which the cached
+    prefix ``match`` provides some, in namespace ``namespace_id``."""
+
+    tokens: Int64Array
+    namespace: bytes  # canonical encoding
+    namespace_id: int
+    num_pages: int
+    match: PrefixMatch | None
+
+    @property
+    def hits(self) -> int:
+        return 0 if self.match is None else self.match.num_pages
+
+    @property
+    def evictable_hits(self) -> int:
+        return 0 if self.match is None else self.match.num_evictable
+
+
+class Admission:
+    """Plans and maps admissions for a manager's pages and page table."""
+
+    def __init__(self, pages: Pages, table: PageTable, namespaces: Namespaces) -> None:
+        self.pages = pages
+        self.table = table
+        self.namespaces = namespaces
+        self._memo: tuple[int, Plan] | None = None  # (stamp, plan) of the latest can_admit
+
+    def plan(self, tokens: Int64Array, namespace: Any, register: bool) -> Plan:
+        """The prompt's plan; raises if it can never fit (empty, longer than a row)."""
+        t = self.table
+        n = tokens.size
+        if n == 0:
+            raise ArgumentError("a request needs at least one prompt token; got none")
+        num_pages = -(-n // t.page_size)
+        if num_pages > t.max_pages_per_seq:
+            raise KVMemError(
+                f"a prompt of {n} tokens needs {num_pages} pages but a request may map at most "
+                f"max_pages_per_seq={t.max_pages_per_seq}; shorten it or raise the limit"
+            )
+        ns = self.namespaces.id_of(namespace, register)
+        cache = self.pages.cache
+        match = None if cache is None else cache.match(tokens, namespace, (n - 1) // t.page_size,
+                                                       ns)
+        return Plan(tokens, namespace_bytes(namespace), ns, num_pages, match)
+
+    def fits(self, plan: Plan, keep_free: int) -> bool:
+        """Whether a row is free and the plan's pages can be had with ``keep_free`` left."""
+        if self.table.num_free_rows == 0:
+            return False
+        return (plan.num_pages - plan.hits + keep_free
+                <= self.pages.available() - plan.evictable_hits)
+
+    def remember(self, stamp: int, plan: Plan) -> None:
+        self._memo = (stamp, plan)
+
+    def recall(self, stamp: int, tokens: Any, namespace: Any) -> Plan | None:
+        """The plan remembered at ``stamp`` if it is for these tokens and namespace (once)."""
+        memo, self._memo = self._memo, None
+        if memo is None or memo[0] != stamp:
+            return None
+        plan = memo[1]
+        same = plan.tokens is tokens or (
+            type(tokens) is np.ndarray and plan.tokens.shape == tokens.shape
+            and not np.count_nonzero(plan.tokens != tokens))
+        if not same or plan.namespace != namespace_bytes(namespace):
+            return None
+        if plan.namespace_id < 0:  # planned before the namespace had an id
+            plan = plan._replace(namespace_id=self.namespaces.id_of(namespace, True))
+        return plan
+
+    def map(self, plan: Plan) -> tuple[int, Int32Array, Int32Array]:
+        """Share the hits, allocate the rest, open the row: (row, its pages, the new ones).
+        Raises (nothing changed) when no row is free or the pages are not there."""
+        t = self.table
+        if t.num_free_rows == 0:
+            raise KVMemError(f"all max_seqs={t.max_seqs} rows are mapped; release or preempt a "
+                             "request before admitting another")
+        if not self.fits(plan, 0):
+            raise OutOfPagesError(plan.num_pages - plan.hits,
+                                  self.pages.available() - plan.evictable_hits)
+        hit_pages = _EMPTY_PAGES if plan.match is None else plan.match.pages
+        self.pages.share_hits(hit_pages)
+        new = self.pages.allocate(plan.num_pages - hit_pages.size, plan.namespace_id)
+        pages = np.concatenate([hit_pages, new]) if hit_pages.size else new
+        row = t.open_row(pages, hit_pages.size * t.page_size, namespace_id=plan.namespace_id,
+                         prefix_key=None if plan.match is None else plan.match.last_key)
+        return row, pages, new
