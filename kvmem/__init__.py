@@ -4,8 +4,10 @@ Layers (data flows downward; nothing imports upward)::
 
     kvmem.planning     capacity plans, model and GPU presets, throughput model (no torch)
     kvmem.manager      KVCacheManager: the facade an engine calls, per request and per step
-    kvmem.allocator    PageAllocator, PageTable, prefix caches, step fences (numpy only)
-    kvmem.integrity    trackers and the batched mapping check (numpy; torch form lazily)
+    kvmem.allocator    PageAllocator, PageTable, prefix caches, step fences, the step's kernel
+                       metadata, reserve and commit (numpy only)
+    kvmem.integrity    the qualified tag format, trackers, the full check and the verifier
+                       (numpy; torch forms lazily)
     kvmem.quant        KV codecs: bf16/fp16 pass-through, fp8 e4m3/e5m2 with scales; int4 weights
     kvmem.cuda         PagePool: page data on the GPU when there is one, else the CPU
     kvmem.attention    reference paged attention over a PagePool
@@ -19,21 +21,36 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvmem.allocator import PAD, AllocatorStats, CSRMetadata, GrowResult, PageAllocator, PageTable
-from kvmem.errors import ConfigError, IntegrityError, InvalidFreeError, KVMemError, OutOfPagesError
-from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
+from kvmem.allocator import (
+    PAD,
+    AllocatorStats,
+    CSRMetadata,
+    GrowResult,
+    HashedPrefixCache,
+    PageAllocator,
+    PageTable,
+    PrefixCache,
+    StepFences,
+    StepHandle,
+    StepMetadata,
+)
+from kvmem.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConcurrentUseError,
+    ConfigError,
+    IntegrityError,
+    InvalidFreeError,
+    KVMemError,
+    MetadataError,
+    OutOfPagesError,
+)
+from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker, VerifierStats
 
 if TYPE_CHECKING:
     from kvmem.attention import paged_attention
     from kvmem.cuda import PagePool, PoolSpec, PoolStats
-    from kvmem.manager import (
-        AdmitResult,
-        KVCacheManager,
-        ManagerStats,
-        StepHandle,
-        StepMetadata,
-        VerifyReport,
-    )
+    from kvmem.manager import AdmitResult, KVCacheManager, ManagerStats, VerifyReport
     from kvmem.planning import (
         CapacityPlan,
         GPUSpec,
@@ -55,8 +72,6 @@ _LAZY = {
     "AdmitResult": "kvmem.manager",
     "KVCacheManager": "kvmem.manager",
     "ManagerStats": "kvmem.manager",
-    "StepHandle": "kvmem.manager",
-    "StepMetadata": "kvmem.manager",
     "VerifyReport": "kvmem.manager",
     "CapacityPlan": "kvmem.planning",
     "GPUSpec": "kvmem.planning",
@@ -82,18 +97,23 @@ __all__ = [
     "PAD",
     "AdmitResult",
     "AllocatorStats",
+    "ArgumentError",
+    "ArgumentTypeError",
     "CSRMetadata",
     "CapacityPlan",
     "CheckingTracker",
+    "ConcurrentUseError",
     "ConfigError",
     "GPUSpec",
     "GrowResult",
+    "HashedPrefixCache",
     "IntegrityError",
     "IntegrityReport",
     "InvalidFreeError",
     "KVCacheManager",
     "KVMemError",
     "ManagerStats",
+    "MetadataError",
     "ModelSpec",
     "NoOpTracker",
     "OutOfPagesError",
@@ -102,10 +122,13 @@ __all__ = [
     "PageTable",
     "PoolSpec",
     "PoolStats",
+    "PrefixCache",
     "SGLangPolicy",
+    "StepFences",
     "StepHandle",
     "StepMetadata",
     "Tracker",
+    "VerifierStats",
     "VerifyReport",
     "__version__",
     "fit_throughput",

@@ -11,18 +11,23 @@ EXPECTED = {
     "PAD",
     "AdmitResult",
     "AllocatorStats",
+    "ArgumentError",
+    "ArgumentTypeError",
     "CSRMetadata",
     "CapacityPlan",
     "CheckingTracker",
+    "ConcurrentUseError",
     "ConfigError",
     "GPUSpec",
     "GrowResult",
+    "HashedPrefixCache",
     "IntegrityError",
     "IntegrityReport",
     "InvalidFreeError",
     "KVCacheManager",
     "KVMemError",
     "ManagerStats",
+    "MetadataError",
     "ModelSpec",
     "NoOpTracker",
     "OutOfPagesError",
@@ -31,10 +36,13 @@ EXPECTED = {
     "PageTable",
     "PoolSpec",
     "PoolStats",
+    "PrefixCache",
     "SGLangPolicy",
+    "StepFences",
     "StepHandle",
     "StepMetadata",
     "Tracker",
+    "VerifierStats",
     "VerifyReport",
     "__version__",
     "fit_throughput",
@@ -52,9 +60,39 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_errors_share_one_root() -> None:
-    for name in ("ConfigError", "IntegrityError", "InvalidFreeError", "OutOfPagesError"):
+    for name in ("ConfigError", "IntegrityError", "InvalidFreeError", "OutOfPagesError",
+                 "MetadataError", "ConcurrentUseError", "ArgumentError", "ArgumentTypeError"):
         assert issubclass(getattr(kvmem, name), kvmem.KVMemError)
-    assert issubclass(kvmem.ConfigError, ValueError)
+    for name in ("ConfigError", "MetadataError", "ArgumentError"):
+        assert issubclass(getattr(kvmem, name), ValueError)
+    assert issubclass(kvmem.ArgumentTypeError, TypeError)
+
+
+LAYERS = ("allocator", "integrity", "quant", "cuda", "planning", "integrations", "testing")
+
+
+def _layer(module: str) -> str:
+    """``kvmem.allocator._pages`` -> ``allocator``; top-level modules are the manager's."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in LAYERS else "manager"
+
+
+def test_no_module_imports_a_private_module_of_another_layer() -> None:
+    import ast
+    from pathlib import Path
+
+    root = Path(kvmem.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        module = "kvmem." + ".".join(path.relative_to(root).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                private = any(p.startswith("_") for p in name.split(".")[1:])
+                if name.startswith("kvmem.") and private and _layer(name) != _layer(module):
+                    offenders.append(f"{module} imports {name}")
+    assert not offenders, offenders
 
 
 def test_allocator_and_integrity_import_without_torch() -> None:

@@ -63,7 +63,7 @@ def forms(step: StepMetadata) -> dict[str, dict[str, Any]]:
     }
 
 
-# -- 1, 2: malformed metadata is refused, naming the field, changing nothing ----------------------
+# -- 1, 2: malformed metadata is refused, naming the field, changing nothing -----------------------
 
 
 def test_a_short_or_long_csr_is_refused_never_passed() -> None:
@@ -212,7 +212,7 @@ def test_an_unmanaged_pool_still_follows_an_allocator() -> None:
     assert pool.sync_tags(alloc) == 2 and pool.tags[:3].tolist() == [1, 2, 0]
 
 
-# -- 5: release and preempt free only what the request holds ----------------------------------------
+# -- 5: release and preempt free only what the request holds ---------------------------------------
 
 
 @pytest.mark.parametrize("how", ["release", "preempt", "release_batch"])
@@ -243,7 +243,7 @@ def test_release_of_a_row_overwritten_behind_the_managers_back(how: str) -> None
 
 
 def test_a_healthy_release_counts_no_failure() -> None:
-    mgr, eng, ids = decoding()
+    mgr, eng, _ = decoding()
     eng.release("c")
     mgr.release_batch(["a", "d"])
     assert mgr.stats().num_integrity_failures == 0
@@ -255,7 +255,7 @@ def test_a_healthy_release_counts_no_failure() -> None:
 
 def test_a_request_listed_twice_in_verify_is_refused() -> None:
     """Finding 6: a failing request listed twice was aborted once, then a KeyError escaped."""
-    mgr, eng, ids = decoding()
+    mgr, _, _ = decoding()
     faults.free_behind_back(mgr, "c", 0)
     before = state(mgr)
     with pytest.raises(ArgumentError, match="distinct"):
@@ -264,7 +264,7 @@ def test_a_request_listed_twice_in_verify_is_refused() -> None:
     assert list(mgr.verify(["c", "a"]).aborted) == ["c"]
 
 
-# -- one verdict: the fast paths never pass what the full check fails --------------------------------
+# -- one verdict: the fast paths never pass what the full check fails ------------------------------
 
 
 def test_paranoid_mode_fires_when_a_fast_path_is_wrong() -> None:

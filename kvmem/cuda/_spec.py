@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from kvmem.errors import ConfigError
-from kvmem.quant._formats import PageDType, ScaleGranularity, page_format
+from kvmem.quant import PageDType, ScaleGranularity, page_format
 
 __all__ = ["PoolSpec"]
 

@@ -189,8 +189,7 @@ class CheckingTracker:
     def record_row(self, row: int, tags: npt.NDArray[np.int64]) -> None:
         """A new row's recorded tags, positions ``0 .. len(tags) - 1`` (the rest 0): the
         manager's call for a row it just opened."""
-        self._expected[row, : tags.size] = tags
-        self._expected[row, tags.size :] = 0
+        self._expected[row, : tags.size] = tags  # (the rest is 0: cleared when it closed)
 
     def clear_row(self, row: int) -> None:
         """Drop a row's recorded tags: the manager's call for a row it closes."""
