@@ -236,6 +236,7 @@ class KVCacheManager:
         self.pool = pool
         self._reserver = Reserver(self.table, self.pages, self.steps, self.tracker,
                                   None if pool is None else pool.copy_pages, self._allocated)
+        self.pages.promised = self._reserver.copies_promised
         self._committer = Committer(self.table, self.pages,
                                     self._stored if cfg.kv_events else None)
         self.mirror = TagMirror(self.allocator.tags, self.pages.namespace_ids,
@@ -383,9 +384,8 @@ class KVCacheManager:
     def can_reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find enough pages now."""
         _, rows, _ = self._batch(request_ids, "reserved")
-        n = token_counts(num_tokens, rows.size, self._most_tokens)
-        need = self._reserver.pages_needed(rows, n)
-        return 0 <= need <= self.pages.available()
+        return self._reserver.can_reserve(rows, token_counts(num_tokens, rows.size,
+                                                               self._most_tokens))
 
     @property
     def _most_tokens(self) -> int:
@@ -562,7 +562,9 @@ class KVCacheManager:
         ntok = int(t.num_tokens[prow])
         used = -(-ntok // self.page_size)
         total = int(t.num_pages[prow])
-        self.pages.require(total - used)
+        # The child's own pages for the parent's unfilled room, and the copy-on-write copy the
+        # shared, partly filled tail will need: promised now, so prefill never runs short.
+        self.pages.require(total - used + (1 if ntok % self.page_size else 0))
         shared = t.pages[prow, :used].copy()
         self.allocator.share(shared)
         ns = int(t.namespace_ids[prow])

@@ -19,11 +19,19 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.allocator._change_log import ChangeLog
-from kvmem.errors import IntegrityError, InvalidFreeError, OutOfPagesError
+from kvmem.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    IntegrityError,
+    InvalidFreeError,
+    OutOfPagesError,
+    as_int,
+)
 
 __all__ = ["AllocatorStats", "PageAllocator"]
 
 PageIds = npt.NDArray[np.int32]
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +60,26 @@ def equal_arrays(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
     return a.shape == b.shape and not np.count_nonzero(a != b)
 
 
-def as_page_ids(pages: npt.ArrayLike) -> PageIds:
-    """``pages`` as a flat int32 array, without copying when it already is one."""
-    return np.asarray(pages, dtype=np.int32).reshape(-1)
+def as_page_ids(pages: npt.ArrayLike, name: str = "pages") -> PageIds:
+    """``pages`` (a 1-D sequence or array of page ids) as a flat int32 array, without copying
+    when it already is one. Ids are never wrapped: a value that int32 cannot hold, a float, a
+    bool, a string, or one id where a sequence is expected raises ArgumentError (or its
+    TypeError twin). Negative ids pass through for the caller's range check."""
+    if type(pages) is np.ndarray and pages.dtype == np.int32 and pages.ndim == 1:
+        return pages
+    if isinstance(pages, (str, bytes)) or np.ndim(pages) != 1:
+        raise ArgumentTypeError(f"{name} must be a 1-D sequence of page ids, got "
+                                f"{type(pages).__name__} {pages!r:.60}")
+    arr = np.asarray(pages)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise ArgumentTypeError(f"{name} must hold int page ids, got {arr.dtype} "
+                                f"({pages!r:.60}); nothing changed")
+    if int(arr.max()) > _INT32_MAX or int(arr.min()) < -_INT32_MAX:
+        raise ArgumentError(f"{name} holds ids outside int32 ({int(arr.min())} .. "
+                            f"{int(arr.max())}); page ids are in 0 .. num_pages - 1")
+    return arr.astype(np.int32)
 
 
 class PageAllocator:
@@ -77,11 +102,7 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)):
-            raise TypeError(f"num_pages must be an int, got {type(num_pages).__name__}")
-        if num_pages <= 0 or num_pages > np.iinfo(np.int32).max:
-            raise ValueError(f"num_pages must be in 1..{np.iinfo(np.int32).max}, got {num_pages}")
-        self.num_pages = int(num_pages)
+        self.num_pages = as_int("num_pages", num_pages, 1, _INT32_MAX)
         # Reversed so that the first allocation hands out 0, 1, 2, ...
         self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._num_free = self.num_pages
@@ -107,7 +128,7 @@ class PageAllocator:
         return self.num_pages - self._num_free
 
     def can_allocate(self, num: int) -> bool:
-        return 0 <= num <= self._num_free
+        return as_int("num", num, 0, None) <= self._num_free
 
     def stats(self) -> AllocatorStats:
         return AllocatorStats(
@@ -133,8 +154,7 @@ class PageAllocator:
         OutOfPagesError
             Fewer than ``num`` pages are free; nothing changed.
         """
-        if num < 0:
-            raise ValueError(f"cannot allocate a negative number of pages ({num})")
+        num = as_int("num", num, 0, _INT32_MAX)
         if num > self._num_free:
             raise OutOfPagesError(num, self._num_free)
         start = self._num_free - num

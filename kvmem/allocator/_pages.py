@@ -69,17 +69,23 @@ class Pages:
         self.num_evictions = 0
         self.on_evict = on_evict
         self.on_free = on_free
+        # Pages promised to copy-on-write copies still to come (a fork's shared, partly filled
+        # tail needs a copy per extra writer): set by the manager from its page table.
+        self.promised: Callable[[], int] = lambda: 0
 
     # -- counts -------------------------------------------------------------------------------
 
     def available(self) -> int:
-        """Pages allocation can obtain now: free ones plus evictable cached ones."""
-        return self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
+        """Pages allocation can obtain now: free ones plus evictable cached ones, less those
+        promised to copy-on-write copies still to come (:attr:`promised`)."""
+        free = self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
+        return free - self.promised()
 
-    def require(self, num: int) -> None:
-        """Raise OutOfPagesError (nothing changed) unless ``num`` pages can be obtained."""
-        if num > self.allocator.num_free and num > self.available():  # (free: no cache call)
-            raise OutOfPagesError(num, self.available())
+    def require(self, num: int, keeping: int = 0) -> None:
+        """Raise OutOfPagesError (nothing changed) unless ``num`` pages can be obtained, of
+        which ``keeping`` are promised ones the caller is about to use."""
+        if num > self.available() + keeping:
+            raise OutOfPagesError(num, self.available() + keeping)
 
     def writers(self, pages: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
         """Holders that may read or write these pages' future slots: requests and the cache.

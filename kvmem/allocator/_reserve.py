@@ -76,6 +76,12 @@ class Reserver:
         cow = self.cow_candidates(rows, n)
         return int(need.sum()) + (0 if cow is None else cow[0].size)
 
+    def can_reserve(self, rows: IntpArray, n: Int64Array | int) -> bool:
+        """Whether ``reserve(rows, n)`` would find its pages (copies use promised ones)."""
+        need = self.pages_needed(rows, n)
+        cow = self.cow_candidates(rows, n)
+        return 0 <= need <= self.pages.available() + (0 if cow is None else cow[0].size)
+
     def _too_long(self, ids: tuple[Any, ...], where: npt.NDArray[np.integer]) -> None:
         raise KVMemError(
             f"requests {[ids[i] for i in where[:8].tolist()]} would need more than "
@@ -115,6 +121,17 @@ class Reserver:
             keep[whole] = False
             r, cols, pages = r[keep], cols[keep], pages[keep]
         return (r, cols, pages) if pages.size else None
+
+    def copies_promised(self) -> int:
+        """Copy-on-write copies still to come: per partly filled tail page that forked rows
+        share, one copy per writer but the last (the pages a fork promised)."""
+        t = self.table
+        if not t.num_forked:
+            return 0
+        rows = t.forked.nonzero()[0]
+        tails = np.unique(t.pages[rows, t.num_tokens[rows] // t.page_size])
+        tails = tails[(tails >= 0) & (tails < self.pages.num_pages)]
+        return int(np.maximum(self.pages.writers(tails).astype(np.int64) - 1, 0).sum())
 
     # -- recording ----------------------------------------------------------------------------
 
@@ -184,13 +201,14 @@ class Reserver:
         if np.count_nonzero(too_long):
             self._too_long(ids, np.flatnonzero(too_long))
         cow = self.cow_candidates(rows, n)
-        self.pages.require(int(need.sum()) + (0 if cow is None else cow[0].size))
+        copies = 0 if cow is None else cow[0].size  # (pages a fork promised them)
+        self.pages.require(int(need.sum()) + copies, keeping=copies)
         # Nothing can fail from here on.
         if self.pages.fences.copies_pending:  # the engine made last step's copies by now
             self.pages.copies_done()
-        copies = (_EMPTY_PAGES, _EMPTY_PAGES) if cow is None else self._copy_on_write(*cow)
-        if t.num_forked:
-            t.set_forked(rows, False)  # every write into a shared tail was just handled
+        pairs = (_EMPTY_PAGES, _EMPTY_PAGES) if cow is None else self._copy_on_write(*cow)
+        if t.num_forked:  # every write into a shared tail was just handled
+            t.set_forked(rows if isinstance(n, int) else rows[n > 0], False)
         if need.any():
             grown = t.grow(rows, n, _Labelled(self.pages, np.repeat(t.namespace_ids[rows], need)))
             new_rows, cols = grown.new_page_rows, grown.new_page_positions.astype(np.int64)
@@ -204,7 +222,7 @@ class Reserver:
         t.write_from[rows] = start
         rows_w, rows32 = self.steps.row_arrays(rows)
         k = n if isinstance(n, int) else -1
-        return self._finish(ids, rows, rows_w, rows32, start, start + n, k, slots, copies)
+        return self._finish(ids, rows, rows_w, rows32, start, start + n, k, slots, pairs)
 
     def _copy_on_write(self, rows: IntpArray, cols: Int64Array, old: Int32Array
                        ) -> tuple[Int32Array, Int32Array]:
