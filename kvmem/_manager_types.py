@@ -253,7 +253,7 @@ def make_tracker(spec: Tracker | str | None, cfg: ManagerConfig) -> Tracker:
 
 
 def check_pool(pool: Any, cfg: ManagerConfig) -> None:
-    """A pool must hold at least the manager's pages, of the manager's page size."""
+    """A pool must hold the manager's pages: the same page count and page size."""
     if pool is None:
         return
     spec = getattr(pool, "spec", None)
@@ -261,10 +261,10 @@ def check_pool(pool: Any, cfg: ManagerConfig) -> None:
     size = getattr(spec, "page_size", None)
     if n is None or size is None or not hasattr(pool, "copy_pages"):
         raise ArgumentError(f"pool must be a kvmem.cuda.PagePool, got {type(pool).__name__}")
-    if int(n) < cfg.num_pages:
+    if int(n) != cfg.num_pages:
         raise ArgumentError(
             f"the pool holds {n} pages but the manager was asked to manage {cfg.num_pages}; "
-            "give the manager at most the pool's page count"
+            "build both with the same page count"
         )
     if int(size) != cfg.page_size:
         raise ArgumentError(

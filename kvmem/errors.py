@@ -18,6 +18,7 @@ changed no state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -141,13 +142,14 @@ def as_ids(name: str, values: Any) -> tuple[Any, ...]:
         return values
     if type(values) is list:
         return tuple(values)
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__") or not hasattr(
-            values, "__len__"):
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        return tuple(values.tolist())
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ArgumentTypeError(
-            f"{name} must be a sequence of request ids (a list or tuple), got "
+            f"{name} must be a sequence of request ids (a list or tuple, in batch order), got "
             f"{type(values).__name__} {values!r:.60}; wrap one id in a list"
         )
-    return tuple(values.tolist() if isinstance(values, np.ndarray) else values)
+    return tuple(values)
 
 
 INT32_MAX = int(np.iinfo(np.int32).max)  # the largest page id or token id

@@ -188,8 +188,8 @@ class KVCacheManager:
         ``"paranoid"`` (a checking tracker that also runs the full check beside every fast
         verification and raises on any disagreement) or a :class:`CheckingTracker` shaped
         ``[>= max_seqs, >= max_pages_per_seq]``.
-    pool: an optional page pool (``kvmem.cuda.PagePool``) with the same page size and at least
-        ``num_pages`` pages: copy-on-write calls ``pool.copy_pages(src, dst)``, and the manager
+    pool: an optional page pool (``kvmem.cuda.PagePool``) with the same page size and page
+        count: copy-on-write calls ``pool.copy_pages(src, dst)``, and the manager
         claims the pool's tag mirror (``pool.tags``) and keeps it current, so ``verify`` checks
         device metadata on the device.
     watermark: fraction of pages ``can_admit`` keeps free for running requests to grow into.
@@ -290,9 +290,11 @@ class KVCacheManager:
     # -- the registry ------------------------------------------------------------------------------
 
     def _row_of(self, request_id: Any) -> int:
-        row = self._rows.get(request_id) if is_hashable(request_id) else None
+        hashable = is_hashable(request_id)
+        row = self._rows.get(request_id) if hashable else None
         if row is None:
-            state = "preempted" if request_id in self._requests else "unknown or released"
+            state = ("preempted" if hashable and request_id in self._requests
+                     else "unknown or released")
             raise KVMemError(
                 f"request {request_id!r} is not running ({state}); admit or resume it first"
             )
@@ -543,6 +545,16 @@ class KVCacheManager:
                                               self.allocator.tags)
 
     # -- fork, preempt, resume, release ------------------------------------------------------------
+
+    def can_fork(self, parent_id: Any) -> bool:
+        """Whether ``fork(parent_id, …)`` would find its pages now: the child's own pages for
+        the parent's unfilled room, and a copy of a shared, partly filled tail page."""
+        t = self.table
+        row = self._row_of(parent_id)
+        ntok = int(t.num_tokens[row])
+        own = int(t.num_pages[row]) - -(-ntok // self.page_size)
+        return t.num_free_rows > 0 and own + (1 if ntok % self.page_size else 0) <= (
+            self.pages.available())
 
     @_public
     def fork(self, parent_id: Any, child_id: Any) -> None:
