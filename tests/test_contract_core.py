@@ -58,7 +58,7 @@ def busy() -> tuple[KVCacheManager, ToyEngine]:
     return mgr, eng
 
 
-# -- the property test: bad values at every argument of every entry point -------------------------
+# -- the property test: bad values at every argument of every entry point --------------------------
 
 BAD_INTS = [True, False, 1.5, "2", None, -1, 2**63, 2**40, [1], np.float64(1.0), np.bool_(True)]
 BAD_ID_LISTS = ["AB", b"ab", 7, None, {"a": 1}, ["zz"], ["a", "a"], [["a"]]]
@@ -68,18 +68,18 @@ BAD_PAGES = [np.int64(2**32 + 1), [1.7], 3, "1", [2**40], [-1], [None], np.array
 
 # entry point -> (call(manager, bad value), the bad values to try)
 ENTRIES: dict[str, tuple[Callable[[KVCacheManager, Any], Any], list[Any]]] = {
-    "reserve num_tokens": (lambda m, v: m.reserve(["a", "c"], v), BAD_INTS + [[1], [1, -1]]),
+    "reserve num_tokens": (lambda m, v: m.reserve(["a", "c"], v), [*BAD_INTS, [1], [1, -1]]),
     "reserve ids": (lambda m, v: m.reserve(v, 1), BAD_ID_LISTS),
     "can_reserve num_tokens": (lambda m, v: m.can_reserve(["a", "c"], v), BAD_INTS),
     "commit tokens": (lambda m, v: m.commit("a", v), BAD_TOKENS),
     "commit id": (lambda m, v: m.commit(v, [1]), [["a"], "zz", None, {"x": 1}]),
     "commit_batch tokens": (lambda m, v: m.commit_batch(["a", "c"], v),
-                            BAD_TOKENS + [[5], [5, 7, 9], [[1], [2], [3]]]),
+                            [*BAD_TOKENS, [5], [5, 7, 9], [[1], [2], [3]]]),
     "commit_batch ids": (lambda m, v: m.commit_batch(v, [1]), BAD_ID_LISTS),
-    "admit prompt": (lambda m, v: m.admit("new", v), BAD_TOKENS + [[]]),
+    "admit prompt": (lambda m, v: m.admit("new", v), [*BAD_TOKENS, []]),
     "admit id": (lambda m, v: m.admit(v, [1, 2]), [["x"], "a", {"x": 1}]),
     "admit namespace": (lambda m, v: m.admit("new", [1, 2], v), [1.5, [1], {"t": 1}, object()]),
-    "can_admit prompt": (lambda m, v: m.can_admit(v), BAD_TOKENS + [[]]),
+    "can_admit prompt": (lambda m, v: m.can_admit(v), [*BAD_TOKENS, []]),
     "verify ids": (lambda m, v: m.verify(v), BAD_ID_LISTS),
     "verify metadata": (lambda m, v: m.verify(["a"], metadata=v),
                         [{"slot_mapping": [1]}, {"kv_indptr": [0, 1]}, [1, 2], "x",
@@ -90,9 +90,9 @@ ENTRIES: dict[str, tuple[Callable[[KVCacheManager, Any], Any], list[Any]]] = {
     "resume": (lambda m, v: m.resume(v), [["p"], "a", "zz"]),
     "resume tokens": (lambda m, v: m.resume("p", v), [t for t in BAD_TOKENS if t is not None]),
     "release": (lambda m, v: m.release(v), [["a"], "zz", None, {"x": 1}]),
-    "release_batch": (lambda m, v: m.release_batch(v), BAD_ID_LISTS + [["a", "zz"]]),
+    "release_batch": (lambda m, v: m.release_batch(v), [*BAD_ID_LISTS, ["a", "zz"]]),
     "retire": (lambda m, v: m.retire(v), [1, None, "h"]),
-    "namespace_of_page": (lambda m, v: m.namespace_of_page(v), BAD_INTS + [31, 32]),
+    "namespace_of_page": (lambda m, v: m.namespace_of_page(v), [*BAD_INTS, 31, 32]),
     "pages_of": (lambda m, v: m.pages_of(v), ["zz", ["a"], "p"]),
     "add_hook": (lambda m, v: m.add_hook(v, print), ["nope", None, 1]),
     "add_hook fn": (lambda m, v: m.add_hook("admit", v), [None, 1, "print"]),
@@ -175,7 +175,7 @@ def test_page_ids_never_wrap_and_one_id_is_not_a_list() -> None:
     assert tracker.expected_tags[1, 0] == 5
 
 
-# -- promises ---------------------------------------------------------------------------------------
+# -- promises --------------------------------------------------------------------------------------
 
 
 def test_commit_batch_takes_a_plain_list_and_a_tensor_of_one_token_each() -> None:
@@ -311,7 +311,7 @@ def test_an_idle_manager_holds_no_fenced_page() -> None:
     mgr.admit("c", [1] * 24)
 
 
-# -- threads ----------------------------------------------------------------------------------------
+# -- threads ---------------------------------------------------------------------------------------
 
 
 def test_a_second_thread_inside_the_manager_is_refused() -> None:
