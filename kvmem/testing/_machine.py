@@ -222,6 +222,37 @@ class ManagerMachine(RuleBasedStateMachine):
         del self.steps[handle]
         self.mgr.retire(handle)
 
+    @rule(data=st.data())
+    def bad_call(self, data: st.DataObject) -> None:
+        """An operation with a bad argument raises a KVMemError and changes nothing."""
+        running = self._running() or ["nobody"]
+        rid = data.draw(st.sampled_from(running))
+        bad = data.draw(st.sampled_from([True, 1.5, "2", -1, 2**63, None, [1.5], "AB"]))
+        call = data.draw(st.sampled_from([
+            lambda: self.mgr.reserve([rid], bad),
+            lambda: self.mgr.reserve(bad, 1),
+            lambda: self.mgr.commit(rid, bad),
+            lambda: self.mgr.commit_batch([rid], [bad]),
+            lambda: self.mgr.admit(f"r{self.next_id}", bad),
+            lambda: self.mgr.admit(f"r{self.next_id}", [1, 2], [bad]),
+            lambda: self.mgr.verify([rid, rid]),
+            lambda: self.mgr.release_batch(bad),
+            lambda: self.mgr.fork(rid, rid),
+            lambda: self.mgr.namespace_of_page(bad),
+            lambda: self.mgr.allocator.free(bad),
+        ]))
+        before = (self._snapshot(), self.mgr.allocator.refcounts.tobytes(),
+                  self.mgr.table.num_tokens.tobytes(), self.mgr.table.num_committed.tobytes())
+        try:
+            call()
+        except KVMemError:
+            pass
+        else:
+            raise AssertionError(f"a call with the bad argument {bad!r} did not raise")
+        assert before == (self._snapshot(), self.mgr.allocator.refcounts.tobytes(),
+                          self.mgr.table.num_tokens.tobytes(),
+                          self.mgr.table.num_committed.tobytes()), "a failed call changed state"
+
     @rule()
     def clear_prefix_cache(self) -> None:
         self.mgr.clear_prefix_cache()
