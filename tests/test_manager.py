@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvmem import CheckingTracker, IntegrityError, KVMemError, OutOfPagesError
-from kvmem.allocator._prefix_cache import HashedPrefixCache, Namespace
+from kvmem.allocator import HashedPrefixCache, Namespace
 from kvmem.manager import (
     AllPagesCleared,
     HookError,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmem import PageAllocator
-from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, namespace_bytes
+from kvmem.allocator import HashedPrefixCache, PrefixCache, namespace_bytes
 
 P = 4
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem import PageAllocator
-from kvmem.allocator._prefix_cache import HashedPrefixCache
+from kvmem.allocator import HashedPrefixCache
 
 MASK = (1 << 64) - 1
 

@@ -8,7 +8,8 @@
     _step_metadata.py   StepMetadata, StepBuilder: kernel metadata (CSR splice, slot mapping)
     _fences.py          StepFences: references held until a step retires or a copy is made
     _prefix_keys.py     PrefixKeys: the chained key function, namespace encoding
-    _prefix_cache.py    PrefixCache (interface), HashedPrefixCache: index, confirmation, LRU
+    _prefix_cache.py    PrefixCache: the interface a prefix-reuse policy implements
+    _hashed_prefix_cache.py  HashedPrefixCache: index, confirmation, LRU
     _pages.py           Pages: one manager's references (allocate/evict/drop), page contents
     _admission.py       Admission: a prompt's pages and cached prefix, whether it fits; namespaces
     _reserve.py         Reserver: a batch's token slots, pages, copy-on-write, step metadata
@@ -22,11 +23,12 @@ from kvmem.allocator._admission import Admission, Namespaces, Plan
 from kvmem.allocator._change_log import ChangeLog, ChangeReader
 from kvmem.allocator._commits import Committer, batch_tokens, keys_as_ints
 from kvmem.allocator._fences import StepFences, StepHandle
+from kvmem.allocator._hashed_prefix_cache import HashedPrefixCache
 from kvmem.allocator._invariants import page_classes, problems
 from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
 from kvmem.allocator._page_table import CSRMetadata, GrowResult, PageTable
 from kvmem.allocator._pages import Pages
-from kvmem.allocator._prefix_cache import HashedPrefixCache, PrefixCache, PrefixMatch
+from kvmem.allocator._prefix_cache import PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import Namespace, PrefixKeys, namespace_bytes
 from kvmem.allocator._reserve import Reserver, token_counts
 from kvmem.allocator._step_metadata import Splice, StepBuilder, StepMetadata, StepRecord

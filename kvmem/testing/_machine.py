@@ -227,7 +227,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """An operation with a bad argument raises a KVMemError and changes nothing."""
         running = self._running() or ["nobody"]
         rid = data.draw(st.sampled_from(running))
-        bad = data.draw(st.sampled_from([True, 1.5, "2", -1, 2**63, None, [1.5], "AB"]))
+        bad: Any = data.draw(st.sampled_from([True, 1.5, "2", -1, 2**63, None, [1.5], "AB"]))
         call = data.draw(st.sampled_from([
             lambda: self.mgr.reserve([rid], bad),
             lambda: self.mgr.reserve(bad, 1),
