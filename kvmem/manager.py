@@ -137,12 +137,6 @@ class _Request:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _require_hashable(request_id: Any) -> None:
-    if not is_hashable(request_id):
-        raise ArgumentError(f"a request id must be hashable (a str or an int), got "
-                            f"{type(request_id).__name__}")
-
-
 def _public(fn: _F) -> _F:
     """A public operation: one thread at a time (re-entry from the same thread, e.g. a hook,
     is allowed); hooks it queued run once it completed (dropped if it raised: an operation
@@ -289,6 +283,14 @@ class KVCacheManager:
 
     # -- the registry ------------------------------------------------------------------------------
 
+    def _known(self, request_id: Any) -> bool:
+        """Whether the manager knows the request; ArgumentError if the id is not hashable."""
+        try:
+            return request_id in self._requests
+        except TypeError:
+            raise ArgumentError(f"a request id must be hashable (a str or an int), got "
+                                f"{type(request_id).__name__}") from None
+
     def _row_of(self, request_id: Any) -> int:
         hashable = is_hashable(request_id)
         row = self._rows.get(request_id) if hashable else None
@@ -347,8 +349,7 @@ class KVCacheManager:
         OutOfPagesError: not enough free + evictable pages (nothing changed)
         KVMemError: duplicate id, no free row, prompt too long or empty (nothing changed)
         """
-        _require_hashable(request_id)
-        if request_id in self._requests:
+        if self._known(request_id):
             raise KVMemError(f"request {request_id!r} is already known to the manager; release "
                              "it first or use a new id")
         # The counter moved once since a can_admit of this prompt: for this admit.
@@ -564,8 +565,7 @@ class KVCacheManager:
         the first write into it) and gets its own pages for the parent's reserved room.
         """
         prow = self._row_of(parent_id)
-        _require_hashable(child_id)
-        if child_id in self._requests:
+        if self._known(child_id):
             raise KVMemError(f"request {child_id!r} is already known; fork into a new id")
         if self.table.num_free_rows == 0:
             raise KVMemError(f"all max_seqs={self.max_seqs} rows are mapped; release a request "

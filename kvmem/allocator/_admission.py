@@ -43,9 +43,11 @@ class Namespaces:
         self._ids: dict[bytes, int] = {b"n": 0}
         self._names: list[Any] = [None]
 
-    def id_of(self, namespace: Any, register: bool) -> int:
-        """The namespace's id; -1 if unseen and not ``register`` (no page can hold it)."""
-        data = namespace_bytes(namespace)
+    def id_of(self, namespace: Any, register: bool, data: bytes | None = None) -> int:
+        """The namespace's id; -1 if unseen and not ``register`` (no page can hold it).
+        ``data``: its canonical encoding, when the caller has it."""
+        if data is None:
+            data = namespace_bytes(namespace)
         ns = self._ids.get(data)
         if ns is None:
             if not register:
@@ -66,21 +68,17 @@ class Namespaces:
 
 class Plan(NamedTuple):
     """What admitting a prompt takes: ``num_pages`` for the whole prompt, of which the cached
-    prefix ``match`` provides some, in namespace ``namespace_id``."""
+    prefix ``match`` provides ``hits`` (``evictable_hits`` of them held by the cache alone), in
+    namespace ``namespace_id``."""
 
     tokens: Int64Array
-    namespace: bytes  # canonical encoding
+    namespace: Any
+    encoding: bytes  # the namespace's canonical encoding
     namespace_id: int
     num_pages: int
     match: PrefixMatch | None
-
-    @property
-    def hits(self) -> int:
-        return 0 if self.match is None else self.match.num_pages
-
-    @property
-    def evictable_hits(self) -> int:
-        return 0 if self.match is None else self.match.num_evictable
+    hits: int
+    evictable_hits: int
 
 
 class Admission:
@@ -104,11 +102,14 @@ class Admission:
                 f"a prompt of {n} tokens needs {num_pages} pages but a request may map at most "
                 f"max_pages_per_seq={t.max_pages_per_seq}; shorten it or raise the limit"
             )
-        ns = self.namespaces.id_of(namespace, register)
+        data = namespace_bytes(namespace)
+        ns = self.namespaces.id_of(namespace, register, data)
         cache = self.pages.cache
-        match = None if cache is None else cache.match(tokens, namespace, (n - 1) // t.page_size,
-                                                       ns)
-        return Plan(tokens, namespace_bytes(namespace), ns, num_pages, match)
+        if cache is None:
+            return Plan(tokens, namespace, data, ns, num_pages, None, 0, 0)
+        match = cache.match(tokens, namespace, (n - 1) // t.page_size, ns)
+        return Plan(tokens, namespace, data, ns, num_pages, match, int(match.pages.size),
+                    match.num_evictable)
 
     def fits(self, plan: Plan, keep_free: int) -> bool:
         """Whether a row is free and the plan's pages can be had with ``keep_free`` left."""
@@ -129,10 +130,12 @@ class Admission:
         same = plan.tokens is tokens or (
             type(tokens) is np.ndarray and plan.tokens.shape == tokens.shape
             and not np.count_nonzero(plan.tokens != tokens))
-        if not same or plan.namespace != namespace_bytes(namespace):
+        if not same or (plan.namespace is not namespace
+                         and plan.encoding != namespace_bytes(namespace)):
             return None
         if plan.namespace_id < 0:  # planned before the namespace had an id
-            plan = plan._replace(namespace_id=self.namespaces.id_of(namespace, True))
+            plan = plan._replace(namespace_id=self.namespaces.id_of(namespace, True,
+                                                                    plan.encoding))
         return plan
 
     def map(self, plan: Plan) -> tuple[int, Int32Array, Int32Array]:

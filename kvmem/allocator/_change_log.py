@@ -7,9 +7,10 @@ a change from another by reading it first::
     entries   [p0 p1] [p2] [p3 p4 p5] [p6]        arrays of pages, as the allocator logged them
                         ^ reader A     ^ reader B  (each reads from its cursor to the end)
 
-Entries every reader has read are dropped. A reader that falls more than ``limit`` entries
-behind loses its place: its next :meth:`ChangeReader.read` returns None, meaning "anything may
-have changed" (start over from the full state). With no reader, logging costs nothing.
+Entries are dropped when more than ``limit`` are kept: those every reader has read, and at
+least the older half. A reader that falls that far behind loses its place: its next
+:meth:`ChangeReader.read` returns None, meaning "anything may have changed" (start over from
+the full state). With no reader, logging costs nothing.
 """
 
 from __future__ import annotations
@@ -59,11 +60,8 @@ class ChangeLog:
         self.limit = limit
         self._entries: list[PageIds] = []
         self._start = 0  # absolute index of _entries[0]
+        self._end = 0  # absolute index past the last entry
         self._readers: list[ChangeReader] = []  # (few, and as long-lived as the log)
-
-    @property
-    def _end(self) -> int:
-        return self._start + len(self._entries)
 
     def reader(self) -> ChangeReader:
         """A new reader whose first read returns what is logged from now on."""
@@ -76,19 +74,17 @@ class ChangeLog:
         if not self._readers:
             return
         self._entries.append(pages)
-        if len(self._entries) > self.limit:
-            self._trim(self._start + len(self._entries) // 2)
+        self._end += 1
+        if len(self._entries) > self.limit:  # the slowest readers lose their place
+            self._trim(max(self._start + len(self._entries) // 2, min(
+                (r.position for r in self._readers if r.position >= 0), default=self._end)))
 
     def _read(self, reader: ChangeReader) -> list[PageIds] | None:
         at = reader.position
         reader.position = self._end
         if at < 0:
             return None
-        got = self._entries[at - self._start :]
-        if len(self._entries) > 64:  # (trimming costs more than a few entries kept a while)
-            self._trim(min((r.position for r in self._readers if r.position >= 0),
-                           default=self._end))
-        return got
+        return self._entries[at - self._start :]
 
     def _trim(self, upto: int) -> None:
         """Drop entries before absolute index ``upto``; readers still behind it lose place."""

@@ -57,6 +57,7 @@ class StepFences:
         self._open: set[int] = set()
         self._next_id = 1
         self._pending: list[tuple[set[int], Int32Array]] = []
+        self._num_copy_holds = 0  # pending batches that wait for copies_done
         self._held = np.zeros(num_pages, dtype=np.int32)
         self.held = self._held.view()
         self.held.flags.writeable = False
@@ -94,7 +95,10 @@ class StepFences:
 
     def hold_for_copy(self, pages: npt.ArrayLike) -> None:
         """Hold copy-on-write sources until :meth:`copies_done`."""
-        self._hold({_COPIES}, as_page_ids(pages))
+        pages = as_page_ids(pages)
+        if pages.size:
+            self._num_copy_holds += 1
+        self._hold({_COPIES}, pages)
 
     def _hold(self, waits: set[int], pages: Int32Array) -> None:
         if pages.size:
@@ -117,11 +121,13 @@ class StepFences:
     def copies_done(self) -> Int32Array:
         """The engine has made every copy-on-write copy handed out so far: returns the sources
         held for them (references to drop: defer them if a step is in flight)."""
+        self._num_copy_holds = 0
         return self._release(_COPIES)
 
     @property
     def copies_pending(self) -> bool:
-        return any(_COPIES in waits for waits, _ in self._pending)
+        """Whether copy-on-write sources are held for copies not made yet."""
+        return self._num_copy_holds > 0
 
     def _release(self, step_id: int) -> Int32Array:
         done: list[Int32Array] = []
