@@ -2,19 +2,26 @@
 
 ::
 
-    KVMemError                      root: catch this to catch everything kvmem raises
-    ├── OutOfPagesError             an allocation asked for more pages than are free
-    ├── InvalidFreeError            a free of a page that is free, out of range, or over-freed
-    ├── IntegrityError              bookkeeping or a request's page mapping is inconsistent
-    └── ConfigError (ValueError)    a spec, plan or model description that cannot work
+    KVMemError                          root: catch this to catch everything kvmem raises
+    ├── OutOfPagesError                 an allocation asked for more pages than are free
+    ├── InvalidFreeError                a free of a page that is free, out of range, or over-freed
+    ├── IntegrityError                  bookkeeping or a request's page mapping is inconsistent
+    ├── ArgumentError (ValueError)      an argument of the right type with a value that cannot
+    │   │                               work: out of range, wrong shape, unknown name
+    │   └── ConfigError                 a spec, plan or model description that cannot work
+    └── ArgumentTypeError (TypeError)   an argument of the wrong type: a bool, float or str where
+                                        an integer is expected, a list where a tensor is
 
 Messages say what was asked, what was found, and what to do. An operation that raises has
-changed no state.
+changed no state. The contract every public entry point keeps (what "integer-like" means,
+page ids that never wrap, negative ids that never index from the end) is in docs/errors.md.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "ConfigError",
     "IntegrityError",
     "InvalidFreeError",
@@ -50,5 +57,15 @@ class IntegrityError(KVMemError):
     """Page bookkeeping, or a request's mapping of pages, is inconsistent."""
 
 
-class ConfigError(KVMemError, ValueError):
+class ArgumentError(KVMemError, ValueError):
+    """An argument has an acceptable type but a value that cannot work (out of range, wrong
+    shape or length, an unknown name). Nothing was changed."""
+
+
+class ArgumentTypeError(KVMemError, TypeError):
+    """An argument has the wrong type: a bool, float or str where an integer is expected, a
+    list where a tensor is, a tensor of the wrong dtype. Nothing was changed."""
+
+
+class ConfigError(ArgumentError):
     """A configuration (pool spec, model, plan) that cannot work as given."""
