@@ -79,6 +79,30 @@ def test_manager_and_planning_import_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_planning_is_pure() -> None:
+    """Planning (an int4 model included) loads neither torch nor the manager (issue 11: the
+    simulator, which drives the manager, lives above it in kvmem.simulate)."""
+    code = (
+        "import sys\n"
+        "import kvmem.planning\n"
+        "plan = kvmem.planning.plan_capacity('glm-5.2', 'h200', 8, weights='int4-g32')\n"
+        "assert plan.weights_gib_total > 0\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')\n"
+        "             or m in ('kvmem.manager', 'kvmem.simulate'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_errors_contract_classes() -> None:
+    from kvmem.errors import ArgumentError, ArgumentTypeError
+
+    assert issubclass(ArgumentError, kvmem.KVMemError) and issubclass(ArgumentError, ValueError)
+    assert issubclass(ArgumentTypeError, kvmem.KVMemError)
+    assert issubclass(ArgumentTypeError, TypeError)
+    assert issubclass(kvmem.ConfigError, ArgumentError)
+
+
 def test_unknown_attribute_raises() -> None:
     import pytest
 
