@@ -20,7 +20,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvmem.allocator import PAD, AllocatorStats, CSRMetadata, GrowResult, PageAllocator, PageTable
-from kvmem.errors import ConfigError, IntegrityError, InvalidFreeError, KVMemError, OutOfPagesError
+from kvmem.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConfigError,
+    IntegrityError,
+    InvalidFreeError,
+    KVMemError,
+    OutOfPagesError,
+)
 from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
 
 if TYPE_CHECKING:
@@ -82,6 +90,8 @@ __all__ = [
     "PAD",
     "AdmitResult",
     "AllocatorStats",
+    "ArgumentError",
+    "ArgumentTypeError",
     "CSRMetadata",
     "CapacityPlan",
     "CheckingTracker",

@@ -10,6 +10,8 @@ import kvmem
 EXPECTED = {
     "PAD",
     "AdmitResult",
+    "ArgumentError",
+    "ArgumentTypeError",
     "AllocatorStats",
     "CSRMetadata",
     "CapacityPlan",
@@ -52,7 +54,8 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_errors_share_one_root() -> None:
-    for name in ("ConfigError", "IntegrityError", "InvalidFreeError", "OutOfPagesError"):
+    for name in ("ArgumentError", "ArgumentTypeError", "ConfigError", "IntegrityError",
+                 "InvalidFreeError", "OutOfPagesError"):
         assert issubclass(getattr(kvmem, name), kvmem.KVMemError)
     assert issubclass(kvmem.ConfigError, ValueError)
 
