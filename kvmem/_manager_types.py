@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import INT32_MAX, integer
 from kvmem.allocator import HashedPrefixCache, PrefixCache, StepMetadata
-from kvmem.errors import INT32_MAX, ArgumentError, ArgumentTypeError, KVMemError, as_int
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker, VerifierStats
 
 __all__ = [
@@ -71,7 +72,7 @@ class ManagerConfig:
     def make(cls, num_pages: Any, page_size: Any, max_seqs: Any, max_pages_per_seq: Any,
              watermark: Any, kv_events: Any) -> ManagerConfig:
         """Check every argument (ArgumentError / ArgumentTypeError naming it)."""
-        n = as_int("num_pages", num_pages, 1, INT32_MAX)
+        n = integer(num_pages, "num_pages", minimum=1, maximum=INT32_MAX)
         if max_pages_per_seq is None:
             max_pages_per_seq = min(n, 2048)
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float, np.floating)):
@@ -80,9 +81,9 @@ class ManagerConfig:
             raise ArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
         if not isinstance(kv_events, (bool, np.bool_)):
             raise ArgumentTypeError(f"kv_events must be a bool, got {kv_events!r}")
-        return cls(n, as_int("page_size", page_size, 1, 1 << 16),
-                   as_int("max_seqs", max_seqs, 1, 1 << 24),
-                   as_int("max_pages_per_seq", max_pages_per_seq, 1, INT32_MAX),
+        return cls(n, integer(page_size, "page_size", minimum=1, maximum=1 << 16),
+                   integer(max_seqs, "max_seqs", minimum=1, maximum=1 << 24),
+                   integer(max_pages_per_seq, "max_pages_per_seq", minimum=1, maximum=INT32_MAX),
                    float(watermark), bool(kv_events))
 
 

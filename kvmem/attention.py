@@ -29,13 +29,16 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from kvmem._validate import flag, index_array, integer, real, show
 from kvmem.cuda import PagePool
-from kvmem.errors import ConfigError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["paged_attention"]
 
 MetaLike = torch.Tensor | np.ndarray | list[int]
 
+_Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _HAS_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -76,12 +79,20 @@ def paged_attention(
     -------
     [T, num_q_heads, head_dim] in q's dtype (MLA: [T, H, kv_lora_rank]).
     """
+    if not isinstance(pool, PagePool):
+        raise ArgumentTypeError(f"pool={show(pool)}: expected a kvmem PagePool.")
     spec = pool.spec
+    integer(layer, "layer", minimum=0, maximum=spec.num_layers - 1)
+    if sm_scale is not None:
+        sm_scale = real(sm_scale, "sm_scale", minimum=0, exclusive_minimum=True)
+    causal = flag(causal, "causal")
     meta = _Metadata.parse(q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, pool)
     num_q_heads = q.shape[1]
+    if num_q_heads < 1:
+        raise ArgumentError(f"q has shape {tuple(q.shape)}: it needs at least one head.")
     if spec.attention == "gqa":
         if num_q_heads % spec.num_heads:
-            raise ConfigError(
+            raise ArgumentError(
                 f"q has {num_q_heads} heads, not a multiple of the pool's {spec.num_heads} KV "
                 "heads; GQA needs num_q_heads = k * num_kv_heads."
             )
@@ -90,7 +101,7 @@ def paged_attention(
         assert spec.kv_lora_rank is not None
         out_dim = spec.kv_lora_rank
     if q.shape[2] != spec.width:
-        raise ConfigError(
+        raise ArgumentError(
             f"q has head size {q.shape[2]} but the pool stores {spec.width} per head "
             f"({'head_dim' if spec.attention == 'gqa' else 'kv_lora_rank + qk_rope_head_dim'})."
         )
@@ -224,13 +235,20 @@ class _Metadata:
         kv_last_page_len: MetaLike,
         pool: PagePool,
     ) -> _Metadata:
-        if not isinstance(q, torch.Tensor) or q.dim() != 3:
-            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ConfigError(f"q must be a [T, num_q_heads, head_dim] tensor; got {got}.")
+        if not isinstance(q, torch.Tensor):
+            raise ArgumentTypeError(
+                f"q={show(q)}: expected a [T, num_q_heads, head_dim] float tensor."
+            )
+        if q.dim() != 3:
+            raise ArgumentError(
+                f"q must be a [T, num_q_heads, head_dim] tensor; got {tuple(q.shape)}."
+            )
         if q.device != pool.device:
-            raise ConfigError(f"q is on {q.device} but the pool is on {pool.device}.")
-        if not q.dtype.is_floating_point:
-            raise ConfigError(f"q must be floating point; got {q.dtype}.")
+            raise ArgumentError(f"q is on {q.device} but the pool is on {pool.device}.")
+        if q.dtype not in _Q_DTYPES:
+            raise ArgumentTypeError(
+                f"q has dtype {q.dtype}: expected float32, bfloat16, float16 or float64."
+            )
         qo = _host(qo_indptr, "qo_indptr")
         indptr = _host(kv_indptr, "kv_indptr")
         indices = _host(kv_indices, "kv_indices")
@@ -238,23 +256,23 @@ class _Metadata:
         batch = qo.size - 1
         ps = pool.spec.page_size
         if batch < 0 or indptr.size != batch + 1 or last.size != batch:
-            raise ConfigError(
+            raise ArgumentError(
                 f"CSR sizes disagree: qo_indptr has {qo.size} entries, kv_indptr {indptr.size}, "
                 f"kv_last_page_len {last.size}; for B requests they must be B+1, B+1 and B."
             )
         if qo[0] != 0 or np.any(np.diff(qo) < 0) or qo[-1] != q.shape[0]:
-            raise ConfigError(
+            raise ArgumentError(
                 f"qo_indptr must start at 0, never decrease and end at T = {q.shape[0]}; got "
                 f"{qo.tolist()[:8]}{'...' if qo.size > 8 else ''}."
             )
         if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] > indices.size:
-            raise ConfigError(
+            raise ArgumentError(
                 f"kv_indptr must start at 0, never decrease and end within kv_indices "
                 f"({indices.size} entries); ends at {int(indptr[-1])}."
             )
         indices = indices[: indptr[-1]]
         if indices.size and (indices.min() < 0 or indices.max() >= pool.spec.num_pages):
-            raise ConfigError(
+            raise ArgumentError(
                 f"kv_indices holds pages {int(indices.min())}..{int(indices.max())}; the pool "
                 f"has pages 0..{pool.spec.num_pages - 1}."
             )
@@ -262,14 +280,14 @@ class _Metadata:
         qo_len = np.diff(qo)
         has_pages = num_pages > 0
         if np.any(has_pages & ((last < 1) | (last > ps))):
-            raise ConfigError(
+            raise ArgumentError(
                 f"kv_last_page_len must be in 1..{ps} (page_size) for every request with pages; "
                 f"got {last.tolist()[:8]}."
             )
         kv_len = np.where(has_pages, (num_pages - 1) * ps + last, 0)
         if np.any(qo_len > kv_len):
             b = int(np.flatnonzero(qo_len > kv_len)[0])
-            raise ConfigError(
+            raise ArgumentError(
                 f"request {b} has {int(qo_len[b])} queries but only {int(kv_len[b])} KV tokens; "
                 "queries are the last tokens of their sequence, so qo_len <= kv_len."
             )
@@ -277,7 +295,10 @@ class _Metadata:
 
 
 def _host(value: MetaLike, name: str) -> npt.NDArray[np.int64]:
-    arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ConfigError(f"{name} must be a 1-D integer array; got {arr.dtype} {arr.shape}.")
-    return arr.astype(np.int64)
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _INDEX_DTYPES:
+            raise ArgumentTypeError(f"{name} has dtype {value.dtype}: expected an int32 tensor.")
+        if value.dim() != 1:
+            raise ArgumentError(f"{name} has shape {tuple(value.shape)}: expected 1-D.")
+        return value.detach().cpu().numpy().astype(np.int64)
+    return index_array(value, name, minimum=np.iinfo(np.int64).min, what="value")

@@ -2,34 +2,100 @@
 
 ::
 
+    kvmem --version
     kvmem plan MODEL --gpu h200 --tp 8 --kv-dtype fp8_e4m3 [--weights int4-g32]
                [--context 32768] [--concurrency 64] [--compare bf16,fp8_e4m3]
                [--json] [--plot FILE.png]
+    kvmem simulate MODEL [--compare bf16,fp8_e4m3] [--requests 1000] [--concurrency 64] ...
 
 ``MODEL`` is a preset name (``kvmem plan --list`` shows them) or the path of a Hugging Face
-``config.json`` (or its folder). Errors print one line to stderr and exit with status 2.
+``config.json`` (or its folder). Every option is checked before any work starts; an error
+(an unknown name, a count of 0, a number that is not one) prints one line to stderr and exits
+with status 2, never a traceback. ``kvmem plan`` imports neither torch nor the manager.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import numpy as np
+
+from kvmem import __version__
 from kvmem.errors import KVMemError
 
 __all__ = ["build_parser", "main"]
 
 _EXIT_ERROR = 2
+_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+_SCALES = ("tensor", "head", "token_head")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit status 2), like every other
+    kvmem error: ``kvmem plan: error: argument --tp: expected an integer >= 1, got '0'``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(_EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: type, minimum: float | None = None, *, above: bool = False,
+            maximum: float | None = None) -> Callable[[str], Any]:
+    """An argparse ``type=``: an int or a finite float within bounds, with a one-line error."""
+    low = "" if minimum is None else f" {'>' if above else '>='} {minimum:g}"
+    high = "" if maximum is None else f"{' and' if low else ''} <= {maximum:g}"
+    want = f"{'an integer' if kind is int else 'a number'}{low}{high}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        if minimum is not None and (value <= minimum if above else value < minimum):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    parse.__name__ = want  # argparse names the type in some messages
+    return parse
+
+
+_POSITIVE_INT = _number(int, 1)
+_NONNEG_INT = _number(int, 0)
+_POSITIVE = _number(float, 0, above=True)
+_NONNEG = _number(float, 0)
+_FRACTION = _number(float, 0, above=True, maximum=1)
+
+
+def _dtype_list(text: str) -> list[str]:
+    """``--compare``: comma-separated KV dtypes, each known."""
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in _KV_DTYPES]
+    if not dtypes or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated KV dtypes from {', '.join(_KV_DTYPES)}, got {text!r}"
+        )
+    return dtypes
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per tool."""
-    parser = argparse.ArgumentParser(
-        prog="kvmem", description="Paged KV-cache memory manager: capacity planning tools."
+    parser = _Parser(
+        prog="kvmem",
+        description="Paged KV-cache memory manager: capacity planning and simulation tools.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"kvmem {__version__}",
+        help="print the kvmem version and exit",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -38,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser(
         "plan",
         help="how many KV tokens and requests fit on a set of GPUs",
@@ -50,49 +116,100 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("model", nargs="?", help="preset name or path to config.json / its folder")
     p.add_argument("--list", action="store_true", help="list preset models and GPUs and exit")
     p.add_argument("--gpu", default="h200", help="GPU preset name, or 'custom' (default h200)")
-    p.add_argument("--gpu-memory-gib", type=float, help="custom GPU memory in GiB")
-    p.add_argument("--gpu-bandwidth-gbs", type=float, help="custom GPU bandwidth in GB/s")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
-    p.add_argument("--dp", type=int, default=1, help="replicas (data parallel)")
-    p.add_argument("--kv-dtype", default="bf16", help="bf16, fp16, fp8_e4m3 or fp8_e5m2")
-    p.add_argument(
-        "--kv-scales", default="tensor", help="FP8 scales per tensor, head or token_head"
-    )
-    p.add_argument("--compare", help="comma-separated KV dtypes to put side by side")
-    p.add_argument(
-        "--weights", default="native", help="native, bf16, fp8, int4-g<N> (e.g. int4-g32), mxfp4"
-    )
-    p.add_argument("--context", type=int, help="tokens per request, for max concurrency")
-    p.add_argument("--concurrency", type=int, help="requests per decode step, for a tok/s bound")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--gpu-memory-gib", type=_POSITIVE, help="custom GPU memory in GiB (> 0)")
+    p.add_argument("--gpu-bandwidth-gbs", type=_POSITIVE,
+                   help="custom GPU bandwidth in GB/s (> 0)")
+    p.add_argument("--tp", type=_POSITIVE_INT, default=1,
+                   help="tensor-parallel GPUs per replica (default 1)")
+    p.add_argument("--dp", type=_POSITIVE_INT, default=1,
+                   help="replicas, data parallel (default 1)")
+    p.add_argument("--kv-dtype", default="bf16", choices=_KV_DTYPES, help="KV dtype (default bf16)")
+    p.add_argument("--kv-scales", choices=_SCALES,
+                   help="FP8 scales per tensor (default), head or token_head; fp8 KV only")
+    p.add_argument("--compare", type=_dtype_list,
+                   help="comma-separated KV dtypes to put side by side, e.g. bf16,fp8_e4m3")
+    p.add_argument("--weights", default="native",
+                   help="native, bf16, fp8, int4-g<N> (e.g. int4-g32) or mxfp4 (default native)")
+    p.add_argument("--context", type=_POSITIVE_INT,
+                   help="tokens per request, for the max concurrency row")
+    p.add_argument("--concurrency", type=_POSITIVE_INT,
+                   help="requests per decode step, for the tok/s bound (needs --context)")
+    p.add_argument("--page-size", type=_POSITIVE_INT, default=16,
+                   help="tokens per KV page (default 16)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--reserve-gib", type=float, help="fixed reserve per GPU instead of SGLang's"
-    )
-    group.add_argument("--mem-fraction", type=float, help="weights + KV fraction of GPU memory")
-    p.add_argument(
-        "--runtime-overhead-gib",
-        type=float,
-        default=0.0,
-        help="CUDA context etc. to take off the SGLang-like budget (default 0)",
-    )
+    group.add_argument("--reserve-gib", type=_NONNEG,
+                       help="fixed reserve per GPU in GiB instead of SGLang's")
+    group.add_argument("--mem-fraction", type=_FRACTION,
+                       help="weights + KV fraction of GPU memory, in (0, 1]")
+    p.add_argument("--runtime-overhead-gib", type=_NONNEG, default=0.0,
+                   help="CUDA context etc. to take off the SGLang-like budget (default 0)")
     p.add_argument("--use-mtp", action="store_true", help="load the MTP layers (speculative)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--plot", metavar="FILE.png", help="plot max concurrency against context")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also plot max concurrency against context into FILE.png (matplotlib)")
     p.set_defaults(func=_cmd_plan)
 
 
-def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    import importlib
+def _add_simulate(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate continuous batching on a planned KV pool with the real manager",
+        description=(
+            "Drive kvmem's KVCacheManager with a simulated workload on the KV pool that "
+            "`kvmem plan` computes, and report concurrency, queueing, preemptions and prefix "
+            "hits. Defaults reproduce the report's shape: 64 clients of 11-20K-token requests "
+            "on Kimi K2.6, 8 x H200, TP 8 (try --compare bf16,fp8_e4m3)."
+        ),
+    )
+    p.add_argument("model", nargs="?", default="kimi-k2.6",
+                   help="preset name or config.json (default kimi-k2.6)")
+    p.add_argument("--gpu", default="h200", help="GPU preset name (default h200)")
+    p.add_argument("--tp", type=_POSITIVE_INT, default=8,
+                   help="tensor-parallel GPUs per replica (default 8)")
+    p.add_argument("--kv-dtype", default="bf16", choices=_KV_DTYPES, help="KV dtype (default bf16)")
+    p.add_argument("--compare", type=_dtype_list,
+                   help="comma-separated KV dtypes, simulated one after the other")
+    p.add_argument("--weights", default="native",
+                   help="native, bf16, fp8, int4-g<N> or mxfp4 (default native)")
+    p.add_argument("--page-size", type=_POSITIVE_INT, default=16,
+                   help="tokens per KV page (default 16)")
+    p.add_argument("--requests", type=_POSITIVE_INT, default=1000,
+                   help="requests to simulate (default 1000)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--concurrency", type=_POSITIVE_INT,
+                   help="closed loop: clients, each sending its next request when one ends "
+                        "(default 64)")
+    g.add_argument("--rate", type=_POSITIVE, help="open loop: Poisson arrivals per second (> 0)")
+    p.add_argument("--prompt-len", default="10000-18000",
+                   help="prompt tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 10000-18000)")
+    p.add_argument("--output-len", default="1000-2000",
+                   help="output tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 1000-2000)")
+    p.add_argument("--prefixes", type=_NONNEG_INT, default=0,
+                   help="shared prefixes (default 0)")
+    p.add_argument("--prefix-len", type=_NONNEG_INT, default=0,
+                   help="tokens per shared prefix (default 0)")
+    p.add_argument("--prefix-fraction", type=_number(float, 0, maximum=1), default=1.0,
+                   help="fraction of requests that start with a shared prefix, in [0, 1]")
+    p.add_argument("--max-running", type=_POSITIVE_INT, default=256,
+                   help="most requests decoding at once (default 256)")
+    p.add_argument("--chunk", type=_POSITIVE_INT, default=16,
+                   help="decode steps per batched manager call (default 16)")
+    p.add_argument("--prefill-tps", type=_POSITIVE,
+                   help="prefill tokens/s, > 0 (default: a disaggregated decode pool)")
+    p.add_argument("--t0-ms", type=_NONNEG,
+                   help="fixed cost of a decode step in ms (default 5.4, the Kimi K2.6 fit)")
+    p.add_argument("--efficiency", type=_FRACTION,
+                   help="fraction of peak bandwidth a decode step reaches, in (0, 1] "
+                        "(default 0.70, the Kimi K2.6 fit)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="run without prefix reuse")
+    p.add_argument("--seed", type=_number(int, 0, maximum=2**32 - 1), default=0,
+                   help="random seed of the workload (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=_cmd_simulate)
 
-    try:
-        sim = importlib.import_module("kvmem.planning.simulate")
-    except ImportError:  # the simulator needs kvmem.KVCacheManager (issue 4)
-        return
-    sim.add_cli(sub)
 
-
-def _resolve_model(name: str) -> object:
+def _resolve_model(name: str) -> Any:
     from kvmem.planning import get_model, load_hf_config
 
     path = Path(name)
@@ -101,7 +218,7 @@ def _resolve_model(name: str) -> object:
     return get_model(name)
 
 
-def _resolve_gpu(args: argparse.Namespace) -> object:
+def _resolve_gpu(args: argparse.Namespace) -> Any:
     from kvmem.errors import ConfigError
     from kvmem.planning import GPUSpec, get_gpu
 
@@ -118,7 +235,7 @@ def _resolve_gpu(args: argparse.Namespace) -> object:
     return get_gpu(args.gpu)
 
 
-def _policy(args: argparse.Namespace) -> object:
+def _policy(args: argparse.Namespace) -> Any:
     from kvmem.planning import FixedReserve, MemoryFraction, SGLangPolicy
 
     if args.reserve_gib is not None:
@@ -141,10 +258,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise ConfigError("kvmem plan needs a MODEL (a preset name or a config.json path).")
+    dtypes = args.compare or [args.kv_dtype]
+    if args.kv_scales and not any(d.startswith("fp8") for d in dtypes):
+        raise ConfigError(
+            f"--kv-scales {args.kv_scales} applies to fp8 KV only, and no fp8 dtype was asked "
+            f"for ({', '.join(dtypes)}); drop --kv-scales or pick --kv-dtype fp8_e4m3."
+        )
+    if args.plot:
+        _check_plot_path(args.plot)
     model = _resolve_model(args.model)
     gpu = _resolve_gpu(args)
     policy = _policy(args)
-    dtypes = [d.strip() for d in args.compare.split(",")] if args.compare else [args.kv_dtype]
     plans = _plans(args, model, gpu, policy, dtypes)
     if args.json:
         if len(plans) == 1:
@@ -224,21 +348,21 @@ def format_plans(plans: Sequence[object]) -> str:
 
 
 def _plans(
-    args: argparse.Namespace, model: object, gpu: object, policy: object, dtypes: Sequence[str]
+    args: argparse.Namespace, model: Any, gpu: Any, policy: Any, dtypes: Sequence[str]
 ) -> list[Any]:
     """One CapacityPlan per KV dtype, from the ``kvmem plan`` arguments."""
     from kvmem.planning import plan_capacity
 
     return [
         plan_capacity(
-            model,  # type: ignore[arg-type]
-            gpu,  # type: ignore[arg-type]
+            model,
+            gpu,
             args.tp,
             dp=args.dp,
             kv_dtype=dtype,
-            kv_scale_layout=args.kv_scales,
+            kv_scale_layout=args.kv_scales if dtype.startswith("fp8") else None,
             weights=args.weights,
-            policy=policy,  # type: ignore[arg-type]
+            policy=policy,
             page_size=args.page_size,
             context_len=args.context,
             concurrency=args.concurrency,
@@ -246,6 +370,21 @@ def _plans(
         )
         for dtype in dtypes
     ]
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot target whose folder is missing, before any work is done."""
+    from kvmem.errors import ConfigError
+
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise ConfigError(
+            f"--plot {path}: the folder {str(folder)!r} does not exist; create it first or "
+            "pick another path."
+        )
+    if target.is_dir():
+        raise ConfigError(f"--plot {path} is a folder; give a file name such as conc.png.")
 
 
 def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
@@ -278,18 +417,114 @@ def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(title="KV dtype")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--plot {path}: cannot write the plot ({exc}).") from None
+    finally:
+        plt.close(fig)
     return series
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    # Checked before the manager is imported: every name is known and every length parses.
+    from kvmem.planning import ThroughputModel, get_gpu, plan_capacity
+
+    spec = _resolve_model(args.model)
+    gpu = get_gpu(args.gpu)
+    dtypes = args.compare or [args.kv_dtype]
+    from kvmem.simulate import DEFAULT_STEP_MODEL, LengthDist, SimulationReport, Workload, simulate
+
+    workload = Workload(
+        num_requests=args.requests,
+        concurrency=None if args.rate is not None else (args.concurrency or 64),
+        rate=args.rate,
+        prompt_len=LengthDist.parse(args.prompt_len),
+        output_len=LengthDist.parse(args.output_len),
+        num_prefixes=args.prefixes,
+        prefix_len=args.prefix_len,
+        prefix_fraction=args.prefix_fraction,
+        seed=args.seed,
+    )
+    step_model = ThroughputModel(
+        t0_s=DEFAULT_STEP_MODEL.t0_s if args.t0_ms is None else args.t0_ms / 1e3,
+        efficiency=DEFAULT_STEP_MODEL.efficiency if args.efficiency is None else args.efficiency,
+        context_len=DEFAULT_STEP_MODEL.context_len,
+    )
+    plans = [
+        plan_capacity(
+            spec, gpu, args.tp, kv_dtype=dtype, weights=args.weights, page_size=args.page_size
+        )
+        for dtype in dtypes
+    ]
+    reports: list[SimulationReport] = []
+    for dtype, plan in zip(dtypes, plans):
+        bar = None if args.no_progress or args.json else _progress_bar(f"{dtype:>9}")
+        reports.append(
+            simulate(
+                workload,
+                plan,
+                step_model=step_model,
+                max_running=args.max_running,
+                chunk=args.chunk,
+                prefill_tokens_per_s=args.prefill_tps,
+                prefix_cache=not args.no_prefix_cache,
+                progress=bar,
+            )
+        )
+    if args.json:
+        dumped = [r.model_dump(mode="json") for r in reports]
+        print(json.dumps(dumped[0] if len(dumped) == 1 else {"compare": dumped}, indent=2))
+        return 0
+    for r in reports:
+        print(r.summary())
+        print(_sparkline(r))
+    return 0
+
+
+def _progress_bar(label: str) -> Callable[[int, int], None]:
+    start = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        rate = done / max(time.perf_counter() - start, 1e-9)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{label} [{bar:<30}] {done:,}/{total:,} requests ({rate:,.0f}/s){end}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _sparkline(r: Any, width: int = 60) -> str:
+    """Running and waiting requests over time, as two text rows."""
+    if not r.timeline:
+        return ""
+    idx = np.linspace(0, len(r.timeline) - 1, min(width, len(r.timeline))).astype(int)
+    pts = [r.timeline[i] for i in idx]
+    top = max(max(p.running for p in pts), max(p.waiting for p in pts), 1)
+    ramp = " .:-=+*#%@"
+
+    def row(values: list[int]) -> str:
+        return "".join(ramp[min(9, int(9 * v / top + 0.999))] if v else " " for v in values)
+
+    return (
+        f"  running  |{row([p.running for p in pts])}| max {r.max_running}\n"
+        f"  waiting  |{row([p.waiting for p in pts])}| max {r.max_waiting}\n"
+        f"            0 s{' ' * (width - 12)}{r.simulated_seconds:,.0f} s"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 on success, 2 on bad input)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (already printed)
+        return int(exc.code or 0)
     try:
         status: int = args.func(args)
-    except (KVMemError, ValueError) as exc:
+    except KVMemError as exc:
         print(f"kvmem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return _EXIT_ERROR
     return status

@@ -64,6 +64,7 @@ from kvmem._manager_types import (
     make_cache,
     make_tracker,
 )
+from kvmem._validate import id_tuple, integer, is_hashable, token_array
 from kvmem.allocator import (
     Admission,
     Committer,
@@ -87,10 +88,6 @@ from kvmem.errors import (
     ConcurrentUseError,
     IntegrityError,
     KVMemError,
-    as_ids,
-    as_int,
-    as_token_ids,
-    is_hashable,
 )
 from kvmem.integrity import (
     CheckingTracker,
@@ -306,7 +303,7 @@ class KVCacheManager:
                ) -> tuple[tuple[Any, ...], IntpArray, StepRecord | None]:
         """(ids, rows, the latest reserve's record if it is this batch's and no row changed
         since) of a batch of distinct running requests (rows read-only, intp)."""
-        ids = as_ids("request_ids", request_ids)
+        ids = id_tuple(request_ids, "request_ids")
         b = self.steps.current(ids)
         if b is not None:
             return ids, b.rows, b
@@ -328,7 +325,7 @@ class KVCacheManager:
         """Whether ``admit(…, token_ids, namespace)`` would succeed now and leave the
         watermark's pages free. Counts the prefix pages the request would reuse. Changes
         nothing."""
-        plan = self._admission.plan(as_token_ids("token_ids", token_ids), namespace, False)
+        plan = self._admission.plan(token_array(token_ids, "token_ids"), namespace, False)
         self._admission.remember(self._mutations, plan)  # for the admit() right after
         return self._admission.fits(plan, self.watermark_pages)
 
@@ -355,7 +352,7 @@ class KVCacheManager:
         # The counter moved once since a can_admit of this prompt: for this admit.
         plan = self._admission.recall(self._mutations - 1, token_ids, namespace)
         if plan is None:
-            plan = self._admission.plan(as_token_ids("token_ids", token_ids), namespace, True)
+            plan = self._admission.plan(token_array(token_ids, "token_ids"), namespace, True)
         return self._admit(request_id, plan, namespace)
 
     def _admit(self, request_id: Any, plan: Plan, namespace: Any) -> AdmitResult:
@@ -430,7 +427,7 @@ class KVCacheManager:
         token_ids: ``[k]`` ints — the tokens whose K/V the engine wrote, in order
         """
         row = self._row_of(request_id)
-        tokens = as_token_ids("token_ids", token_ids)
+        tokens = token_array(token_ids, "token_ids")
         self._committer.commit(np.array([row], dtype=np.intp),
                                np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
         self._uncommitted_done()
@@ -492,7 +489,7 @@ class KVCacheManager:
         listed in ``report.aborted``.
         """
         if not self.tracker.enabled:  # nothing recorded, nothing to look at
-            return VerifyReport(as_ids("request_ids", request_ids))
+            return VerifyReport(id_tuple(request_ids, "request_ids"))
         ids, rows, b = self._batch(request_ids, "verified")
         md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
                               None if b is None else b.step, lambda: self.table.csr(rows)[:2])
@@ -655,7 +652,7 @@ class KVCacheManager:
             raise KVMemError(
                 f"request {request_id!r} is not preempted; only a preempted request can resume"
             )
-        tokens = req.saved if token_ids is None else as_token_ids("token_ids", token_ids)
+        tokens = req.saved if token_ids is None else token_array(token_ids, "token_ids")
         # What must be recomputed is the request's prompt from now on. (_admit replaces the
         # registry entry in place, so the request keeps its place; if it raises, nothing
         # changed.)
@@ -677,7 +674,7 @@ class KVCacheManager:
         and one cache update for all their pages. The same result as releasing them one by one
         in order; all or nothing (an unknown or repeated id raises, releasing none).
         """
-        ids = as_ids("request_ids", request_ids)
+        ids = id_tuple(request_ids, "request_ids")
         unknown = [rid for rid in ids if not is_hashable(rid) or rid not in self._requests]
         if unknown:
             raise KVMemError(f"requests {unknown[:8]!r} are unknown or already released "
@@ -747,7 +744,7 @@ class KVCacheManager:
 
     def namespace_of_page(self, page: int) -> Any:
         """The namespace whose content a live page holds (None's id is 0)."""
-        page = as_int("page", page, 0, self.num_pages - 1)
+        page = integer(page, "page", minimum=0, maximum=self.num_pages - 1)
         ns = int(self.pages.namespace_ids[page])
         if ns < 0:
             raise KVMemError(f"page {page} is free")

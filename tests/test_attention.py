@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kvmem.attention import paged_attention
 from kvmem.cuda import PagePool, PoolSpec
-from kvmem.errors import ConfigError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -252,27 +252,27 @@ def test_bad_metadata_is_rejected() -> None:
         )
         paged_attention(q, **{**a, **over})
 
-    with pytest.raises(ConfigError, match="multiple"):
+    with pytest.raises(ArgumentError, match="multiple"):
         call(torch.randn(3, 3, 32))
-    with pytest.raises(ConfigError, match="head size"):
+    with pytest.raises(ArgumentError, match="head size"):
         call(torch.randn(3, 4, 16))
-    with pytest.raises(ConfigError, match=r"\[T, num_q_heads, head_dim\]"):
+    with pytest.raises(ArgumentError, match=r"\[T, num_q_heads, head_dim\]"):
         call(torch.randn(3, 128))
-    with pytest.raises(ConfigError, match="end at T"):
+    with pytest.raises(ArgumentError, match="end at T"):
         call(qo_indptr=np.array([0, 2, 4]))
-    with pytest.raises(ConfigError, match="CSR sizes"):
+    with pytest.raises(ArgumentError, match="CSR sizes"):
         call(kv_last_page_len=np.array([4]))
-    with pytest.raises(ConfigError, match="kv_last_page_len"):
+    with pytest.raises(ArgumentError, match="kv_last_page_len"):
         call(kv_last_page_len=np.array([0, 5]))
-    with pytest.raises(ConfigError, match="kv_last_page_len"):
+    with pytest.raises(ArgumentError, match="kv_last_page_len"):
         call(kv_last_page_len=np.array([9, 5]))
-    with pytest.raises(ConfigError, match="pool has pages"):
+    with pytest.raises(ArgumentError, match="pool has pages"):
         call(kv_indices=np.array([0, 1, 2, 64]))
-    with pytest.raises(ConfigError, match="qo_len <= kv_len"):
+    with pytest.raises(ArgumentError, match="qo_len <= kv_len"):
         call(qo_indptr=np.array([0, 1, 3]), kv_last_page_len=np.array([4, 1]))
-    with pytest.raises(ConfigError, match="layer"):
+    with pytest.raises(ArgumentError, match="layer"):
         call(layer=7)
-    with pytest.raises(ConfigError, match="kv_indptr"):
+    with pytest.raises(ArgumentError, match="kv_indptr"):
         call(kv_indptr=np.array([0, 3, 2]))
-    with pytest.raises(ConfigError, match="integer"):
+    with pytest.raises(ArgumentTypeError, match="integer"):
         call(qo_indptr=np.array([0.0, 2.0, 3.0]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmem.cli import main
+from kvmem.cli import build_parser, main
 from kvmem.planning import plan_capacity
 
 REQUIRED_KEYS = {
@@ -154,3 +155,110 @@ def test_module_entry_point() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["kv_bytes_per_token_per_gpu"] == 32 * 2 * 8 * 128 * 2
+
+
+# --- the command line's contract: --version, help everywhere, one-line errors -------------------
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import kvmem
+
+    status = main(["--version"])
+    out, _ = capsys.readouterr()
+    assert status == 0 and out.strip() == f"kvmem {kvmem.__version__}"
+
+
+def test_every_option_of_every_subcommand_has_help() -> None:
+    subs = _subparsers()
+    assert set(subs) == {"plan", "simulate"}
+    for name, sub in subs.items():
+        for action in sub._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["simulate", "--prefill-tps", "0"], "--prefill-tps"),
+        (["simulate", "--prefill-tps", "nan"], "--prefill-tps"),
+        (["simulate", "--concurrency", "0"], "--concurrency"),
+        (["simulate", "--rate", "-1"], "--rate"),
+        (["simulate", "--requests", "1.5"], "--requests"),
+        (["simulate", "--max-running", "0"], "--max-running"),
+        (["simulate", "--chunk", "0"], "--chunk"),
+        (["simulate", "--prefixes", "-1"], "--prefixes"),
+        (["simulate", "--prefix-len", "-3"], "--prefix-len"),
+        (["simulate", "--prefix-fraction", "1.5"], "--prefix-fraction"),
+        (["simulate", "--t0-ms", "-1"], "--t0-ms"),
+        (["simulate", "--efficiency", "0"], "--efficiency"),
+        (["simulate", "--efficiency", "inf"], "--efficiency"),
+        (["simulate", "--seed", "-1"], "--seed"),
+        (["simulate", "--tp", "0"], "--tp"),
+        (["simulate", "--page-size", "0"], "--page-size"),
+        (["simulate", "--kv-dtype", "fp9"], "--kv-dtype"),
+        (["simulate", "--compare", "bf16,fp9"], "--compare"),
+        (["plan", "llama-3.1-8b", "--tp", "0"], "--tp"),
+        (["plan", "llama-3.1-8b", "--dp", "two"], "--dp"),
+        (["plan", "llama-3.1-8b", "--context", "0"], "--context"),
+        (["plan", "llama-3.1-8b", "--concurrency", "0"], "--concurrency"),
+        (["plan", "llama-3.1-8b", "--page-size", "-16"], "--page-size"),
+        (["plan", "llama-3.1-8b", "--gpu-memory-gib", "0"], "--gpu-memory-gib"),
+        (["plan", "llama-3.1-8b", "--gpu-bandwidth-gbs", "-1"], "--gpu-bandwidth-gbs"),
+        (["plan", "llama-3.1-8b", "--reserve-gib", "-1"], "--reserve-gib"),
+        (["plan", "llama-3.1-8b", "--mem-fraction", "0"], "--mem-fraction"),
+        (["plan", "llama-3.1-8b", "--runtime-overhead-gib", "-2"], "--runtime-overhead-gib"),
+        (["plan", "llama-3.1-8b", "--kv-scales", "row"], "--kv-scales"),
+    ],
+)
+def test_bad_numbers_are_one_line_errors_before_any_work(
+    argv: list[str], names: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every numeric option is checked by the parser: exit status 2, one line naming the
+    option and the value, no traceback, and nothing simulated or planned."""
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and names in err and "Traceback" not in err, err
+
+
+def test_kv_scales_with_bf16_is_refused_not_ignored(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(capsys, "plan", "llama-3.1-8b", "--kv-scales", "head")
+    assert status == 2 and "fp8 KV only" in err and err.count("\n") == 1
+    # With an fp8 column the scales apply to it (and only to it).
+    status, out, _ = run(
+        capsys, "plan", "llama-3.1-8b", "--compare", "bf16,fp8_e4m3", "--kv-scales", "head",
+        "--json",
+    )  # fmt: skip
+    assert status == 0
+    layouts = [p["kv_scale_layout"] for p in json.loads(out)["compare"]]
+    assert layouts == [None, "head"]
+
+
+def test_plot_into_a_missing_folder_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "no" / "such" / "folder" / "c.png"
+    status, out, err = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--plot", str(target))
+    assert status == 2 and out == "" and "does not exist" in err and err.count("\n") == 1
+    assert not target.parent.exists()
+
+
+def test_plan_never_imports_torch_or_the_manager() -> None:
+    """`kvmem plan` on an int4 model, with torch made unimportable: planning is pure."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any import of torch now fails\n"
+        "from kvmem.cli import main\n"
+        "status = main(['plan', 'glm-5.2', '--tp', '8', '--weights', 'int4-g32', '--json'])\n"
+        "assert status == 0, status\n"
+        "assert 'kvmem.manager' not in sys.modules and 'kvmem.simulate' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["weights"] == "routed_experts=int4-g32, rest=bf16"

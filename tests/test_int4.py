@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmem.errors import ConfigError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.planning import WeightFormat
 from kvmem.quant.int4 import (
     Int4Weight,
@@ -93,17 +93,17 @@ def test_all_zero_group_stays_zero() -> None:
 
 
 def test_bad_input_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="multiple of 8"):
+    with pytest.raises(ArgumentError, match="multiple of 8"):
         int4_bytes_per_param(30)
-    with pytest.raises(ConfigError, match=r"\[-8, 7\]"):
+    with pytest.raises(ArgumentError, match=r"\[-8, 7\]"):
         pack_int4(torch.full((1, 8), 8, dtype=torch.int8))
-    with pytest.raises(ConfigError, match="divisible by 8"):
+    with pytest.raises(ArgumentError, match="divisible by 8"):
         pack_int4(torch.zeros(1, 7, dtype=torch.int8))
-    with pytest.raises(ConfigError, match="integer"):
+    with pytest.raises(ArgumentTypeError, match="integer"):
         pack_int4(torch.zeros(1, 8))
-    with pytest.raises(ConfigError, match="NaN"):
+    with pytest.raises(ArgumentError, match="NaN"):
         quantize_int4(torch.tensor([[float("nan")] * 32]))
-    with pytest.raises(ConfigError, match="multiple of group_size"):
+    with pytest.raises(ArgumentError, match="multiple of group_size"):
         quantize_int4(torch.zeros(1, 48), group_size=32)
-    with pytest.raises(ConfigError, match="scale dtype"):
+    with pytest.raises(ArgumentError, match="scale dtype"):
         int4_bytes_per_param(32, "int8")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmem.errors import ConfigError
+from kvmem.errors import ArgumentError, ConfigError
 from kvmem.planning import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -127,7 +127,7 @@ def test_throughput_fit_at_a_given_context_and_bad_points() -> None:
     assert m.context_len == 8192
     with pytest.raises(ConfigError, match="two or more"):
         fit_throughput(plan, [(8, 700.0)])
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ArgumentError, match="> 0"):
         fit_throughput(plan, [(1, 100.0), (8, -5.0)], context_len=1024)
 
 

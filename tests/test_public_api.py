@@ -66,9 +66,13 @@ def test_errors_share_one_root() -> None:
     for name in ("ConfigError", "MetadataError", "ArgumentError"):
         assert issubclass(getattr(kvmem, name), ValueError)
     assert issubclass(kvmem.ArgumentTypeError, TypeError)
+    assert issubclass(kvmem.ConfigError, kvmem.ArgumentError)
 
 
 LAYERS = ("allocator", "integrity", "quant", "cuda", "planning", "integrations", "testing")
+
+
+SHARED = ("kvmem.errors", "kvmem._validate", "kvmem._models")  # the root every layer uses
 
 
 def _layer(module: str) -> str:
@@ -90,7 +94,8 @@ def test_no_module_imports_a_private_module_of_another_layer() -> None:
                      [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             for name in names:
                 private = any(p.startswith("_") for p in name.split(".")[1:])
-                if name.startswith("kvmem.") and private and _layer(name) != _layer(module):
+                if (name.startswith("kvmem.") and private and name not in SHARED
+                        and _layer(name) != _layer(module)):
                     offenders.append(f"{module} imports {name}")
     assert not offenders, offenders
 
@@ -115,6 +120,30 @@ def test_manager_and_planning_import_without_torch() -> None:
         "m.admit('a', [1, 2, 3])\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_planning_is_pure() -> None:
+    """Planning (an int4 model included) loads neither torch nor the manager (issue 11: the
+    simulator, which drives the manager, lives above it in kvmem.simulate)."""
+    code = (
+        "import sys\n"
+        "import kvmem.planning\n"
+        "plan = kvmem.planning.plan_capacity('glm-5.2', 'h200', 8, weights='int4-g32')\n"
+        "assert plan.weights_gib_total > 0\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')\n"
+        "             or m in ('kvmem.manager', 'kvmem.simulate'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_errors_contract_classes() -> None:
+    from kvmem.errors import ArgumentError, ArgumentTypeError
+
+    assert issubclass(ArgumentError, kvmem.KVMemError) and issubclass(ArgumentError, ValueError)
+    assert issubclass(ArgumentTypeError, kvmem.KVMemError)
+    assert issubclass(ArgumentTypeError, TypeError)
+    assert issubclass(kvmem.ConfigError, ArgumentError)
 
 
 def test_unknown_attribute_raises() -> None:

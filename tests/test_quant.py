@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvmem.errors import ConfigError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.quant import (
     FORMATS,
     FP8Codec,
@@ -52,7 +52,7 @@ def test_format_table() -> None:
     assert page_format("fp8_e5m2").saturation_threshold == 61440.0
     assert page_format("fp16").saturation_threshold == 65520.0
     assert page_format("bf16").storage_dtype == torch.bfloat16 and not page_format("bf16").quantized
-    with pytest.raises(ConfigError, match="fp8_e4m3"):
+    with pytest.raises(ArgumentError, match="fp8_e4m3"):
         page_format("int8")
 
 
@@ -130,15 +130,15 @@ def test_fp8_decode_accepts_float8_view_and_empty() -> None:
 
 def test_fp8_decode_bad_input() -> None:
     data = torch.zeros(4, 8, dtype=torch.uint8)
-    with pytest.raises(ConfigError, match="fp8_e4m3 or fp8_e5m2"):
+    with pytest.raises(ArgumentError, match="fp8_e4m3 or fp8_e5m2"):
         fp8_to_float(data, "bf16")
-    with pytest.raises(ConfigError, match="uint8"):
+    with pytest.raises(ArgumentTypeError, match="uint8"):
         fp8_to_float(data.float(), "fp8_e4m3")
-    with pytest.raises(ConfigError, match="contiguous"):
+    with pytest.raises(ArgumentError, match="contiguous"):
         fp8_to_float(data.t(), "fp8_e4m3")
-    with pytest.raises(ConfigError, match="out must be"):
+    with pytest.raises(ArgumentError, match="out must be"):
         fp8_to_float(data, "fp8_e4m3", out=torch.empty(4, 9, dtype=torch.bfloat16))
-    with pytest.raises(ConfigError, match="broadcast"):
+    with pytest.raises(ArgumentError, match="broadcast"):
         fp8_to_float(data, "fp8_e4m3", torch.ones(3, 1))
 
 
@@ -298,9 +298,9 @@ def test_make_codec_choices_and_errors() -> None:
     assert make_codec("fp8_e4m3", "head").static_scale_shape(2, 8) == (2, 8)
     token = make_codec("fp8_e4m3", "token_head")
     assert token.token_scales and token.static_scale_shape(2, 8) is None
-    with pytest.raises(ConfigError, match="fp8 pages only"):
+    with pytest.raises(ArgumentError, match="fp8 pages only"):
         make_codec("bf16", "tensor")
-    with pytest.raises(ConfigError, match="granularity"):
+    with pytest.raises(ArgumentError, match="granularity"):
         FP8Codec("fp8_e4m3", "channel")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="static_scale"):
+    with pytest.raises(ArgumentError, match="static_scale"):
         FP8Codec("fp8_e4m3", "tensor").quantize(torch.randn(2, 2, 1, 4))

@@ -11,7 +11,7 @@ import pytest
 from kvmem.cli import main
 from kvmem.errors import ConfigError
 from kvmem.planning import FixedReserve, GPUSpec, plan_capacity
-from kvmem.planning.simulate import LengthDist, Workload, _Arrivals, simulate
+from kvmem.simulate import LengthDist, Workload, _Arrivals, simulate
 
 
 def tiny_plan(memory_mib: int = 1024, page_size: int = 16):  # type: ignore[no-untyped-def]

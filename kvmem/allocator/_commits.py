@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import INT32_MAX, token_array
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepRecord
-from kvmem.errors import INT32_MAX, ArgumentError, KVMemError, as_token_ids
+from kvmem.errors import ArgumentError, KVMemError
 
 __all__ = ["Committer", "batch_tokens", "keys_as_ints"]
 
@@ -177,6 +178,6 @@ def batch_tokens(token_ids: Any, size: int
                             f"{type(token_ids).__name__}")
     if len(token_ids) != size:
         raise ArgumentError(f"commit_batch got {len(token_ids)} token lists for {size} requests")
-    parts = [as_token_ids("token_ids", t) for t in token_ids]
+    parts = [token_array(t, "token_ids") for t in token_ids]
     counts = np.array([p.size for p in parts], dtype=np.int64)
     return (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)), counts

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import INT32_MAX as _INT32_MAX
+from kvmem._validate import integer
 from kvmem.allocator._change_log import ChangeLog
 from kvmem.errors import (
     ArgumentError,
@@ -25,13 +27,11 @@ from kvmem.errors import (
     IntegrityError,
     InvalidFreeError,
     OutOfPagesError,
-    as_int,
 )
 
 __all__ = ["AllocatorStats", "PageAllocator"]
 
 PageIds = npt.NDArray[np.int32]
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +102,7 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int) -> None:
-        self.num_pages = as_int("num_pages", num_pages, 1, _INT32_MAX)
+        self.num_pages = integer(num_pages, "num_pages", minimum=1, maximum=_INT32_MAX)
         # Reversed so that the first allocation hands out 0, 1, 2, ...
         self._free_stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
         self._num_free = self.num_pages
@@ -128,7 +128,7 @@ class PageAllocator:
         return self.num_pages - self._num_free
 
     def can_allocate(self, num: int) -> bool:
-        return as_int("num", num, 0, None) <= self._num_free
+        return integer(num, "num", minimum=0, maximum=None) <= self._num_free
 
     def stats(self) -> AllocatorStats:
         return AllocatorStats(
@@ -154,7 +154,7 @@ class PageAllocator:
         OutOfPagesError
             Fewer than ``num`` pages are free; nothing changed.
         """
-        num = as_int("num", num, 0, _INT32_MAX)
+        num = integer(num, "num", minimum=0, maximum=_INT32_MAX)
         if num > self._num_free:
             raise OutOfPagesError(num, self._num_free)
         start = self._num_free - num

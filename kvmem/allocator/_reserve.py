@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer, integers
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
-from kvmem.errors import KVMemError, as_int, as_ints
+from kvmem.errors import KVMemError
 from kvmem.integrity import CheckingTracker, Tracker, qualify_live
 
 __all__ = ["Reserver"]
@@ -283,8 +284,8 @@ def token_counts(num_tokens: Any, size: int, most: int) -> Int64Array | int:
     ``0 .. most`` (a request's most tokens); raises ArgumentError / ArgumentTypeError naming
     what was wrong."""
     if isinstance(num_tokens, (int, np.integer)) or np.ndim(num_tokens) == 0:
-        return as_int("num_tokens", num_tokens, 0, most)
-    return as_ints("num_tokens", num_tokens, 0, most, size=size)
+        return integer(num_tokens, "num_tokens", minimum=0, maximum=most)
+    return integers(num_tokens, "num_tokens", minimum=0, maximum=most, size=size)
 
 
 class _Labelled:

@@ -29,8 +29,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from kvmem._validate import flag, index_array, integer, show
 from kvmem.cuda._spec import PoolSpec
-from kvmem.errors import ConfigError, KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.quant import make_codec
 
 __all__ = ["PagePool", "PoolStats"]
@@ -42,6 +43,9 @@ IndexLike = torch.Tensor | np.ndarray | Sequence[int]
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_ELEMS = 1 << 19  # elements per CPU write chunk: 2 MiB of fp32 temporaries
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_TAG_BOUND = 2**63 - 1  # tags are non-negative int64 (0: free)
 
 
 class _TagSource(Protocol):
@@ -80,7 +84,18 @@ class PagePool:
     """
 
     def __init__(self, spec: PoolSpec) -> None:
-        device = torch.device(spec.resolved_device())
+        if not isinstance(spec, PoolSpec):
+            raise ArgumentTypeError(
+                f"spec={show(spec)}: expected a PoolSpec, e.g. PagePool(PoolSpec(num_layers=2, "
+                "num_pages=64, num_kv_heads=2, head_dim=64))."
+            )
+        try:
+            device = torch.device(spec.resolved_device())
+        except RuntimeError as e:
+            raise ConfigError(
+                f"PoolSpec device={spec.device!r} is not a device torch knows ({e}); use 'cpu', "
+                "'cuda' or 'cuda:N', or leave device unset."
+            ) from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
                 f"PoolSpec asks for device {spec.device!r} but CUDA is not available; use "
@@ -187,10 +202,11 @@ class PagePool:
         ``spec.nonfinite == "raise"``, NaN/inf input raises and nothing is written.
         """
         self._check_layer(layer)
+        check = flag(check, "check")
         num_tokens = self._check_rows(k, v)
         slots = self._index(slot_mapping, "slot_mapping")
         if slots.shape[0] != num_tokens:
-            raise ConfigError(
+            raise ArgumentError(
                 f"slot_mapping has {slots.shape[0]} entries for {num_tokens} tokens; give one "
                 "slot (or -1) per token."
             )
@@ -205,7 +221,7 @@ class PagePool:
         if self.spec.nonfinite == "raise" and not all(
             bool(torch.isfinite(t).all()) for t in (k, v) if t is not None
         ):
-            raise ConfigError(
+            raise ArgumentError(
                 f"layer {layer}: K/V input holds NaN or inf and the pool's policy is "
                 "nonfinite='raise'; nothing was written. Fix the producer, or use "
                 "nonfinite='zero' to store 0 and count them."
@@ -265,14 +281,14 @@ class PagePool:
         n = self.spec.num_slots
         lo, hi = (int(t) for t in torch.aminmax(slots))
         if lo < -1 or hi >= n:
-            raise ConfigError(
+            raise ArgumentError(
                 f"slot_mapping holds slots from {lo} to {hi}, but this pool has slots "
                 f"0..{n - 1} ({self.spec.num_pages} pages x {self.spec.page_size}) and -1 for "
                 "padding; nothing was written. Check the page table that produced it."
             )
         used = slots[slots >= 0]
         if torch.unique(used).numel() != used.numel():
-            raise ConfigError(
+            raise ArgumentError(
                 "slot_mapping names a slot more than once; two tokens cannot share a slot. "
                 "Nothing was written."
             )
@@ -296,6 +312,7 @@ class PagePool:
         [n, C, page_size, H, D], dtype (a transposed view for HND pools)
         """
         self._check_layer(layer)
+        out_dtype = self._check_dtype(dtype)
         ids = self._index(page_ids, "page_ids")
         self._check_range(ids, self.spec.num_pages, "page_ids", "page")
         pages = self.data[layer]
@@ -308,7 +325,7 @@ class PagePool:
             s = self.static_scales[layer]  # [C, Hs]
             C, Hs = s.shape
             scale = s.view(1, C, 1, Hs, 1) if self._nhd else s.view(1, C, Hs, 1, 1)
-        out = self.codec.dequantize(raw, scale, dtype or self.compute_dtype)
+        out = self.codec.dequantize(raw, scale, out_dtype)
         return out if self._nhd else out.transpose(2, 3)
 
     def read(
@@ -337,14 +354,17 @@ class PagePool:
         src = self._index(src_page_ids, "src_page_ids")
         dst = self._index(dst_page_ids, "dst_page_ids")
         if src.shape != dst.shape:
-            raise ConfigError(
+            raise ArgumentError(
                 f"copy_pages got {src.numel()} sources and {dst.numel()} destinations; give one "
                 "destination per source. Nothing was copied."
             )
         self._check_range(src, self.spec.num_pages, "src_page_ids", "page")
         self._check_range(dst, self.spec.num_pages, "dst_page_ids", "page")
         if torch.unique(dst).numel() != dst.numel():
-            raise ConfigError("copy_pages names a destination page twice; nothing was copied.")
+            raise ArgumentError(
+                "dst_page_ids names a destination page twice; give distinct destinations. "
+                "Nothing was copied."
+            )
         if src.numel() == 0:
             return
         raw = _words(self.page_bytes)
@@ -385,13 +405,14 @@ class PagePool:
         ids = self._index(page_ids, "page_ids")
         values = self._index(tags, "tags")
         if ids.shape != values.shape:
-            raise ConfigError(
+            raise ArgumentError(
                 f"update_tags got {ids.numel()} pages and {values.numel()} tags; give one tag "
                 "per page. No tag changed."
             )
         self._check_range(ids, self.spec.num_pages, "page_ids", "page")
+        self._check_range(values, _TAG_BOUND, "tags", "tag")
         if torch.unique(ids).numel() != ids.numel():
-            raise ConfigError("update_tags names a page twice; no tag changed.")
+            raise ArgumentError("update_tags names a page twice; no tag changed.")
         self.tags[ids] = values
 
     def sync_tags(self, allocator: _TagSource) -> int:
@@ -402,9 +423,22 @@ class PagePool:
         Refused on a pool a manager claimed (the manager keeps its tags current).
         """
         self._require_unclaimed("sync_tags")
+        tags = getattr(allocator, "tags", None)
+        if not callable(getattr(allocator, "pop_changed_pages", None)) or not isinstance(
+            tags, np.ndarray
+        ):
+            raise ArgumentTypeError(
+                f"allocator={show(allocator)}: expected an allocator with a tags array and "
+                "pop_changed_pages(), such as kvmem.PageAllocator."
+            )
+        if tags.shape != (self.spec.num_pages,):
+            raise ArgumentError(
+                f"the allocator has {tags.size} pages but this pool has {self.spec.num_pages}; "
+                "a pool mirrors the tags of the allocator that owns its pages. No tag changed."
+            )
         changed = np.asarray(allocator.pop_changed_pages())
         if changed.size:
-            self.update_tags(changed, np.asarray(allocator.tags)[changed])
+            self.update_tags(changed, tags[changed])
         return int(changed.size)
 
     def load_tags(self, tags: IndexLike) -> None:
@@ -412,10 +446,11 @@ class PagePool:
         self._require_unclaimed("load_tags")
         values = self._index(tags, "tags")
         if values.shape != self.tags.shape:
-            raise ConfigError(
+            raise ArgumentError(
                 f"load_tags needs {self.spec.num_pages} tags, one per page; got "
                 f"{values.numel()}. No tag changed."
             )
+        self._check_range(values, _TAG_BOUND, "tags", "tag")
         self.tags.copy_(values)
 
     # -- counters -------------------------------------------------------------------------------
@@ -444,31 +479,39 @@ class PagePool:
     # -- input checks ---------------------------------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise ConfigError(f"layer must be an int; got {type(layer).__name__}.")
-        if not 0 <= layer < self.spec.num_layers:
-            raise ConfigError(
-                f"layer {layer} is out of range: this pool has layers "
-                f"0..{self.spec.num_layers - 1}."
+        integer(layer, "layer", minimum=0, maximum=self.spec.num_layers - 1)
+
+    def _check_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        if dtype is None:
+            return self.compute_dtype
+        if not isinstance(dtype, torch.dtype):
+            raise ArgumentTypeError(
+                f"dtype={show(dtype)}: expected None or torch.float32, bfloat16, float16 or "
+                "float64."
             )
+        if dtype not in _READ_DTYPES:
+            raise ArgumentError(
+                f"dtype={dtype}: expected None or torch.float32, bfloat16, float16 or float64."
+            )
+        return dtype
 
     def _check_rows(self, k: torch.Tensor, v: torch.Tensor | None) -> int:
         """Validate write input; return the number of tokens."""
         spec = self.spec
         if spec.attention == "mla":
             if v is not None:
-                raise ConfigError(
+                raise ArgumentError(
                     "MLA pools store one latent per token: call write(layer, slot_mapping, "
                     "latent) without v."
                 )
             self._check_tensor(k, "latent", (spec.width,))
             return k.shape[0]
         if v is None:
-            raise ConfigError("MHA/GQA pools store keys and values: pass both k and v.")
+            raise ArgumentError("MHA/GQA pools store keys and values: pass both k and v.")
         self._check_tensor(k, "k", (spec.num_heads, spec.width))
         self._check_tensor(v, "v", (spec.num_heads, spec.width))
         if k.shape[0] != v.shape[0] or k.dtype != v.dtype:
-            raise ConfigError(
+            raise ArgumentError(
                 f"k and v must match in tokens and dtype; got k {tuple(k.shape)} {k.dtype}, "
                 f"v {tuple(v.shape)} {v.dtype}."
             )
@@ -490,39 +533,44 @@ class PagePool:
         return x
 
     def _check_tensor(self, t: torch.Tensor, name: str, tail: tuple[int, ...]) -> None:
+        want = ", ".join(["T", *map(str, tail)])
         if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"{name} must be a torch.Tensor; got {type(t).__name__}.")
+            raise ArgumentTypeError(
+                f"{name}={show(t)}: expected a [{want}] torch.Tensor (float32, bfloat16 or "
+                "float16)."
+            )
         if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tail:
-            want = ", ".join(["T", *map(str, tail)])
-            raise ConfigError(f"{name} has shape {tuple(t.shape)}; this pool expects [{want}].")
+            raise ArgumentError(f"{name} has shape {tuple(t.shape)}; this pool expects [{want}].")
         if t.dtype not in _FLOAT_INPUTS:
-            raise ConfigError(f"{name} has dtype {t.dtype}; pass float32, bfloat16 or float16.")
+            raise ArgumentTypeError(
+                f"{name} has dtype {t.dtype}; pass float32, bfloat16 or float16."
+            )
         if t.device != self.device:
-            raise ConfigError(
+            raise ArgumentError(
                 f"{name} is on {t.device} but the pool is on {self.device}; move it first."
             )
 
     def _index(self, value: IndexLike, name: str) -> torch.Tensor:
-        """A 1-D int64 tensor on the pool's device from a tensor, numpy array or sequence."""
+        """A 1-D int64 tensor on the pool's device from a tensor, numpy array or sequence of
+        integer-likes (values are range-checked by the caller)."""
         if isinstance(value, torch.Tensor):
+            if value.dtype not in _INDEX_DTYPES:
+                raise ArgumentTypeError(
+                    f"{name} has dtype {value.dtype}: expected an integer tensor (int64, int32, "
+                    "int16, int8 or uint8)."
+                )
+            if value.dim() != 1:
+                raise ArgumentError(
+                    f"{name} has shape {tuple(value.shape)}: expected a 1-D tensor."
+                )
             if value.device != self.device:
-                raise ConfigError(
+                raise ArgumentError(
                     f"{name} is on {value.device} but the pool is on {self.device}; move it "
                     "first (numpy arrays and lists are moved for you)."
                 )
-            t = value
-        else:
-            arr = np.asarray(value)
-            if arr.size == 0:
-                arr = arr.astype(np.int64)
-            if arr.dtype.kind not in "iu":
-                raise ConfigError(f"{name} must hold integers; got dtype {arr.dtype}.")
-            t = torch.from_numpy(arr.astype(np.int64, copy=False)).to(self.device)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ConfigError(f"{name} must hold integers; got dtype {t.dtype}.")
-        if t.dim() != 1:
-            raise ConfigError(f"{name} must be 1-D; got shape {tuple(t.shape)}.")
-        return t.long()
+            return value.long()
+        arr = index_array(value, name, minimum=np.iinfo(np.int64).min)
+        return torch.from_numpy(arr).to(self.device)
 
     @staticmethod
     def _check_range(ids: torch.Tensor, bound: int, name: str, what: str) -> None:
@@ -530,8 +578,8 @@ class PagePool:
             return
         lo, hi = (int(t) for t in torch.aminmax(ids))
         if lo < 0 or hi >= bound:
-            raise ConfigError(
-                f"{name} holds {what} ids from {lo} to {hi}; valid ids are 0..{bound - 1}. "
+            raise ArgumentError(
+                f"{name} holds {what}s from {lo} to {hi}; valid {what}s are 0..{bound - 1}. "
                 "Nothing was changed."
             )
 

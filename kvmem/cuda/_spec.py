@@ -20,19 +20,14 @@ allocator metadata and is reported apart from the KV bytes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    NonNegativeInt,
-    PositiveInt,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BeforeValidator, model_validator
+from pydantic_core import PydanticCustomError
 
-from kvmem.errors import ConfigError
+from kvmem._models import NonNegativeInt, PositiveInt, SpecModel
+from kvmem._validate import integer, is_integer_like
 from kvmem.quant import PageDType, ScaleGranularity, page_format
 
 __all__ = ["PoolSpec"]
@@ -40,10 +35,28 @@ __all__ = ["PoolSpec"]
 SCALE_BYTES = 4  # scales are float32
 TAG_BYTES = 8  # the device mirror of allocator tags is int64
 
-StaticScales = float | list[float] | list[list[float]] | list[list[list[float]]]
 
 
-class PoolSpec(BaseModel):
+def _static_scales(value: Any) -> Any:
+    """Numbers or nested lists of numbers (no bools, no strings), as floats."""
+    if isinstance(value, (list, tuple)):
+        return [_static_scales(v) for v in value]
+    if isinstance(value, (bool, np.bool_)) or not (
+        is_integer_like(value) or isinstance(value, (float, np.floating))
+    ):
+        raise PydanticCustomError(
+            "real_type", "expected a number or a nested list of numbers (not bool or str)"
+        )
+    return float(value)
+
+
+StaticScales = Annotated[
+    float | list[float] | list[list[float]] | list[list[list[float]]],
+    BeforeValidator(_static_scales),
+]
+
+
+class PoolSpec(SpecModel):
     """The shape, data type and placement of a page pool.
 
     Parameters
@@ -74,8 +87,6 @@ class PoolSpec(BaseModel):
         NaN/inf inputs: counted and stored as 0 (default), or rejected before any byte changes.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     num_layers: PositiveInt
     num_pages: PositiveInt
     page_size: PositiveInt = 16
@@ -92,19 +103,14 @@ class PoolSpec(BaseModel):
     compute_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     nonfinite: Literal["zero", "raise"] = "zero"
 
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise ConfigError(f"invalid PoolSpec: {e}") from e
+    def __init__(self, **data: Any) -> None:  # typed loosely: values are checked at run time
+        super().__init__(**data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PoolSpec:
         """Parse a spec written by ``model_dump_json``; bad input raises ``ConfigError``."""
-        try:
-            return cls.model_validate_json(text)
-        except ValidationError as e:
-            raise ConfigError(f"invalid PoolSpec JSON: {e}") from e
+        spec: PoolSpec = super().from_json(text)
+        return spec
 
     @model_validator(mode="before")
     @classmethod
@@ -258,9 +264,8 @@ class PoolSpec(BaseModel):
         The budget is for pages, as a capacity planner counts it; ``fixed_nbytes`` (a few
         hundred bytes of per-layer scales) is allocated beside it.
         """
-        if page_budget_bytes < 0:
-            raise ConfigError(f"a byte budget cannot be negative; got {page_budget_bytes}.")
-        return page_budget_bytes // self.bytes_per_page
+        budget = integer(page_budget_bytes, "page_budget_bytes", minimum=0)
+        return budget // self.bytes_per_page
 
     def with_num_pages(self, num_pages: int) -> PoolSpec:
         """The same spec with another page count."""

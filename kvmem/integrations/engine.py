@@ -8,7 +8,8 @@ One :meth:`Engine.step` does what a serving engine does per iteration::
                of its remaining prompt if it is still prefilling (chunked prefill)
     reserve    manager.reserve(ids, num_tokens) -> slot_mapping + CSR for the packed batch
     verify     manager.verify(ids, step): the integrity check on the very arrays the kernel
-               reads; a failing request is aborted (and released) and dropped from the batch
+               reads; a failing request is aborted (and released) and dropped from the batch,
+               and so is a request the caller aborted (:meth:`Engine.abort`): one abort path
     forward    one packed forward of the model: K/V written to pages, attention over pages,
                logits only at each request's last token
     commit     manager.commit_batch(ids, tokens): the fed tokens' KV is in pages (full pages
@@ -17,8 +18,13 @@ One :meth:`Engine.step` does what a serving engine does per iteration::
     release    finished requests give their pages back
 
 Greedy sampling keeps the loop deterministic, so a run can be compared token for token with
-``model.generate(do_sample=False)``. Time spent in each phase is recorded per step
-(:class:`StepTiming`) so the share of kvmem's own work can be measured.
+``model.generate(do_sample=False)``, or with another run of the same steps. "The same steps"
+matters: a request's logits depend, in their last bits, on the other rows of its batch (the
+model's matmuls pick kernels and summation orders by the batch's shape), so two runs agree
+token for token only while they run the same batches. A run where the integrity check aborts
+a request is compared with a run where the caller aborts it at the same step
+(:meth:`Engine.abort`), never with a run where it kept running. Time spent in each phase is
+recorded per step (:class:`StepTiming`) so the share of kvmem's own work can be measured.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 import torch
 
-from kvmem.errors import ConfigError, KVMemError
+from kvmem._validate import show
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.integrations._kvbatch import KVBatch, PagedModel
 
 if TYPE_CHECKING:
@@ -43,7 +50,6 @@ __all__ = [
     "Engine",
     "Request",
     "StepTiming",
-    "free_page_behind_manager",
 ]
 
 log = logging.getLogger(__name__)
@@ -193,6 +199,7 @@ class Engine:
         self.running: list[Request] = []
         self.done: list[Request] = []
         self.timings: list[StepTiming] = []
+        self._aborts: dict[Hashable, str] = {}  # running requests to abort at the next verify
 
     # -- the public loop ---------------------------------------------------------------------
 
@@ -206,6 +213,35 @@ class Engine:
             )
         request.status = "waiting"
         self.waiting.append(request)
+
+    def abort(self, request_id: Hashable, reason: str = "aborted by the caller") -> None:
+        """Abort a request: a waiting one leaves the queue now; a running one is aborted at the
+        verify point of the next step, where the integrity check aborts requests (after that
+        step is scheduled, before its forward), and its pages are released there.
+
+        So a caller's abort and the check's abort change a run in exactly the same way, and a
+        run whose request the check aborted can be compared token for token with a fault-free
+        run that aborts the same request at the same step.
+
+        Raises
+        ------
+        ArgumentError
+            No waiting or running request has this id.
+        """
+        if not isinstance(reason, str):
+            raise ArgumentTypeError(f"reason={show(reason)}: expected a str.")
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                r.status, r.abort_reason = "aborted", reason
+                self.done.append(r)
+                return
+        if not any(r.request_id == request_id for r in self.running):
+            raise ArgumentError(
+                f"request_id={show(request_id)}: no waiting or running request has this id "
+                f"(running: {[r.request_id for r in self.running][:8]})."
+            )
+        self._aborts[request_id] = reason
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -247,12 +283,18 @@ class Engine:
                                                if k != "pool"})
         t4 = time.perf_counter()
         ended: list[Request] = []
-        if report.aborted:  # the manager released them; the rest of the batch proceeds
-            keep = report.keep
+        aborted = dict(report.aborted)  # the manager released these
+        for r in list(self.running):  # the caller's aborts, at the same point
+            if r.request_id in self._aborts and r.request_id not in aborted:
+                mgr.release(r.request_id)
+                aborted[r.request_id] = self._aborts[r.request_id]
+        self._aborts.clear()
+        if aborted:  # the rest of the batch proceeds
+            keep = np.array([r.request_id not in aborted for r in batch], dtype=bool)
             kv = KVBatch.from_arrays(self.lm.pool, *_keep_requests(step, keep)[:5])
-            for r in batch:
-                if r.request_id in report.aborted:
-                    self._end(r, "aborted", report.aborted[r.request_id])
+            for r in list(self.running):
+                if r.request_id in aborted:
+                    self._end(r, "aborted", aborted[r.request_id])
                     ended.append(r)
             batch = [r for r, k in zip(batch, keep) if k]
             feeds = [f for f, k in zip(feeds, keep) if k]
@@ -374,50 +416,3 @@ class Engine:
         self.done.append(r)
         if reason is not None:
             log.warning("request %r aborted: %s", r.request_id, reason)
-
-
-def free_page_behind_manager(
-    manager: KVCacheManager, request_id: Hashable, position: int | None = None
-) -> int:
-    """Fault injection: free one page of a running request without telling the manager.
-
-    This is the bug real engines have shipped (BUGS.md #1, #3, #5): a second release path
-    drops a page that a live request still maps, and the allocator hands it to the next
-    request that asks (the free stack is LIFO: the very next allocation). The request's page
-    table still points at the page; only the integrity check (a page tag that changed) can
-    tell.
-
-    Parameters
-    ----------
-    position:
-        Which of the request's pages (index in its row); default its last page that it holds
-        alone, so that freeing it really returns it to the free stack.
-
-    Returns
-    -------
-    int
-        The freed page id.
-
-    Raises
-    ------
-    KVMemError
-        The chosen page is shared (freeing it would only drop a reference), or the request
-        holds no page alone.
-    """
-    pages = manager.pages_of(request_id)
-    alone = manager.allocator.refcounts[pages] == 1
-    if position is None:
-        if not alone.any():
-            raise KVMemError(
-                f"request {request_id!r} holds no page alone (all {pages.size} are shared); "
-                "pick a request that has written past its shared prefix"
-            )
-        position = int(np.flatnonzero(alone)[-1])
-    if not 0 <= position < pages.size or not alone[position]:
-        raise KVMemError(
-            f"request {request_id!r} has {pages.size} pages and holds "
-            f"{np.flatnonzero(alone).tolist()} alone; position {position} is not one of them"
-        )
-    page = int(pages[position])
-    manager.allocator.free(np.array([page], dtype=np.int32))
-    return page

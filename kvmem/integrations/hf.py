@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmem.errors import ConfigError
+from kvmem._validate import integer
+from kvmem.errors import ArgumentError, ConfigError
 from kvmem.integrations._kvbatch import KVBatch
 
 try:
@@ -352,20 +353,26 @@ class PagedCausalLM:
 
 @torch.inference_mode()
 def hf_perplexity(
-    model: PreTrainedModel, token_ids: list[int], window: int = 1024
+    model: PreTrainedModel,
+    token_ids: list[int],
+    window: int = 1024,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[float, int]:
     """Perplexity of ``token_ids`` with the model's own attention, in non-overlapping windows.
 
     Each window of ``window`` tokens is scored on its own (tokens 1..window-1 given the ones
     before them in the window); a trailing partial window shorter than 2 tokens is dropped.
+    ``progress(windows_done, num_windows)`` is called after each window.
 
     Returns
     -------
     (perplexity, num_scored)
         ``exp(mean NLL)`` over the scored tokens, and how many were scored.
     """
+    window = _check_window(token_ids, window)
     total, count = 0.0, 0
-    for start in range(0, len(token_ids), window):
+    num_windows = -(-len(token_ids) // window)
+    for w, start in enumerate(range(0, len(token_ids), window)):
         ids = torch.tensor(token_ids[start : start + window])[None]
         if ids.shape[1] < 2:
             break
@@ -373,7 +380,19 @@ def hf_perplexity(
         nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
         total += float(nll)
         count += ids.shape[1] - 1
+        if progress is not None:
+            progress(w + 1, num_windows)
     return float(torch.exp(torch.tensor(total / count))), count
+
+
+def _check_window(token_ids: list[int], window: int) -> int:
+    """``window`` (>= 2) after checking that ``token_ids`` has a window's worth to score."""
+    window = integer(window, "window", minimum=2)
+    if isinstance(token_ids, (str, bytes)) or len(token_ids) < 2:
+        raise ArgumentError(
+            f"token_ids has {len(token_ids)} entries; perplexity needs at least 2 token ids."
+        )
+    return window
 
 
 def _prefill_chunks(
@@ -429,6 +448,7 @@ def paged_perplexity(
     token_ids: list[int],
     window: int = 1024,
     chunk_size: int = 256,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[float, int]:
     """Perplexity of ``token_ids`` through the paged path, window by window, chunk by chunk.
 
@@ -443,12 +463,18 @@ def paged_perplexity(
         Built with ``prefix_cache=None`` (every position's logits are needed, so nothing may be
         skipped) over ``lm.pool``'s pages.
 
+    progress:
+        ``progress(windows_done, num_windows)``, called after each window.
+
     Returns
     -------
     (perplexity, num_scored)
     """
+    window = _check_window(token_ids, window)
+    chunk_size = integer(chunk_size, "chunk_size", minimum=1)
     total, count = 0.0, 0
-    for start in range(0, len(token_ids), window):
+    num_windows = -(-len(token_ids) // window)
+    for w, start in enumerate(range(0, len(token_ids), window)):
         ids = list(token_ids[start : start + window])
         if len(ids) < 2:
             break
@@ -459,4 +485,6 @@ def paged_perplexity(
             )
             total += float(nll)
             count += targets.numel()
+        if progress is not None:
+            progress(w + 1, num_windows)
     return float(torch.exp(torch.tensor(total / count))), count

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvmem.errors import ConfigError
+from kvmem._validate import flag, integer, show
+from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.planning._spec import (
     WEIGHT_CLASSES,
     AttentionSpec,
@@ -44,6 +45,10 @@ SCALE_BYTES = 4  # fp32 scales, as the pools store them
 
 def kv_element_bytes(kv_dtype: str) -> int:
     """Bytes of one cached element: 2 for bf16/fp16, 1 for fp8."""
+    if not isinstance(kv_dtype, str):
+        raise ArgumentTypeError(
+            f"kv_dtype={show(kv_dtype)}: expected one of bf16, fp16, fp8_e4m3, fp8_e5m2."
+        )
     if kv_dtype in ("bf16", "fp16"):
         return 2
     if kv_dtype in ("fp8_e4m3", "fp8_e5m2"):
@@ -58,8 +63,9 @@ def kv_heads_per_rank(attention: AttentionSpec, tp: int) -> int:
     ranks than KV heads each head is replicated, which needs ``tp % num_kv_heads == 0``. MLA has
     a single latent "head", cached whole on every rank.
     """
-    if tp <= 0:
-        raise ConfigError(f"tp must be a positive number of GPUs; got {tp}.")
+    if not isinstance(attention, AttentionSpec):
+        raise ArgumentTypeError(f"attention={show(attention)}: expected an AttentionSpec.")
+    tp = integer(tp, "tp", minimum=1)
     if attention.num_heads % tp:
         raise ConfigError(
             f"TP {tp} does not divide the {attention.num_heads} attention heads; "
@@ -107,7 +113,7 @@ def layer_kv_bytes_per_token(
         e.g. 1152 for a BF16 MLA layer with a 512 + 64 latent, 576 in FP8.
     """
     elem = kv_element_bytes(kv_dtype)
-    if scale_layout not in ("tensor", "head", "token_head"):
+    if not isinstance(scale_layout, str) or scale_layout not in ("tensor", "head", "token_head"):
         raise ConfigError(
             f"unknown FP8 scale layout {scale_layout!r}; use tensor, head or token_head."
         )
@@ -169,6 +175,7 @@ def kv_layout(
     model: ModelSpec, kv_dtype: str, scale_layout: str = "tensor", tp: int = 1
 ) -> KVLayout:
     """KV byte accounting of ``model`` on one of ``tp`` ranks."""
+    _check_model(model)
     attn = model.attention
     per_layer = layer_kv_bytes_per_token(attn, kv_dtype, scale_layout, tp)
     full = model.num_full_layers * per_layer
@@ -237,6 +244,9 @@ def param_counts(model: ModelSpec, tp: int = 1, include_mtp: bool = True) -> dic
         Count the multi-token-prediction layers (in the checkpoint; loaded only for speculative
         decoding).
     """
+    _check_model(model)
+    tp = integer(tp, "tp", minimum=1)
+    include_mtp = flag(include_mtp, "include_mtp")
     h = model.hidden_size
     mtp = model.num_mtp_layers if include_mtp else 0
     embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
@@ -303,6 +313,10 @@ def weight_bytes(
     model: ModelSpec, scheme: WeightScheme | None = None, tp: int = 1, use_mtp: bool = False
 ) -> WeightBytes:
     """Bytes of ``model``'s weights stored as ``scheme`` (the model's own by default)."""
+    _check_model(model)
+    if scheme is not None and not isinstance(scheme, WeightScheme):
+        raise ArgumentTypeError(f"scheme={show(scheme)}: expected None or a WeightScheme.")
+    use_mtp = flag(use_mtp, "use_mtp")
     scheme = scheme or model.weights
     ckpt = param_counts(model, tp, include_mtp=True)
     served = param_counts(model, tp, include_mtp=use_mtp)
@@ -317,3 +331,10 @@ def weight_bytes(
         per_gpu += by_class[cls]
         replicated += served[cls].replicated * bpp
     return WeightBytes(total, per_gpu, replicated, by_class)
+
+
+def _check_model(model: ModelSpec) -> None:
+    if not isinstance(model, ModelSpec):
+        raise ArgumentTypeError(
+            f"model={show(model)}: expected a ModelSpec (get_model('kimi-k2.6'), load_hf_config)."
+        )

@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvmem.errors import ConfigError
+from kvmem._validate import show
+from kvmem.errors import ArgumentTypeError, ConfigError, KVMemError
 from kvmem.planning._spec import (
     AttentionSpec,
     IndexerSpec,
@@ -43,6 +44,10 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_DENSE, *_GQA_MOE, *_MLA, "kimi_k25",
 
 def load_hf_config(path: str | Path, name: str | None = None) -> ModelSpec:
     """Read a ``config.json`` (or a folder holding one) into a :class:`ModelSpec`."""
+    if not isinstance(path, (str, Path)):
+        raise ArgumentTypeError(f"path={show(path)}: expected a str or Path to a config.json.")
+    if name is not None and not isinstance(name, str):
+        raise ArgumentTypeError(f"name={show(name)}: expected None or a str.")
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -51,9 +56,11 @@ def load_hf_config(path: str | Path, name: str | None = None) -> ModelSpec:
             f"no Hugging Face config at {str(path)!r}; pass a config.json or its folder."
         )
     try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p} is not valid JSON: {exc}.") from exc
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p} is not valid JSON: {exc}.") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {p}: {exc.strerror or exc}.") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} holds a JSON {type(cfg).__name__}, not an object.")
     default_name = p.parent.name or "hf-model"
@@ -85,6 +92,25 @@ def model_from_hf_config(
     cfg: dict[str, Any], name: str = "hf-model", source: str = "config.json"
 ) -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed ``config.json`` dict."""
+    if not isinstance(cfg, dict):
+        raise ArgumentTypeError(f"cfg={show(cfg)}: expected the dict of a parsed config.json.")
+    for label, value in (("name", name), ("source", source)):
+        if not isinstance(value, str):
+            raise ArgumentTypeError(f"{label}={show(value)}: expected a str.")
+    try:
+        return _model_from_hf_config(cfg, name, source)
+    except KVMemError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as exc:
+        # A field of the wrong type (a string where a count belongs, a list for a dict) fails
+        # in the arithmetic that sizes the model: report it as the config's fault.
+        raise ConfigError(
+            f"{source}: a field has a value kvmem cannot use ({type(exc).__name__}: {exc}); "
+            "check the counts and sizes in it, or describe the model with ModelSpec."
+        ) from None
+
+
+def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     top_type = cfg.get("model_type")
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
     model_type = top_type

@@ -16,12 +16,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from kvmem.errors import ConfigError
+from kvmem._models import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
+from kvmem._validate import choice, flag, integer, show
+from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.planning._accounting import GIB, kv_layout, weight_bytes
 from kvmem.planning._presets import get_gpu, get_model, weight_scheme
-from kvmem.planning._spec import GPUSpec, ModelSpec, VisionSpec, WeightScheme
+from kvmem.planning._spec import (
+    KV_DTYPES,
+    SCALE_LAYOUTS,
+    GPUSpec,
+    ModelSpec,
+    VisionSpec,
+    WeightScheme,
+)
 
 __all__ = [
     "CapacityPlan",
@@ -39,31 +48,27 @@ __all__ = [
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
-class FixedReserve(BaseModel):
+class FixedReserve(SpecModel):
     """Keep ``reserve_gib`` per GPU out of the KV pool (activations, graphs, CUDA context)."""
 
-    model_config = _FROZEN
-
     kind: Literal["fixed"] = "fixed"
-    reserve_gib: float = Field(default=8.0, ge=0)
+    reserve_gib: NonNegativeReal = 8.0
 
     def describe(self) -> str:
         return f"fixed reserve {self.reserve_gib:g} GiB"
 
 
-class MemoryFraction(BaseModel):
+class MemoryFraction(SpecModel):
     """Weights plus KV pool take ``fraction`` of GPU memory; the rest is reserve."""
 
-    model_config = _FROZEN
-
     kind: Literal["fraction"] = "fraction"
-    fraction: float = Field(default=0.9, gt=0, le=1)
+    fraction: PositiveReal = Field(default=0.9, le=1)
 
     def describe(self) -> str:
         return f"memory fraction {self.fraction:g}"
 
 
-class SGLangPolicy(BaseModel):
+class SGLangPolicy(SpecModel):
     """SGLang's default ``mem_fraction_static`` heuristic, as its server_args documents it.
 
     SGLang picks ``chunked_prefill_size`` and ``cuda_graph_max_bs`` from the GPU's memory
@@ -80,18 +85,16 @@ class SGLangPolicy(BaseModel):
     than predicts; 0 by default).
     """
 
-    model_config = _FROZEN
-
     kind: Literal["sglang"] = "sglang"
-    mem_fraction_static: float | None = Field(default=None, gt=0, le=1)
-    chunked_prefill_size: int | None = Field(default=None, gt=0)
-    cuda_graph_max_bs: int | None = Field(default=None, gt=0)
-    pp: int = Field(default=1, gt=0)
-    dp_attention: bool = False
-    dp_size: int = Field(default=1, gt=0)
+    mem_fraction_static: PositiveReal | None = Field(default=None, le=1)
+    chunked_prefill_size: PositiveInt | None = None
+    cuda_graph_max_bs: PositiveInt | None = None
+    pp: PositiveInt = 1
+    dp_attention: StrictBool = False
+    dp_size: PositiveInt = 1
     speculative: Literal["eagle", "standalone", "ngram"] | None = None
-    vlm_adjust: bool = True
-    runtime_overhead_gib: float = Field(default=0.0, ge=0)
+    vlm_adjust: StrictBool = True
+    runtime_overhead_gib: NonNegativeReal = 0.0
 
     def describe(self) -> str:
         return (
@@ -108,6 +111,13 @@ def sglang_mem_fraction_static(
     gpu: GPUSpec, tp: int, policy: SGLangPolicy | None = None, vision: VisionSpec | None = None
 ) -> float:
     """SGLang's default ``mem_fraction_static`` on ``gpu`` at ``tp`` (:class:`SGLangPolicy`)."""
+    if not isinstance(gpu, GPUSpec):
+        raise ArgumentTypeError(f"gpu={show(gpu)}: expected a GPUSpec (get_gpu('h200')).")
+    tp = integer(tp, "tp", minimum=1)
+    if policy is not None and not isinstance(policy, SGLangPolicy):
+        raise ArgumentTypeError(f"policy={show(policy)}: expected None or an SGLangPolicy.")
+    if vision is not None and not isinstance(vision, VisionSpec):
+        raise ArgumentTypeError(f"vision={show(vision)}: expected None or a VisionSpec.")
     policy = policy or SGLangPolicy()
     if policy.mem_fraction_static is not None:
         return policy.mem_fraction_static
@@ -160,7 +170,7 @@ class CapacityPlan(BaseModel):
     dp: int
     num_gpus: int
     kv_dtype: str
-    kv_scale_layout: str
+    kv_scale_layout: str | None  # None for bf16/fp16 KV (no scales)
     weights: str
     page_size: int
     policy: str
@@ -199,8 +209,7 @@ class CapacityPlan(BaseModel):
 
     def sequence_bytes(self, context_len: int) -> int:
         """KV bytes one sequence of ``context_len`` tokens takes on one GPU, pages rounded up."""
-        if context_len <= 0:
-            raise ConfigError(f"context_len must be positive; got {context_len}.")
+        context_len = integer(context_len, "context_len", minimum=1)
         pages = -(-context_len // self.page_size)
         nbytes = pages * self.kv_bytes_per_page_per_gpu
         if self.kv_sliding_bytes_per_token_per_gpu:
@@ -224,6 +233,9 @@ def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> fl
     With uniform routing each token picks ``top_k`` of ``num_experts``; an expert is missed by all
     tokens with probability ``(1 - top_k / num_experts) ** num_tokens``.
     """
+    num_experts = integer(num_experts, "num_experts", minimum=0)
+    top_k = integer(top_k, "top_k", minimum=0, maximum=num_experts)
+    num_tokens = integer(num_tokens, "num_tokens")
     if num_experts == 0:
         return 0.0
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(num_tokens, 0))
@@ -236,8 +248,10 @@ def decode_bytes_per_step(plan: CapacityPlan, concurrency: int, context_len: int
     routed experts only as far as the batch activates them; each of ``concurrency`` sequences
     reads ``context_len`` tokens of KV (its sliding layers only the window).
     """
-    if concurrency <= 0:
-        raise ConfigError(f"concurrency must be positive; got {concurrency}.")
+    if not isinstance(plan, CapacityPlan):
+        raise ArgumentTypeError(f"plan={show(plan)}: expected a CapacityPlan.")
+    concurrency = integer(concurrency, "concurrency", minimum=1)
+    context_len = integer(context_len, "context_len", minimum=0)
     active = expected_active_experts(plan.num_experts, plan.experts_top_k, concurrency)
     routed = plan.decode_routed_weight_bytes * (
         active / plan.num_experts if plan.num_experts else 0
@@ -259,7 +273,7 @@ def plan_capacity(
     *,
     dp: int = 1,
     kv_dtype: str = "bf16",
-    kv_scale_layout: str = "tensor",
+    kv_scale_layout: str | None = None,
     weights: WeightScheme | str | None = None,
     policy: FixedReserve | MemoryFraction | SGLangPolicy | None = None,
     page_size: int = 16,
@@ -281,8 +295,9 @@ def plan_capacity(
         Replicas (data parallel); totals are per replica times ``dp``.
     kv_dtype : str
         ``bf16``, ``fp16``, ``fp8_e4m3`` or ``fp8_e5m2``.
-    kv_scale_layout : str
-        FP8 scales per ``tensor``, ``head`` or ``token_head`` (fp32).
+    kv_scale_layout : str, optional
+        FP8 scales per ``tensor`` (the default for fp8), ``head`` or ``token_head`` (fp32).
+        bf16/fp16 KV has no scales: giving a layout with them is refused, not ignored.
     weights : WeightScheme or str, optional
         A scheme or a name (``native``, ``bf16``, ``fp8``, ``int4-g32``, ``mxfp4``); the model's
         published checkpoint by default.
@@ -306,15 +321,42 @@ def plan_capacity(
     ConfigError
         When TP cannot split the heads, the weights do not fit, or the reserve leaves no KV pool.
     """
+    if not isinstance(model, (str, ModelSpec)):
+        raise ArgumentTypeError(f"model={show(model)}: expected a preset name or a ModelSpec.")
+    if not isinstance(gpu, (str, GPUSpec)):
+        raise ArgumentTypeError(f"gpu={show(gpu)}: expected a preset name or a GPUSpec.")
+    tp = integer(tp, "tp", minimum=1)
+    dp = integer(dp, "dp", minimum=1)
+    kv_dtype = choice(kv_dtype, "kv_dtype", KV_DTYPES)
+    if kv_scale_layout is not None:
+        kv_scale_layout = choice(kv_scale_layout, "kv_scale_layout", SCALE_LAYOUTS)
+        if not kv_dtype.startswith("fp8"):
+            raise ConfigError(
+                f"kv_scale_layout={kv_scale_layout!r} applies to fp8 KV only; {kv_dtype} KV has "
+                "no scales. Leave kv_scale_layout unset, or pick kv_dtype fp8_e4m3/fp8_e5m2."
+            )
+    elif kv_dtype.startswith("fp8"):
+        kv_scale_layout = "tensor"
+    if weights is not None and not isinstance(weights, (str, WeightScheme)):
+        raise ArgumentTypeError(
+            f"weights={show(weights)}: expected None, a scheme name (e.g. 'int4-g32') or a "
+            "WeightScheme."
+        )
+    if policy is not None and not isinstance(policy, (FixedReserve, MemoryFraction, SGLangPolicy)):
+        raise ArgumentTypeError(
+            f"policy={show(policy)}: expected None, FixedReserve, MemoryFraction or SGLangPolicy."
+        )
+    page_size = integer(page_size, "page_size", minimum=1)
+    if context_len is not None:
+        context_len = integer(context_len, "context_len", minimum=1)
+    if concurrency is not None:
+        concurrency = integer(concurrency, "concurrency", minimum=1)
+    use_mtp = flag(use_mtp, "use_mtp")
     spec = get_model(model) if isinstance(model, str) else model
     card = get_gpu(gpu) if isinstance(gpu, str) else gpu
-    if dp <= 0:
-        raise ConfigError(f"dp must be a positive number of replicas; got {dp}.")
-    if page_size <= 0:
-        raise ConfigError(f"page_size must be positive; got {page_size}.")
     scheme = weight_scheme(weights, spec) if isinstance(weights, str) else (weights or spec.weights)
     policy = policy or SGLangPolicy()
-    layout = kv_layout(spec, kv_dtype, kv_scale_layout, tp)
+    layout = kv_layout(spec, kv_dtype, kv_scale_layout or "tensor", tp)
     wb = weight_bytes(spec, scheme, tp, use_mtp=use_mtp)
 
     mem_bytes = card.memory_mib * (1 << 20)
@@ -412,4 +454,7 @@ def plan_capacity(
 
 def tokens_freed(before: CapacityPlan, after: CapacityPlan) -> int:
     """KV tokens per replica that ``after`` holds beyond ``before`` (e.g. smaller weights)."""
+    for name, plan in (("before", before), ("after", after)):
+        if not isinstance(plan, CapacityPlan):
+            raise ArgumentTypeError(f"{name}={show(plan)}: expected a CapacityPlan.")
     return after.kv_tokens_per_gpu - before.kv_tokens_per_gpu

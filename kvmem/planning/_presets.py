@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from kvmem.errors import ConfigError
+from kvmem._validate import show
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 from kvmem.planning._spec import (
     AttentionSpec,
     GPUSpec,
@@ -288,6 +289,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {
 
 def get_model(name: str) -> ModelSpec:
     """A preset model by name (case-insensitive)."""
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"name={show(name)}: expected a preset model name such as 'kimi-k2.6'."
+        )
     key = name.strip().lower()
     if key not in MODEL_PRESETS:
         raise ConfigError(
@@ -299,6 +304,8 @@ def get_model(name: str) -> ModelSpec:
 
 def get_gpu(name: str) -> GPUSpec:
     """A preset GPU by name (case-insensitive)."""
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name={show(name)}: expected a preset GPU name such as 'h200'.")
     key = name.strip().lower()
     if key not in GPU_PRESETS:
         raise ConfigError(
@@ -319,6 +326,12 @@ def weight_scheme(name: str, model: ModelSpec) -> WeightScheme:
     ``int4-g32``): routed experts INT4 with group N and BF16 scales, the rest BF16; a model without
     experts gets INT4 attention and MLP instead. ``mxfp4``: routed experts MXFP4, the rest BF16.
     """
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"name={show(name)}: expected a weight scheme name: {', '.join(WEIGHT_SCHEME_NAMES)}."
+        )
+    if not isinstance(model, ModelSpec):
+        raise ArgumentTypeError(f"model={show(model)}: expected a ModelSpec.")
     key = name.strip().lower()
     if key == "native":
         return model.weights
@@ -331,7 +344,10 @@ def weight_scheme(name: str, model: ModelSpec) -> WeightScheme:
     match = re.fullmatch(r"int4-g(\d+)", key)
     if match:
         fmt = WeightFormat(kind="int4", group_size=int(match.group(1)))
-        fmt.bytes_per_param()  # validates the group size
+        try:
+            fmt.bytes_per_param()  # validates the group size
+        except ArgumentError as exc:
+            raise ConfigError(f"weight scheme {name!r}: {exc}") from None
         if model.moe:
             return WeightScheme(routed_experts=fmt)
         return WeightScheme(attention=fmt, dense_mlp=fmt)

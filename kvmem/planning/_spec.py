@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 
+from kvmem._models import NonNegativeInt, PositiveInt, PositiveReal, SpecModel
 from kvmem.errors import ConfigError
+from kvmem.quant.int4 import int4_bytes_per_param  # torch-free: int4 imports torch lazily
 
 __all__ = [
     "KV_DTYPES",
@@ -46,10 +48,7 @@ WEIGHT_CLASSES: tuple[str, ...] = (
     "other",
 )
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class WeightFormat(BaseModel):
+class WeightFormat(SpecModel):
     """How one class of weights is stored.
 
     ``bf16``/``fp16``/``fp32``: plain. ``fp8``: one byte per parameter plus one fp32 scale per
@@ -58,13 +57,11 @@ class WeightFormat(BaseModel):
     values with one 8-bit shared exponent per 32 (OCP MX, as gpt-oss ships its experts).
     """
 
-    model_config = _FROZEN
-
     kind: Literal["bf16", "fp16", "fp32", "fp8", "int4", "mxfp4"]
-    group_size: int = Field(default=32, gt=0)
+    group_size: PositiveInt = 32
     scale_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    zero_point: bool = False
-    block_size: int = Field(default=128, ge=0)
+    zero_point: StrictBool = False
+    block_size: NonNegativeInt = 128
 
     def bytes_per_param(self) -> float:
         """Average bytes per parameter, scales included."""
@@ -76,9 +73,6 @@ class WeightFormat(BaseModel):
             return 1.0 + (4.0 / (self.block_size * self.block_size) if self.block_size else 0.0)
         if self.kind == "mxfp4":
             return 0.5 + 1.0 / 32
-        # Imported here: kvmem.quant's package __init__ loads torch, and planning must not.
-        from kvmem.quant.int4 import int4_bytes_per_param
-
         return int4_bytes_per_param(self.group_size, self.scale_dtype, self.zero_point)
 
     def label(self) -> str:
@@ -95,13 +89,11 @@ class WeightFormat(BaseModel):
 BF16 = WeightFormat(kind="bf16")
 
 
-class WeightScheme(BaseModel):
+class WeightScheme(SpecModel):
     """A :class:`WeightFormat` for each weight class.
 
     ``other`` holds what is neither of the named classes: MoE routers, norms, a vision tower.
     """
-
-    model_config = _FROZEN
 
     embeddings: WeightFormat = BF16
     attention: WeightFormat = BF16
@@ -122,7 +114,7 @@ class WeightScheme(BaseModel):
         return ", ".join([*odd, f"rest={common}"]) if odd else common
 
 
-class AttentionSpec(BaseModel):
+class AttentionSpec(SpecModel):
     """The attention layers and what each caches per token.
 
     ``mha``/``gqa``: K and V, ``num_kv_heads x head_dim`` each, split across TP ranks down to one
@@ -133,19 +125,17 @@ class AttentionSpec(BaseModel):
     cache is a fixed per-sequence cost, not a per-token one.
     """
 
-    model_config = _FROZEN
-
     kind: Literal["mha", "gqa", "mla"]
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int | None = Field(default=None, gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-    kv_lora_rank: int | None = Field(default=None, gt=0)
-    qk_rope_head_dim: int | None = Field(default=None, gt=0)
-    qk_nope_head_dim: int | None = Field(default=None, gt=0)
-    v_head_dim: int | None = Field(default=None, gt=0)
-    q_lora_rank: int | None = Field(default=None, gt=0)
-    sliding_window: int | None = Field(default=None, gt=0)
-    num_sliding_layers: int = Field(default=0, ge=0)
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    kv_lora_rank: PositiveInt | None = None
+    qk_rope_head_dim: PositiveInt | None = None
+    qk_nope_head_dim: PositiveInt | None = None
+    v_head_dim: PositiveInt | None = None
+    q_lora_rank: PositiveInt | None = None
+    sliding_window: PositiveInt | None = None
+    num_sliding_layers: NonNegativeInt = 0
 
     @model_validator(mode="after")
     def _check(self) -> AttentionSpec:
@@ -178,7 +168,7 @@ class AttentionSpec(BaseModel):
         return self
 
 
-class IndexerSpec(BaseModel):
+class IndexerSpec(SpecModel):
     """A sparse-attention indexer (DeepSeek V3.2 / GLM 5 DSA): its own per-token key cache.
 
     Only ``num_cache_layers`` layers compute (and cache) their own index keys; the others reuse
@@ -186,13 +176,11 @@ class IndexerSpec(BaseModel):
     replicated on every TP rank. FP8 index keys carry one fp32 scale per ``scale_block`` values.
     """
 
-    model_config = _FROZEN
-
-    head_dim: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_cache_layers: int = Field(gt=0)
+    head_dim: PositiveInt
+    num_heads: PositiveInt
+    num_cache_layers: PositiveInt
     dtype: Literal["fp8_e4m3", "bf16"] = "fp8_e4m3"
-    scale_block: int = Field(default=128, gt=0)
+    scale_block: PositiveInt = 128
 
     def bytes_per_token_per_layer(self) -> int:
         """Bytes one token's index key costs in one layer (132 for 128-dim FP8 keys)."""
@@ -201,17 +189,15 @@ class IndexerSpec(BaseModel):
         return self.head_dim + 4 * -(-self.head_dim // self.scale_block)
 
 
-class MoESpec(BaseModel):
+class MoESpec(SpecModel):
     """Mixture-of-experts layers: routed experts (SwiGLU, 3 matrices each) and shared experts."""
 
-    model_config = _FROZEN
-
-    num_layers: int = Field(gt=0)
-    num_experts: int = Field(gt=0)
-    top_k: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_shared_experts: int = Field(default=0, ge=0)
-    shared_intermediate_size: int | None = Field(default=None, gt=0)
+    num_layers: PositiveInt
+    num_experts: PositiveInt
+    top_k: PositiveInt
+    intermediate_size: PositiveInt
+    num_shared_experts: NonNegativeInt = 0
+    shared_intermediate_size: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
@@ -220,17 +206,15 @@ class MoESpec(BaseModel):
         return self
 
 
-class VisionSpec(BaseModel):
+class VisionSpec(SpecModel):
     """A vision tower, as far as capacity goes: its parameters and the size an engine sees."""
 
-    model_config = _FROZEN
-
-    num_params: int = Field(gt=0)
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
+    num_params: PositiveInt
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(SpecModel):
     """A model's architecture as far as memory is concerned.
 
     Layers are ``num_dense_layers`` dense-MLP layers plus ``moe.num_layers`` MoE layers.
@@ -238,20 +222,18 @@ class ModelSpec(BaseModel):
     for speculative decoding. ``source`` says where the numbers came from.
     """
 
-    model_config = _FROZEN
-
     name: str
     source: str = ""
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    tie_word_embeddings: bool = False
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    vocab_size: PositiveInt
+    tie_word_embeddings: StrictBool = False
     attention: AttentionSpec
     indexer: IndexerSpec | None = None
-    num_dense_layers: int = Field(ge=0)
-    intermediate_size: int = Field(default=0, ge=0)
+    num_dense_layers: NonNegativeInt
+    intermediate_size: NonNegativeInt = 0
     moe: MoESpec | None = None
-    num_mtp_layers: int = Field(default=0, ge=0)
+    num_mtp_layers: NonNegativeInt = 0
     vision: VisionSpec | None = None
     weights: WeightScheme = WeightScheme()
 
@@ -283,18 +265,16 @@ class ModelSpec(BaseModel):
         return self.num_layers - self.attention.num_sliding_layers
 
 
-class GPUSpec(BaseModel):
+class GPUSpec(SpecModel):
     """A GPU: memory as the driver reports it, and peak memory bandwidth.
 
     ``memory_mib`` is what ``nvidia-smi --query-gpu=memory.total`` (or ``rocm-smi``) prints, in
     MiB; engines size their pools from that, not from the marketing "141 GB".
     """
 
-    model_config = _FROZEN
-
     name: str
-    memory_mib: int = Field(gt=0)
-    bandwidth_gbs: float = Field(gt=0, description="peak HBM bandwidth, 1e9 bytes/s")
+    memory_mib: PositiveInt
+    bandwidth_gbs: PositiveReal = Field(description="peak HBM bandwidth, 1e9 bytes/s")
     source: str = ""
 
     @property

@@ -18,28 +18,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from kvmem.errors import ConfigError
+from kvmem._models import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
+from kvmem._validate import integer, real, show
+from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.planning._plan import CapacityPlan, decode_bytes_per_step
 
 __all__ = ["ThroughputModel", "fit_throughput"]
 
 
-class ThroughputModel(BaseModel):
+class ThroughputModel(SpecModel):
     """``t_step = t0_s + bytes_read / (bandwidth * efficiency)`` at ``context_len`` tokens."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    t0_s: float = Field(ge=0)
-    efficiency: float = Field(gt=0)
-    context_len: int = Field(gt=0)
-    rms_relative_error: float = Field(default=0.0, ge=0)
+    t0_s: NonNegativeReal
+    efficiency: PositiveReal
+    context_len: PositiveInt
+    rms_relative_error: NonNegativeReal = 0.0
 
     def step_seconds(
         self, plan: CapacityPlan, concurrency: int, context_len: int | None = None
     ) -> float:
-        nbytes = decode_bytes_per_step(plan, concurrency, context_len or self.context_len)
+        """Seconds of one decode step of ``concurrency`` sequences (the fitted context unless
+        one is given)."""
+        if context_len is None:
+            context_len = self.context_len
+        nbytes = decode_bytes_per_step(plan, concurrency, context_len)
         return self.t0_s + nbytes / (plan.gpu_bandwidth_gbs * 1e9 * self.efficiency)
 
     def tokens_per_s(
@@ -98,6 +100,27 @@ def fit_throughput(
     -------
     ThroughputModel
     """
+    if not isinstance(plan, CapacityPlan):
+        raise ArgumentTypeError(f"plan={show(plan)}: expected a CapacityPlan.")
+    if isinstance(points, (str, bytes)) or not isinstance(points, Sequence):
+        raise ArgumentTypeError(
+            f"points={show(points)}: expected a sequence of (concurrency, tokens/s) pairs."
+        )
+    checked = []
+    for i, point in enumerate(points):
+        if not isinstance(point, (tuple, list)) or len(point) != 2:
+            raise ArgumentTypeError(
+                f"points[{i}]={show(point)}: expected a (concurrency, tokens/s) pair."
+            )
+        checked.append(
+            (
+                integer(point[0], f"points[{i}] concurrency", minimum=1),
+                real(point[1], f"points[{i}] tokens/s", minimum=0, exclusive_minimum=True),
+            )
+        )
+    points = checked
+    if context_len is not None:
+        context_len = integer(context_len, "context_len", minimum=1)
     if len({c for c, _ in points}) < 2:
         raise ConfigError(
             f"fitting needs measurements at two or more concurrencies; got {list(points)}."

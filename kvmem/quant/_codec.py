@@ -34,7 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvmem.errors import ConfigError
+from kvmem._validate import show
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 from kvmem.quant._formats import PageFormat, ScaleGranularity, page_format
 from kvmem.quant._fp8 import fp8_to_float
 
@@ -71,6 +72,8 @@ class KVCodec(ABC):
         x : [T, C, H, D]; NaN/inf are ignored. Entries whose values are all zero stay 0.
         Codecs without per-layer scales return ``static_scale`` unchanged.
         """
+        _check_rows(x)
+        _check_scale(static_scale, x.device)
         return static_scale
 
     @abstractmethod
@@ -135,6 +138,7 @@ class PlainCodec(KVCodec):
         self.granularity = None
 
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
+        _check_rows(x)
         num_nonfinite = _zero_nonfinite(x)
         if torch.finfo(x.dtype).max > self.format.max_finite:
             # Clamp in fp32, where the target's maximum is exact (bf16 rounds 65504 to 65536).
@@ -151,6 +155,7 @@ class PlainCodec(KVCodec):
         out_dtype: torch.dtype,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _check_decode(data, self.format.dtype, scale, out_dtype, out)
         value = data if scale is None else data.float() * scale
         if out is None:
             return value.to(out_dtype)
@@ -164,7 +169,7 @@ class FP8Codec(KVCodec):
         fmt = page_format(dtype)
         if not fmt.quantized:
             raise ConfigError(f"FP8Codec stores fp8_e4m3/fp8_e5m2; got {dtype!r}.")
-        if granularity not in ("tensor", "head", "token_head"):
+        if not isinstance(granularity, str) or granularity not in ("tensor", "head", "token_head"):
             raise ConfigError(
                 f"unknown scale granularity {granularity!r}; use tensor, head or token_head."
             )
@@ -173,6 +178,8 @@ class FP8Codec(KVCodec):
         self.token_scales = granularity == "token_head"
 
     def calibrate(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor | None:
+        _check_rows(x)
+        _check_scale(static_scale, x.device)
         if self.token_scales or static_scale is None:
             return static_scale
         magnitude = x.abs()
@@ -183,6 +190,17 @@ class FP8Codec(KVCodec):
         return torch.where(static_scale > 0, static_scale, amax / self.format.max_finite)
 
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
+        _check_rows(x)
+        _check_scale(static_scale, x.device)
+        if static_scale is not None and (
+            static_scale.dim() != 2 or static_scale.shape[0] != x.shape[1]
+            or static_scale.shape[1] not in (1, x.shape[2])
+        ):
+            raise ArgumentError(
+                f"static_scale has shape {tuple(static_scale.shape)}; for x of shape "
+                f"{tuple(x.shape)} it must be [C, 1] (tensor) or [C, H] (head) = "
+                f"[{x.shape[1]}, 1] or [{x.shape[1]}, {x.shape[2]}]."
+            )
         xf = x if x.dtype == torch.float32 else x.float()
         num_nonfinite = _zero_nonfinite(xf)
         fmax = self.format.max_finite
@@ -217,6 +235,10 @@ class FP8Codec(KVCodec):
 
 def make_codec(dtype: str, scales: ScaleGranularity | None = None) -> KVCodec:
     """The codec for a page dtype (and, for fp8, a scale granularity; default ``tensor``)."""
+    if scales is not None and not isinstance(scales, str):
+        raise ArgumentTypeError(
+            f"scales={show(scales)}: expected None, 'tensor', 'head' or 'token_head'."
+        )
     if page_format(dtype).quantized:
         return FP8Codec(dtype, scales or "tensor")
     if scales is not None:
@@ -225,3 +247,53 @@ def make_codec(dtype: str, scales: ScaleGranularity | None = None) -> KVCodec:
             "Drop scales or pick fp8_e4m3/fp8_e5m2."
         )
     return PlainCodec(dtype)
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    """``x`` must be a ``[T, C, H, D]`` float32/bfloat16/float16 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(f"x={show(x)}: expected a [T, C, H, D] float tensor.")
+    if x.dtype not in _FLOATS:
+        raise ArgumentTypeError(f"x has dtype {x.dtype}; pass float32, bfloat16 or float16.")
+    if x.dim() != 4:
+        raise ArgumentError(f"x has shape {tuple(x.shape)}; expected [T, C, H, D].")
+
+
+def _check_scale(scale: torch.Tensor | None, device: torch.device) -> None:
+    """``scale`` must be None or a float32 tensor on ``device``."""
+    if scale is None:
+        return
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ArgumentTypeError(
+            f"static_scale={show(scale)}: expected None or a float32 tensor of shape [C, Hs]."
+        )
+    if scale.device != device:
+        raise ArgumentError(f"static_scale is on {scale.device} but x is on {device}.")
+
+
+def _check_decode(
+    data: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> None:
+    if not isinstance(data, torch.Tensor) or data.dtype != dtype:
+        got = data.dtype if isinstance(data, torch.Tensor) else show(data)
+        raise ArgumentTypeError(f"data={got}: expected a {dtype} tensor.")
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        raise ArgumentTypeError(f"scale={show(scale)}: expected None or a float32 tensor.")
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in _OUT_FLOATS:
+        raise ArgumentTypeError(
+            f"out_dtype={show(out_dtype)}: expected torch.float32, bfloat16, float16 or float64."
+        )
+    if out is not None and (
+        not isinstance(out, torch.Tensor) or out.shape != data.shape or out.dtype != out_dtype
+    ):
+        raise ArgumentError(
+            f"out must be a {out_dtype} tensor of shape {tuple(data.shape)}; got {show(out)}."
+        )

@@ -20,7 +20,8 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from kvmem.errors import ConfigError
+from kvmem._validate import show
+from kvmem.errors import ArgumentTypeError, ConfigError
 
 __all__ = [
     "FORMATS",
@@ -71,6 +72,10 @@ assert set(FORMATS) == set(get_args(PageDType))
 
 def page_format(name: str) -> PageFormat:
     """The :class:`PageFormat` called ``name``; raises ``ConfigError`` listing the known ones."""
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"page dtype {show(name)}: expected one of {', '.join(FORMATS)} (a str)."
+        )
     try:
         return FORMATS[name]
     except KeyError:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmem.errors import ConfigError
+from kvmem._validate import real, show
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.quant._formats import page_format
 
 __all__ = ["fp8_to_float"]
@@ -39,6 +40,7 @@ __all__ = ["fp8_to_float"]
 # the 2-core CI machine (benchmarks/bench_fp8.py).
 _CHUNK_ELEMS = 32767
 _THREADED_CHUNK_ELEMS = 1 << 18
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _E4M3_MASK = -16512  # 0xBF80 as int16: keep sign, exponent and mantissa; drop the sign's echo
 _WIDEN = {  # int8 -> int16 multiplier that places the byte, and the factor the half is off by
     "fp8_e4m3": (128, 256.0),
@@ -70,23 +72,40 @@ def fp8_to_float(
     -------
     [..., D], out_dtype
     """
+    if not isinstance(fmt, str):
+        raise ArgumentTypeError(f"fmt={show(fmt)}: expected 'fp8_e4m3' or 'fp8_e5m2'.")
     if fmt not in _WIDEN:
-        raise ConfigError(f"fp8_to_float decodes fp8_e4m3 or fp8_e5m2; got {fmt!r}.")
+        raise ArgumentError(f"fmt={fmt!r}: fp8_to_float decodes fp8_e4m3 or fp8_e5m2.")
+    if not isinstance(data, torch.Tensor):
+        raise ArgumentTypeError(f"data={show(data)}: expected a uint8 tensor of FP8 bytes.")
     if data.dtype not in (torch.uint8, page_format(fmt).dtype):
-        raise ConfigError(
+        raise ArgumentTypeError(
             f"fp8_to_float needs uint8 (or {page_format(fmt).dtype}) bytes; got {data.dtype}."
         )
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in _OUT_DTYPES:
+        raise ArgumentTypeError(
+            f"out_dtype={show(out_dtype)}: expected torch.float32, bfloat16, float16 or float64."
+        )
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        real(scale, "scale")
+    elif isinstance(scale, torch.Tensor) and not scale.dtype.is_floating_point:
+        raise ArgumentTypeError(f"scale has dtype {scale.dtype}: expected a float tensor.")
     if data.dim() == 0 or not data.is_contiguous():
-        raise ConfigError(
+        raise ArgumentError(
             f"fp8_to_float needs a contiguous tensor of at least one dimension; got shape "
             f"{tuple(data.shape)} (contiguous={data.is_contiguous()}). Call .contiguous() first."
         )
     if out is None:
         out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
-    elif out.shape != data.shape or out.dtype != out_dtype or not out.is_contiguous():
-        raise ConfigError(
+    elif (
+        not isinstance(out, torch.Tensor)
+        or out.shape != data.shape
+        or out.dtype != out_dtype
+        or not out.is_contiguous()
+    ):
+        raise ArgumentError(
             f"out must be a contiguous {out_dtype} tensor of shape {tuple(data.shape)}; got "
-            f"{out.dtype} {tuple(out.shape)}."
+            f"{show(out) if not isinstance(out, torch.Tensor) else (out.dtype, tuple(out.shape))}."
         )
     if data.numel() == 0:
         return out
@@ -165,7 +184,7 @@ def _row_multipliers(
     try:
         s = s.expand(*lead_shape, 1)
     except RuntimeError as e:
-        raise ConfigError(
+        raise ArgumentError(
             f"scale of shape {tuple(scale.shape)} does not broadcast to the rows "
             f"{(*lead_shape, 1)} of the data; give one scale per row or fewer."
         ) from e

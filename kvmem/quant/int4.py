@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvmem.errors import ConfigError
+from kvmem._validate import flag, integer, show
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +67,11 @@ def int4_bytes_per_param(
         scales, 0.515625 for group 128.
     """
     _check_group_size(group_size)
+    zero_point = flag(zero_point, "zero_point")
+    if not isinstance(scale_dtype, str):
+        raise ArgumentTypeError(
+            f"scale_dtype={show(scale_dtype)}: expected one of {sorted(set(_SCALE_BYTES))}."
+        )
     if scale_dtype not in _SCALE_BYTES:
         raise ConfigError(
             f"INT4 scale dtype {scale_dtype!r} is not supported; use one of "
@@ -120,21 +126,23 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """
     import torch
 
+    if not isinstance(values, torch.Tensor):
+        raise ArgumentTypeError(f"values={show(values)}: expected a 2-D integer tensor.")
     if values.dim() != 2:
-        raise ConfigError(f"pack_int4 takes a 2-D tensor; got shape {tuple(values.shape)}.")
-    if values.dtype.is_floating_point or values.dtype == torch.bool:
-        raise ConfigError(
+        raise ArgumentError(f"pack_int4 takes a 2-D tensor; got shape {tuple(values.shape)}.")
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise ArgumentTypeError(
             f"pack_int4 takes integer values in [-8, 7]; got dtype {values.dtype}. "
             "Quantize first (quantize_int4)."
         )
     rows, cols = values.shape
     if cols % INT4_PACK_FACTOR:
-        raise ConfigError(
+        raise ArgumentError(
             f"pack_int4 needs a column count divisible by {INT4_PACK_FACTOR}; got {cols}. "
             "Pad the input features first."
         )
     if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
-        raise ConfigError(
+        raise ArgumentError(
             f"pack_int4 values must lie in [-8, 7]; found [{int(values.min())}, "
             f"{int(values.max())}]."
         )
@@ -160,8 +168,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """
     import torch
 
-    if packed.dim() != 2 or packed.dtype != torch.int32:
-        raise ConfigError(
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int32:
+        raise ArgumentTypeError(
+            f"packed={show(packed) if not isinstance(packed, torch.Tensor) else packed.dtype}: "
+            "expected a 2-D int32 tensor."
+        )
+    if packed.dim() != 2:
+        raise ArgumentError(
             f"unpack_int4 takes a 2-D int32 tensor; got shape {tuple(packed.shape)} dtype "
             f"{packed.dtype}."
         )
@@ -196,20 +209,26 @@ def quantize_int4(
     import torch
 
     _check_group_size(group_size)
-    if weight.dim() != 2 or not weight.dtype.is_floating_point:
-        raise ConfigError(
+    _torch_dtype(scale_dtype)
+    if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
+        raise ArgumentTypeError(
+            f"weight={show(weight) if not isinstance(weight, torch.Tensor) else weight.dtype}: "
+            "expected a 2-D floating-point tensor."
+        )
+    if weight.dim() != 2:
+        raise ArgumentError(
             f"quantize_int4 takes a 2-D floating-point weight; got shape {tuple(weight.shape)} "
             f"dtype {weight.dtype}."
         )
     out_features, in_features = weight.shape
     if in_features % group_size:
-        raise ConfigError(
+        raise ArgumentError(
             f"in_features {in_features} is not a multiple of group_size {group_size}; pad the "
             "weight or pick a group size that divides it."
         )
     w = weight.to(torch.float32)
     if not bool(torch.isfinite(w).all()):
-        raise ConfigError("quantize_int4 got NaN or inf in the weight; nothing was quantized.")
+        raise ArgumentError("quantize_int4 got NaN or inf in the weight; nothing was quantized.")
     groups = w.reshape(out_features, in_features // group_size, group_size)
     amax = groups.abs().amax(dim=2)
     # An all-zero group gets scale 1 so the division below is defined; its values stay 0.
@@ -238,21 +257,34 @@ def dequantize_int4(q: Int4Weight, dtype: torch.dtype | None = None) -> torch.Te
     """
     import torch
 
-    out_features, in_features = q.shape
+    if not isinstance(q, Int4Weight):
+        raise ArgumentTypeError(f"q={show(q)}: expected an Int4Weight (from quantize_int4).")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ArgumentTypeError(f"dtype={show(dtype)}: expected None or a float torch.dtype.")
+    if not isinstance(q.scales, torch.Tensor) or not q.scales.dtype.is_floating_point:
+        raise ArgumentTypeError(f"q.scales={show(q.scales)}: expected a float tensor.")
+    out_features, in_features = (integer(n, "q.shape", minimum=0) for n in q.shape)
+    group = integer(q.group_size, "q.group_size", minimum=1)
     values = unpack_int4(q.packed).to(torch.float32)
-    if values.shape != (out_features, in_features):
-        raise ConfigError(
+    if values.shape != (out_features, in_features) or in_features % group:
+        raise ArgumentError(
             f"packed weight unpacks to {tuple(values.shape)} but its shape says "
-            f"{(out_features, in_features)}."
+            f"{(out_features, in_features)} in groups of {group}; they must agree."
         )
-    groups = values.reshape(out_features, in_features // q.group_size, q.group_size)
+    if tuple(q.scales.shape) != (out_features, in_features // group):
+        raise ArgumentError(
+            f"q.scales has shape {tuple(q.scales.shape)}; a {out_features} x {in_features} "
+            f"weight in groups of {group} needs {(out_features, in_features // group)}."
+        )
+    groups = values.reshape(out_features, in_features // group, group)
     w = (groups * q.scales.to(torch.float32).unsqueeze(-1)).reshape(out_features, in_features)
     return w.to(dtype or torch.float32)
 
 
 def _check_group_size(group_size: int) -> None:
+    integer(group_size, "group_size")
     if group_size <= 0 or group_size % INT4_PACK_FACTOR:
-        raise ConfigError(
+        raise ArgumentError(
             f"INT4 group size must be a positive multiple of {INT4_PACK_FACTOR}; got {group_size}."
         )
 
@@ -268,8 +300,8 @@ def _torch_dtype(name: str) -> torch.dtype:
         "float32": torch.float32,
         "fp32": torch.float32,
     }
-    if name not in table:
-        raise ConfigError(
+    if not isinstance(name, str) or name not in table:
+        raise ArgumentError(
             f"INT4 scale dtype {name!r} is not supported; use one of {sorted(table)}."
         )
     return table[name]

@@ -1,5 +1,8 @@
 """``kvmem simulate``: continuous batching driven through the real :class:`KVCacheManager`.
 
+This module sits above the manager (it drives one); :mod:`kvmem.planning` stays pure, and this
+simulator takes its pool size and step clock from a :class:`~kvmem.planning.CapacityPlan`.
+
 No page pools and no model: the manager does the real page bookkeeping (admission, prefix
 reuse, page growth, copy-on-write, eviction, preemption), on a pool sized by a
 :class:`~kvmem.planning.CapacityPlan` at the plan's real page size, and the clock comes from the
@@ -23,32 +26,28 @@ times are quantized to ``chunk`` decode steps (16 by default: a few hundred mill
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmem.errors import ConfigError, OutOfPagesError
+from kvmem._models import NonNegativeInt, NonNegativeReal, PositiveInt, PositiveReal, SpecModel
+from kvmem._validate import flag, integer, real, show
+from kvmem.errors import ArgumentTypeError, ConfigError, OutOfPagesError
 from kvmem.manager import KVCacheManager
-from kvmem.planning._plan import CapacityPlan, plan_capacity
-from kvmem.planning._throughput import ThroughputModel
+from kvmem.planning import CapacityPlan, ThroughputModel, plan_capacity
 
 __all__ = [
     "LengthDist",
     "SimulationReport",
     "TimelinePoint",
     "Workload",
-    "add_cli",
     "simulate",
 ]
 
@@ -59,16 +58,14 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 DEFAULT_STEP_MODEL = ThroughputModel(t0_s=0.0054, efficiency=0.70, context_len=4096)
 
 
-class LengthDist(BaseModel):
+class LengthDist(SpecModel):
     """A token-length distribution: ``fixed`` (``a``), ``uniform`` on ``[a, b]``, or
     ``lognormal`` with median ``a`` and log-sigma ``b`` (clipped to ``[1, max_len]``)."""
 
-    model_config = _FROZEN
-
     kind: Literal["fixed", "uniform", "lognormal"] = "uniform"
-    a: float = Field(gt=0)
-    b: float = Field(default=0.0, ge=0)
-    max_len: int = Field(default=1 << 20, gt=0)
+    a: PositiveReal
+    b: NonNegativeReal = 0.0
+    max_len: PositiveInt = 1 << 20
 
     @model_validator(mode="after")
     def _check(self) -> LengthDist:
@@ -79,6 +76,8 @@ class LengthDist(BaseModel):
     @classmethod
     def parse(cls, text: str) -> LengthDist:
         """``"512"``, ``"10000-18000"`` or ``"lognormal:1000,0.6"``."""
+        if not isinstance(text, str):
+            raise ArgumentTypeError(f"text={show(text)}: expected a str such as '10000-18000'.")
         t = text.strip().lower()
         try:
             if t.startswith("lognormal:"):
@@ -111,7 +110,7 @@ class LengthDist(BaseModel):
         return min(self.max_len, self.a * math.exp(5 * self.b))
 
 
-class Workload(BaseModel):
+class Workload(SpecModel):
     """Who asks for what.
 
     Arrivals are either closed-loop (``concurrency`` clients, each sending its next request when
@@ -120,18 +119,16 @@ class Workload(BaseModel):
     ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (chosen uniformly).
     """
 
-    model_config = _FROZEN
-
-    num_requests: int = Field(gt=0)
-    concurrency: int | None = Field(default=None, gt=0)
-    rate: float | None = Field(default=None, gt=0)
+    num_requests: PositiveInt
+    concurrency: PositiveInt | None = None
+    rate: PositiveReal | None = None
     prompt_len: LengthDist
     output_len: LengthDist
-    num_prefixes: int = Field(default=0, ge=0)
-    prefix_len: int = Field(default=0, ge=0)
-    prefix_fraction: float = Field(default=1.0, ge=0, le=1)
-    namespaces: int = Field(default=1, gt=0)
-    seed: int = 0
+    num_prefixes: NonNegativeInt = 0
+    prefix_len: NonNegativeInt = 0
+    prefix_fraction: NonNegativeReal = Field(default=1.0, le=1)
+    namespaces: PositiveInt = 1
+    seed: NonNegativeInt = 0
 
     @model_validator(mode="after")
     def _check(self) -> Workload:
@@ -346,10 +343,25 @@ def simulate(
     SimulationReport
     """
     wall0 = time.perf_counter()
+    if not isinstance(workload, Workload):
+        raise ArgumentTypeError(f"workload={show(workload)}: expected a Workload.")
+    if plan is not None and not isinstance(plan, CapacityPlan):
+        raise ArgumentTypeError(f"plan={show(plan)}: expected a CapacityPlan (plan_capacity).")
+    if step_model is not None and not isinstance(step_model, ThroughputModel):
+        raise ArgumentTypeError(f"step_model={show(step_model)}: expected a ThroughputModel.")
+    max_running = integer(max_running, "max_running", minimum=1)
+    chunk = integer(chunk, "chunk", minimum=1)
+    if prefill_tokens_per_s is not None:
+        prefill_tokens_per_s = real(
+            prefill_tokens_per_s, "prefill_tokens_per_s", minimum=0, exclusive_minimum=True
+        )
+    if sample_every is not None:
+        sample_every = real(sample_every, "sample_every", minimum=0, exclusive_minimum=True)
+    prefix_cache = flag(prefix_cache, "prefix_cache")
+    if progress is not None and not callable(progress):
+        raise ArgumentTypeError(f"progress={show(progress)}: expected None or a callable.")
     plan = plan or plan_capacity(model, gpu, tp, kv_dtype=kv_dtype)
     step_model = step_model or DEFAULT_STEP_MODEL
-    if chunk <= 0 or max_running <= 0:
-        raise ConfigError(f"chunk and max_running must be positive; got {chunk}, {max_running}.")
     page = plan.page_size
     longest = workload.prompt_len.high() + workload.output_len.high()
     max_pages_per_seq = max(1, min(plan.kv_pages_per_gpu, math.ceil(longest / page) + 1))
@@ -640,126 +652,3 @@ def _default_sample_every(arr: _Arrivals, w: Workload, clock: _StepClock) -> flo
     steps = float(arr.output.sum()) / batch
     horizon = max(steps * per_step, float(arr.times[-1]) if w.rate else 0.0)
     return max(horizon / 200, 1e-3)
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def add_cli(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``kvmem simulate`` on the CLI's subparsers."""
-    p = sub.add_parser(
-        "simulate",
-        help="simulate continuous batching on a planned KV pool with the real manager",
-        description=(
-            "Drive kvmem's KVCacheManager with a simulated workload on the KV pool that "
-            "`kvmem plan` computes, and report concurrency, queueing, preemptions and prefix "
-            "hits. Defaults reproduce the report's shape: 64 clients of 11-20K-token requests "
-            "on Kimi K2.6, 8 x H200, TP 8 (try --compare bf16,fp8_e4m3)."
-        ),
-    )
-    p.add_argument("model", nargs="?", default="kimi-k2.6", help="preset name or config.json")
-    p.add_argument("--gpu", default="h200")
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--kv-dtype", default="bf16")
-    p.add_argument("--compare", help="comma-separated KV dtypes, simulated one after the other")
-    p.add_argument("--weights", default="native")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--requests", type=int, default=1000, help="requests to simulate")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--concurrency", type=int, help="closed loop: clients (default 64)")
-    g.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
-    p.add_argument("--prompt-len", default="10000-18000", help="N, LO-HI or lognormal:MEDIAN,SIGMA")
-    p.add_argument("--output-len", default="1000-2000", help="N, LO-HI or lognormal:MEDIAN,SIGMA")
-    p.add_argument("--prefixes", type=int, default=0, help="shared prefixes")
-    p.add_argument("--prefix-len", type=int, default=0, help="tokens per shared prefix")
-    p.add_argument("--prefix-fraction", type=float, default=1.0)
-    p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--chunk", type=int, default=16, help="decode steps per batched manager call")
-    p.add_argument("--prefill-tps", type=float, help="prefill tokens/s (default: disaggregated)")
-    p.add_argument("--t0-ms", type=float, default=DEFAULT_STEP_MODEL.t0_s * 1e3)
-    p.add_argument("--efficiency", type=float, default=DEFAULT_STEP_MODEL.efficiency)
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=_cmd_simulate)
-
-
-def _progress_bar(label: str) -> Callable[[int, int], None]:
-    start = time.perf_counter()
-
-    def show(done: int, total: int) -> None:
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        rate = done / max(time.perf_counter() - start, 1e-9)
-        end = "\n" if done >= total else ""
-        sys.stderr.write(f"\r{label} [{bar:<30}] {done:,}/{total:,} requests ({rate:,.0f}/s){end}")
-        sys.stderr.flush()
-
-    return show
-
-
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from kvmem.planning import get_model, load_hf_config
-
-    spec = load_hf_config(args.model) if Path(args.model).exists() else get_model(args.model)
-    workload = Workload(
-        num_requests=args.requests,
-        concurrency=None if args.rate is not None else (args.concurrency or 64),
-        rate=args.rate,
-        prompt_len=LengthDist.parse(args.prompt_len),
-        output_len=LengthDist.parse(args.output_len),
-        num_prefixes=args.prefixes,
-        prefix_len=args.prefix_len,
-        prefix_fraction=args.prefix_fraction,
-        seed=args.seed,
-    )
-    step_model = ThroughputModel(
-        t0_s=args.t0_ms / 1e3, efficiency=args.efficiency, context_len=4096
-    )
-    dtypes = [d.strip() for d in args.compare.split(",")] if args.compare else [args.kv_dtype]
-    reports: list[SimulationReport] = []
-    for dtype in dtypes:
-        plan = plan_capacity(
-            spec, args.gpu, args.tp, kv_dtype=dtype, weights=args.weights, page_size=args.page_size
-        )
-        bar = None if args.no_progress or args.json else _progress_bar(f"{dtype:>9}")
-        reports.append(
-            simulate(
-                workload,
-                plan,
-                step_model=step_model,
-                max_running=args.max_running,
-                chunk=args.chunk,
-                prefill_tokens_per_s=args.prefill_tps,
-                prefix_cache=not args.no_prefix_cache,
-                progress=bar,
-            )
-        )
-    if args.json:
-        dumped = [r.model_dump(mode="json") for r in reports]
-        print(json.dumps(dumped[0] if len(dumped) == 1 else {"compare": dumped}, indent=2))
-        return 0
-    for r in reports:
-        print(r.summary())
-        print(_sparkline(r))
-    return 0
-
-
-def _sparkline(r: SimulationReport, width: int = 60) -> str:
-    """Running and waiting requests over time, as two text rows."""
-    if not r.timeline:
-        return ""
-    idx = np.linspace(0, len(r.timeline) - 1, min(width, len(r.timeline))).astype(int)
-    pts = [r.timeline[i] for i in idx]
-    top = max(max(p.running for p in pts), max(p.waiting for p in pts), 1)
-    ramp = " .:-=+*#%@"
-
-    def row(values: list[int]) -> str:
-        return "".join(ramp[min(9, int(9 * v / top + 0.999))] if v else " " for v in values)
-
-    return (
-        f"  running  |{row([p.running for p in pts])}| max {r.max_running}\n"
-        f"  waiting  |{row([p.waiting for p in pts])}| max {r.max_waiting}\n"
-        f"            0 s{' ' * (width - 12)}{r.simulated_seconds:,.0f} s"
-    )
