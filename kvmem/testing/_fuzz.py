@@ -16,8 +16,8 @@ pytest file that replays it (:func:`save_reproducer`).
 from __future__ import annotations
 
 import bisect
-import json
 import logging
+import pprint
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -595,7 +595,7 @@ def save_reproducer(directory: str | Path, schedule: Sequence[Move], failure: Fu
     path.write_text(_REPRODUCER.format(
         n=len(schedule), oracle=failure.oracle, message=message[:400], engine=engine,
         fault=fault, seed=seed, filename=path.name, name=stem,
-        config=json.dumps(config.to_dict(), indent=4, default=str), moves=moves,
+        config=pprint.pformat(config.to_dict(), indent=4, sort_dicts=False), moves=moves,
     ))
     return path
 
@@ -630,15 +630,16 @@ class FaultResult:
                 "seed": self.seed, "message": self.message[:300]}
 
 
-def hunt(fault: Any, engine: str = "manager",
+def hunt(fault: Any, engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
          config: FuzzConfig | dict[str, Any] | str | None = None, seed: int = 0,
          max_campaigns: int = 40, moves_per_campaign: int = 1500,
          deadline: float | None = None, shrink_replays: int = 300,
          shrink_deadline_s: float | None = None,
          progress: Callable[[str], None] | None = None) -> FaultResult:
     """Run campaigns with ``fault`` switched on (seeds ``seed, seed + 1, ...``) until an oracle
-    fires, then shrink the failing schedule. ``fault=None`` hunts on a correct system (a
-    failure then is a bug in kvmem, the engine or the fuzzer)."""
+    fires, then shrink the failing schedule (``shrink_replays=0``: keep it as found).
+    ``fault=None`` hunts on a correct system (a failure then is a bug in kvmem, the engine or
+    the fuzzer). Without ``deadline`` the result depends only on the arguments."""
     t0 = time.perf_counter()
     f = _fault(fault)
     cfg = _config(config)
@@ -654,17 +655,24 @@ def hunt(fault: Any, engine: str = "manager",
                      f"{time.perf_counter() - t0:.1f}s")
         if r.failure is not None:
             oracle = r.failure.oracle
-            sd = None if shrink_deadline_s is None else time.perf_counter() + shrink_deadline_s
-            small, failure = shrink(r.schedule, oracle, max_replays=shrink_replays,
-                                    deadline=sd, engine=engine, fault=f, seed=s, config=cfg)
+            small, failure = r.schedule, r.failure
+            if shrink_replays > 0:
+                sd = (None if shrink_deadline_s is None
+                      else time.perf_counter() + shrink_deadline_s)
+                small, failure = shrink(r.schedule, oracle, max_replays=shrink_replays,
+                                        deadline=sd, engine=engine, fault=f, seed=s, config=cfg)
             return FaultResult(
                 getattr(f, "name", "none"), True, failure.oracle, len(small),
                 time.perf_counter() - t0, moves, getattr(f, "bugs", ()),
                 getattr(f, "timeline", False), getattr(f, "expected", ""), failure.also,
-                str(failure.detail), engine, s, small)
+                str(failure.detail), _engine_name(engine), s, small)
     return FaultResult(getattr(f, "name", "none"), False, None, None, time.perf_counter() - t0,
                        moves, getattr(f, "bugs", ()), getattr(f, "timeline", False),
-                       getattr(f, "expected", ""), engine=engine)
+                       getattr(f, "expected", ""), engine=_engine_name(engine))
+
+
+def _engine_name(engine: Any) -> str:
+    return engine if isinstance(engine, str) else str(getattr(engine, "name", engine))
 
 
 def schedules(max_size: int = 200, engine: str = "manager") -> Any:

@@ -341,7 +341,10 @@ class Timeline:
         self._retired: set[int] = set()
         self._events: list[tuple[str, Any, Any, Any]] = []
         self.moves = 0
-        self.num_reads = 0
+        self.num_reads = 0  # steps whose reads were checked
+        # How often each check ran (a correct run must show them all > 0 and silent).
+        self.counts = {"page_checks": 0, "tag_changes": 0, "reads": 0, "hits": 0,
+                       "retires": 0, "full_checks": 0, "launches": 0}
         self.aborted_by_verify: list[tuple[Any, str]] = []
         self._arange_p = np.arange(P, dtype=np.int64)
         self.extra_check: Callable[[], None] | None = None  # the engine's own checks
@@ -415,6 +418,7 @@ class Timeline:
             if kind == "step_end":
                 fence = int(detail)
                 self._retired.add(fence)
+                self.counts["retires"] += 1
                 op = self._open_fences.get(fence)
                 if op is not None:
                     raise FuzzFailure(
@@ -431,6 +435,7 @@ class Timeline:
                 self.vpages[req.mrow] = -1
                 if kind == "admit" and detail:
                     hits = p[: int(detail) // self.P]
+                    self.counts["hits"] += 1
                     pending = self.unlanded_pages()
                     if hits.size and pending.size and np.isin(hits, pending).any():
                         bad = hits[np.isin(hits, pending)]
@@ -534,8 +539,10 @@ class Timeline:
         """Tags, happens-before, refcounts and conservation over the pages that changed."""
         alloc = self.mgr.allocator
         tags = alloc.tags
+        self.counts["page_checks"] += 1
         changed = (tags != self._seen_tags).nonzero()[0]
         if changed.size:
+            self.counts["tag_changes"] += 1
             self._check_tags(changed, tags)
         rc = alloc.refcounts
         parts = self._dirty
@@ -605,6 +612,7 @@ class Timeline:
     def full_check(self) -> None:
         """Everything at once: ``manager.check()``, the model over every page, the requests."""
         mgr = self.mgr
+        self.counts["full_checks"] += 1
         known = set(mgr.running) | set(mgr.preempted)
         extra = [rid for rid in known if rid not in self.reqs or not self.reqs[rid].alive]
         if extra:
@@ -630,6 +638,7 @@ class Timeline:
     # -- device ---------------------------------------------------------------------------------
 
     def _register(self, op: Launch) -> None:
+        self.counts["launches"] += 1
         op.id = self._next_op
         self._next_op += 1
         P = self.P
@@ -775,6 +784,7 @@ class Timeline:
         self._vpages_flat[flat] = pages
         self.vepoch[mrows] = self.epoch
         self.num_reads += 1
+        self.counts["reads"] += 1
 
     def _read_failure(self, op: Launch, db: Int64Array, pos: Int64Array, slots: Int64Array,
                       bad: npt.NDArray[np.bool_], got: Int64Array, want: Int64Array,

@@ -159,7 +159,7 @@ class Fault:
 
     @classmethod
     def describe(cls) -> str:
-        return (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 class _EngineBug(Fault):
