@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 
 from kvmem.errors import KVMemError
 from kvmem.testing import (
@@ -82,6 +82,22 @@ def test_replay_is_exact() -> None:
 @given(schedules(max_size=60))
 def test_any_schedule_hypothesis_draws_is_a_correct_run(schedule: list[Any]) -> None:
     replay(schedule, "manager", None, 0, "small")
+
+
+def test_hypothesis_finds_a_race_and_shrinks_it_to_its_two_moves() -> None:
+    def fails(schedule: list[Any]) -> bool:
+        try:
+            replay(schedule, "manager", "free_before_step_completes", 0, "small")
+        except FuzzFailure:
+            return True
+        return False
+
+    found = find(schedules(max_size=20), fails,
+                 settings=settings(max_examples=400, derandomize=True, database=None,
+                                   suppress_health_check=list(HealthCheck)))
+    # A request arrives with its prompt K/V on a transfer; it is aborted while the transfer
+    # still writes its pages, and with the fence bypassed they are freed under it.
+    assert [m[0] for m in found] == ["receive", "abort"]
 
 
 # -- each oracle fires ---------------------------------------------------------------------------

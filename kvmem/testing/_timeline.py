@@ -477,7 +477,8 @@ class Timeline:
                 counts.size and int(counts.max()) > self.width):
             raise FuzzFailure("reads", f"{op!r} has a malformed CSR (kv_indptr {indptr[:8]})")
         ent_m = mrows.repeat(counts)
-        ent_c = self._arange[:nnz] - indptr[:-1].repeat(counts)
+        ar = self._arange if nnz <= self._arange.size else np.arange(nnz, dtype=np.int64)
+        ent_c = ar[:nnz] - indptr[:-1].repeat(counts)
         flat = ent_m * self.width + ent_c
         op.ent_m, op.ent_c, op.ent_flat = ent_m, ent_c, flat
         old = self._map_flat[flat]
@@ -737,7 +738,8 @@ class Timeline:
         total = int(counts.sum())
         if not total:
             return _EMPTY64, _EMPTY64
-        pos = (op.starts - np.cumsum(counts) + counts).repeat(counts) + self._arange[:total]
+        ar = self._arange if total <= self._arange.size else np.arange(total, dtype=np.int64)
+        pos = (op.starts - np.cumsum(counts) + counts).repeat(counts) + ar[:total]
         values = self.val[op.mrows.repeat(counts), pos]
         self.kv[op.slot_mapping] = values
         self.pepoch[op.write_pages] = self.epoch
