@@ -320,3 +320,11 @@ def test_bad_names_and_configs_are_refused() -> None:
         Run().step("teleport", 0, 0)
     assert FuzzConfig.from_dict(FuzzConfig.preset("bench").to_dict()).to_dict() == \
         FuzzConfig.preset("bench").to_dict()
+
+
+def test_landed_hit_is_kvmems_contract_and_can_defer_to_stream_order() -> None:
+    oracle, schedule = MINIMAL["prefix_hit_before_write_lands"]
+    lenient = FuzzConfig(strict_commits=False)
+    # Committed before landing, read by a later step: one stream's order makes it harmless.
+    replay(schedule, "manager", "prefix_hit_before_write_lands", 0, lenient)
+    assert oracle == "landed_hit"

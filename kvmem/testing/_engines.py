@@ -65,6 +65,7 @@ class FuzzConfig:
     tracker: ``"checking"`` or ``None`` (NoOpTracker: verify checks nothing)
     check_every: ``manager.check()`` and the full model comparison every this many moves
     weights: relative frequency of each move in random campaigns
+    strict_commits: hold engines to "commit means the K/V landed" (see :class:`Timeline`)
     """
 
     DEFAULT_WEIGHTS: ClassVar[dict[str, float]] = {
@@ -80,7 +81,8 @@ class FuzzConfig:
                  namespaces: Sequence[Any] = (None, "tenant-a", ("lora", 7)),
                  target_running: int = 8, max_in_flight: int = 2, chunk: int = 12,
                  max_batch_tokens: int = 64, tracker: str | None = "checking",
-                 check_every: int = 64, weights: dict[str, float] | None = None) -> None:
+                 check_every: int = 64, weights: dict[str, float] | None = None,
+                 strict_commits: bool = True) -> None:
         if prompt_len[0] < 1 or prompt_len[1] < prompt_len[0] or max_new[1] < max_new[0]:
             raise KVMemError(f"prompt_len {prompt_len} and max_new {max_new} must be (lo, hi) "
                              "ranges with lo <= hi and prompts of at least one token")
@@ -102,6 +104,7 @@ class FuzzConfig:
         self.tracker = tracker
         self.check_every = check_every
         self.weights = {**self.DEFAULT_WEIGHTS, **(weights or {})}
+        self.strict_commits = strict_commits
 
     @property
     def max_requests(self) -> int:
@@ -117,6 +120,7 @@ class FuzzConfig:
             "max_in_flight": self.max_in_flight, "chunk": self.chunk,
             "max_batch_tokens": self.max_batch_tokens, "tracker": self.tracker,
             "check_every": self.check_every, "weights": dict(self.weights),
+            "strict_commits": self.strict_commits,
         }
 
     @classmethod

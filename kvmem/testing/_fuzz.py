@@ -114,7 +114,8 @@ class Run:
         self.fault = _fault(fault)
         self.seed = seed
         mgr = self.engine.manager
-        self.timeline = Timeline(mgr, c.max_requests, c.max_len, c.check_every)
+        self.timeline = Timeline(mgr, c.max_requests, c.max_len, c.check_every,
+                                 c.strict_commits)
         self.timeline.extra_check = self.engine.check
         rng = np.random.default_rng(seed)
         self._material = rng.integers(0, c.vocab, size=1 << 16).astype(np.int64)

@@ -26,7 +26,9 @@ Oracles (each named; :class:`FuzzFailure.oracle` says which fired):
                    device, and is retired when the host learns of the completion
 ``reads``          every read of a step sees exactly the K/V of its request's own tokens in its
                    own namespace (old positions before the step's writes land, new ones after)
-``landed_hit``     a prefix hit never reuses a page whose write has not landed
+``landed_hit``     a prefix hit never reuses a page whose write has not landed (kvmem's contract:
+                   commit means written; ``strict_commits=False`` leaves only the same-step
+                   hit, which ``reads`` sees, for engines that rely on one stream's order)
 ``tags``           every new lifetime gets a tag above every earlier one (tags never repeat)
 ``refcounts``      each page's refcount equals its holders in the model: request mappings (from
                    admit/fork events and the launched steps' metadata) + the prefix cache + the
@@ -284,6 +286,10 @@ class Timeline:
     max_requests: most requests (submitted and not yet forgotten) at once
     max_len: most tokens per request
     check_every: run ``manager.check()`` and the full model comparison every this many moves
+    strict_commits: ``landed_hit`` holds the engine to kvmem's contract (commit means the K/V
+        landed); False for an engine that commits when it schedules and relies on one stream's
+        order (a hit is read by a later step, after the write): then only a same-step hit, which
+        ``reads`` sees, is a failure
 
     Attributes
     ----------
@@ -292,8 +298,9 @@ class Timeline:
     """
 
     def __init__(self, manager: Any, max_requests: int, max_len: int,
-                 check_every: int = 64) -> None:
+                 check_every: int = 64, strict_commits: bool = True) -> None:
         self.mgr = manager
+        self.strict_commits = strict_commits
         self.P = P = int(manager.page_size)
         self.num_pages = n = int(manager.num_pages)
         self.max_len = max_len
@@ -433,7 +440,7 @@ class Timeline:
                 p = pages.astype(np.int64)
                 self._set_map(req.mrow, p)
                 self.vpages[req.mrow] = -1
-                if kind == "admit" and detail:
+                if kind == "admit" and detail and self.strict_commits:
                     hits = p[: int(detail) // self.P]
                     self.counts["hits"] += 1
                     pending = self.unlanded_pages()
