@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_plan(sub)
     _add_simulate(sub)
+    from kvmem._fuzz_cli import add_fuzz_parser
+
+    add_fuzz_parser(sub)
     return parser
 
 

@@ -190,7 +190,8 @@ class KVCacheManager:
     ----------
     allocator, fences, cache: the page references (``PageAllocator``, ``StepFences``, the prefix
         cache or None); table: the ``PageTable``; tracker: the tracker; steps: the
-        ``StepBuilder`` (the latest reserved batches); verifier: the ``Verifier``.
+        ``StepBuilder`` (the latest reserved batches); verifier: the ``Verifier``;
+        fault_hooks: :class:`~kvmem.allocator.FaultHooks` (fault injection only).
     """
 
     def __init__(
@@ -217,7 +218,8 @@ class KVCacheManager:
         self._lock = threading.RLock()
         self._hooks = HookBus(cfg.kv_events)
         self.pages = PageRefs(cfg.num_pages, cfg.page_size, cache, self._evicted, self._freed)
-        self.allocator, self.fences, self.cache = self.pages.allocator, self.pages.fences, cache
+        self.allocator, self.fences = self.pages.allocator, self.pages.fences
+        self.fault_hooks = self.pages.faults
         self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
         checking = self.tracker if isinstance(self.tracker, CheckingTracker) else None
         expected_flat = None
@@ -244,6 +246,17 @@ class KVCacheManager:
         self._counters = dict.fromkeys(("prefix_queries", "prefix_query_tokens",
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The prefix cache (None: no reuse)."""
+        return self.pages.cache
+
+    @cache.setter
+    def cache(self, cache: PrefixCache | None) -> None:
+        """Replace the cache of a running manager: for fault injection only
+        (``kvmem.testing.faults``): the new object must wrap the old, bound one."""
+        self.pages.cache = cache
 
     # -- events the rooms report -------------------------------------------------------------------
 
@@ -713,8 +726,7 @@ class KVCacheManager:
     def retire(self, handle: StepHandle) -> None:
         """The device finished the step: free the references that waited only for it."""
         pages = self.fences.retire(handle)
-        if pages.size:
-            self.pages.free(pages)
+        self.pages.retired(pages)
         self._hooks.emit("step_end", pages=pages, detail=handle.step_id)
 
     # -- queries -----------------------------------------------------------------------------------

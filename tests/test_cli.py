@@ -176,7 +176,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_every_option_of_every_subcommand_has_help() -> None:
     subs = _subparsers()
-    assert set(subs) == {"plan", "simulate"}
+    assert set(subs) == {"plan", "simulate", "fuzz"}
     for name, sub in subs.items():
         for action in sub._actions:
             assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)

@@ -27,7 +27,7 @@ from kvmem.allocator._hashed_prefix_cache import HashedPrefixCache
 from kvmem.allocator._invariants import page_classes, problems
 from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
 from kvmem.allocator._page_table import CSRMetadata, GrowResult, PageTable
-from kvmem.allocator._pages import Pages
+from kvmem.allocator._pages import FaultHooks, Pages
 from kvmem.allocator._prefix_cache import PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import Namespace, PrefixKeys, namespace_bytes
 from kvmem.allocator._reserve import Reserver, token_counts
@@ -42,6 +42,7 @@ __all__ = [
     "ChangeLog",
     "ChangeReader",
     "Committer",
+    "FaultHooks",
     "GrowResult",
     "HashedPrefixCache",
     "Namespace",

@@ -17,6 +17,7 @@ when the steps in flight retire). This object is the one writer of ``namespace_i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +27,7 @@ from kvmem.allocator._page_allocator import PageAllocator
 from kvmem.allocator._prefix_cache import PrefixCache
 from kvmem.errors import OutOfPagesError
 
-__all__ = ["Pages"]
+__all__ = ["FaultHooks", "Pages"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -35,6 +36,26 @@ KeyArray = npt.NDArray[np.uint64]
 
 def _ignore(*_: object) -> None:
     return None
+
+
+@dataclass
+class FaultHooks:
+    """Switches that make kvmem skip one of its own protections, for fault injection only
+    (``kvmem.testing.faults``, ``kvmem fuzz``): a fuzzer proves its oracles catch the bug
+    each one re-creates. All True in production; never switch them off elsewhere.
+
+    hold_dropped_pages: a reference dropped while a step is in flight waits for the step (False:
+        freed at once, BUGS 1 and 5)
+    free_at_once: ``fn(pages) -> bool``, or None: a drop of references for which it answers True
+        is freed at once, never held by a step in flight (a fuzzer passes "the batch holds the
+        source of a copy-on-write copy not landed yet", BUGS 9 and 14)
+    retire_frees: ``retire`` frees the references that waited for the step (False: they are
+        lost, BUGS 2)
+    """
+
+    hold_dropped_pages: bool = True
+    free_at_once: Callable[[Int32Array], bool] | None = None
+    retire_frees: bool = True
 
 
 class Pages:
@@ -72,6 +93,7 @@ class Pages:
         # Pages promised to copy-on-write copies still to come (a fork's shared, partly filled
         # tail needs a copy per extra writer): set by the manager from its page table.
         self.promised: Callable[[], int] = lambda: 0
+        self.faults = FaultHooks()
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -130,17 +152,22 @@ class Pages:
         """Drop one reference per listed page: now, or when the steps in flight retire."""
         if pages.size == 0:
             return
-        if self.fences.in_flight:
+        if self.fences.in_flight and self._held(pages):
             self.fences.defer(pages)
         else:
             self.free(pages)
+
+    def _held(self, pages: Int32Array) -> bool:
+        """Whether dropped references wait for the steps in flight (always, but for faults)."""
+        f = self.faults
+        return f.hold_dropped_pages and (f.free_at_once is None or not f.free_at_once(pages))
 
     def drop_runs(self, runs: Sequence[Int32Array]) -> None:
         """:meth:`drop` of several holders' runs at once, released in order (the cache's LRU
         order follows)."""
         if not runs:
             return
-        if self.fences.in_flight:
+        if self.fences.in_flight and all(self._held(pages) for pages in runs):
             for pages in runs:
                 self.fences.defer(pages)
         else:
@@ -175,8 +202,14 @@ class Pages:
         return new
 
     def copies_done(self) -> None:
-        """Every copy handed out so far was made: drop the sources' references."""
+        """Every copy handed out so far was made or is being made by a step in flight: drop
+        the sources' references (that step holds them further)."""
         self.drop(self.fences.copies_done())
+
+    def retired(self, pages: Int32Array) -> None:
+        """A step retired: free the references that waited only for it."""
+        if pages.size and self.faults.retire_frees:
+            self.free(pages)
 
     # -- contents -----------------------------------------------------------------------------
 

@@ -5,7 +5,14 @@
   page anywhere is visible (numpy only).
 * :class:`ManagerMachine` (hypothesis) runs every manager operation in any interleaving against
   a reference model; subclass it to check your own prefix cache or tracker.
-* :mod:`kvmem.testing.faults` injects the bugs real engines shipped (BUGS.md) into a manager.
+* The device timeline and the fuzzer (``kvmem fuzz``; see ``docs/fuzzing.md``):
+  :class:`Timeline` models an asynchronous engine's device (steps in flight, copies and
+  transfers that land later) and checks the oracles after every move; :class:`FuzzEngine` is
+  the protocol an engine adapter implements (:data:`ENGINES`: ``"manager"``, ``"toy"``);
+  :func:`campaign`, :func:`replay`, :func:`shrink`, :func:`hunt` and :func:`schedules` run,
+  replay and shrink interleavings.
+* :mod:`kvmem.testing.faults` injects the bugs real engines shipped (BUGS.md) into a manager,
+  and its :data:`~kvmem.testing.faults.CATALOG` switches them on in a fuzzed system.
 """
 
 from __future__ import annotations
@@ -13,9 +20,67 @@ from __future__ import annotations
 from typing import Any
 
 from kvmem.testing import faults
+from kvmem.testing._engines import (
+    ENGINES,
+    FuzzConfig,
+    FuzzEngine,
+    ManagerEngine,
+    ToyEngineAdapter,
+    make_engine,
+    subset_step,
+)
+from kvmem.testing._fuzz import (
+    MOVES,
+    CampaignResult,
+    FaultResult,
+    Run,
+    campaign,
+    hunt,
+    replay,
+    save_reproducer,
+    schedules,
+    shrink,
+)
+from kvmem.testing._timeline import (
+    ORACLES,
+    FuzzFailure,
+    Launch,
+    RequestSpec,
+    Timeline,
+    kv_value_array,
+)
 from kvmem.testing._toy_engine import ToyEngine, kv_values
 
-__all__ = ["ManagerMachine", "ToyEngine", "faults", "kv_values", "prompts"]
+__all__ = [
+    "ENGINES",
+    "MOVES",
+    "ORACLES",
+    "CampaignResult",
+    "FaultResult",
+    "FuzzConfig",
+    "FuzzEngine",
+    "FuzzFailure",
+    "Launch",
+    "ManagerEngine",
+    "ManagerMachine",
+    "RequestSpec",
+    "Run",
+    "Timeline",
+    "ToyEngine",
+    "ToyEngineAdapter",
+    "campaign",
+    "faults",
+    "hunt",
+    "kv_value_array",
+    "kv_values",
+    "make_engine",
+    "prompts",
+    "replay",
+    "save_reproducer",
+    "schedules",
+    "shrink",
+    "subset_step",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ copy-on-write copies a step asks for before it writes, as a real engine must.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,14 +56,18 @@ class ToyEngine:
     ----------
     manager: the manager to drive.
     vocab: generated tokens are drawn from ``0 .. vocab-1`` by a seeded generator.
+    sampler: ``sampler(request_id, position) -> token``: the token "sampled" at a position past
+        the prompt (default: the seeded generator), e.g. a fuzzer's fixed token streams.
 
     Attributes
     ----------
     kv: ``[num_pages * page_size]``, int64 — the value written into each slot (0 = never)
     """
 
-    def __init__(self, manager: KVCacheManager, vocab: int = 8, seed: int = 0) -> None:
+    def __init__(self, manager: KVCacheManager, vocab: int = 8, seed: int = 0,
+                 sampler: Callable[[Any, int], int] | None = None) -> None:
         self.mgr = manager
+        self.sampler = sampler
         self.page_size = manager.page_size
         self.kv = np.zeros(manager.num_pages * manager.page_size, dtype=np.int64)
         self.seqs: dict[Any, _Seq] = {}
@@ -91,7 +96,10 @@ class ToyEngine:
             seq = self.seqs[rid]
             n = counts[b]
             need = seq.written + n - len(seq.tokens)
-            if need > 0:  # past the prompt: "sample" new tokens
+            if need > 0 and self.sampler is not None:  # past the prompt: "sample" new tokens
+                first = len(seq.tokens)
+                seq.tokens.extend(self.sampler(rid, first + i) for i in range(need))
+            elif need > 0:
                 seq.tokens.extend(self.rng.integers(0, self.vocab, size=need).tolist())
             prev = seq.values[-1] if seq.values else None
             new = kv_values(seq.namespace, seq.tokens[: seq.written + n], seq.written, prev)
@@ -104,8 +112,11 @@ class ToyEngine:
         """Raise AssertionError unless the step's kernel metadata is exactly what the page table
         implies (the manager may build it incrementally; this rebuilds it from scratch)."""
         table = self.mgr.table
-        rows = np.asarray([self.mgr._rows[r] for r in step.request_ids], dtype=np.int32)
-        assert np.array_equal(step.rows, rows), (step.rows, rows)
+        rows = step.rows
+        for b, rid in enumerate(step.request_ids):  # each row is its request's
+            assert self.mgr.row_of(rid) == int(rows[b]), (rid, rows[b])
+            assert np.array_equal(table.row_pages(int(rows[b])), self.mgr.pages_of(rid)), rid
+            assert table.num_tokens[rows[b]] == self.mgr.num_tokens(rid), rid
         csr = table.csr(rows)
         assert np.array_equal(step.kv_indptr, csr.kv_indptr), (step.kv_indptr, csr.kv_indptr)
         assert np.array_equal(step.kv_indices, csr.kv_indices), (step.kv_indices, csr.kv_indices)

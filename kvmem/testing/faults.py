@@ -1,36 +1,61 @@
-"""Fault injection: put a KVCacheManager into the states that real engines' bugs produced.
+"""Faults: the bugs real engines shipped (``docs/BUGS.md``), as switches on a running system.
 
-Each function breaks one thing behind the manager's back, the way a bug elsewhere in an engine
-(or in kvmem) would, so that a test can prove the matching detector fires: ``verify`` aborts the
-victim and only the victim, or ``check`` reports the broken accounting. Row numbers in BUGS.md.
+Two kinds, both through public surfaces only (no private attribute of the manager is touched):
+
+* **One-shot faults** (functions): put a :class:`~kvmem.manager.KVCacheManager` into the state a
+  bug produces, through its public components (``allocator``, ``table``, ``fences``), so that a
+  test can prove the matching detector fires: ``verify`` aborts the victim and only the victim,
+  or ``check`` reports the broken accounting.
+* **The fault catalog** (:data:`CATALOG`, for ``kvmem fuzz --faults``): each :class:`Fault` is
+  switched on in a fuzzed system and the fuzzer must find an interleaving where an oracle fires.
+  kvmem-side faults flip a switch of ``manager.fault_hooks`` or wrap ``manager.cache`` so
+  that kvmem skips one of its own protections; engine-side faults flip a switch in the engine
+  adapter (``engine.bugs``) so that the engine misuses kvmem the way a real engine did;
+  injected faults break something behind everyone's back at a move the fuzzer chooses.
+
+Row numbers are BUGS.md's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
-from kvmem.allocator import StepHandle
-from kvmem.manager import KVCacheManager
+from kvmem.allocator import PrefixCache, PrefixMatch
+from kvmem.errors import KVMemError
+
+if TYPE_CHECKING:
+    from kvmem.manager import KVCacheManager
+    from kvmem.testing._fuzz import Run
 
 __all__ = [
+    "CATALOG",
+    "Fault",
     "free_behind_back",
     "lose_fence_completion",
     "overwrite_page_entry",
     "reallocate_behind_back",
+    "row_of",
     "share_write_page",
 ]
 
+Int32Array = npt.NDArray[np.int32]
 
-def _row(mgr: KVCacheManager, request_id: Any) -> int:
+
+# -- one-shot faults ---------------------------------------------------------------------------
+
+
+def row_of(mgr: KVCacheManager, request_id: Any) -> int:
+    """The page-table row of a running request (``mgr.row_of``)."""
     return mgr.row_of(request_id)
 
 
 def free_behind_back(mgr: KVCacheManager, request_id: Any, position: int) -> int:
     """Free the page at ``position`` of a running request while it still maps it (BUGS 5, 9:
     a second release path, or a prefix page freed under a running request). Returns the page."""
-    page = int(mgr.table.pages[_row(mgr, request_id), position])
+    page = int(mgr.pages_of(request_id)[position])
     holders = int(mgr.allocator.refcounts[page])
     mgr.allocator.free(np.full(holders, page, dtype=np.int32))
     return page
@@ -56,7 +81,7 @@ def reallocate_behind_back(mgr: KVCacheManager, request_id: Any, position: int) 
 def overwrite_page_entry(mgr: KVCacheManager, request_id: Any, position: int, page: int) -> int:
     """Write another page id into a request's row (BUGS 12, 13: the kernel is handed the wrong
     slice of the page table, or stale columns). Returns the page that was there."""
-    row = _row(mgr, request_id)
+    row = row_of(mgr, request_id)
     old = int(mgr.table.pages[row, position])
     mgr.table.pages[row, position] = page
     return old
@@ -65,18 +90,485 @@ def overwrite_page_entry(mgr: KVCacheManager, request_id: Any, position: int, pa
 def share_write_page(mgr: KVCacheManager, request_id: Any) -> int:
     """Give the page a request is about to write a second, phantom holder (BUG 14: a partly
     filled page written by two requests without copy-on-write). Returns the page."""
-    row = _row(mgr, request_id)
     pos = mgr.num_committed(request_id) // mgr.page_size
-    page = int(mgr.table.pages[row, pos])
+    page = int(mgr.pages_of(request_id)[pos])
     mgr.allocator.share([page])
     return page
 
 
 def lose_fence_completion(mgr: KVCacheManager) -> int:
-    """Forget every reference waiting on a step fence, as if the completion signal never came
-    and the engine dropped the bookkeeping (BUG 2). Returns the references lost."""
-    lost = mgr.fences.num_held
-    for step_id in mgr.fences.open_steps:  # retired behind the manager's back: never freed
-        mgr.fences.retire(StepHandle(step_id))
-    mgr.fences.copies_done()
+    """The fence gets every open step's completion but the references it returns are dropped
+    on the floor (BUG 2: the deferred free never happens). The steps are closed in the fence;
+    nothing is freed. Returns the references lost."""
+    from kvmem.manager import StepHandle
+
+    lost = 0
+    for step_id in mgr.fences.open_steps:
+        lost += int(mgr.fences.retire(StepHandle(step_id)).size)
     return lost
+
+
+# -- the catalog ---------------------------------------------------------------------------------
+
+
+class Fault:
+    """One bug class, switchable on a running fuzzed system.
+
+    Attributes
+    ----------
+    name: the catalog's key
+    bugs: BUGS.md rows it models
+    side: ``"kvmem"`` (kvmem skips a protection), ``"engine"`` (the engine misuses kvmem) or
+        ``"injected"`` (something breaks state behind everyone's back)
+    timeline: whether only an asynchronous device makes it observable (steps in flight, copies
+        or transfers landing later)
+    engines: the engine adapters it applies to (None: every engine on a KVCacheManager)
+    weights: move weights that make it likely (merged over the config's)
+    expected: the oracle meant to catch it (informative; the report says which did)
+    """
+
+    name: ClassVar[str] = ""
+    bugs: ClassVar[tuple[int, ...]] = ()
+    side: ClassVar[str] = "kvmem"
+    timeline: ClassVar[bool] = False
+    engines: ClassVar[tuple[str, ...] | None] = None
+    weights: ClassVar[dict[str, float]] = {}
+    expected: ClassVar[str] = ""
+    injects: ClassVar[bool] = False
+
+    def install(self, run: Run) -> None:
+        """Switch the fault on in ``run`` (called once, before the first move)."""
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        """One injection (the ``inject`` move); returns whether it did anything."""
+        return False
+
+    @classmethod
+    def describe(cls) -> str:
+        return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+class _EngineBug(Fault):
+    side = "engine"
+    switch: ClassVar[str] = ""
+
+    def install(self, run: Run) -> None:
+        run.engine.bugs.add(self.switch)
+
+
+# kvmem-side: wrappers around a public component -------------------------------------------------
+
+
+class _FencesFault(Fault):
+    """kvmem skips one of its own protections: a switch of ``manager.fault_hooks``."""
+
+    hook: ClassVar[str] = ""
+    # Step fences only matter to an engine with steps in flight (the toy engine is synchronous:
+    # there, these faults cannot happen, so no check can see them).
+    engines = ("manager",)
+
+    def install(self, run: Run) -> None:
+        setattr(run.engine.manager.fault_hooks, self.hook, False)
+
+
+class FenceBypassed(_FencesFault):
+    """kvmem frees pages dropped during a step at once, as if no step were in flight: a request
+    released (finished, aborted, preempted) while a launched step still reads its pages gives
+    them to the next allocation."""
+
+    name = "free_before_step_completes"
+    bugs = (1, 5)
+    timeline = True
+    hook = "hold_dropped_pages"
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"abort": 6, "preempt": 4, "complete": 4}
+
+
+class FenceLosesReferences(_FencesFault):
+    """The fence gets the step's completion but drops the references it held instead of freeing
+    them (the deferred-free path never frees): pages leak."""
+
+    name = "fence_drops_references"
+    bugs = (2,)
+    timeline = True
+    hook = "retire_frees"
+    expected = "refcounts"
+    weights: ClassVar[dict[str, float]] = {"abort": 6, "preempt": 4}
+
+
+class CowSourceUnfenced(_FencesFault):
+    """kvmem does not hold a copy-on-write source for the step that copies it: a drop of
+    references that includes a source whose copy has not landed is freed at once, and the page
+    is reused before the copy lands."""
+
+    name = "cow_source_reused_before_copy"
+    bugs = (9, 14)
+    timeline = True
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"fork": 10, "abort": 6, "preempt": 4, "copy": 1,
+                                           "complete": 4, "launch": 12}
+
+    def install(self, run: Run) -> None:
+        def unheld(pages: Int32Array) -> bool:
+            sources = run.pending_copy_sources()
+            return bool(sources.size and np.isin(pages, sources).any())
+
+        run.engine.manager.fault_hooks.free_at_once = unheld
+
+
+class _CacheWrapper(PrefixCache):
+    """Delegates every call to the wrapped (bound) prefix cache; subclasses bend one."""
+
+    def __init__(self, inner: PrefixCache) -> None:
+        self.inner = inner
+        self.page_size = inner.page_size
+
+    def __getattr__(self, name: str) -> Any:  # namespaces_of, check, ...
+        return getattr(self.inner, name)
+
+    def bind(self, allocator: Any, page_size: int, page_tokens: Any = None) -> None:
+        self.inner.bind(allocator, page_size, page_tokens)
+
+    def root_key(self, namespace: Any) -> Any:
+        return self.inner.root_key(namespace)
+
+    def match(self, token_ids: Any, namespace: Any, max_pages: int,
+              namespace_id: int | None = None) -> PrefixMatch:
+        return self.inner.match(token_ids, namespace, max_pages, namespace_id)
+
+    def page_keys(self, parent_keys: Any, counts: Any, first_positions: Any,
+                  token_ids: Any) -> Any:
+        return self.inner.page_keys(parent_keys, counts, first_positions, token_ids)
+
+    def insert(self, keys: Any, pages: Any, namespace_ids: Any) -> Any:
+        return self.inner.insert(keys, pages, namespace_ids)
+
+    def acquired(self, pages: Any) -> None:
+        self.inner.acquired(pages)
+
+    def released(self, pages: Any) -> None:
+        self.inner.released(pages)
+
+    def released_many(self, runs: Any) -> None:
+        self.inner.released_many(runs)
+
+    def evict(self, num_pages: int) -> Any:
+        return self.inner.evict(num_pages)
+
+    def remove(self, pages: Any) -> Any:
+        return self.inner.remove(pages)
+
+    def forget(self, pages: Any) -> Any:
+        return self.inner.forget(pages)
+
+    def stale(self) -> Any:
+        return self.inner.stale()
+
+    def clear(self) -> Any:
+        return self.inner.clear()
+
+    def is_cached(self, pages: Any) -> Any:
+        return self.inner.is_cached(pages)
+
+    @property
+    def num_cached(self) -> int:
+        return self.inner.num_cached
+
+    @property
+    def num_evictable(self) -> int:
+        return self.inner.num_evictable
+
+
+class _Mod2:
+    """A read view of a page-token store whose every token is taken mod 2."""
+
+    def __init__(self, tokens: Any) -> None:
+        self.tokens = tokens
+
+    def __getitem__(self, index: Any) -> Any:
+        return np.asarray(self.tokens[index]) % 2
+
+
+class _WeakKeyCache(_CacheWrapper):
+    """Keys and confirms pages by a lossy view of their tokens (each token mod 2)."""
+
+    def __init__(self, inner: PrefixCache) -> None:
+        super().__init__(inner)
+        tokens = getattr(inner, "page_tokens", None)
+        if tokens is not None:  # confirmation reads the same lossy view
+            inner.page_tokens = _Mod2(tokens)  # type: ignore[attr-defined]
+
+    def match(self, token_ids: Any, namespace: Any, max_pages: int,
+              namespace_id: int | None = None) -> PrefixMatch:
+        return self.inner.match(np.asarray(token_ids) % 2, namespace, max_pages, namespace_id)
+
+    def page_keys(self, parent_keys: Any, counts: Any, first_positions: Any,
+                  token_ids: Any) -> Any:
+        return self.inner.page_keys(parent_keys, counts, first_positions,
+                                    np.asarray(token_ids) % 2)
+
+
+
+class _TenantlessCache(_CacheWrapper):
+    """Leaves the namespace out of every key and every stored entry."""
+
+    def root_key(self, namespace: Any) -> Any:
+        return self.inner.root_key(None)
+
+    def match(self, token_ids: Any, namespace: Any, max_pages: int,
+              namespace_id: int | None = None) -> PrefixMatch:
+        return self.inner.match(token_ids, None, max_pages, 0)
+
+    def insert(self, keys: Any, pages: Any, namespace_ids: Any) -> Any:
+        return self.inner.insert(keys, pages, np.zeros_like(namespace_ids))
+
+
+class WeakPrefixKey(Fault):
+    """The prefix cache keys and confirms pages by a weak digest of their tokens (here each
+    token mod 2): a different prefix hits and a request reads another prompt's K/V."""
+
+    name = "weak_prefix_key"
+    bugs = (10,)
+    expected = "reads"
+
+    def install(self, run: Run) -> None:
+        mgr = run.engine.manager
+        if mgr.cache is not None:
+            mgr.cache = _WeakKeyCache(mgr.cache)
+
+
+class TenantlessCacheKey(Fault):
+    """The prefix cache's key misses the tenant (namespace): another tenant's pages hit. kvmem
+    still records namespace-qualified tags, so its own check before decode sees it."""
+
+    name = "tenantless_cache_key"
+    bugs = (11,)
+    expected = "verify"
+
+    def install(self, run: Run) -> None:
+        mgr = run.engine.manager
+        if mgr.cache is not None:
+            mgr.cache = _TenantlessCache(mgr.cache)
+
+
+# engine-side: switches the adapters honour --------------------------------------------------
+
+
+class RetireAtLaunch(_EngineBug):
+    """The engine retires a step's fence when it launches the step (a synchronous engine's habit
+    under overlap scheduling): the fence no longer holds what is dropped during the step."""
+
+    name = "retire_at_launch"
+    bugs = (1, 5)
+    timeline = True
+    switch = "retire_at_launch"
+    engines = ("manager",)
+    expected = "fences"
+
+
+class CompletionLost(_EngineBug):
+    """The engine's deferred-free path never gets the step's completion signal: the step's
+    fence is never retired and what it holds leaks forever."""
+
+    name = "fence_completion_lost"
+    bugs = (2,)
+    timeline = True
+    switch = "drop_completion"
+    engines = ("manager",)
+    expected = "fences"
+
+
+class CommitAtLaunch(_EngineBug):
+    """The engine commits a step's tokens when it schedules the step, before the K/V lands: the
+    full pages enter the prefix cache and a request admitted meanwhile reuses pages whose
+    writes have not landed (same-step prefix hit)."""
+
+    name = "prefix_hit_before_write_lands"
+    bugs = (6,)
+    timeline = True
+    switch = "commit_at_launch"
+    engines = ("manager",)
+    expected = "landed_hit"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "abort": 4, "finish": 6}
+
+
+class TransferUnfenced(_EngineBug):
+    """A KV transfer into a request's pages (P/D disaggregation) holds no fence: the request is
+    aborted mid-transfer, its pages go to another request, and the late write lands in them."""
+
+    name = "transfer_without_fence"
+    bugs = (1, 9)
+    timeline = True
+    switch = "no_transfer_fence"
+    engines = ("manager",)
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "abort": 8, "transfer": 1, "submit": 8}
+
+
+class CommitOnAbort(_EngineBug):
+    """On abort the engine commits everything it scheduled for the request, landed or not,
+    before releasing it: pages with K/V still in flight enter the prefix index."""
+
+    name = "commit_on_abort"
+    bugs = (8,)
+    timeline = True
+    switch = "commit_on_abort"
+    engines = ("manager",)
+    expected = "landed_hit"
+    weights: ClassVar[dict[str, float]] = {"abort": 8, "submit": 12}
+
+
+class SkipCowCopy(_EngineBug):
+    """The engine ignores the copy-on-write copies a step asks for: a forked request writes its
+    own tail page, which never received the shared tokens' K/V."""
+
+    name = "cow_copy_skipped"
+    bugs = (14, 16)
+    switch = "skip_cow_copy"
+    engines = ("manager", "toy")
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"fork": 10}
+
+
+class NamespaceDropped(_EngineBug):
+    """The engine admits every request without its tenant salt (namespace): requests of
+    different tenants share prefix pages."""
+
+    name = "tenant_salt_dropped"
+    bugs = (11,)
+    switch = "namespace_dropped"
+    engines = ("manager", "toy")
+    expected = "reads"
+
+
+class LeakOnAbort(_EngineBug):
+    """The engine's abort path forgets the request without releasing it in kvmem: its pages
+    leak."""
+
+    name = "leak_on_abort"
+    bugs = (2, 8)
+    switch = "leak_on_abort"
+    engines = ("manager", "toy")
+    expected = "requests"
+    weights: ClassVar[dict[str, float]] = {"abort": 8}
+
+
+class ReleaseRetried(_EngineBug):
+    """A hook raises during release; the engine takes the HookError for a failed release and
+    releases again (two release paths for one request)."""
+
+    name = "release_retried_on_hook_error"
+    bugs = (3,)
+    switch = "hook_error_retried"
+    engines = ("manager",)
+    expected = "kvmem_error"
+    weights: ClassVar[dict[str, float]] = {"hook": 10, "abort": 6}
+
+
+class StaleBlockTable(_EngineBug):
+    """The engine hands its kernels a block table from a reused buffer whose columns past each
+    request's pages still hold an earlier request's pages."""
+
+    name = "stale_block_table"
+    bugs = (13,)
+    switch = "stale_block_table"
+    engines = ("manager",)
+    expected = "verify"
+
+
+class WrongChunkSlice(_EngineBug):
+    """Chunked prefill hands the kernel the wrong slice of the page table (a request's first two
+    pages swapped)."""
+
+    name = "wrong_chunk_slice"
+    bugs = (12,)
+    switch = "wrong_chunk_slice"
+    engines = ("manager",)
+    expected = "verify"
+
+
+# injected: something breaks behind everyone's back ----------------------------------------------
+
+
+def _victim(run: Run, a: int) -> Any:
+    from kvmem.testing._engines import stable_pick
+
+    running = run.engine.manager.running
+    return running[stable_pick(a, running)] if running else None
+
+
+class SecondReleasePath(Fault):
+    """A second release path drops a running request's reference to one of its pages (the
+    first path, kvmem's, drops it again later)."""
+
+    name = "second_release_path"
+    bugs = (3, 5)
+    side = "injected"
+    injects = True
+    expected = "refcounts"
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        rid = _victim(run, a)
+        if rid is None:
+            return False
+        pages = run.engine.manager.pages_of(rid)
+        run.engine.manager.allocator.free(pages[b % pages.size : b % pages.size + 1])
+        return True
+
+
+class RefcountOverincrement(Fault):
+    """A page gains a holder nobody will release (fork plus sliding window counted a page
+    twice)."""
+
+    name = "refcount_overincrement"
+    bugs = (4, 15)
+    side = "injected"
+    injects = True
+    expected = "refcounts"
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        rid = _victim(run, a)
+        if rid is None:
+            return False
+        pages = run.engine.manager.pages_of(rid)
+        run.engine.manager.allocator.share(pages[b % pages.size : b % pages.size + 1])
+        return True
+
+
+class StalePageTableEntry(Fault):
+    """A request's page-table entry names another request's page (a stale or misplaced entry
+    the kernel would read)."""
+
+    name = "stale_page_table_entry"
+    bugs = (12, 13)
+    side = "injected"
+    injects = True
+    expected = "verify"
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        mgr = run.engine.manager
+        running = mgr.running
+        if len(running) < 2:
+            return False
+        victim = _victim(run, a)
+        other = _victim(run, b)
+        if other == victim:
+            return False
+        pos = b % max(1, -(-mgr.num_tokens(victim) // mgr.page_size))
+        page = int(mgr.pages_of(other)[0])
+        try:
+            if int(mgr.pages_of(victim)[pos]) == page:
+                return False
+            overwrite_page_entry(mgr, victim, pos, page)
+        except (KVMemError, IndexError):
+            return False
+        return True
+
+
+CATALOG: dict[str, Fault] = {f.name: f for f in (
+    FenceBypassed(), CowSourceUnfenced(), RetireAtLaunch(), CompletionLost(), CommitAtLaunch(),
+    TransferUnfenced(), CommitOnAbort(), FenceLosesReferences(), SkipCowCopy(),
+    NamespaceDropped(), TenantlessCacheKey(), WeakPrefixKey(), LeakOnAbort(), ReleaseRetried(),
+    SecondReleasePath(), RefcountOverincrement(), StalePageTableEntry(), StaleBlockTable(),
+    WrongChunkSlice(),
+)}

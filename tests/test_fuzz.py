@@ -1,0 +1,330 @@
+"""The fuzzer: every oracle fires on its fault and stays silent on correct runs; campaigns,
+replays, shrinking and saved reproducers are exact; the fault catalog is found on every engine
+it applies to."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+
+from kvmem.errors import KVMemError
+from kvmem.testing import (
+    ENGINES,
+    FuzzConfig,
+    FuzzFailure,
+    ManagerEngine,
+    Run,
+    campaign,
+    faults,
+    hunt,
+    kv_value_array,
+    replay,
+    save_reproducer,
+    schedules,
+    shrink,
+)
+from kvmem.testing.faults import CATALOG
+
+# -- the K/V values ------------------------------------------------------------------------------
+
+
+def test_kv_values_depend_on_the_namespace_and_the_whole_prefix() -> None:
+    a = kv_value_array(1, [1, 2, 3, 4])
+    assert np.array_equal(a, kv_value_array(1, [1, 2, 3, 4, 5])[:4])  # a prefix's values
+    assert np.array_equal(a[:2], kv_value_array(1, [1, 2, 0, 0])[:2])
+    assert not np.any(a[2:] == kv_value_array(1, [1, 2, 0, 4])[2:])  # all later ones differ
+    assert not np.any(a == kv_value_array(2, [1, 2, 3, 4]))  # another namespace
+    assert np.count_nonzero(a) == a.size  # 0 means "never written"
+
+
+# -- silent on correct runs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_correct_run_trips_no_oracle_and_every_check_ran(engine: str) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(3):
+        r = campaign(engine, "small", None, seed, max_moves=1200)
+        assert r.failure is None, r.failure
+        assert r.moves >= 1200 and r.moves == len(r.schedule)  # (and the final drain's)
+        # The same schedule replays to the very same state.
+        again = replay(r.schedule, engine, None, seed, "small")
+        mgr = again.engine.manager
+        counts = again.timeline.counts
+        for k, v in counts.items():
+            totals[k] = totals.get(k, 0) + v
+        assert mgr.allocator.tags.max() > 0
+    for check in ("page_checks", "tag_changes", "reads", "hits", "full_checks", "launches"):
+        assert totals[check] > 0, (check, totals)
+    if engine == "manager":  # the asynchronous engine retires fences
+        assert totals["retires"] > 0
+
+
+def test_replay_is_exact() -> None:
+    r = campaign("manager", "small", None, 7, max_moves=600)
+    a = replay(r.schedule, "manager", None, 7, "small")
+    b = replay(r.schedule, "manager", None, 7, "small")
+    for run in (a, b):
+        assert run.num_moves == len(r.schedule)
+    assert np.array_equal(a.engine.manager.allocator.tags, b.engine.manager.allocator.tags)
+    assert np.array_equal(a.timeline.kv, b.timeline.kv)
+    assert a.engine.manager.running == b.engine.manager.running
+
+
+@settings(max_examples=25, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(schedules(max_size=60))
+def test_any_schedule_hypothesis_draws_is_a_correct_run(schedule: list[Any]) -> None:
+    replay(schedule, "manager", None, 0, "small")
+
+
+def test_hypothesis_finds_a_race_and_shrinks_it_to_its_two_moves() -> None:
+    def fails(schedule: list[Any]) -> bool:
+        try:
+            replay(schedule, "manager", "free_before_step_completes", 0, "small")
+        except FuzzFailure:
+            return True
+        return False
+
+    found = find(schedules(max_size=20), fails,
+                 settings=settings(max_examples=400, derandomize=True, database=None,
+                                   suppress_health_check=list(HealthCheck)))
+    # A request arrives with its prompt K/V on a transfer; it is aborted while the transfer
+    # still writes its pages, and with the fence bypassed they are freed under it.
+    assert [m[0] for m in found] == ["receive", "abort"]
+
+
+# -- each oracle fires ---------------------------------------------------------------------------
+
+# The shortest interleavings the fuzzer found for each fault (manager engine, seed 0, "small"),
+# and the oracle that caught it: these pin every detector, and each one shows the bug.
+MINIMAL = {
+    "free_before_step_completes": ("happens_before", [("receive", 0, 0), ("abort", 0, 0)]),
+    "transfer_without_fence": ("happens_before", [("receive", 0, 0), ("abort", 0, 0)]),
+    "cow_source_reused_before_copy": ("happens_before", [
+        ("receive", 0, 0), ("transfer", 0, 0), ("finish", 0, 0), ("fork", 0, 0),
+        ("launch", 0, 0), ("abort", 0, 0), ("preempt", 0, 0)]),
+    "retire_at_launch": ("fences", [("submit", 0, 0), ("launch", 0, 0)]),
+    "fence_completion_lost": ("fences", [("receive", 0, 0)]),
+    "prefix_hit_before_write_lands": ("landed_hit", [
+        ("submit", 272545, 0), ("launch", 0, 0), ("preempt", 0, 0), ("resume", 0, 0)]),
+    "commit_on_abort": ("landed_hit", [
+        ("submit", 162304, 330863), ("launch", 0, 0), ("abort", 0, 0),
+        ("submit", 641427, 14806)]),
+    "fence_drops_references": ("refcounts", [("receive", 0, 0), ("abort", 0, 0)]),
+    "refcount_overincrement": ("refcounts", [("receive", 0, 0), ("inject", 0, 0)]),
+    "cow_copy_skipped": ("reads", [
+        ("submit", 0, 204043), ("launch", 0, 0), ("complete", 0, 0), ("launch", 0, 0),
+        ("complete", 0, 0), ("finish", 0, 0), ("finish", 0, 0), ("fork", 0, 0),
+        ("launch", 0, 0)]),
+    "tenant_salt_dropped": ("reads", [
+        ("submit", 517553, 0), ("submit", 335601, 917595), ("launch", 0, 0),
+        ("complete", 0, 0), ("finish", 0, 0), ("preempt", 967922, 0), ("resume", 0, 0),
+        ("launch", 0, 0)]),
+    "tenantless_cache_key": ("verify", [
+        ("submit", 517553, 0), ("submit", 335601, 917595), ("launch", 0, 0),
+        ("complete", 0, 0), ("finish", 0, 0), ("preempt", 967922, 0), ("abort", 0, 0),
+        ("resume", 0, 0), ("launch", 0, 0)]),
+    "leak_on_abort": ("requests", [("submit", 0, 0), ("abort", 0, 0)]),
+    "release_retried_on_hook_error": ("kvmem_error", [
+        ("receive", 0, 0), ("hook", 883383, 0), ("abort", 0, 0)]),
+    "stale_page_table_entry": ("verify", [
+        ("submit", 0, 215729), ("fork", 0, 0), ("inject", 0, 91144), ("launch", 417284, 0)]),
+    "stale_block_table": ("verify", [
+        ("submit", 517553, 868287), ("fork", 0, 0), ("launch", 0, 0), ("abort", 0, 0),
+        ("submit", 601742, 0), ("launch", 0, 0)]),
+    "wrong_chunk_slice": ("verify", [("submit", 517553, 0), ("launch", 0, 0)]),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(MINIMAL))
+def test_each_fault_fires_its_oracle_on_its_shortest_interleaving(fault: str) -> None:
+    oracle, schedule = MINIMAL[fault]
+    with pytest.raises(FuzzFailure) as e:
+        replay(schedule, "manager", fault, 0, "small")
+    assert e.value.oracle == oracle, e.value
+    # ... and the same interleaving is harmless without the fault.
+    replay(schedule, "manager", None, 0, "small")
+
+
+class _Allocator:
+    """The allocator as the oracles see it, with one fact bent."""
+
+    def __init__(self, real: Any, **override: Any) -> None:
+        self._real = real
+        self._override = override
+
+    def __getattr__(self, name: str) -> Any:
+        return self._override.get(name, getattr(self._real, name))
+
+
+def _busy_run() -> Run:
+    run = Run("manager", "small", None, 0)
+    for move in [("submit", 0, 0), ("submit", 5, 9), ("launch", 1, 0), ("complete", 0, 0),
+                 ("retire", 0, 0), ("finish", 0, 0)]:
+        run.step(*move)
+    return run
+
+
+def test_the_tags_oracle_fires_on_a_repeated_tag() -> None:
+    run = _busy_run()
+    mgr = run.engine.manager
+    tags = mgr.allocator.tags.copy()
+    free = int(np.flatnonzero(tags == 0)[0])
+    tags[free] = int(tags.max())  # a lifetime tag handed out twice
+    mgr.allocator = _Allocator(mgr.allocator, tags=tags)
+    with pytest.raises(FuzzFailure) as e:
+        run.timeline.after_host_move()
+    assert e.value.oracle == "tags"
+
+
+def test_the_conservation_oracle_fires_when_a_page_is_neither_free_nor_held() -> None:
+    run = _busy_run()
+    mgr = run.engine.manager
+    rc = mgr.allocator.refcounts.copy()
+    rc[int(np.flatnonzero(rc == 1)[0])] = 0  # lost: not free, no holder
+    mgr.allocator = _Allocator(mgr.allocator, refcounts=rc)
+    with pytest.raises(FuzzFailure) as e:
+        run.timeline.after_host_move()
+    assert e.value.oracle == "conservation"
+
+
+def test_the_check_oracle_runs_kvmem_check() -> None:
+    run = _busy_run()
+    mgr = run.engine.manager
+    rid = mgr.running[0]
+    faults.overwrite_page_entry(mgr, rid, 0, int(mgr.pages_of(mgr.running[1])[0]))
+    with pytest.raises(FuzzFailure) as e:
+        run.timeline.full_check()
+    assert e.value.oracle == "check" and "differ from their holders" in str(e.value)
+
+
+class _SlotAstray(ManagerEngine):
+    """Writes every decode token one slot further than the kernel's CSR says."""
+
+    def launch(self, choice: int) -> Any:
+        op = super().launch(choice)
+        if op is not None and op.slot_mapping.size and np.all(op.num_new == 1):
+            op.slot_mapping = op.slot_mapping + 1
+        return op
+
+
+class _Crashes(ManagerEngine):
+    def launch(self, choice: int) -> Any:
+        raise IndexError("the engine's own bug")
+
+
+def test_the_reads_oracle_fires_on_a_slot_mapping_that_disagrees_with_the_csr() -> None:
+    cfg = FuzzConfig(tracker=None)  # verify would catch it first
+    with pytest.raises(FuzzFailure) as e:
+        replay([("submit", 3, 0), ("launch", 1, 0), ("complete", 0, 0), ("launch", 1, 0),
+                ("complete", 0, 0)], _SlotAstray, None, 0, cfg)
+    assert e.value.oracle == "reads" and "after the step's writes" in str(e.value)
+    replay([("submit", 3, 0), ("launch", 1, 0), ("complete", 0, 0), ("launch", 1, 0),
+            ("complete", 0, 0)], ManagerEngine, None, 0, cfg)
+
+
+def test_the_engine_oracle_reports_an_adapter_that_raises() -> None:
+    with pytest.raises(FuzzFailure) as e:
+        replay([("submit", 0, 0), ("launch", 0, 0)], _Crashes, None, 0, "small")
+    assert e.value.oracle == "engine" and "IndexError" in str(e.value)
+
+
+# -- the catalog: every fault is found by random campaigns, on every engine it applies to ---------
+
+
+def _applicable() -> list[tuple[str, str]]:
+    return [(engine, name) for engine in sorted(ENGINES) for name, f in CATALOG.items()
+            if f.engines is None or engine in f.engines]
+
+
+@pytest.mark.parametrize("engine, fault", _applicable())
+def test_random_campaigns_find_every_fault(engine: str, fault: str) -> None:
+    r = hunt(fault, engine, "small", seed=0, max_campaigns=25, moves_per_campaign=1500,
+             shrink_replays=0)
+    assert r.detected, f"{fault} on {engine}: not found in {r.moves} moves"
+    assert r.detected_by is not None
+
+
+def test_the_catalog_covers_the_issue() -> None:
+    assert len(CATALOG) >= 12
+    timeline = {n for n, f in CATALOG.items() if f.timeline}
+    assert {"free_before_step_completes", "fence_completion_lost",
+            "cow_source_reused_before_copy", "prefix_hit_before_write_lands"} <= timeline
+    for f in CATALOG.values():
+        assert f.bugs and all(1 <= b <= 17 for b in f.bugs), f.name
+        assert f.describe(), f.name
+
+
+def test_fault_functions_use_public_surfaces_only() -> None:
+    source = inspect.getsource(faults)
+    assert "mgr._" not in source and "manager._" not in source and "._pending" not in source
+
+
+# -- shrinking and reproducers ------------------------------------------------------------------
+
+
+def test_shrink_finds_a_short_interleaving_that_still_fires() -> None:
+    r = campaign("manager", "small", "free_before_step_completes", 0, max_moves=1500)
+    assert r.failure is not None
+    small, failure = shrink(r.schedule, r.failure.oracle, max_replays=200, engine="manager",
+                            fault="free_before_step_completes", seed=0, config="small")
+    assert len(small) <= 4 < len(r.schedule)
+    assert failure.oracle == r.failure.oracle
+    with pytest.raises(FuzzFailure):
+        replay(small, "manager", "free_before_step_completes", 0, "small")
+
+
+def test_shrink_refuses_a_schedule_that_does_not_fail() -> None:
+    with pytest.raises(KVMemError, match="nothing to shrink"):
+        shrink([("submit", 0, 0)], "reads", engine="manager", seed=0, config="small")
+
+
+def test_a_saved_reproducer_is_a_pytest_file_that_fails_while_the_bug_is_there(
+        tmp_path: Path) -> None:
+    oracle, schedule = MINIMAL["retire_at_launch"]
+    with pytest.raises(FuzzFailure) as e:
+        replay(schedule, "manager", "retire_at_launch", 0, "small")
+    path = save_reproducer(tmp_path, schedule, e.value, "manager", "retire_at_launch", 0,
+                           FuzzConfig())
+    spec = importlib.util.spec_from_file_location("reproducer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tests = [getattr(module, n) for n in dir(module) if n.startswith("test_")]
+    assert len(tests) == 1
+    with pytest.raises(FuzzFailure) as again:
+        tests[0]()
+    assert again.value.oracle == oracle
+
+
+# -- configuration errors -------------------------------------------------------------------------
+
+
+def test_bad_names_and_configs_are_refused() -> None:
+    with pytest.raises(KVMemError, match="no fuzz engine"):
+        Run("nope")
+    with pytest.raises(KVMemError, match="no fault"):
+        Run("manager", fault="nope")
+    with pytest.raises(KVMemError, match="applies to engines"):
+        Run("toy", fault="retire_at_launch")
+    with pytest.raises(KVMemError, match="exceeds max_len"):
+        FuzzConfig(prompt_len=(1, 60), max_new=(1, 10), max_len=64)
+    with pytest.raises(KVMemError, match="no move"):
+        Run().step("teleport", 0, 0)
+    assert FuzzConfig.from_dict(FuzzConfig.preset("bench").to_dict()).to_dict() == \
+        FuzzConfig.preset("bench").to_dict()
+
+
+def test_landed_hit_is_kvmems_contract_and_can_defer_to_stream_order() -> None:
+    oracle, schedule = MINIMAL["prefix_hit_before_write_lands"]
+    lenient = FuzzConfig(strict_commits=False)
+    # Committed before landing, read by a later step: one stream's order makes it harmless.
+    replay(schedule, "manager", "prefix_hit_before_write_lands", 0, lenient)
+    assert oracle == "landed_hit"
