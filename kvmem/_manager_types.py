@@ -209,7 +209,10 @@ KVEvent = PagesStored | PagesRemoved | AllPagesCleared
 
 
 class HookError(KVMemError):
-    """A hook raised. The operation that triggered it completed; every other hook still ran."""
+    """A hook raised. The operation that triggered it completed (``result`` is what it
+    returned: a step's metadata, a handle, a report); every other hook still ran."""
+
+    result: Any = None
 
 
 # -- the constructor's other arguments -----------------------------------------------------------

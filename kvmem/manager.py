@@ -155,7 +155,11 @@ def _public(fn: _F) -> _F:
                 self._hooks.discard()
                 raise
             if self._hooks.pending:
-                self._hooks.flush()
+                try:
+                    self._hooks.flush()
+                except HookError as e:
+                    e.result = result  # what the operation, which stands, returned
+                    raise
             return result
         finally:
             self._lock.release()
@@ -459,13 +463,13 @@ class KVCacheManager:
         token_ids: ``[B]`` ints (one token each: the decode step; a list, an array or a
             tensor), ``[B, k]`` ints, or a list of ``B`` 1-D int sequences (ragged)
         """
-        ids, rows, b = self._batch(request_ids, "committed")
+        ids, rows, _ = self._batch(request_ids, "committed")
         flat, counts = batch_tokens(token_ids, rows.size)
-        if (isinstance(counts, int) and counts == 1 and b is not None and b.k == 1
-                and b.token_pages is not None and b.uncommitted
-                and not np.count_nonzero(self.table.num_committed[rows] != b.start)):
-            self._committer.commit_decode(b, flat)  # the tokens the latest reserve handed out
-            return
+        if isinstance(counts, int) and counts == 1:
+            b = self.steps.uncommitted(ids, self.table.num_committed[rows])
+            if b is not None:  # the tokens a recent reserve handed out, in its slots
+                self._committer.commit_decode(b, flat)
+                return
         self._committer.commit(rows, counts, flat, ids)
         self._uncommitted_done()
 

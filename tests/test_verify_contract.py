@@ -351,3 +351,69 @@ def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int)
             break
         eng.commit(ok)
         eng.check_kv(ok)
+
+
+# -- the fast paths under an asynchronous engine's order ---------------------------------------
+
+
+def test_a_prefill_verified_between_decode_steps_keeps_the_decode_proof() -> None:
+    """A one-request prefill chunk verified between two decode steps is checked alone, in
+    full; the decode batch's proof survives it, so the next decode step is proved spliced."""
+    mgr, eng, ids = decoding()
+    eng.admit("new", [5] * 7)
+    before = mgr.verifier.stats
+    assert mgr.verify(["new"], eng.step(["new"], 7)).ok
+    eng.commit(["new"])
+    assert mgr.verify(ids, eng.step(ids, 1)).ok
+    after = mgr.verifier.stats
+    assert after.spliced_proved - before.spliced_proved == 1
+    assert after.full_checks == before.full_checks
+    faults.free_behind_back(mgr, "a", 0)  # and the kept proof still sees a fault
+    eng.commit(ids)
+    assert mgr.verify(["new"], eng.step(["new"], 1)).ok
+    assert "a" in mgr.verify(ids, eng.step(ids, 1)).aborted
+
+
+def test_step_n_committed_after_step_n_plus_1_was_reserved() -> None:
+    """Overlap scheduling: reserve n + 1 before committing n. The commit of n lands in n's
+    slots (a recent record's fast path) exactly as the general path would put it."""
+    fast, slow = make(), make()
+    for mgr in (fast, slow):
+        for rid, n in (("a", 5), ("b", 9)):
+            mgr.admit(rid, np.arange(n))
+            mgr.reserve([rid], n)
+            mgr.commit(rid, np.arange(n))
+    ids = ["a", "b"]
+    for step in range(6):
+        tokens = np.array([100 + step, 200 + step])
+        for mgr in (fast, slow):
+            mgr.reserve(ids, 1)
+            if step:
+                previous = tokens - 1
+                if mgr is fast:
+                    mgr.commit_batch(ids, previous)  # step n, one token each: the fast path
+                else:
+                    mgr.commit_batch(ids, [previous[:1], previous[1:]])  # ragged: general
+    for rid in ids:
+        assert fast.tokens_of(rid).tolist() == slow.tokens_of(rid).tolist()
+    assert fast.cache is not None and slow.cache is not None
+    assert fast.cache.num_cached == slow.cache.num_cached
+    fast.check()
+    slow.check()
+
+
+def test_a_raising_hook_hands_back_the_operations_result() -> None:
+    from kvmem.manager import HookError
+
+    mgr = make(tracker="checking")
+    mgr.admit("a", [1, 2, 3])
+
+    def boom(event: Any) -> None:
+        raise RuntimeError("hook")
+
+    mgr.add_hook("step_begin", boom)
+    with pytest.raises(HookError) as info:
+        mgr.begin_step()
+    handle = info.value.result
+    assert handle is not None and mgr.fences.open_steps == (handle.step_id,)
+    mgr.retire(handle)

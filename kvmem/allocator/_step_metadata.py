@@ -175,6 +175,7 @@ class StepBuilder:
         self.expected_flat = expected_flat
         self.latest: StepRecord | None = None
         self._bases: dict[int, StepRecord] = {}  # recent batches by size (a few)
+        self._recent: list[StepRecord] = []  # the latest few records, newest last
         self._serial = 0
         self._counts: dict[tuple[int, int], tuple[Int32Array, Int32Array]] = {}
         self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs) + 1, dtype=np.int64)
@@ -185,6 +186,19 @@ class StepBuilder:
         b = self.latest
         if b is not None and b.epoch == self.table.epoch and ids == b.ids:
             return b
+        return None
+
+    def uncommitted(self, ids: tuple[Any, ...], committed: Int64Array) -> StepRecord | None:
+        """A recent one-token record of ``ids``' batch that nothing was committed into yet:
+        the rows have the same generations (nothing but appends since) and commit exactly its
+        tokens next (``committed``: the rows' committed counts, in batch order). An engine
+        that reserves step n + 1 before it commits step n finds step n's record here."""
+        for b in reversed(self._recent):
+            if (b.k == 1 and b.uncommitted and b.token_pages is not None and b.ids == ids
+                    and b.start.shape == committed.shape
+                    and not np.count_nonzero(committed != b.start)
+                    and not np.count_nonzero(self.table.generation[b.rows] != b.gens)):
+                return b
         return None
 
     def row_arrays(self, rows: IntpArray) -> tuple[Int64Array, Int32Array]:
@@ -280,6 +294,9 @@ class StepBuilder:
         self._serial += 1
         b.serial = self._serial
         self.latest = b
+        self._recent.append(b)
+        if len(self._recent) > 4:
+            del self._recent[0]
         self._bases.pop(b.rows.size, None)
         self._bases[b.rows.size] = b
         if len(self._bases) > 4:
@@ -290,3 +307,4 @@ class StepBuilder:
         """Forget every record (the next steps build their CSR by a gather)."""
         self.latest = None
         self._bases.clear()
+        self._recent.clear()

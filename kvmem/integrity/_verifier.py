@@ -244,11 +244,17 @@ class Verifier(FullCheck):
         if not np.array_equal(counts, need) or not self._writes_ok(rows, md.fields, indptr,
                                                                     indices):
             return False
+        p = self._proof
+        if p is not None and rows.size < p.rows.size and rows.size <= max(8, p.rows.size // 8):
+            # A small batch beside the proven one (a prefill chunk between decode steps):
+            # checked alone, in full, and the proof (and its change-log cursor) kept.
+            want = self._expected[np.repeat(rows, counts),
+                                  np.arange(indices.size) - np.repeat(indptr[:-1], counts)]
+            return self._fresh_ok(indices, want, count=False)
         gens = t.generation[rows]
         changes = self._changes_now()
         assert self._versions is not None
         versions = self._versions[rows]
-        p = self._proof
         changed: IntpArray = np.empty(0, dtype=np.intp)
         first = None
         if p is not None:
@@ -328,9 +334,10 @@ class Verifier(FullCheck):
         return not (dirty and np.count_nonzero(
             refs[np.concatenate(dirty) if len(dirty) > 1 else dirty[0]]))
 
-    def _fresh_ok(self, pages: npt.NDArray[np.integer], want: Int64Array) -> bool:
+    def _fresh_ok(self, pages: npt.NDArray[np.integer], want: Int64Array,
+                  count: bool = True) -> bool:
         """Entries checked in full: in range, live qualified tag == the recorded one (never 0:
-        unrecorded); then counted in the per-page counts."""
+        unrecorded); then (``count``) counted in the per-page counts."""
         if not pages.size:
             return True
         pages = pages.astype(np.intp)
@@ -339,7 +346,8 @@ class Verifier(FullCheck):
         live = qualify_live(self._tags[pages], self._namespace_ids[pages])
         if not _equal(live, want) or np.count_nonzero(want) != want.size:
             return False
-        self._count_refs(pages)
+        if count:
+            self._count_refs(pages)
         return True
 
     def _count_refs(self, pages: npt.NDArray[np.integer]) -> None:
