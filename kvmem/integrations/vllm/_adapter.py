@@ -158,6 +158,7 @@ class VllmKVCacheAdapter:
         self._q_pages = 0  # pages the queue will allocate
         # Requests the integrity check aborted since the scheduler last asked: id -> reason.
         self.integrity_aborts: dict[str, str] = {}
+        self.num_integrity_aborts = 0  # requests the check aborted, in all
         self.num_verified_steps = 0
         self.num_verified_requests = 0
 
@@ -368,6 +369,7 @@ class VllmKVCacheAdapter:
             logger.warning("kvmem integrity check aborted request %r: %s", rid, reason)
             self._reqs.pop(rid, None)
             self.integrity_aborts[rid] = reason
+            self.num_integrity_aborts += 1
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Commit the request's known tokens up to ``num_computed_tokens`` (async scheduling's

@@ -38,6 +38,7 @@ from kvmem.allocator._prefix_cache import (
     PrefixCache,
     PrefixMatch,
 )
+from kvmem.errors import ConfigError
 
 __all__ = ["VllmOrderPrefixCache"]
 
@@ -69,7 +70,8 @@ class VllmOrderPrefixCache(PrefixCache):
 
     def bind(self, allocator: PageAllocator, page_size: int) -> None:
         if self._allocator is not None:
-            raise ValueError("this prefix cache is already bound to an allocator; make a new one")
+            raise ConfigError("this prefix cache is already bound to an allocator (a manager); "
+                              "give each KVCacheManager a new VllmOrderPrefixCache")
         self._allocator = allocator
         self.page_size = int(page_size)
         # The key function's tables are set up by bind(); it never holds a page, so it is bound

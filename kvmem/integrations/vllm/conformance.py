@@ -34,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "STOP_TOKEN",
+    "Driver",
     "RequestSpec",
     "SchedulerSpec",
     "StepRecord",
@@ -317,63 +318,105 @@ class _EventContents:
         return out
 
 
-def run_stream(stream: StreamSpec, kvmem: bool, check_tables: bool = True) -> StreamResult:
-    """Drive one scheduler over the stream (schedule, synthetic model, update_from_output per
-    step) until every request finished or ``max_steps``."""
-    spec = stream.sched
-    sched = make_scheduler(spec, kvmem)
-    worker = _Worker()
-    events = _EventContents()
-    recorder: _Recorder = sched.kv_event_publisher
-    arrivals: dict[int, list[RequestSpec]] = {}
-    aborts: dict[int, list[str]] = {}
-    for r in stream.requests:
-        arrivals.setdefault(r.arrival, []).append(r)
-        if r.abort_at is not None:
-            aborts.setdefault(r.abort_at, []).append(r.rid)
-    live: dict[str, Any] = {}
-    finish: dict[str, str] = {}
-    outputs: dict[str, tuple[int, ...]] = {}
-    result = StreamResult([], outputs, finish, [])
-    last_arrival = max((r.arrival for r in stream.requests), default=0)
-    from vllm.v1.request import RequestStatus
+class Driver:
+    """One scheduler, driven the way an engine would, recording what every step scheduled.
 
-    for step in range(stream.max_steps):
-        for r in arrivals.get(step, ()):
-            req = make_request(r, spec.block_size)
-            live[r.rid] = req
-            sched.add_request(req)
-        abort_ids = [rid for rid in aborts.get(step, ()) if rid in sched.requests]
-        if abort_ids:
-            sched.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
-        if step > last_arrival and not sched.has_requests():
-            break
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        mro = model_output(sched, out, stream.seed)
-        sched.update_from_output(out, mro)
-        result.step_us.append((time.perf_counter() - t0) * 1e6)
-        worker.apply(out)
+    ``step()`` is ``schedule()``, the synthetic model, ``update_from_output()``; ``schedule()``
+    and ``update(out)`` apart let a scenario pipeline steps as an engine with several batches in
+    flight does. ``records`` holds one :class:`StepRecord` per ``schedule()`` (the events of an
+    ``update`` go to the record of the step it updates).
+    """
+
+    def __init__(self, spec: SchedulerSpec, kvmem: bool, seed: int = 0,
+                 check_tables: bool = True) -> None:
+        self.spec = spec
+        self.kvmem = kvmem
+        self.seed = seed
+        self.check_tables = check_tables
+        self.sched = make_scheduler(spec, kvmem)
+        self.worker = _Worker()
+        self.contents = _EventContents()
+        self.requests: dict[str, Any] = {}
+        self.records: list[StepRecord] = []
+        self.step_us: list[float] = []
+        self.verify_failures = 0
+        self.table_mismatches = 0
+        self._record_of: dict[int, StepRecord] = {}
+
+    def add(self, r: RequestSpec) -> None:
+        req = make_request(r, self.spec.block_size)
+        self.requests[r.rid] = req
+        self.sched.add_request(req)
+
+    def abort(self, rids: Sequence[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        live = [rid for rid in rids if rid in self.sched.requests]
+        if live:
+            self.sched.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+
+    def schedule(self) -> Any:
+        out = self.sched.schedule()
+        self.worker.apply(out)
         c = out.scheduled_cached_reqs
         rec = StepRecord(
             new=[(nr.req_id, nr.num_computed_tokens) for nr in out.scheduled_new_reqs],
             cached=list(c.req_ids), resumed=sorted(c.resumed_req_ids),
             num_scheduled=dict(out.num_scheduled_tokens),
             preempted=sorted(out.preempted_req_ids), finished=sorted(out.finished_req_ids),
-            sharing=worker.sharing(), events=events.convert(recorder.events))
+            sharing=self.worker.sharing())
+        self.records.append(rec)
+        self._record_of[id(out)] = rec
+        if self.kvmem and self.check_tables:
+            self.table_mismatches += _table_mismatches(self.sched, self.worker)
+        return out
+
+    def update(self, out: Any) -> None:
+        self.sched.update_from_output(out, model_output(self.sched, out, self.seed))
+        recorder: _Recorder = self.sched.kv_event_publisher
+        rec = self._record_of.pop(id(out))
+        rec.events.update(self.contents.convert(recorder.events))
         recorder.events = []
-        result.steps.append(rec)
-        if kvmem:
-            result.verify_failures += len(getattr(sched, "_kvmem_aborted", ()))
-            if check_tables:
-                result.table_mismatches += _table_mismatches(sched, worker)
-    for rid, req in live.items():
-        outputs[rid] = tuple(req.output_token_ids)
-        reason = req.get_finished_reason()
-        finish[rid] = "unfinished" if reason is None else str(reason)
-    if kvmem:
-        sched.kv_cache_manager.check()
-    return result
+
+    def step(self) -> Any:
+        t0 = time.perf_counter()
+        out = self.schedule()
+        self.update(out)
+        self.step_us.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+    def result(self) -> StreamResult:
+        outputs = {rid: tuple(req.output_token_ids) for rid, req in self.requests.items()}
+        finish = {}
+        for rid, req in self.requests.items():
+            reason = req.get_finished_reason()
+            finish[rid] = "unfinished" if reason is None else str(reason)
+        if self.kvmem:
+            self.sched.kv_cache_manager.check()
+            self.verify_failures = self.sched.kv_cache_manager.num_integrity_aborts
+        return StreamResult(self.records, outputs, finish, self.step_us,
+                            self.verify_failures, self.table_mismatches)
+
+
+def run_stream(stream: StreamSpec, kvmem: bool, check_tables: bool = True) -> StreamResult:
+    """Drive one scheduler over the stream (schedule, synthetic model, update_from_output per
+    step) until every request finished or ``max_steps``."""
+    d = Driver(stream.sched, kvmem, stream.seed, check_tables)
+    arrivals: dict[int, list[RequestSpec]] = {}
+    aborts: dict[int, list[str]] = {}
+    for r in stream.requests:
+        arrivals.setdefault(r.arrival, []).append(r)
+        if r.abort_at is not None:
+            aborts.setdefault(r.abort_at, []).append(r.rid)
+    last_arrival = max((r.arrival for r in stream.requests), default=0)
+    for step in range(stream.max_steps):
+        for r in arrivals.get(step, ()):
+            d.add(r)
+        d.abort(aborts.get(step, ()))
+        if step > last_arrival and not d.sched.has_requests():
+            break
+        d.step()
+    return d.result()
 
 
 def _table_mismatches(sched: Any, worker: _Worker) -> int:
