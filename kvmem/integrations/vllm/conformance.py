@@ -66,6 +66,7 @@ class SchedulerSpec:
     watermark: float = 0.0
     async_scheduling: bool = False
     kv_events: bool = True
+    policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class RequestSpec:
     arrival: int = 0
     salt: str | None = None
     abort_at: int | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,13 @@ class StepRecord:
     preempted: list[str]
     finished: list[str]
     sharing: list[tuple[str, int, int]]  # (request, position, first (req, pos) with its block)
+    usage: float  # the scheduler's KV cache usage after the step was scheduled
     events: Counter[tuple[Any, ...]] = field(default_factory=Counter)
 
     def key(self) -> tuple[Any, ...]:
         return (self.new, self.cached, self.resumed, sorted(self.num_scheduled.items()),
-                self.preempted, self.finished, self.sharing, sorted(self.events.items()))
+                self.preempted, self.finished, self.sharing, self.usage,
+                sorted(self.events.items()))
 
 
 @dataclass
@@ -165,7 +169,7 @@ def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
         max_model_len=spec.max_model_len, enable_chunked_prefill=True,
         long_prefill_token_threshold=spec.long_prefill_token_threshold,
         watermark=spec.watermark, async_scheduling=spec.async_scheduling,
-        is_encoder_decoder=False)
+        is_encoder_decoder=False, policy=spec.policy)
     cc = CacheConfig(block_size=spec.block_size, enable_prefix_caching=spec.enable_prefix_caching)
     cc.num_gpu_blocks = spec.num_blocks
     events = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -231,7 +235,7 @@ def make_request(r: RequestSpec, block_size: int) -> Any:
                             ignore_eos=True)
     return Request(request_id=r.rid, prompt_token_ids=list(r.prompt), sampling_params=params,
                    pooling_params=None, arrival_time=float(r.arrival), cache_salt=r.salt,
-                   block_hasher=_block_hasher(block_size))
+                   priority=r.priority, block_hasher=_block_hasher(block_size))
 
 
 def model_output(sched: Any, out: Any, seed: int = 0) -> Any:
@@ -364,7 +368,7 @@ class Driver:
             cached=list(c.req_ids), resumed=sorted(c.resumed_req_ids),
             num_scheduled=dict(out.num_scheduled_tokens),
             preempted=sorted(out.preempted_req_ids), finished=sorted(out.finished_req_ids),
-            sharing=self.worker.sharing())
+            sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage())
         self.records.append(rec)
         self._record_of[id(out)] = rec
         if self.kvmem and self.check_tables:
@@ -377,6 +381,13 @@ class Driver:
         rec = self._record_of.pop(id(out))
         rec.events.update(self.contents.convert(recorder.events))
         recorder.events = []
+
+    def run(self, max_steps: int = 1000) -> None:
+        """Step until no request is left (or ``max_steps``)."""
+        for _ in range(max_steps):
+            if not self.sched.has_requests():
+                return
+            self.step()
 
     def step(self) -> Any:
         t0 = time.perf_counter()
@@ -459,7 +470,7 @@ class Comparison:
 
 def _describe(a: StepRecord, b: StepRecord) -> str:
     for name in ("new", "cached", "resumed", "num_scheduled", "preempted", "finished",
-                 "sharing", "events"):
+                 "sharing", "usage", "events"):
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
             return f"{name}: vLLM {x!r} / kvmem {y!r}"
@@ -500,6 +511,7 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
     salts = [None, "tenant-a", "tenant-b"]
     roots = [tuple(rng.randrange(10, VOCAB) for _ in range(block_size * rng.randint(1, 5) + 3))
              for _ in range(rng.randint(1, 3))]
+    priority = rng.random() < 0.2  # the priority policy preempts requests already scheduled
     requests = []
     arrival = 0
     longest = 1
@@ -515,7 +527,8 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
         arrival += rng.choice((0, 0, 1, 2, 5))
         abort_at = arrival + rng.randint(0, 30) if rng.random() < 0.15 else None
         salt = rng.choice(salts) if rng.random() < 0.5 else None
-        requests.append(RequestSpec(f"r{i}", prompt, max_tokens, arrival, salt, abort_at))
+        requests.append(RequestSpec(f"r{i}", prompt, max_tokens, arrival, salt, abort_at,
+                                    rng.randint(0, 3) if priority else 0))
         longest = max(longest, len(prompt) + max_tokens)
     # Every request must fit alone (vLLM reserves the whole sequence on admission); a tight
     # pool preempts.
@@ -529,7 +542,7 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
         enable_prefix_caching=rng.random() < 0.8,
         long_prefill_token_threshold=rng.choice((0, 0, 0, 5)),
         watermark=rng.choice((0.0, 0.0, 0.05)),
-        async_scheduling=rng.random() < 0.25)
+        async_scheduling=rng.random() < 0.25, policy="priority" if priority else "fcfs")
     return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16))
 
 
