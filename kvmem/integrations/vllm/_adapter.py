@@ -59,14 +59,15 @@ class KVMemBlocks:
 
     def get_block_ids(self, allow_none: bool = False, *,
                       group_ids: Any = None) -> tuple[list[int], ...] | None:
-        if self.ids is None:
+        ids = self.ids
+        if ids is None:
             assert self._adapter is not None
             self._adapter.flush()
-        ids = self.ids
-        assert ids is not None
-        if allow_none and not ids:
-            return None
-        return (ids,)
+            ids = self.ids
+            assert ids is not None
+        if ids or not allow_none:
+            return (ids,)
+        return None
 
     @property
     def blocks(self) -> tuple[list[int], ...]:
@@ -90,15 +91,15 @@ class _Hit(KVMemBlocks):
 
 
 class _Req:
-    """Per running request: pages it will map once the queue is flushed, tokens committed once
-    the queue is flushed, its namespace."""
+    """Per running request: its id, its token capacity once the queue is flushed (pages *
+    block size), and its tokens committed once the queue is flushed."""
 
-    __slots__ = ("committed", "namespace", "num_pages")
+    __slots__ = ("cap", "committed", "rid")
 
-    def __init__(self, num_pages: int, committed: int, namespace: Any) -> None:
-        self.num_pages = num_pages
+    def __init__(self, rid: str, cap: int, committed: int) -> None:
+        self.rid = rid
+        self.cap = cap
         self.committed = committed
-        self.namespace = namespace
 
 
 class VllmKVCacheAdapter:
@@ -117,12 +118,15 @@ class VllmKVCacheAdapter:
     watermark: vLLM's ``scheduler_config.watermark`` (fraction of blocks kept free when admitting)
     tracker: kvmem tracker (``"checking"``: the integrity check runs every step)
     seed: seeds kvmem's prefix keys (None: a per-process secret)
+    async_scheduling: the scheduler is an ``AsyncScheduler`` (a decode step's token is known
+        only after its step, so it is committed when ``cache_blocks`` says so)
     """
 
     def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, enable_caching: bool = True, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
-                 tracker: Any = "checking", seed: int | None = None) -> None:
+                 tracker: Any = "checking", seed: int | None = None,
+                 async_scheduling: bool = False) -> None:
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
@@ -144,18 +148,21 @@ class VllmKVCacheAdapter:
             max_pages_per_seq=_cdiv(max_model_len, block_size) + 1,
             prefix_cache=VllmOrderPrefixCache(seed) if enable_caching else None,
             tracker=tracker, watermark=0.0, kv_events=enable_kv_cache_events)
+        self.async_outputs = async_scheduling
         self.num_kv_cache_groups = 1
         self.empty_kv_cache_blocks = KVMemBlocks(None, [])
         self._free_view = self.manager.allocator  # num_free
         self._cache = self.manager.cache  # num_evictable
         self._reqs: dict[str, _Req] = {}
         # The queue (see the module doc): ids, requests, tokens, commit targets, new-block results.
-        self._q_ids: list[str] = []
-        self._q_reqs: list[Any] = []
-        self._q_num: list[int] = []
-        self._q_upto: list[int] = []
+        # (request, state, tokens, commit target or None: all scheduled tokens that are known)
+        self._q: list[tuple[Any, _Req, int, int | None]] = []
         self._q_blocks: list[tuple[int, int, KVMemBlocks]] = []  # (batch index, new pages, out)
         self._q_pages = 0  # pages the queue will allocate
+        self._q_admits = False  # an admission is queued (its commit target is explicit)
+        # cache_blocks() calls since the last flush: (request, state, commit target).
+        self._q_commits: list[tuple[Any, _Req, int]] = []
+        self._empty = self.empty_kv_cache_blocks
         # Requests the integrity check aborted since the scheduler last asked: id -> reason.
         self.integrity_aborts: dict[str, str] = {}
         self.num_integrity_aborts = 0  # requests the check aborted, in all
@@ -187,7 +194,7 @@ class VllmKVCacheAdapter:
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
@@ -225,50 +232,64 @@ class VllmKVCacheAdapter:
                        reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
                        skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVMemBlocks | None:
         """Slots for ``num_new_tokens`` more tokens (None when they do not fit, changing
-        nothing): vLLM's arithmetic, kvmem's pages."""
+        nothing): vLLM's arithmetic, kvmem's pages.
+
+        A running request that needs no new page (the decode step's usual case) costs a dict
+        lookup and an append: the slots are reserved at the flush, for the whole batch."""
+        st = self._reqs.get(request.request_id)
+        if st is not None and not num_new_computed_tokens:
+            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= st.cap:
+                self._q.append((request, st, num_new_tokens, None))
+                return self._empty
+            return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
+                              reserved_blocks)
         if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
             raise KVMemError(
                 "allocate_slots() got external (KV connector) or encoder tokens; kvmem's vLLM "
                 "adapter supports neither (it refuses KV connectors and encoder-decoder models "
                 "at construction), so this scheduler path should not be reachable")
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
-                             "tokens to adopt")
-        rid = request.request_id
-        p = self.block_size
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        need_tokens = computed + num_new_tokens + num_lookahead_tokens
-        if need_tokens > self.max_model_len:
-            need_tokens = self.max_model_len
-        st = self._reqs.get(rid)
-        if st is not None:  # running: decide now, allocate at the flush
-            need = _cdiv(need_tokens, p) - st.num_pages
-            if need > 0 and need > self._num_free() - reserved_blocks:
-                return None
-            b = len(self._q_ids)
-            self._q_ids.append(rid)
-            self._q_reqs.append(request)
-            self._q_num.append(num_new_tokens)
-            n_tok = request.num_tokens
-            upto = computed + num_new_tokens
-            self._q_upto.append(upto if upto < n_tok else n_tok)
-            if need <= 0:
-                return self.empty_kv_cache_blocks
-            st.num_pages += need
-            self._q_pages += need
-            out = KVMemBlocks(self, None)
-            self._q_blocks.append((b, need, out))
-            return out
+        if st is not None:
+            raise KVMemError(
+                f"allocate_slots() got {num_new_computed_tokens} new prefix-hit tokens for "
+                f"request {request.request_id!r}, which already maps pages; a running request "
+                "has no new prefix hits")
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                           need_tokens, full_sequence_must_fit, reserved_blocks,
+                           num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
                            has_scheduled_reqs)
 
+    def _grow(self, request: Any, st: _Req, num_new_tokens: int, num_lookahead_tokens: int,
+              reserved_blocks: int) -> KVMemBlocks | None:
+        """A running request that needs new pages: decided now, allocated at the flush."""
+        if num_new_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
+                             "tokens to adopt")
+        p = self.block_size
+        need_tokens = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                          self.max_model_len)
+        need = _cdiv(need_tokens, p) - st.cap // p
+        if need > self._num_free() - reserved_blocks:
+            return None
+        b = len(self._q)
+        self._q.append((request, st, num_new_tokens, None))
+        if need <= 0:
+            return self._empty
+        st.cap += need * p
+        self._q_pages += need
+        out = KVMemBlocks(self, None)
+        self._q_blocks.append((b, need, out))
+        return out
+
     def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
-               need_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
+               num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> KVMemBlocks | None:
-        if self._q_ids:
+        if num_new_tokens == 0 and num_hit_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
+                             "tokens to adopt")
+        if self._q or self._q_commits:
             self.flush()
         p = self.block_size
+        need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
+                          self.max_model_len)
         num_hit = num_hit_tokens // p
         evictable = hit.num_evictable if isinstance(hit, _Hit) else 0
         watermark = (self.watermark_blocks
@@ -283,86 +304,104 @@ class VllmKVCacheAdapter:
             return None
         rid = request.request_id
         tokens = request._all_token_ids
-        namespace = self.namespace_of(request)
         # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens
         # its prefix match can find at most the hit (nothing changed since the lookup), and a
         # request that must not read the cache (num_hit_tokens == 0) finds nothing.
         res = self.manager.admit(rid, np.asarray(tokens[: num_hit_tokens + 1], dtype=np.int64),
-                                 namespace=namespace)
+                                 namespace=self.namespace_of(request))
         if res.num_cached_tokens != num_hit_tokens:
             self.manager.release(rid)
             raise KVMemError(
                 f"request {rid!r}: the prefix lookup found {num_hit_tokens} cached tokens but "
                 f"admission then found {res.num_cached_tokens}; nothing may change between "
                 "get_computed_blocks() and allocate_slots() (the request was not admitted)")
-        self._reqs[rid] = _Req(_cdiv(need_tokens, p), num_hit_tokens, namespace)
-        self._q_ids.append(rid)
-        self._q_reqs.append(request)
-        self._q_num.append(num_new_tokens)
-        upto = num_hit_tokens + num_new_tokens
-        self._q_upto.append(min(upto, request.num_tokens))
+        st = _Req(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
+        self._reqs[rid] = st
+        upto = min(num_hit_tokens + num_new_tokens, len(tokens))
+        self._q.append((request, st, num_new_tokens, upto))
+        self._q_admits = True
         self._q_pages += need - res.num_pages + res.num_hit_pages
         out = KVMemBlocks(self, None)  # the pages past the hit (the scheduler asks get_blocks)
-        self._q_blocks.append((len(self._q_ids) - 1, need, out))
+        self._q_blocks.append((len(self._q) - 1, need, out))
         return out
 
     def flush(self) -> None:
         """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
-        and commit its scheduled tokens (one commit_batch)."""
-        ids_list = self._q_ids
-        if not ids_list:
+        and commit every scheduled token whose id is known (one commit_batch)."""
+        q, commits = self._q, self._q_commits
+        if not q:
+            if commits:
+                self._q_commits = []
+                self._commit_general([], commits)
             return
-        ids = tuple(ids_list)
-        reqs, nums, uptos, outs = self._q_reqs, self._q_num, self._q_upto, self._q_blocks
-        self._q_ids, self._q_reqs, self._q_num, self._q_upto, self._q_blocks = [], [], [], [], []
-        self._q_pages = 0
-        mgr = self.manager
+        outs, admits = self._q_blocks, self._q_admits
+        self._q, self._q_blocks, self._q_pages, self._q_admits = [], [], 0, False
+        self._q_commits = []
+        ids = tuple([e[1].rid for e in q])
+        nums = [e[2] for e in q]
         n0 = nums[0]
         uniform = nums.count(n0) == len(nums)
+        mgr = self.manager
         step = mgr.reserve(ids, n0 if uniform else nums)
         report = mgr.verify(ids, step)
         self.num_verified_steps += 1
         self.num_verified_requests += len(ids)
-        indptr = step.kv_indptr
-        indices = step.kv_indices
-        for b, k, out in outs:
-            end = int(indptr[b + 1])
-            out.ids = (indices[end - k : end] + 1).tolist()
+        if outs:
+            indptr = step.kv_indptr
+            indices = step.kv_indices
+            for b, k, out in outs:
+                end = int(indptr[b + 1])
+                out.ids = (indices[end - k : end] + 1).tolist()
         if report.aborted:
             self._aborted(report.aborted)
-            keep = [i for i, rid in enumerate(ids) if rid not in report.aborted]
-            ids = tuple(ids[i] for i in keep)
-            reqs = [reqs[i] for i in keep]
-            uptos = [uptos[i] for i in keep]
-            if not ids:
-                return
-        self._commit(ids, reqs, uptos)
-
-    def _commit(self, ids: tuple[str, ...], reqs: list[Any], uptos: list[int]) -> None:
-        """Commit each request's known tokens up to its target (vLLM caches them now)."""
-        st = self._reqs
-        states = [st[rid] for rid in ids]
-        one = True
-        for s, upto in zip(states, uptos):
-            if upto - s.committed != 1:
-                one = False
-                break
-        if one:  # the decode step: one token each
-            tokens = np.fromiter((r._all_token_ids[s.committed] for r, s in zip(reqs, states)),
-                                 dtype=np.int64, count=len(reqs))
-            self.manager.commit_batch(ids, tokens)
-            for s in states:
-                s.committed += 1
+            q = [e for e in q if e[1].rid not in report.aborted]
+            commits = [c for c in commits if c[1].rid not in report.aborted]
+            ids = tuple([e[1].rid for e in q])
+            uniform = False  # the commit below takes the general path
+        if not q and not commits:
             return
+        if uniform and n0 == 1 and not admits and not commits and not self.async_outputs:
+            # The synchronous decode step: without output placeholders every scheduled token
+            # is known and was committed when scheduled, so each request's committed tokens
+            # are its computed ones and it commits the one at that position.
+            mgr.commit_batch(ids, np.array(
+                [e[0]._all_token_ids[e[0].num_computed_tokens] for e in q], dtype=np.int64))
+            for e in q:
+                e[1].committed += 1
+            return
+        self._commit_general(q, commits)
+
+    def _commit_general(self, q: list[tuple[Any, _Req, int, int | None]],
+                        commits: list[tuple[Any, _Req, int]]) -> None:
+        """Commit, for each request queued or named by cache_blocks(), its known tokens up to
+        its target (vLLM caches the blocks they fill now)."""
+        targets: dict[str, tuple[Any, _Req, int]] = {}
+        for request, st, n, upto in q:
+            if upto is None:
+                upto = min(request.num_computed_tokens + n, len(request._all_token_ids))
+            targets[st.rid] = (request, st, upto)
+        for request, st, upto in commits:
+            if st.rid in self._reqs:
+                prev = targets.get(st.rid)
+                if prev is None or prev[2] < upto:
+                    targets[st.rid] = (request, st, upto)
+        ids: list[str] = []
         parts: list[Any] = []
-        for r, s, upto in zip(reqs, states, uptos):
-            lo = s.committed
+        single = True  # one token each (async decode): an int array, not ragged lists
+        for rid, (request, st, upto) in targets.items():
+            lo = st.committed
             if upto > lo:
-                parts.append(r._all_token_ids[lo:upto])
-                s.committed = upto
-            else:
-                parts.append(())
-        self.manager.commit_batch(ids, parts)
+                ids.append(rid)
+                parts.append(request._all_token_ids[lo:upto])
+                st.committed = upto
+                if upto - lo != 1:
+                    single = False
+        if not ids:
+            return
+        if single:
+            self.manager.commit_batch(ids, np.array([t[0] for t in parts], dtype=np.int64))
+        else:
+            self.manager.commit_batch(ids, parts)
 
     def _aborted(self, aborted: dict[Any, str]) -> None:
         for rid, reason in aborted.items():
@@ -373,22 +412,16 @@ class VllmKVCacheAdapter:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Commit the request's known tokens up to ``num_computed_tokens`` (async scheduling's
-        tokens arrive after their step was scheduled)."""
-        if self._q_ids:
-            self.flush()
+        tokens arrive after their step was scheduled); done at the next flush, which comes
+        before anything could observe the difference (a lookup, a free, the events)."""
         if not self.enable_caching:
             return
-        s = self._reqs.get(request.request_id)
-        if s is None:
-            return
-        upto = min(num_computed_tokens, request.num_tokens,
-                   self.manager.num_tokens(request.request_id))
-        if upto > s.committed:
-            self.manager.commit(request.request_id, request._all_token_ids[s.committed:upto])
-            s.committed = upto
+        st = self._reqs.get(request.request_id)
+        if st is not None and num_computed_tokens > st.committed:
+            self._q_commits.append((request, st, min(num_computed_tokens, request.num_tokens)))
 
     def free(self, request: Any) -> None:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         if self._reqs.pop(request.request_id, None) is not None:
             self.manager.release(request.request_id)
@@ -396,7 +429,7 @@ class VllmKVCacheAdapter:
     # -- block ids -----------------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVMemBlocks:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         if request_id not in self._reqs:
             return self.empty_kv_cache_blocks
@@ -424,21 +457,21 @@ class VllmKVCacheAdapter:
     # -- step hooks, events, reset -------------------------------------------------------------
 
     def new_step_starts(self) -> None:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
 
     def take_new_block_ids(self) -> list[int]:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         return []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         return {}
 
@@ -453,7 +486,7 @@ class VllmKVCacheAdapter:
         """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
         (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
         ``cache_salt``: in the extra keys of a prompt's first block)."""
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         if not self.enable_kv_cache_events:
             return []
@@ -482,7 +515,7 @@ class VllmKVCacheAdapter:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while a request maps pages, as vLLM."""
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         if self.manager.running:
             logger.warning("Failed to reset prefix cache because %d requests still map pages",
@@ -521,7 +554,7 @@ class VllmKVCacheAdapter:
         count and committed tokens agree with the manager's (raises ``IntegrityError``)."""
         from kvmem.errors import IntegrityError
 
-        if self._q_ids:
+        if self._q or self._q_commits:
             self.flush()
         self.manager.check()
         running = set(self.manager.running)
@@ -530,8 +563,8 @@ class VllmKVCacheAdapter:
                                  f"runs {sorted(running)[:8]}")
         for rid, s in self._reqs.items():
             n = int(self.manager.pages_of(rid).size)
-            if n != s.num_pages or self.manager.num_committed(rid) != s.committed:
+            if n != s.cap // self.block_size or self.manager.num_committed(rid) != s.committed:
                 raise IntegrityError(
-                    f"request {rid!r}: the adapter expects {s.num_pages} pages and "
+                    f"request {rid!r}: the adapter expects {s.cap // self.block_size} pages and "
                     f"{s.committed} committed tokens, the manager has {n} and "
                     f"{self.manager.num_committed(rid)}")

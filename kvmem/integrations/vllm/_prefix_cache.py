@@ -143,29 +143,39 @@ class VllmOrderPrefixCache(PrefixCache):
 
     def insert(self, keys: KeyArray, pages: Int32Array, token_ids: npt.NDArray[np.integer],
                namespace_ids: npt.NDArray[np.integer]) -> Int32Array:
-        plist = np.asarray(pages, dtype=np.int32).reshape(-1).tolist()
-        if not plist:
+        idx = np.asarray(pages, dtype=np.intp).reshape(-1)
+        if idx.size == 0:
             return _NO_PAGES
-        klist = np.asarray(keys, dtype=np.uint64).tolist()
+        keys = np.asarray(keys, dtype=np.uint64)
+        plist = idx.tolist()
+        was_cached = self._cached[idx].tolist()
+        index = self._index
         take: list[int] = []
         seen: set[int] = set()
-        for i, page in enumerate(plist):
-            if self._cached[page] or page in seen:
+        for i, ((k0, k1), page) in enumerate(zip(keys.tolist(), plist)):
+            if was_cached[i] or page in seen:
                 continue  # a page is cached under one key
             seen.add(page)
             # A key already cached under another page keeps both, the first found first: the
             # block pool caches duplicate blocks too.
-            self._index.setdefault((klist[i][0], klist[i][1]), {})[page] = None
+            entry = index.get((k0, k1))
+            if entry is None:
+                index[(k0, k1)] = {page: None}
+            else:
+                entry[page] = None
             take.append(i)
         if not take:
             return _NO_PAGES
-        sel = np.array(take, dtype=np.intp)
-        idx = np.asarray(pages, dtype=np.intp).reshape(-1)[sel]
+        if len(take) < len(plist):
+            sel = np.array(take, dtype=np.intp)
+            idx, keys = idx[sel], keys[sel]
+            token_ids = np.asarray(token_ids).reshape(-1, self.page_size)[sel]
+            namespace_ids = np.asarray(namespace_ids).reshape(-1)[sel]
         self.allocator.share_distinct(idx)
         self._cached[idx] = True
-        self._keys[idx] = np.asarray(keys, dtype=np.uint64)[sel]
-        self._tokens[idx] = np.asarray(token_ids).reshape(-1, self.page_size)[sel]
-        self._namespace[idx] = np.asarray(namespace_ids).reshape(-1)[sel]
+        self._keys[idx] = keys
+        self._tokens[idx] = np.asarray(token_ids).reshape(-1, self.page_size)
+        self._namespace[idx] = np.asarray(namespace_ids).reshape(-1)
         self._tag[idx] = self.allocator.tags[idx]
         self._num_cached += idx.size
         return idx.astype(np.int32)

@@ -98,7 +98,8 @@ class _KVMemMixin:
             max_model_len=vllm_config.model_config.max_model_len, max_num_seqs=max_seqs,
             enable_caching=bool(vllm_config.cache_config.enable_prefix_caching),
             log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events,
-            watermark=sc.watermark, tracker="checking")
+            watermark=sc.watermark, tracker="checking",
+            async_scheduling=isinstance(self, AsyncScheduler))
         # Requests aborted by the check, reported to their clients by the next
         # update_from_output: id -> (client index, reason).
         self._kvmem_aborted: dict[str, tuple[int, str]] = {}
