@@ -92,7 +92,9 @@ class _Hit(KVMemBlocks):
 
 class _Req:
     """Per running request: its id, its token capacity once the queue is flushed (pages *
-    block size), and its tokens committed once the queue is flushed."""
+    block size), and its tokens committed once the queue is flushed (kept up to date under
+    async scheduling; synchronous scheduling commits what it schedules, so there the request's
+    computed tokens say it and the decode step's flush does not touch this)."""
 
     __slots__ = ("cap", "committed", "rid")
 
@@ -363,11 +365,10 @@ class VllmKVCacheAdapter:
         if uniform and n0 == 1 and not admits and not commits and not self.async_outputs:
             # The synchronous decode step: without output placeholders every scheduled token
             # is known and was committed when scheduled, so each request's committed tokens
-            # are its computed ones and it commits the one at that position.
+            # are its computed ones and it commits the one at that position. (``committed``
+            # is kept only for async scheduling; here the request's computed tokens say it.)
             mgr.commit_batch(ids, np.array(
                 [e[0]._all_token_ids[e[0].num_computed_tokens] for e in q], dtype=np.int64))
-            for e in q:
-                e[1].committed += 1
             return
         self._commit_general(q, commits)
 
@@ -375,21 +376,28 @@ class VllmKVCacheAdapter:
                         commits: list[tuple[Any, _Req, int]]) -> None:
         """Commit, for each request queued or named by cache_blocks(), its known tokens up to
         its target (vLLM caches the blocks they fill now)."""
-        targets: dict[str, tuple[Any, _Req, int]] = {}
+        sync = not self.async_outputs
+        targets: dict[str, tuple[Any, _Req, int, int]] = {}  # rid -> (request, st, from, to)
         for request, st, n, upto in q:
-            if upto is None:
-                upto = min(request.num_computed_tokens + n, len(request._all_token_ids))
-            targets[st.rid] = (request, st, upto)
+            lo = st.committed  # an admission's (its hit), or async scheduling's
+            if upto is None:  # a running request
+                c = request.num_computed_tokens
+                upto = min(c + n, len(request._all_token_ids))
+                if sync:
+                    lo = c  # synchronous: everything computed was committed when scheduled
+            targets[st.rid] = (request, st, lo, upto)
         for request, st, upto in commits:
             if st.rid in self._reqs:
                 prev = targets.get(st.rid)
-                if prev is None or prev[2] < upto:
-                    targets[st.rid] = (request, st, upto)
+                if prev is None:
+                    lo = self.manager.num_committed(st.rid) if sync else st.committed
+                    targets[st.rid] = (request, st, lo, upto)
+                elif prev[3] < upto:
+                    targets[st.rid] = (request, st, prev[2], upto)
         ids: list[str] = []
         parts: list[Any] = []
         single = True  # one token each (async decode): an int array, not ragged lists
-        for rid, (request, st, upto) in targets.items():
-            lo = st.committed
+        for rid, (request, st, lo, upto) in targets.items():
             if upto > lo:
                 ids.append(rid)
                 parts.append(request._all_token_ids[lo:upto])
@@ -417,7 +425,7 @@ class VllmKVCacheAdapter:
         if not self.enable_caching:
             return
         st = self._reqs.get(request.request_id)
-        if st is not None and num_computed_tokens > st.committed:
+        if st is not None:
             self._q_commits.append((request, st, min(num_computed_tokens, request.num_tokens)))
 
     def free(self, request: Any) -> None:
@@ -446,10 +454,12 @@ class VllmKVCacheAdapter:
         return (ids[: _cdiv(num_computed_tokens, self.block_size)],)
 
     def estimate_cached_tokens(self, request: Any) -> int:
-        s = self._reqs.get(request.request_id)
-        if s is None or not self.enable_caching:
+        if request.request_id not in self._reqs or not self.enable_caching:
             return 0
-        return s.committed // self.block_size * self.block_size
+        if self._q or self._q_commits:
+            self.flush()
+        committed = self.manager.num_committed(request.request_id)
+        return committed // self.block_size * self.block_size
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0]
@@ -563,8 +573,10 @@ class VllmKVCacheAdapter:
                                  f"runs {sorted(running)[:8]}")
         for rid, s in self._reqs.items():
             n = int(self.manager.pages_of(rid).size)
-            if n != s.cap // self.block_size or self.manager.num_committed(rid) != s.committed:
+            # Synchronous scheduling commits every scheduled token when it is scheduled.
+            committed = s.committed if self.async_outputs else self.manager.num_tokens(rid)
+            if n != s.cap // self.block_size or self.manager.num_committed(rid) != committed:
                 raise IntegrityError(
                     f"request {rid!r}: the adapter expects {s.cap // self.block_size} pages and "
-                    f"{s.committed} committed tokens, the manager has {n} and "
+                    f"{committed} committed tokens, the manager has {n} and "
                     f"{self.manager.num_committed(rid)}")
