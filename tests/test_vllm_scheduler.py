@@ -220,3 +220,30 @@ def test_a_stream_spec_replays() -> None:
     assert c.ok, c.first_difference
     assert "def test_replay" in c.replay() and repr(stream) in c.replay()
     assert dataclasses.asdict(stream)["requests"][1]["arrival"] == 1
+
+
+def test_the_paranoid_check_catches_a_wrong_block_id_handed_to_the_workers() -> None:
+    """With verify_block_tables the ids handed out come from the table the workers build, and
+    kvmem checks that very table: a wrong entry (another request's block) aborts its request."""
+    d = Driver(dataclasses.replace(SPEC, paranoid=True), kvmem=True)
+    _three(d)
+    for _ in range(2):
+        d.step()
+    adapter = d.sched.kv_cache_manager
+    table = adapter.worker_block_table
+    assert table is not None
+    mgr = d.sched.kvmem
+    running = sorted(mgr.running)
+    victim, other = running[1], running[2]
+    # The workers' tables equal kvmem's rows so far.
+    for rid in running:
+        assert d.worker.tables[rid] == (mgr.pages_of(rid) + 1).tolist()
+    row = adapter._reqs[victim].row
+    table[row, 0] = int(mgr.pages_of(other)[0])  # as if the adapter had handed out a wrong id
+    out = d.schedule()
+    assert victim not in out.num_scheduled_tokens
+    assert set(out.num_scheduled_tokens) == {r for r in running if r != victim}
+    assert adapter.num_integrity_aborts == 1
+    d.update(out)
+    d.run()
+    d.sched.kv_cache_manager.check()

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmem.allocator import PAD
 from kvmem.errors import KVMemError
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 from kvmem.manager import KVCacheManager
@@ -96,12 +97,13 @@ class _Req:
     async scheduling; synchronous scheduling commits what it schedules, so there the request's
     computed tokens say it and the decode step's flush does not touch this)."""
 
-    __slots__ = ("cap", "committed", "rid")
+    __slots__ = ("cap", "committed", "rid", "row")
 
     def __init__(self, rid: str, cap: int, committed: int) -> None:
         self.rid = rid
         self.cap = cap
         self.committed = committed
+        self.row = -1  # its kvmem row (kept for the paranoid check's worker block table)
 
 
 class VllmKVCacheAdapter:
@@ -122,13 +124,16 @@ class VllmKVCacheAdapter:
     seed: seeds kvmem's prefix keys (None: a per-process secret)
     async_scheduling: the scheduler is an ``AsyncScheduler`` (a decode step's token is known
         only after its step, so it is committed when ``cache_blocks`` says so)
+    verify_block_tables: the paranoid check: hand out block ids from a block table kept as the
+        workers build theirs and verify that table every step (every entry; slower) instead of
+        the step's CSR the ids are sliced from (kvmem's incremental check)
     """
 
     def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, enable_caching: bool = True, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
                  tracker: Any = "checking", seed: int | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, verify_block_tables: bool = False) -> None:
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
@@ -151,6 +156,11 @@ class VllmKVCacheAdapter:
             prefix_cache=VllmOrderPrefixCache(seed) if enable_caching else None,
             tracker=tracker, watermark=0.0, kv_events=enable_kv_cache_events)
         self.async_outputs = async_scheduling
+        # The paranoid check's block table, [max_seqs, max_pages], int32, page ids (PAD past a
+        # request's blocks), one row per kvmem row: the ids handed to the workers come from it.
+        self.worker_block_table = (
+            np.full((self.manager.max_seqs, self.manager.max_pages_per_seq), PAD, np.int32)
+            if verify_block_tables else None)
         self.num_kv_cache_groups = 1
         self.empty_kv_cache_blocks = KVMemBlocks(None, [])
         self._free_view = self.manager.allocator  # num_free
@@ -345,15 +355,18 @@ class VllmKVCacheAdapter:
         uniform = nums.count(n0) == len(nums)
         mgr = self.manager
         step = mgr.reserve(ids, n0 if uniform else nums)
-        report = mgr.verify(ids, step)
+        if self.worker_block_table is None:
+            report = mgr.verify(ids, step)
+            if outs:
+                indptr = step.kv_indptr
+                indices = step.kv_indices
+                for b, k, out in outs:
+                    end = int(indptr[b + 1])
+                    out.ids = (indices[end - k : end] + 1).tolist()
+        else:
+            report = self._verify_worker_table(ids, q, step, outs)
         self.num_verified_steps += 1
         self.num_verified_requests += len(ids)
-        if outs:
-            indptr = step.kv_indptr
-            indices = step.kv_indices
-            for b, k, out in outs:
-                end = int(indptr[b + 1])
-                out.ids = (indices[end - k : end] + 1).tolist()
         if report.aborted:
             self._aborted(report.aborted)
             q = [e for e in q if e[1].rid not in report.aborted]
@@ -371,6 +384,36 @@ class VllmKVCacheAdapter:
                 [e[0]._all_token_ids[e[0].num_computed_tokens] for e in q], dtype=np.int64))
             return
         self._commit_general(q, commits)
+
+    def _verify_worker_table(self, ids: tuple[str, ...], q: list[Any], step: Any,
+                             outs: list[tuple[int, int, KVMemBlocks]]) -> Any:
+        """The paranoid check: the block ids handed to the workers come from
+        ``worker_block_table`` (a row per kvmem row, as the worker appends them: ``[max_seqs,
+        max_pages]``, int32, page ids, PAD past each request's blocks), and kvmem checks that
+        very table (``verify(metadata=...)``: every entry, the padding, the slot mapping and
+        lengths), not the CSR the table was written from."""
+        wt = self.worker_block_table
+        assert wt is not None
+        indptr = step.kv_indptr
+        indices = step.kv_indices
+        rows = step.rows.astype(np.intp)
+        for b, e in enumerate(q):
+            if e[3] is not None:  # admitted in this flush: the row is its whole table
+                row = int(rows[b])
+                e[1].row = row
+                lo, hi = int(indptr[b]), int(indptr[b + 1])
+                wt[row] = PAD
+                wt[row, : hi - lo] = indices[lo:hi]
+        for b, k, out in outs:
+            row = int(rows[b])
+            n = int(indptr[b + 1] - indptr[b])
+            if q[b][3] is None:  # a running request appends its new blocks
+                wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
+            out.ids = (wt[row, n - k : n] + 1).tolist()
+        table = wt[rows]
+        return self.manager.verify(ids, metadata={
+            "block_table": table, "slot_mapping": step.slot_mapping,
+            "seq_lens": step.seq_lens, "num_new_tokens": step.num_new_tokens})
 
     def _commit_general(self, q: list[tuple[Any, _Req, int, int | None]],
                         commits: list[tuple[Any, _Req, int]]) -> None:
@@ -439,8 +482,12 @@ class VllmKVCacheAdapter:
     def get_blocks(self, request_id: str) -> KVMemBlocks:
         if self._q or self._q_commits:
             self.flush()
-        if request_id not in self._reqs:
+        st = self._reqs.get(request_id)
+        if st is None:
             return self.empty_kv_cache_blocks
+        if self.worker_block_table is not None and st.row >= 0:
+            n = st.cap // self.block_size
+            return KVMemBlocks(self, (self.worker_block_table[st.row, :n] + 1).tolist())
         return KVMemBlocks(self, (self.manager.pages_of(request_id) + 1).tolist())
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

@@ -17,6 +17,7 @@ the batch proceeds.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm.outputs import RequestError
@@ -88,6 +89,10 @@ class _KVMemMixin:
     """What both schedulers add: the adapter, the per-step check, integrity aborts."""
 
     kv_cache_manager: Any
+    #: The paranoid check: verify, every step, the block table the workers build from the ids
+    #: handed out (every entry) instead of the step's CSR they are sliced from (incremental).
+    #: Subclass to set it, or set KVMEM_VLLM_VERIFY_BLOCK_TABLES=1.
+    verify_block_tables: bool = os.environ.get("KVMEM_VLLM_VERIFY_BLOCK_TABLES", "") == "1"
 
     def _install_kvmem(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
                        block_size: int, log_stats: bool, enable_kv_cache_events: bool) -> None:
@@ -99,7 +104,8 @@ class _KVMemMixin:
             enable_caching=bool(vllm_config.cache_config.enable_prefix_caching),
             log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events,
             watermark=sc.watermark, tracker="checking",
-            async_scheduling=isinstance(self, AsyncScheduler))
+            async_scheduling=isinstance(self, AsyncScheduler),
+            verify_block_tables=self.verify_block_tables)
         # Requests aborted by the check, reported to their clients by the next
         # update_from_output: id -> (client index, reason).
         self._kvmem_aborted: dict[str, tuple[int, str]] = {}

@@ -67,6 +67,7 @@ class SchedulerSpec:
     async_scheduling: bool = False
     kv_events: bool = True
     policy: str = "fcfs"
+    paranoid: bool = False  # kvmem: verify the workers' block tables (every entry) each step
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,8 @@ def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False) ->
         from kvmem.integrations.vllm._scheduler import KVMemAsyncScheduler, KVMemScheduler
 
         cls: Any = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
+        if spec.paranoid:
+            cls = type(f"Paranoid{cls.__name__}", (cls,), {"verify_block_tables": True})
     else:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -542,7 +545,8 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
         enable_prefix_caching=rng.random() < 0.8,
         long_prefill_token_threshold=rng.choice((0, 0, 0, 5)),
         watermark=rng.choice((0.0, 0.0, 0.05)),
-        async_scheduling=rng.random() < 0.25, policy="priority" if priority else "fcfs")
+        async_scheduling=rng.random() < 0.25, policy="priority" if priority else "fcfs",
+        paranoid=rng.random() < 0.3)
     return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16))
 
 
