@@ -30,6 +30,7 @@ same step can hit it, as in vLLM.
 from __future__ import annotations
 
 import logging
+from operator import attrgetter, getitem, itemgetter
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,12 @@ from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 from kvmem.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
+
+# Field getters for the queue's (request, state, tokens, commit target) entries and requests.
+_REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
+_RID = attrgetter("rid")
+_TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
+_COMPUTED = attrgetter("num_computed_tokens")
 
 __all__ = ["KVMemBlocks", "VllmKVCacheAdapter"]
 
@@ -349,8 +356,8 @@ class VllmKVCacheAdapter:
         outs, admits = self._q_blocks, self._q_admits
         self._q, self._q_blocks, self._q_pages, self._q_admits = [], [], 0, False
         self._q_commits = []
-        ids = tuple([e[1].rid for e in q])
-        nums = [e[2] for e in q]
+        ids = tuple(map(_RID, map(_STATE, q)))  # C-level gathers: a batch is 256 requests
+        nums = list(map(_NUM, q))
         n0 = nums[0]
         uniform = nums.count(n0) == len(nums)
         mgr = self.manager
@@ -380,8 +387,9 @@ class VllmKVCacheAdapter:
             # is known and was committed when scheduled, so each request's committed tokens
             # are its computed ones and it commits the one at that position. (``committed``
             # is kept only for async scheduling; here the request's computed tokens say it.)
+            reqs = list(map(_REQUEST, q))
             mgr.commit_batch(ids, np.array(
-                [e[0]._all_token_ids[e[0].num_computed_tokens] for e in q], dtype=np.int64))
+                list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
             return
         self._commit_general(q, commits)
 
