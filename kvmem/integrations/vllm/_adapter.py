@@ -428,39 +428,44 @@ class VllmKVCacheAdapter:
         """Commit, for each request queued or named by cache_blocks(), its known tokens up to
         its target (vLLM caches the blocks they fill now)."""
         sync = not self.async_outputs
-        targets: dict[str, tuple[Any, _Req, int, int]] = {}  # rid -> (request, st, from, to)
+        entries: list[tuple[Any, _Req, int, int]] = []  # (request, state, from, to)
         for request, st, n, upto in q:
             lo = st.committed  # an admission's (its hit), or async scheduling's
             if upto is None:  # a running request
                 c = request.num_computed_tokens
-                upto = min(c + n, len(request._all_token_ids))
+                upto = c + n
+                known = len(request._all_token_ids)
+                if upto > known:
+                    upto = known
                 if sync:
                     lo = c  # synchronous: everything computed was committed when scheduled
-            targets[st.rid] = (request, st, lo, upto)
-        for request, st, upto in commits:
-            if st.rid in self._reqs:
-                prev = targets.get(st.rid)
+            if upto > lo:
+                entries.append((request, st, lo, upto))
+        if commits:
+            # Both queued and cache_blocks() targets (rare): one per request, the furthest.
+            merged = {e[1].rid: e for e in entries}
+            reqs = self._reqs
+            for request, st, upto in commits:
+                if st.rid not in reqs:
+                    continue
+                prev = merged.get(st.rid)
                 if prev is None:
                     lo = self.manager.num_committed(st.rid) if sync else st.committed
-                    targets[st.rid] = (request, st, lo, upto)
+                    if upto > lo:
+                        merged[st.rid] = (request, st, lo, upto)
                 elif prev[3] < upto:
-                    targets[st.rid] = (request, st, prev[2], upto)
-        ids: list[str] = []
-        parts: list[Any] = []
-        single = True  # one token each (async decode): an int array, not ragged lists
-        for rid, (request, st, lo, upto) in targets.items():
-            if upto > lo:
-                ids.append(rid)
-                parts.append(request._all_token_ids[lo:upto])
-                st.committed = upto
-                if upto - lo != 1:
-                    single = False
-        if not ids:
+                    merged[st.rid] = (request, st, prev[2], upto)
+            entries = list(merged.values())
+        if not entries:
             return
-        if single:
-            self.manager.commit_batch(ids, np.array([t[0] for t in parts], dtype=np.int64))
+        ids = [e[1].rid for e in entries]
+        if all(e[3] - e[2] == 1 for e in entries):  # one token each (the async decode step)
+            tokens: Any = np.array([e[0]._all_token_ids[e[2]] for e in entries], dtype=np.int64)
         else:
-            self.manager.commit_batch(ids, parts)
+            tokens = [e[0]._all_token_ids[e[2] : e[3]] for e in entries]
+        self.manager.commit_batch(ids, tokens)
+        for e in entries:
+            e[1].committed = e[3]
 
     def _aborted(self, aborted: dict[Any, str]) -> None:
         for rid, reason in aborted.items():

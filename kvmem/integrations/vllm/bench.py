@@ -10,7 +10,9 @@ A step is ``schedule()`` + ``update_from_output()`` with the synthetic model's o
 A step's time is the thread's CPU time (``time.thread_time_ns``), so the time the OS gives
 other work on a shared core does not count (wall-clock medians are reported too:
 ``*_step_wall_us_median``). The time inside the KV cache manager is wall-clock
-(``perf_counter_ns`` around each call: a CPU-time clock costs a microsecond a read here).
+(``perf_counter_ns`` around each call: a CPU-time clock costs a microsecond a read here),
+scaled by the step's CPU / wall time ratio (the time the OS gave other work during the step,
+spread over it evenly).
 
 Two passes: the first times whole steps; the second also times every call into the KV cache
 manager (vLLM's ``KVCacheManager`` methods and ``KVCacheBlocks.get_block_ids``; kvmem's adapter
@@ -178,9 +180,12 @@ def _pass(num_requests: int, prompt_len: int, shared_len: int, decode_steps: int
                 kv0 = timer.total_ns
                 c0, t0 = cpu(), clock()
                 outs[name] = _step(sched)
-                wall_us[name].append((clock() - t0) / 1e3)
-                step_us[name].append((cpu() - c0) / 1e3)
-                kv_us[name].append((timer.total_ns - kv0) / 1e3)
+                wall, used = clock() - t0, cpu() - c0
+                wall_us[name].append(wall / 1e3)
+                step_us[name].append(used / 1e3)
+                # The KV timers read the wall clock (a CPU-time read costs a microsecond here);
+                # time the OS gave other work during the step is spread over it evenly.
+                kv_us[name].append((timer.total_ns - kv0) * min(1.0, used / wall) / 1e3)
             if outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens:
                 mismatched += 1
     finally:
