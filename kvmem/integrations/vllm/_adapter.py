@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 # Field getters for the queue's (request, state, tokens, commit target) entries and requests.
 _REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
+_FIRST_OF = itemgetter(0)
 _RID = attrgetter("rid")
 _TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
 _COMPUTED = attrgetter("num_computed_tokens")
@@ -365,11 +366,7 @@ class VllmKVCacheAdapter:
         if self.worker_block_table is None:
             report = mgr.verify(ids, step)
             if outs:
-                indptr = step.kv_indptr
-                indices = step.kv_indices
-                for b, k, out in outs:
-                    end = int(indptr[b + 1])
-                    out.ids = (indices[end - k : end] + 1).tolist()
+                self._new_block_ids(step, outs)
         else:
             report = self._verify_worker_table(ids, q, step, outs)
         self.num_verified_steps += 1
@@ -392,6 +389,19 @@ class VllmKVCacheAdapter:
                 list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
             return
         self._commit_general(q, commits)
+
+    @staticmethod
+    def _new_block_ids(step: Any, outs: list[tuple[int, int, KVMemBlocks]]) -> None:
+        """Each grown request's new block ids: the last ``k`` pages of its CSR row, + 1."""
+        indptr = step.kv_indptr
+        indices = step.kv_indices
+        ends = indptr[np.fromiter(map(_FIRST_OF, outs), dtype=np.intp, count=len(outs)) + 1]
+        if all(o[1] == 1 for o in outs):  # the decode step: one new page each
+            for (_, _, out), block in zip(outs, (indices[ends - 1] + 1).tolist()):
+                out.ids = [block]
+            return
+        for (_, k, out), end in zip(outs, ends.tolist()):
+            out.ids = (indices[end - k : end] + 1).tolist()
 
     def _verify_worker_table(self, ids: tuple[str, ...], q: list[Any], step: Any,
                              outs: list[tuple[int, int, KVMemBlocks]]) -> Any:
