@@ -114,3 +114,17 @@ class VllmOrderMachine(ManagerMachine):
 TestVllmOrderMachine = VllmOrderMachine.TestCase
 TestVllmOrderMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_package_names_are_exactly_the_intended_ones() -> None:
+    import kvmem.integrations.vllm as pkg
+
+    assert set(pkg.__all__) == {
+        "VLLM_VERSION", "KVMemAsyncScheduler", "KVMemBlocks", "KVMemScheduler",
+        "VllmKVCacheAdapter", "VllmOrderPrefixCache", "check_supported", "vllm_import_error"}
+    assert pkg.VLLM_VERSION == "0.33.0"
+    if vllm_import_error() is None:  # the lazy names load on first use
+        for name in pkg.__all__:
+            assert getattr(pkg, name) is not None
+    with pytest.raises(AttributeError):
+        pkg.NoSuchName  # noqa: B018
