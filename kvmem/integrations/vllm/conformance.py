@@ -27,7 +27,7 @@ import random
 import tempfile
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +92,7 @@ class StreamSpec:
     requests: tuple[RequestSpec, ...]
     max_steps: int = 400
     seed: int = 0
+    pipeline: int = 1  # steps scheduled before the oldest one's output is handed back
 
 
 @dataclass
@@ -242,8 +243,9 @@ def make_request(r: RequestSpec, block_size: int) -> Any:
 
 
 def model_output(sched: Any, out: Any, seed: int = 0) -> Any:
-    """The synthetic model's ``ModelRunnerOutput`` for a scheduled step: one sampled token per
-    request whose prompt (or resumed sequence) is complete after this step, none otherwise."""
+    """The synthetic model's ``ModelRunnerOutput`` for a step, built right after ``schedule()``
+    returned it: one sampled token per request whose prompt (or resumed sequence) is complete
+    after this step (``token_at`` its position), none otherwise."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(out.num_scheduled_tokens)
@@ -253,7 +255,7 @@ def model_output(sched: Any, out: Any, seed: int = 0) -> Any:
         if req is None or req.is_prefill_chunk:
             sampled.append([])
         else:
-            sampled.append([token_at(rid, len(req._all_token_ids), seed)])
+            sampled.append([token_at(rid, req.num_computed_tokens, seed)])
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=sampled)
 
@@ -349,6 +351,7 @@ class Driver:
         self.verify_failures = 0
         self.table_mismatches = 0
         self._record_of: dict[int, StepRecord] = {}
+        self._output_of: dict[int, Any] = {}
 
     def add(self, r: RequestSpec) -> None:
         req = make_request(r, self.spec.block_size)
@@ -374,12 +377,14 @@ class Driver:
             sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage())
         self.records.append(rec)
         self._record_of[id(out)] = rec
+        # The model runs the step as scheduled, whenever its output is handed back.
+        self._output_of[id(out)] = model_output(self.sched, out, self.seed)
         if self.kvmem and self.check_tables:
             self.table_mismatches += _table_mismatches(self.sched, self.worker)
         return out
 
     def update(self, out: Any) -> None:
-        self.sched.update_from_output(out, model_output(self.sched, out, self.seed))
+        self.sched.update_from_output(out, self._output_of.pop(id(out)))
         recorder: _Recorder = self.sched.kv_event_publisher
         rec = self._record_of.pop(id(out))
         rec.events.update(self.contents.convert(recorder.events))
@@ -423,13 +428,18 @@ def run_stream(stream: StreamSpec, kvmem: bool, check_tables: bool = True) -> St
         if r.abort_at is not None:
             aborts.setdefault(r.abort_at, []).append(r.rid)
     last_arrival = max((r.arrival for r in stream.requests), default=0)
+    in_flight: deque[Any] = deque()  # scheduled steps whose output has not been handed back
     for step in range(stream.max_steps):
         for r in arrivals.get(step, ()):
             d.add(r)
         d.abort(aborts.get(step, ()))
         if step > last_arrival and not d.sched.has_requests():
             break
-        d.step()
+        in_flight.append(d.schedule())
+        if len(in_flight) >= stream.pipeline:
+            d.update(in_flight.popleft())
+    while in_flight:
+        d.update(in_flight.popleft())
     return d.result()
 
 
@@ -547,7 +557,11 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
         watermark=rng.choice((0.0, 0.0, 0.05)),
         async_scheduling=rng.random() < 0.25, policy="priority" if priority else "fcfs",
         paranoid=rng.random() < 0.3)
-    return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16))
+    # Steps in flight: an async engine schedules step t + 1 before step t's output is back
+    # (placeholders, caching after the output); a sync one with pipeline parallelism too.
+    pipeline = 2 if rng.random() < (0.6 if sched.async_scheduling else 0.1) else 1
+    return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16),
+                      pipeline=pipeline)
 
 
 def as_dict(c: Comparison) -> dict[str, Any]:
