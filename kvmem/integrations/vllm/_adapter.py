@@ -24,7 +24,14 @@ consecutive running requests' growth, which vLLM performs with nothing in betwee
 
 Prefix caching follows vLLM's timing: a block is offered to the cache when the step that
 computes it is scheduled (vLLM caches in ``allocate_slots``), so a request admitted later in the
-same step can hit it, as in vLLM.
+same step can hit it, as in vLLM; under async scheduling a decode token is committed when
+``cache_blocks`` says its output arrived (queued, committed at the next flush).
+
+The integrity check runs at every flush on the batch whose block ids are about to be handed out
+(the ids are sliced from the very CSR ``verify`` checked); with ``verify_block_tables`` (the
+paranoid check) the ids come from a block table kept as the workers build theirs, and that
+table is what kvmem checks. A request the check aborts is released by kvmem and reported in
+``integrity_aborts`` for the scheduler to take out of the step's output.
 """
 
 from __future__ import annotations
@@ -42,9 +49,9 @@ from kvmem.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
-# Field getters for the queue's (request, state, tokens, commit target) entries and requests.
+# Field getters for the queue's (request, state, tokens, commit target) entries (the first
+# also for (batch index, pages, out) results) and for requests.
 _REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
-_FIRST_OF = itemgetter(0)
 _RID = attrgetter("rid")
 _TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
 _COMPUTED = attrgetter("num_computed_tokens")
@@ -174,8 +181,8 @@ class VllmKVCacheAdapter:
         self._free_view = self.manager.allocator  # num_free
         self._cache = self.manager.cache  # num_evictable
         self._reqs: dict[str, _Req] = {}
-        # The queue (see the module doc): ids, requests, tokens, commit targets, new-block results.
-        # (request, state, tokens, commit target or None: all scheduled tokens that are known)
+        # The queue (see the module doc): (request, state, tokens, commit target or None: all
+        # scheduled tokens that are known), and the new-block results to fill at the flush.
         self._q: list[tuple[Any, _Req, int, int | None]] = []
         self._q_blocks: list[tuple[int, int, KVMemBlocks]] = []  # (batch index, new pages, out)
         self._q_pages = 0  # pages the queue will allocate
@@ -395,7 +402,7 @@ class VllmKVCacheAdapter:
         """Each grown request's new block ids: the last ``k`` pages of its CSR row, + 1."""
         indptr = step.kv_indptr
         indices = step.kv_indices
-        ends = indptr[np.fromiter(map(_FIRST_OF, outs), dtype=np.intp, count=len(outs)) + 1]
+        ends = indptr[np.fromiter(map(_REQUEST, outs), dtype=np.intp, count=len(outs)) + 1]
         if all(o[1] == 1 for o in outs):  # the decode step: one new page each
             for (_, _, out), block in zip(outs, (indices[ends - 1] + 1).tolist()):
                 out.ids = [block]
