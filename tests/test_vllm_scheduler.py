@@ -17,19 +17,21 @@ import pytest
 
 from kvmem import KVMemError
 from kvmem.integrations.vllm import vllm_import_error
+from kvmem.integrations.vllm.conformance import (
+    Driver,
+    RequestSpec,
+    SchedulerSpec,
+    make_vllm_config,
+)
+from kvmem.testing import faults
 
+# (The harness above imports vLLM only inside its functions: it loads without vLLM.)
 pytestmark = pytest.mark.skipif(vllm_import_error() is not None,
                                 reason="vLLM 0.33 is not importable (see setup_vllm_cpu.sh)")
 
+
 if vllm_import_error() is None:
     from kvmem.integrations.vllm import KVMemScheduler
-    from kvmem.integrations.vllm.conformance import (
-        Driver,
-        RequestSpec,
-        SchedulerSpec,
-        make_vllm_config,
-    )
-    from kvmem.testing import faults
 
 SPEC = SchedulerSpec(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                      max_model_len=128)
