@@ -350,3 +350,26 @@ def test_large_pool_eviction_is_exact() -> None:
         d.run()
 
     _assert_agree(spec, script)
+
+
+def test_duplicate_blocks_are_cached_twice_as_vllm_does() -> None:
+    """Found by the random streams (shrunk) against kvmem's stock HashedPrefixCache, which keeps
+    one page per prefix: two requests computing the same block in one step (neither hits the
+    other: the last prompt token is always computed) get a block each, and vLLM's block pool
+    caches both; VllmOrderPrefixCache does too, so the events and later evictions agree."""
+    from kvmem.integrations.vllm.conformance import StreamSpec
+
+    stream = StreamSpec(
+        sched=SchedulerSpec(num_blocks=4, block_size=4, max_num_seqs=2,
+                            max_num_batched_tokens=8, max_model_len=256,
+                            async_scheduling=True, paranoid=True),
+        requests=(RequestSpec("r0", (10, 10, 10, 10), 1),
+                  RequestSpec("r1", (10,), 1, abort_at=0),
+                  RequestSpec("r2", (10,) * 10, 1, abort_at=0),
+                  RequestSpec("r3", (10,) * 10, 1, abort_at=0),
+                  RequestSpec("r4", (10, 10, 10, 10), 1, abort_at=1)),
+        pipeline=2)
+    c = compare(stream)
+    assert c.ok, c.first_difference
+    stored = c.kvmem.steps[0].events[("stored", ((), 10, 10, 10, 10))]
+    assert stored == 2
