@@ -122,6 +122,9 @@ class _KVMemMixin:
             raise _refuse("LoRA requests", request.request_id)
         if request.resumable:
             raise _refuse("resumable (streaming input) requests", request.request_id)
+        # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
+        # (kvmem keys its pages itself, when they fill): stop hashing every output token.
+        request._block_hasher = None
 
     def _after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         adapter = self.kv_cache_manager
