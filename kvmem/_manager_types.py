@@ -67,10 +67,11 @@ class ManagerConfig:
     max_pages_per_seq: int
     watermark: float
     kv_events: bool
+    evict_ahead: int  # extra pages an eviction takes (num_pages // 512 unless given)
 
     @classmethod
     def make(cls, num_pages: Any, page_size: Any, max_seqs: Any, max_pages_per_seq: Any,
-             watermark: Any, kv_events: Any) -> ManagerConfig:
+             watermark: Any, kv_events: Any, evict_ahead: Any = None) -> ManagerConfig:
         """Check every argument (ArgumentError / ArgumentTypeError naming it)."""
         n = integer(num_pages, "num_pages", minimum=1, maximum=INT32_MAX)
         if max_pages_per_seq is None:
@@ -81,10 +82,12 @@ class ManagerConfig:
             raise ArgumentError(f"watermark must be in [0, 1), got {watermark!r}")
         if not isinstance(kv_events, (bool, np.bool_)):
             raise ArgumentTypeError(f"kv_events must be a bool, got {kv_events!r}")
+        ahead = n >> 9 if evict_ahead is None else integer(evict_ahead, "evict_ahead",
+                                                            minimum=0, maximum=n)
         return cls(n, integer(page_size, "page_size", minimum=1, maximum=1 << 16),
                    integer(max_seqs, "max_seqs", minimum=1, maximum=1 << 24),
                    integer(max_pages_per_seq, "max_pages_per_seq", minimum=1, maximum=INT32_MAX),
-                   float(watermark), bool(kv_events))
+                   float(watermark), bool(kv_events), ahead)
 
 
 class AdmitResult(NamedTuple):

@@ -189,6 +189,9 @@ class KVCacheManager:
         device metadata on the device.
     watermark: fraction of pages ``can_admit`` keeps free for running requests to grow into.
     kv_events: record KV events (``take_events()``) for a cache-aware router.
+    evict_ahead: when cached pages must be evicted, how many least-recently-used pages to take
+        beyond the shortfall (an eviction has a fixed cost; the next allocations find them
+        free). Default ``num_pages // 512``; 0 evicts exactly the shortfall (vLLM's behaviour).
 
     Attributes
     ----------
@@ -209,9 +212,10 @@ class KVCacheManager:
         pool: Any = None,
         watermark: float = 0.01,
         kv_events: bool = False,
+        evict_ahead: int | None = None,
     ) -> None:
         cfg = ManagerConfig.make(num_pages, page_size, max_seqs, max_pages_per_seq, watermark,
-                                 kv_events)
+                                 kv_events, evict_ahead)
         self.config = cfg
         self.num_pages, self.page_size = cfg.num_pages, cfg.page_size
         self.max_seqs, self.max_pages_per_seq = cfg.max_seqs, cfg.max_pages_per_seq
@@ -221,7 +225,8 @@ class KVCacheManager:
         self.tracker = make_tracker(tracker, cfg)
         self._lock = threading.RLock()
         self._hooks = HookBus(cfg.kv_events)
-        self.pages = PageRefs(cfg.num_pages, cfg.page_size, cache, self._evicted, self._freed)
+        self.pages = PageRefs(cfg.num_pages, cfg.page_size, cache, self._evicted, self._freed,
+                              cfg.evict_ahead)
         self.allocator, self.fences = self.pages.allocator, self.pages.fences
         self.fault_hooks = self.pages.faults
         self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)

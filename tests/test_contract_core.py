@@ -348,3 +348,24 @@ def test_a_hook_may_call_the_manager() -> None:
     mgr.add_hook("admit", lambda e: mgr.release(e.request_id) if e.request_id == "tmp" else None)
     mgr.admit("tmp", [1, 2])
     assert mgr.running == ()
+
+
+@pytest.mark.parametrize("evict_ahead, evicted", [(None, 1 + 1024 // 512), (0, 1), (5, 6)])
+def test_evict_ahead_takes_that_many_more_pages(evict_ahead: int | None, evicted: int) -> None:
+    mgr = KVCacheManager(1024, page_size=P, max_seqs=4, max_pages_per_seq=1024,
+                         evict_ahead=evict_ahead, watermark=0.0)
+    for i in range(7):  # 7 cached prompts of 128 pages, held by the cache alone
+        mgr.admit(f"r{i}", np.arange(128 * P) + i * 10**6)
+        mgr.reserve([f"r{i}"], 128 * P)
+        mgr.commit(f"r{i}", np.arange(128 * P) + i * 10**6)
+        mgr.release(f"r{i}")
+    free = mgr.allocator.num_free
+    assert mgr.stats().num_evictions == 0 and free == 1024 - 7 * 128
+    mgr.admit("x", np.arange((free + 1) * P) + 7 * 10**7)  # one page short
+    assert mgr.stats().num_evictions == evicted
+
+
+def test_evict_ahead_is_checked() -> None:
+    for bad in (-1, 1.5, True, 10**9):
+        with pytest.raises(KVMemError, match="evict_ahead"):
+            KVCacheManager(64, evict_ahead=bad)

@@ -67,11 +67,14 @@ class Pages:
     cache: a prefix cache to bind (or None: no reuse).
     on_evict: ``fn(pages, keys)`` after cached pages were evicted (and freed).
     on_free: ``fn(pages)`` after pages lost their last reference.
+    evict_ahead: extra least-recently-used pages an eviction takes beyond the shortfall (None:
+        ``num_pages // 512``; 0: exactly the shortfall).
     """
 
     def __init__(self, num_pages: int, page_size: int, cache: PrefixCache | None = None,
                  on_evict: Callable[[Int32Array, KeyArray], None] = _ignore,
-                 on_free: Callable[[Int32Array], None] = _ignore) -> None:
+                 on_free: Callable[[Int32Array], None] = _ignore,
+                 evict_ahead: int | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
@@ -86,7 +89,7 @@ class Pages:
             cache.bind(self.allocator, page_size, view)
         # An eviction has a fixed cost (a few dozen numpy calls), so a big pool evicts up to
         # num_pages / 512 more of the least recently used pages than it must (see make_room).
-        self._evict_ahead = num_pages >> 9
+        self._evict_ahead = num_pages >> 9 if evict_ahead is None else evict_ahead
         self.num_evictions = 0
         self.on_evict = on_evict
         self.on_free = on_free

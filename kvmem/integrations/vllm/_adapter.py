@@ -1,0 +1,659 @@
+"""The surface of vLLM's ``KVCacheManager`` that its ``Scheduler`` calls, on a kvmem manager.
+
+kvmem page ``p`` is vLLM block ``p + 1``: vLLM keeps block 0 as its null block (never handed
+out, and the padding value of its block tables), so the kvmem manager manages the other
+``num_blocks - 1`` blocks, as vLLM's free queue does.
+
+How vLLM's per-request calls map onto kvmem's batched ones::
+
+    scheduler (one call per request)        adapter                     kvmem (one per batch)
+    ---------------------------------------------------------------------------------------
+    get_computed_blocks(req)                 flush; cache.match()        -
+    allocate_slots(new req, n, hit)          capacity check; admit now   admit(prompt[:hit+1])
+    allocate_slots(running req, n)           capacity check; queue it    -
+    (anything else, or the step's end)       flush the queue:            reserve(batch, n)
+                                                                         verify(batch, step)
+                                                                         commit_batch(batch)
+    free(req)                                flush; release              release(req)
+
+A queued allocation is decided at once (vLLM's own arithmetic on kvmem's free + evictable
+pages, less the pages the queue will take), so ``allocate_slots`` returns exactly when vLLM's
+would; the pages themselves are taken at the flush, before any other operation could observe
+the difference (a prefix lookup, a free, an admission, the step's output). The queue holds only
+consecutive running requests' growth, which vLLM performs with nothing in between.
+
+Prefix caching follows vLLM's timing: a block is offered to the cache when the step that
+computes it is scheduled (vLLM caches in ``allocate_slots``), so a request admitted later in the
+same step can hit it, as in vLLM; under async scheduling a decode token is committed when
+``cache_blocks`` says its output arrived (queued, committed at the next flush).
+
+The integrity check runs at every flush on the batch whose block ids are about to be handed out
+(the ids are sliced from the very CSR ``verify`` checked); with ``verify_block_tables`` (the
+paranoid check) the ids come from a block table kept as the workers build theirs, and that
+table is what kvmem checks. A request the check aborts is released by kvmem and reported in
+``integrity_aborts`` for the scheduler to take out of the step's output.
+"""
+
+from __future__ import annotations
+
+import logging
+from operator import attrgetter, getitem, itemgetter
+from typing import Any
+
+import numpy as np
+
+from kvmem.allocator import PAD
+from kvmem.errors import KVMemError
+from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
+from kvmem.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+# Field getters for the queue's (request, state, tokens, commit target) entries (the first
+# also for (batch index, pages, out) results) and for requests.
+_REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
+_RID = attrgetter("rid")
+_TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
+_COMPUTED = attrgetter("num_computed_tokens")
+
+__all__ = ["KVMemBlocks", "VllmKVCacheAdapter"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVMemBlocks:
+    """What vLLM's ``KVCacheBlocks`` gives the scheduler: block ids, one list per group (one
+    group here). ``ids`` is None until the adapter's queue is flushed (see the module doc)."""
+
+    __slots__ = ("_adapter", "ids")
+
+    def __init__(self, adapter: VllmKVCacheAdapter | None, ids: list[int] | None) -> None:
+        self._adapter = adapter
+        self.ids = ids
+
+    def get_block_ids(self, allow_none: bool = False, *,
+                      group_ids: Any = None) -> tuple[list[int], ...] | None:
+        ids = self.ids
+        if ids is None:
+            assert self._adapter is not None
+            self._adapter.flush()
+            ids = self.ids
+            assert ids is not None
+        if ids or not allow_none:
+            return (ids,)
+        return None
+
+    @property
+    def blocks(self) -> tuple[list[int], ...]:
+        b = self.get_block_ids()
+        assert b is not None
+        return b
+
+    def __repr__(self) -> str:
+        return f"KVMemBlocks({self.ids!r})"
+
+
+class _Hit(KVMemBlocks):
+    """``get_computed_blocks``' result: the prefix hit's block ids and how many of them only the
+    cache holds (a hit takes them out of the free count, as vLLM's touch does)."""
+
+    __slots__ = ("num_evictable",)
+
+    def __init__(self, ids: list[int], num_evictable: int) -> None:
+        super().__init__(None, ids)
+        self.num_evictable = num_evictable
+
+
+class _Req:
+    """Per running request: its id, its token capacity once the queue is flushed (pages *
+    block size), and its tokens committed once the queue is flushed (kept up to date under
+    async scheduling; synchronous scheduling commits what it schedules, so there the request's
+    computed tokens say it and the decode step's flush does not touch this)."""
+
+    __slots__ = ("cap", "committed", "rid", "row")
+
+    def __init__(self, rid: str, cap: int, committed: int) -> None:
+        self.rid = rid
+        self.cap = cap
+        self.committed = committed
+        self.row = -1  # its kvmem row (kept for the paranoid check's worker block table)
+
+
+class VllmKVCacheAdapter:
+    """vLLM 0.33's ``KVCacheManager`` surface over a :class:`kvmem.KVCacheManager`.
+
+    Parameters
+    ----------
+    num_blocks: vLLM's ``kv_cache_config.num_blocks`` (block 0 is vLLM's null block)
+    block_size: tokens per block (kvmem's ``page_size``)
+    max_model_len: the model's context length
+    max_num_seqs: the most requests running at once (kvmem rows)
+    enable_caching: vLLM's prefix caching
+    log_stats: keep vLLM's ``PrefixCacheStats``
+    enable_kv_cache_events: record KV events (vLLM's ``BlockStored`` / ``BlockRemoved`` /
+        ``AllBlocksCleared``)
+    watermark: vLLM's ``scheduler_config.watermark`` (fraction of blocks kept free when admitting)
+    tracker: kvmem tracker (``"checking"``: the integrity check runs every step)
+    seed: seeds kvmem's prefix keys (None: a per-process secret)
+    async_scheduling: the scheduler is an ``AsyncScheduler`` (a decode step's token is known
+        only after its step, so it is committed when ``cache_blocks`` says so)
+    verify_block_tables: the paranoid check: hand out block ids from a block table kept as the
+        workers build theirs and verify that table every step (every entry; slower) instead of
+        the step's CSR the ids are sliced from (kvmem's incremental check)
+    """
+
+    def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, enable_caching: bool = True, log_stats: bool = False,
+                 enable_kv_cache_events: bool = False, watermark: float = 0.0,
+                 tracker: Any = "checking", seed: int | None = None,
+                 async_scheduling: bool = False, verify_block_tables: bool = False) -> None:
+        from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
+
+        if num_blocks < 2:
+            raise KVMemError(f"vLLM asked for {num_blocks} KV cache blocks; kvmem needs at least 2 "
+                             "(block 0 is vLLM's null block)")
+        self._PrefixCacheStats = PrefixCacheStats
+        self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.num_gpu_blocks = num_blocks
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.manager = KVCacheManager(
+            num_blocks - 1, page_size=block_size, max_seqs=max_num_seqs,
+            max_pages_per_seq=_cdiv(max_model_len, block_size) + 1,
+            prefix_cache=VllmOrderPrefixCache(seed) if enable_caching else None,
+            tracker=tracker, watermark=0.0, kv_events=enable_kv_cache_events, evict_ahead=0)
+        self.async_outputs = async_scheduling
+        # The paranoid check's block table, [max_seqs, max_pages], int32, page ids (PAD past a
+        # request's blocks), one row per kvmem row: the ids handed to the workers come from it.
+        self.worker_block_table = (
+            np.full((self.manager.max_seqs, self.manager.max_pages_per_seq), PAD, np.int32)
+            if verify_block_tables else None)
+        self.num_kv_cache_groups = 1
+        self.empty_kv_cache_blocks = KVMemBlocks(None, [])
+        self._free_view = self.manager.allocator  # num_free
+        self._cache = self.manager.cache  # num_evictable
+        self._reqs: dict[str, _Req] = {}
+        # The queue (see the module doc): (request, state, tokens, commit target or None: all
+        # scheduled tokens that are known), and the new-block results to fill at the flush.
+        self._q: list[tuple[Any, _Req, int, int | None]] = []
+        self._q_blocks: list[tuple[int, int, KVMemBlocks]] = []  # (batch index, new pages, out)
+        self._q_pages = 0  # pages the queue will allocate
+        self._q_admits = False  # an admission is queued (its commit target is explicit)
+        # cache_blocks() calls since the last flush: (request, state, commit target).
+        self._q_commits: list[tuple[Any, _Req, int]] = []
+        self._empty = self.empty_kv_cache_blocks
+        # Requests the integrity check aborted since the scheduler last asked: id -> reason.
+        self.integrity_aborts: dict[str, str] = {}
+        self.num_integrity_aborts = 0  # requests the check aborted, in all
+        self.num_verified_steps = 0
+        self.num_verified_requests = 0
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def _num_free(self) -> int:
+        """vLLM's ``get_num_free_blocks()``: free + evictable cached pages, less the queue's."""
+        cache = self._cache
+        return (self._free_view.num_free + (cache.num_evictable if cache is not None else 0)
+                - self._q_pages)
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage (0.0 .. 1.0), as vLLM computes it."""
+        return 1.0 - self._num_free() / self.manager.num_pages
+
+    # -- prefix lookup -------------------------------------------------------------------------
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    @staticmethod
+    def namespace_of(request: Any) -> Any:
+        """vLLM's ``cache_salt`` is kvmem's namespace."""
+        return request.cache_salt
+
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
+                            ) -> tuple[KVMemBlocks, int, int]:
+        if self._q or self._q_commits:
+            self.flush()
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        assert self._cache is not None
+        tokens = np.asarray(request._all_token_ids, dtype=np.int64)  # the list behind all_token_ids
+        match = self._cache.match(tokens, self.namespace_of(request),
+                                  max_cache_hit_length // self.block_size)
+        if not match.num_pages:
+            return self.empty_kv_cache_blocks, 0, 0
+        hit = _Hit((match.pages + 1).tolist(), match.num_evictable)
+        return hit, match.num_pages * self.block_size, 0
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    # -- allocation ----------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVMemBlocks | None:
+        """Slots for ``num_new_tokens`` more tokens (None when they do not fit, changing
+        nothing): vLLM's arithmetic, kvmem's pages.
+
+        A running request that needs no new page (the decode step's usual case) costs a dict
+        lookup and an append: the slots are reserved at the flush, for the whole batch."""
+        st = self._reqs.get(request.request_id)
+        if st is not None and not num_new_computed_tokens:
+            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= st.cap:
+                self._q.append((request, st, num_new_tokens, None))
+                return self._empty
+            return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
+                              reserved_blocks)
+        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
+            raise KVMemError(
+                "allocate_slots() got external (KV connector) or encoder tokens; kvmem's vLLM "
+                "adapter supports neither (it refuses KV connectors and encoder-decoder models "
+                "at construction), so this scheduler path should not be reachable")
+        if st is not None:
+            raise KVMemError(
+                f"allocate_slots() got {num_new_computed_tokens} new prefix-hit tokens for "
+                f"request {request.request_id!r}, which already maps pages; a running request "
+                "has no new prefix hits")
+        return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                           num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
+                           has_scheduled_reqs)
+
+    def _grow(self, request: Any, st: _Req, num_new_tokens: int, num_lookahead_tokens: int,
+              reserved_blocks: int) -> KVMemBlocks | None:
+        """A running request that needs new pages: decided now, allocated at the flush."""
+        if num_new_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
+                             "tokens to adopt")
+        p = self.block_size
+        need_tokens = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                          self.max_model_len)
+        need = _cdiv(need_tokens, p) - st.cap // p
+        if need > self._num_free() - reserved_blocks:
+            return None
+        b = len(self._q)
+        self._q.append((request, st, num_new_tokens, None))
+        if need <= 0:
+            return self._empty
+        st.cap += need * p
+        self._q_pages += need
+        out = KVMemBlocks(self, None)
+        self._q_blocks.append((b, need, out))
+        return out
+
+    def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
+               num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
+               has_scheduled_reqs: bool) -> KVMemBlocks | None:
+        if num_new_tokens == 0 and num_hit_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
+                             "tokens to adopt")
+        if self._q or self._q_commits:
+            self.flush()
+        p = self.block_size
+        need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
+                          self.max_model_len)
+        num_hit = num_hit_tokens // p
+        evictable = hit.num_evictable if isinstance(hit, _Hit) else 0
+        watermark = (self.watermark_blocks
+                     if has_scheduled_reqs and request.status in self._admitting else 0)
+        free = self._num_free()
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            if _cdiv(full, p) - num_hit + evictable + watermark > free:
+                return None
+        need = _cdiv(need_tokens, p) - num_hit
+        if need + evictable + watermark > free - reserved_blocks:
+            return None
+        rid = request.request_id
+        tokens = request._all_token_ids
+        # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens
+        # its prefix match can find at most the hit (nothing changed since the lookup), and a
+        # request that must not read the cache (num_hit_tokens == 0) finds nothing.
+        res = self.manager.admit(rid, np.asarray(tokens[: num_hit_tokens + 1], dtype=np.int64),
+                                 namespace=self.namespace_of(request))
+        if res.num_cached_tokens != num_hit_tokens:
+            self.manager.release(rid)
+            raise KVMemError(
+                f"request {rid!r}: the prefix lookup found {num_hit_tokens} cached tokens but "
+                f"admission then found {res.num_cached_tokens}; nothing may change between "
+                "get_computed_blocks() and allocate_slots() (the request was not admitted)")
+        st = _Req(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
+        self._reqs[rid] = st
+        upto = min(num_hit_tokens + num_new_tokens, len(tokens))
+        self._q.append((request, st, num_new_tokens, upto))
+        self._q_admits = True
+        self._q_pages += need - res.num_pages + res.num_hit_pages
+        out = KVMemBlocks(self, None)  # the pages past the hit (the scheduler asks get_blocks)
+        self._q_blocks.append((len(self._q) - 1, need, out))
+        return out
+
+    def flush(self) -> None:
+        """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
+        and commit every scheduled token whose id is known (one commit_batch)."""
+        q, commits = self._q, self._q_commits
+        if not q:
+            if commits:
+                self._q_commits = []
+                self._commit_general([], commits)
+            return
+        outs, admits = self._q_blocks, self._q_admits
+        self._q, self._q_blocks, self._q_pages, self._q_admits = [], [], 0, False
+        self._q_commits = []
+        ids = tuple(map(_RID, map(_STATE, q)))  # C-level gathers: a batch is 256 requests
+        nums = list(map(_NUM, q))
+        n0 = nums[0]
+        uniform = nums.count(n0) == len(nums)
+        mgr = self.manager
+        step = mgr.reserve(ids, n0 if uniform else nums)
+        if self.worker_block_table is None:
+            report = mgr.verify(ids, step)
+            if outs:
+                self._new_block_ids(step, outs)
+        else:
+            report = self._verify_worker_table(ids, q, step, outs)
+        self.num_verified_steps += 1
+        self.num_verified_requests += len(ids)
+        if report.aborted:
+            self._aborted(report.aborted)
+            q = [e for e in q if e[1].rid not in report.aborted]
+            commits = [c for c in commits if c[1].rid not in report.aborted]
+            ids = tuple([e[1].rid for e in q])
+            uniform = False  # the commit below takes the general path
+        if not q and not commits:
+            return
+        if uniform and n0 == 1 and not admits and not commits and not self.async_outputs:
+            # The synchronous decode step: without output placeholders every scheduled token
+            # is known and was committed when scheduled, so each request's committed tokens
+            # are its computed ones and it commits the one at that position. (``committed``
+            # is kept only for async scheduling; here the request's computed tokens say it.)
+            reqs = list(map(_REQUEST, q))
+            mgr.commit_batch(ids, np.array(
+                list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
+            return
+        self._commit_general(q, commits)
+
+    @staticmethod
+    def _new_block_ids(step: Any, outs: list[tuple[int, int, KVMemBlocks]]) -> None:
+        """Each grown request's new block ids: the last ``k`` pages of its CSR row, + 1."""
+        indptr = step.kv_indptr
+        indices = step.kv_indices
+        ends = indptr[np.fromiter(map(_REQUEST, outs), dtype=np.intp, count=len(outs)) + 1]
+        if all(o[1] == 1 for o in outs):  # the decode step: one new page each
+            for (_, _, out), block in zip(outs, (indices[ends - 1] + 1).tolist()):
+                out.ids = [block]
+            return
+        for (_, k, out), end in zip(outs, ends.tolist()):
+            out.ids = (indices[end - k : end] + 1).tolist()
+
+    def _verify_worker_table(self, ids: tuple[str, ...], q: list[Any], step: Any,
+                             outs: list[tuple[int, int, KVMemBlocks]]) -> Any:
+        """The paranoid check: the block ids handed to the workers come from
+        ``worker_block_table`` (a row per kvmem row, as the worker appends them: ``[max_seqs,
+        max_pages]``, int32, page ids, PAD past each request's blocks), and kvmem checks that
+        very table (``verify(metadata=...)``: every entry, the padding, the slot mapping and
+        lengths), not the CSR the table was written from."""
+        wt = self.worker_block_table
+        assert wt is not None
+        indptr = step.kv_indptr
+        indices = step.kv_indices
+        rows = step.rows.astype(np.intp)
+        for b, e in enumerate(q):
+            if e[3] is not None:  # admitted in this flush: the row is its whole table
+                row = int(rows[b])
+                e[1].row = row
+                lo, hi = int(indptr[b]), int(indptr[b + 1])
+                wt[row] = PAD
+                wt[row, : hi - lo] = indices[lo:hi]
+        for b, k, out in outs:
+            row = int(rows[b])
+            n = int(indptr[b + 1] - indptr[b])
+            if q[b][3] is None:  # a running request appends its new blocks
+                wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
+            out.ids = (wt[row, n - k : n] + 1).tolist()
+        table = wt[rows]
+        return self.manager.verify(ids, metadata={
+            "block_table": table, "slot_mapping": step.slot_mapping,
+            "seq_lens": step.seq_lens, "num_new_tokens": step.num_new_tokens})
+
+    def _commit_general(self, q: list[tuple[Any, _Req, int, int | None]],
+                        commits: list[tuple[Any, _Req, int]]) -> None:
+        """Commit, for each request queued or named by cache_blocks(), its known tokens up to
+        its target (vLLM caches the blocks they fill now)."""
+        sync = not self.async_outputs
+        entries: list[tuple[Any, _Req, int, int]] = []  # (request, state, from, to)
+        for request, st, n, upto in q:
+            lo = st.committed  # an admission's (its hit), or async scheduling's
+            if upto is None:  # a running request
+                c = request.num_computed_tokens
+                upto = c + n
+                known = len(request._all_token_ids)
+                if upto > known:
+                    upto = known
+                if sync:
+                    lo = c  # synchronous: everything computed was committed when scheduled
+            if upto > lo:
+                entries.append((request, st, lo, upto))
+        if commits:
+            # Both queued and cache_blocks() targets (rare): one per request, the furthest.
+            merged = {e[1].rid: e for e in entries}
+            reqs = self._reqs
+            for request, st, upto in commits:
+                if st.rid not in reqs:
+                    continue
+                prev = merged.get(st.rid)
+                if prev is None:
+                    lo = self.manager.num_committed(st.rid) if sync else st.committed
+                    if upto > lo:
+                        merged[st.rid] = (request, st, lo, upto)
+                elif prev[3] < upto:
+                    merged[st.rid] = (request, st, prev[2], upto)
+            entries = list(merged.values())
+        if not entries:
+            return
+        ids = [e[1].rid for e in entries]
+        if all(e[3] - e[2] == 1 for e in entries):  # one token each (the async decode step)
+            tokens: Any = np.array([e[0]._all_token_ids[e[2]] for e in entries], dtype=np.int64)
+        else:
+            tokens = [e[0]._all_token_ids[e[2] : e[3]] for e in entries]
+        self.manager.commit_batch(ids, tokens)
+        for e in entries:
+            e[1].committed = e[3]
+
+    def _aborted(self, aborted: dict[Any, str]) -> None:
+        for rid, reason in aborted.items():
+            logger.warning("kvmem integrity check aborted request %r: %s", rid, reason)
+            self._reqs.pop(rid, None)
+            self.integrity_aborts[rid] = reason
+            self.num_integrity_aborts += 1
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Commit the request's known tokens up to ``num_computed_tokens`` (async scheduling's
+        tokens arrive after their step was scheduled); done at the next flush, which comes
+        before anything could observe the difference (a lookup, a free, the events)."""
+        if not self.enable_caching:
+            return
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            self._q_commits.append((request, st, min(num_computed_tokens, request.num_tokens)))
+
+    def free(self, request: Any) -> None:
+        if self._q or self._q_commits:
+            self.flush()
+        if self._reqs.pop(request.request_id, None) is not None:
+            self.manager.release(request.request_id)
+
+    # -- block ids -----------------------------------------------------------------------------
+
+    def get_blocks(self, request_id: str) -> KVMemBlocks:
+        if self._q or self._q_commits:
+            self.flush()
+        st = self._reqs.get(request_id)
+        if st is None:
+            return self.empty_kv_cache_blocks
+        if self.worker_block_table is not None and st.row >= 0:
+            n = st.cap // self.block_size
+            return KVMemBlocks(self, (self.worker_block_table[st.row, :n] + 1).tolist())
+        return KVMemBlocks(self, (self.manager.pages_of(request_id) + 1).tolist())
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        ids = self.get_blocks(request_id).ids
+        assert ids is not None
+        return (ids,)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
+                                          ) -> tuple[list[int], ...]:
+        (ids,) = self.get_block_ids(request_id)
+        return (ids[: _cdiv(num_computed_tokens, self.block_size)],)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        if request.request_id not in self._reqs or not self.enable_caching:
+            return 0
+        if self._q or self._q_commits:
+            self.flush()
+        committed = self.manager.num_committed(request.request_id)
+        return committed // self.block_size * self.block_size
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0]
+
+    # -- step hooks, events, reset -------------------------------------------------------------
+
+    def new_step_starts(self) -> None:
+        if self._q or self._q_commits:
+            self.flush()
+
+    def take_new_block_ids(self) -> list[int]:
+        if self._q or self._q_commits:
+            self.flush()
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        if self._q or self._q_commits:
+            self.flush()
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        if self._q or self._q_commits:
+            self.flush()
+        return {}
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Full attention skips no blocks."""
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        return []
+
+    def take_events(self) -> list[Any]:
+        """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+        (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
+        ``cache_salt``: in the extra keys of a prompt's first block)."""
+        if self._q or self._q_commits:
+            self.flush()
+        if not self.enable_kv_cache_events:
+            return []
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        from kvmem.manager import AllPagesCleared, PagesRemoved, PagesStored
+
+        out: list[Any] = []
+        for ev in self.manager.take_events():
+            if isinstance(ev, PagesStored):
+                extra: list[Any] = [None] * len(ev.page_hashes)
+                if ev.parent_page_hash is None and ev.namespace is not None:
+                    extra[0] = (ev.namespace,)
+                out.append(BlockStored(
+                    block_hashes=list(ev.page_hashes), parent_block_hash=ev.parent_page_hash,
+                    token_ids=list(ev.token_ids), block_size=ev.page_size, lora_id=None,
+                    medium=ev.medium, lora_name=None,
+                    extra_keys=extra if any(e is not None for e in extra) else None,
+                    group_idx=0, kv_cache_spec_kind="full_attention"))
+            elif isinstance(ev, PagesRemoved):
+                for h in ev.page_hashes:  # vLLM reports one removed block per event
+                    out.append(BlockRemoved(block_hashes=[h], medium=ev.medium, group_idx=0))
+            elif isinstance(ev, AllPagesCleared):
+                out.append(AllBlocksCleared())
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while a request maps pages, as vLLM."""
+        if self._q or self._q_commits:
+            self.flush()
+        if self.manager.running:
+            logger.warning("Failed to reset prefix cache because %d requests still map pages",
+                           len(self.manager.running))
+            return False
+        self.manager.clear_prefix_cache()
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # -- KV connector paths (refused at construction) ------------------------------------------
+
+    def _connector_only(self, name: str) -> KVMemError:
+        return KVMemError(f"{name}() serves KV connectors, which kvmem's vLLM adapter refuses; "
+                          "run without kv_transfer_config")
+
+    def pop_blocks_for_free(self, request: Any) -> Any:
+        raise self._connector_only("pop_blocks_for_free")
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise self._connector_only("evict_blocks")
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        raise self._connector_only("truncate_computed_blocks")
+
+    def get_computed_blocks_for_connector(self, request: Any,
+                                          max_cache_hit_length: int | None = None) -> Any:
+        raise self._connector_only("get_computed_blocks_for_connector")
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        raise self._connector_only("record_blocks_for_zeroing")
+
+    def check(self) -> None:
+        """kvmem's full bookkeeping check, plus the adapter's: every running request's page
+        count and committed tokens agree with the manager's (raises ``IntegrityError``)."""
+        from kvmem.errors import IntegrityError
+
+        if self._q or self._q_commits:
+            self.flush()
+        self.manager.check()
+        running = set(self.manager.running)
+        if running != set(self._reqs):
+            raise IntegrityError(f"the adapter tracks {sorted(self._reqs)[:8]} but the manager "
+                                 f"runs {sorted(running)[:8]}")
+        for rid, s in self._reqs.items():
+            n = int(self.manager.pages_of(rid).size)
+            # Synchronous scheduling commits every scheduled token when it is scheduled.
+            committed = s.committed if self.async_outputs else self.manager.num_tokens(rid)
+            if n != s.cap // self.block_size or self.manager.num_committed(rid) != committed:
+                raise IntegrityError(
+                    f"request {rid!r}: the adapter expects {s.cap // self.block_size} pages and "
+                    f"{committed} committed tokens, the manager has {n} and "
+                    f"{self.manager.num_committed(rid)}")

@@ -1,0 +1,231 @@
+"""vLLM ``Scheduler`` subclasses whose KV cache bookkeeping is kvmem's (imports vLLM).
+
+Use as vLLM's ``scheduler_cls``::
+
+    vllm serve MODEL --scheduler-cls kvmem.integrations.vllm.KVMemScheduler
+    # or, with async scheduling:  --async-scheduling \\
+    #    --scheduler-cls kvmem.integrations.vllm.KVMemAsyncScheduler
+
+The scheduler builds vLLM's own manager in ``__init__`` (which reads a few of its attributes
+while constructing) and then replaces ``kv_cache_manager`` with
+:class:`~kvmem.integrations.vllm.VllmKVCacheAdapter`. Each ``schedule()`` ends with kvmem's
+integrity check of every block id handed to the workers; a request whose mapping broke is
+taken out of the step's output and finished as aborted (its client gets the reason), the rest of
+the batch proceeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.outputs import RequestError
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
+from vllm.v1.request import Request, RequestStatus
+
+from kvmem.errors import KVMemError
+from kvmem.integrations.vllm._adapter import VllmKVCacheAdapter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVMemAsyncScheduler", "KVMemScheduler", "check_supported"]
+
+_SUPPORTED = ("one full-attention KV cache group, prefix caching on or off, chunked prefill, "
+              "preemption by recompute, aborts, cache_salt, KV events")
+
+
+def _refuse(option: str, found: Any) -> KVMemError:
+    return KVMemError(
+        f"kvmem's vLLM scheduler does not support {option} (found {found!r}); it supports "
+        f"{_SUPPORTED}. Unset {option} or use vLLM's own Scheduler.")
+
+
+def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size: int,
+                    hash_block_size: int | None) -> None:
+    """Raise :class:`KVMemError` naming the first option outside the supported set."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise _refuse("several KV cache groups (hybrid models, Mamba)",
+                      [type(g.kv_cache_spec).__name__ for g in groups])
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise _refuse("a KV cache spec other than full attention", type(spec).__name__)
+    if spec.block_size != block_size or (hash_block_size not in (None, block_size)):
+        raise _refuse("hash_block_size different from block_size (partial prefix hits)",
+                      (block_size, hash_block_size))
+    checks = (
+        ("kv_transfer_config (KV connectors)", vllm_config.kv_transfer_config),
+        ("ec_transfer_config (encoder cache connectors)", vllm_config.ec_transfer_config),
+        ("speculative_config (speculative decoding)", vllm_config.speculative_config),
+        ("lora_config (LoRA adapters)", vllm_config.lora_config),
+    )
+    for option, value in checks:
+        if value is not None:
+            raise _refuse(option, type(value).__name__)
+    par = vllm_config.parallel_config
+    for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(par, option, 1) != 1:
+            raise _refuse(f"parallel_config.{option} (DCP/PCP)", getattr(par, option))
+    mc = vllm_config.model_config
+    if mc.is_encoder_decoder:
+        raise _refuse("encoder-decoder models (cross-attention)", mc.model)
+    if mc.supports_multimodal_inputs:
+        raise _refuse("multimodal models (image hashes in block keys)", mc.model)
+    if getattr(vllm_config.observability_config, "kv_cache_metrics", False):
+        raise _refuse("observability_config.kv_cache_metrics", True)
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and aux.enabled:
+        raise _refuse("aux_output_config", "enabled")
+    if vllm_config.num_hash_lookahead_tokens:
+        raise _refuse("hash lookahead tokens", vllm_config.num_hash_lookahead_tokens)
+
+
+class _KVMemMixin:
+    """What both schedulers add: the adapter, the per-step check, integrity aborts."""
+
+    kv_cache_manager: Any
+    #: The paranoid check: verify, every step, the block table the workers build from the ids
+    #: handed out (every entry) instead of the step's CSR they are sliced from (incremental).
+    #: Subclass to set it, or set KVMEM_VLLM_VERIFY_BLOCK_TABLES=1.
+    verify_block_tables: bool = os.environ.get("KVMEM_VLLM_VERIFY_BLOCK_TABLES", "") == "1"
+
+    def _install_kvmem(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
+                       block_size: int, log_stats: bool, enable_kv_cache_events: bool) -> None:
+        sc = vllm_config.scheduler_config
+        max_seqs = max(sc.max_num_seqs, sc.max_num_active_seqs or 0)
+        self.kv_cache_manager = VllmKVCacheAdapter(
+            num_blocks=kv_cache_config.num_blocks, block_size=block_size,
+            max_model_len=vllm_config.model_config.max_model_len, max_num_seqs=max_seqs,
+            enable_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+            log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events,
+            watermark=sc.watermark, tracker="checking",
+            async_scheduling=isinstance(self, AsyncScheduler),
+            verify_block_tables=self.verify_block_tables)
+        # Requests aborted by the check, reported to their clients by the next
+        # update_from_output: id -> (client index, reason).
+        self._kvmem_aborted: dict[str, tuple[int, str]] = {}
+
+    @property
+    def kvmem(self) -> Any:
+        """The :class:`kvmem.KVCacheManager` behind the adapter."""
+        return self.kv_cache_manager.manager
+
+    def _check_request(self, request: Request) -> None:
+        if request.mm_features:
+            raise _refuse("multimodal inputs", request.request_id)
+        if request.lora_request is not None:
+            raise _refuse("LoRA requests", request.request_id)
+        if request.resumable:
+            raise _refuse("resumable (streaming input) requests", request.request_id)
+        # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
+        # (kvmem keys its pages itself, when they fill): stop hashing every output token.
+        request._block_hasher = None
+
+    def _after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        adapter = self.kv_cache_manager
+        adapter.flush()
+        failed = adapter.integrity_aborts
+        if not failed:
+            return out
+        adapter.integrity_aborts = {}
+        self._drop_from_output(out, failed)
+        return out
+
+    def _drop_from_output(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
+        sched: Any = self
+        ids = [rid for rid in failed if rid in sched.requests]
+        for rid in ids:
+            n = out.num_scheduled_tokens.pop(rid, 0)
+            out.total_num_scheduled_tokens -= n
+            out.scheduled_spec_decode_tokens.pop(rid, None)
+            out.scheduled_encoder_inputs.pop(rid, None)
+            self._kvmem_aborted[rid] = (sched.requests[rid].client_index, failed[rid])
+        gone = set(ids)
+        out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id not in gone]
+        cached = out.scheduled_cached_reqs
+        keep = [i for i, rid in enumerate(cached.req_ids) if rid not in gone]
+        if len(keep) != len(cached.req_ids):
+            for name in ("req_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens"):
+                values = getattr(cached, name)
+                setattr(cached, name, [values[i] for i in keep])
+            if cached.new_token_ids:
+                cached.new_token_ids = [cached.new_token_ids[i] for i in keep]
+            cached.resumed_req_ids = cached.resumed_req_ids - gone
+            for rid in gone:
+                cached.all_token_ids.pop(rid, None)
+        # The adapter already released their pages; the scheduler forgets them now, and the
+        # workers hear of it through the next step's finished_req_ids.
+        sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _report_aborted(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        from vllm.v1.engine import FinishReason
+
+        aborted, self._kvmem_aborted = self._kvmem_aborted, {}
+        for rid, (client, reason) in aborted.items():
+            error = RequestError(code="kv_integrity_error",
+                                 message=f"kvmem integrity check: {reason}")
+            out = EngineCoreOutput(request_id=rid, new_token_ids=[],
+                                   finish_reason=FinishReason.ABORT, error=error)
+            if client in outputs:
+                outputs[client].outputs.append(out)
+            else:
+                outputs[client] = EngineCoreOutputs(outputs=[out])
+
+
+class KVMemScheduler(_KVMemMixin, Scheduler):
+    """vLLM's ``Scheduler`` with kvmem's KV cache bookkeeping and integrity check."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
+                 structured_output_manager: Any, block_size: int,
+                 hash_block_size: int | None = None, *args: Any, **kwargs: Any) -> None:
+        check_supported(vllm_config, kv_cache_config, block_size, hash_block_size)
+        super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
+                         hash_block_size, *args, **kwargs)
+        self._install_kvmem(vllm_config, kv_cache_config, block_size, self.log_stats,
+                            self.enable_kv_cache_events)
+
+    def add_request(self, request: Request) -> None:
+        self._check_request(request)
+        super().add_request(request)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        return self._after_schedule(super().schedule(throttle_prefills))
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._kvmem_aborted:
+            self._report_aborted(outputs)
+        return outputs
+
+
+class KVMemAsyncScheduler(_KVMemMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with kvmem's KV cache bookkeeping and integrity check."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
+                 structured_output_manager: Any, block_size: int,
+                 hash_block_size: int | None = None, *args: Any, **kwargs: Any) -> None:
+        check_supported(vllm_config, kv_cache_config, block_size, hash_block_size)
+        super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
+                         hash_block_size, *args, **kwargs)
+        self._install_kvmem(vllm_config, kv_cache_config, block_size, self.log_stats,
+                            self.enable_kv_cache_events)
+
+    def add_request(self, request: Request) -> None:
+        self._check_request(request)
+        super().add_request(request)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        return self._after_schedule(super().schedule(throttle_prefills))
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._kvmem_aborted:
+            self._report_aborted(outputs)
+        return outputs
