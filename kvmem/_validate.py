@@ -132,19 +132,14 @@ def index_array(
     ``[minimum, bound)``: nothing is wrapped or indexed from the end.
     """
     want = f"a 1-D sequence of integer {what}s"
-    if isinstance(value, (str, bytes)) or np.ndim(value) == 0:
-        raise ArgumentTypeError(
-            f"{name}={show(value)}: expected {want} (a list or integer array; one {what} is "
-            f"passed as [{what}])."
-        )
     if isinstance(value, np.ndarray):
         arr = value
-    else:
+    elif isinstance(value, (list, tuple, range)):
         items = list(value)
-        bad = next((x for x in items if not is_integer_like(x)), None)
-        if bad is not None:
+        bad = [x for x in items if not is_integer_like(x)]
+        if bad:
             raise ArgumentTypeError(
-                f"{name} holds {show(bad)}: expected {want} (int or numpy integer; not bool, "
+                f"{name} holds {show(bad[0])}: expected {want} (int or numpy integer; not bool, "
                 "float or str)."
             )
         try:
@@ -153,6 +148,11 @@ def index_array(
             raise ArgumentError(
                 f"{name} holds an integer beyond int64: expected {what}s that fit in 64 bits."
             ) from None
+    else:
+        raise ArgumentTypeError(
+            f"{name}={show(value)}: expected {want} (a list, tuple or integer array; one {what} "
+            f"is passed as [{what}])."
+        )
     if arr.ndim != 1:
         raise ArgumentError(f"{name} has shape {arr.shape}: expected {want}.")
     if arr.size == 0:

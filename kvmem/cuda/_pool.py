@@ -23,6 +23,7 @@ mapping once with :meth:`PagePool.check_slots`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -96,11 +97,33 @@ class PagePool:
                 f"PoolSpec device={spec.device!r} is not a device torch knows ({e}); use 'cpu', "
                 "'cuda' or 'cuda:N', or leave device unset."
             ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"PoolSpec device={spec.device!r}: kvmem pools live on 'cpu' or 'cuda[:N]'."
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
                 f"PoolSpec asks for device {spec.device!r} but CUDA is not available; use "
                 "device='cpu' or leave device unset."
             )
+        nbytes = spec.nbytes + spec.tag_nbytes
+        physical = _physical_memory() if device.type == "cpu" else None
+        if physical is not None and nbytes > physical:
+            raise ConfigError(
+                f"this pool needs {nbytes / 2**30:,.1f} GiB ({spec.describe()}) but the machine "
+                f"has {physical / 2**30:,.1f} GiB of memory; use fewer pages or layers."
+            )
+        try:
+            self._build(spec, device)
+        except (RuntimeError, MemoryError) as e:  # the device cannot hold it
+            raise ConfigError(
+                f"could not allocate the pool's {nbytes / 2**30:,.2f} GiB on {device} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use fewer "
+                "pages or layers."
+            ) from None
+        log.debug("PagePool on %s: %s", device, spec.describe())
+
+    def _build(self, spec: PoolSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = device
         self.codec = make_codec(spec.dtype, spec.scales)
@@ -137,7 +160,6 @@ class PagePool:
         self.tags = torch.zeros(P, dtype=torch.int64, device=device)
         self._tag_key: object | None = None  # set by claim_tags(): the mirror's one writer
         self._counters = torch.zeros((L, 2), dtype=torch.int64, device=device)
-        log.debug("PagePool on %s: %s", device, spec.describe())
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -582,6 +604,14 @@ class PagePool:
                 f"{name} holds {what}s from {lo} to {hi}; valid {what}s are 0..{bound - 1}. "
                 "Nothing was changed."
             )
+
+
+def _physical_memory() -> int | None:
+    """Bytes of physical memory, where the OS says (None where it does not)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:

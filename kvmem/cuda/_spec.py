@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import numpy as np
+from annotated_types import Le
 from pydantic import BeforeValidator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -33,6 +34,9 @@ from kvmem.quant import PageDType, ScaleGranularity, page_format
 __all__ = ["PoolSpec"]
 
 SCALE_BYTES = 4  # scales are float32
+_MAX_PAGES = 2**31 - 1  # page ids are int32
+_MAX_LAYERS_OR_HEADS = 1024
+_MAX_WIDTH = 1 << 16
 TAG_BYTES = 8  # the device mirror of allocator tags is int64
 
 
@@ -87,14 +91,16 @@ class PoolSpec(SpecModel):
         NaN/inf inputs: counted and stored as 0 (default), or rejected before any byte changes.
     """
 
-    num_layers: PositiveInt
-    num_pages: PositiveInt
-    page_size: PositiveInt = 16
+    # Bounds: page ids are int32; no model has more than a thousand layers or KV heads, and
+    # these bound the per-layer scale tables a spec stores.
+    num_layers: Annotated[PositiveInt, Le(_MAX_LAYERS_OR_HEADS)]
+    num_pages: Annotated[PositiveInt, Le(_MAX_PAGES)]
+    page_size: Annotated[PositiveInt, Le(_MAX_WIDTH)] = 16
     attention: Literal["gqa", "mha", "mla"] = "gqa"
-    num_kv_heads: PositiveInt | None = None
-    head_dim: PositiveInt | None = None
-    kv_lora_rank: PositiveInt | None = None
-    qk_rope_head_dim: NonNegativeInt | None = None
+    num_kv_heads: Annotated[PositiveInt, Le(_MAX_LAYERS_OR_HEADS)] | None = None
+    head_dim: Annotated[PositiveInt, Le(_MAX_WIDTH)] | None = None
+    kv_lora_rank: Annotated[PositiveInt, Le(_MAX_WIDTH)] | None = None
+    qk_rope_head_dim: Annotated[NonNegativeInt, Le(_MAX_WIDTH)] | None = None
     dtype: PageDType = "bf16"
     scales: ScaleGranularity | None = None
     static_scales: StaticScales | None = None

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 import torch
 
-from kvmem._validate import show
+from kvmem._validate import integer, show
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.integrations._kvbatch import KVBatch, PagedModel
 
@@ -185,11 +185,10 @@ class Engine:
                 f"not fit the pool (num_pages={spec.num_pages}, page_size={spec.page_size}); "
                 "build both from the same numbers"
             )
-        if min(max_num_seqs, max_num_batched_tokens, chunk_size) < 1:
-            raise ConfigError(
-                f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens} "
-                f"and chunk_size={chunk_size} must all be >= 1"
-            )
+        max_num_seqs = integer(max_num_seqs, "max_num_seqs", minimum=1)
+        max_num_batched_tokens = integer(max_num_batched_tokens, "max_num_batched_tokens",
+                                         minimum=1)
+        chunk_size = integer(chunk_size, "chunk_size", minimum=1)
         self.lm = lm
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -205,6 +204,9 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; it is admitted at the start of a later step."""
+        if not isinstance(request, Request):
+            raise ArgumentTypeError(f"request={show(request)}: expected an engine Request.")
+        integer(request.max_new_tokens, "max_new_tokens")
         if request.max_new_tokens < 1 or not request.prompt_ids:
             raise ConfigError(
                 f"request {request.request_id!r}: needs a non-empty prompt and max_new_tokens "

@@ -101,7 +101,7 @@ def model_from_hf_config(
         return _model_from_hf_config(cfg, name, source)
     except KVMemError:
         raise
-    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
         # A field of the wrong type (a string where a count belongs, a list for a dict) fails
         # in the arithmetic that sizes the model: report it as the config's fault.
         raise ConfigError(
