@@ -81,6 +81,8 @@ class VllmEngine(FuzzEngine):
         self._steps: list[tuple[tuple[Any, ...], Any]] = []  # kvmem reserves since the launch
         # What the runs exercised (a correct run must show them all > 0).
         self.counts = {"steps": 0, "preemptions": 0, "prefix_hits": 0, "same_step_hits": 0}
+        # The steps vLLM's adapter flushes: the manager has no reserve hook, so this instance's
+        # reserve is wrapped (what it returns is untouched).
         reserve = self.manager.reserve
 
         def recorded(request_ids: Any, num_tokens: Any) -> Any:
@@ -143,10 +145,9 @@ class VllmEngine(FuzzEngine):
                 tables.setdefault(rid, []).extend(nb[0])
 
     def launch(self, choice: int) -> Launch | None:
-        self._steps = []
         out = self.sched.schedule()
         self._apply(out)
-        steps, self._steps = self._steps, []
+        steps, self._steps = self._steps, []  # (reserves outside schedule() would show here)
         self.counts["preemptions"] += len(out.preempted_req_ids)
         n_sched = out.num_scheduled_tokens
         if not n_sched:
