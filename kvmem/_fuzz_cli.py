@@ -5,6 +5,7 @@
     kvmem fuzz [--engine manager] [--minutes 1 | --moves N] [--save DIR] [--json]
     kvmem fuzz --faults [NAME ...] [--engine manager] [--minutes N] [--json] [--save DIR]
     kvmem fuzz --profile ci [--json]
+    kvmem fuzz --profile ci-vllm [--json]      # needs vLLM (docs/vllm.md)
 
 Without ``--faults``: fault-free random campaigns for ``--minutes`` (or ``--moves``); every
 failure is shrunk and, with ``--save``, written as a pytest file that replays it. With
@@ -14,6 +15,7 @@ an oracle fires, the failing interleaving is shrunk, and a fault-free campaign o
 (``fault``, ``detected``, ``detected_by``, ``schedule_len``, ``seconds``, ...). ``--profile ci``
 is the derandomized CI run (fixed seeds and move budgets, both shipped engines, a couple of
 minutes on two cores): it exits 1 if a fault goes undetected or a fault-free run trips a check.
+``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
 A progress line goes to stderr. Exit status: 0, or 1 when the outcome is not the expected one.
 """
 
@@ -41,13 +43,16 @@ def add_fuzz_parser(sub: Any) -> None:
         description=(__doc__ or "").split("\n\n")[2].replace("\n", " "),
     )
     p.add_argument("--engine", default="manager",
-                   help="engine adapter: manager (kvmem's, async), toy (synchronous), or one "
+                   help="engine adapter: manager (kvmem's, async), toy (synchronous), vllm and "
+                   "vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), or one "
                    "registered in kvmem.testing.ENGINES")
     p.add_argument("--minutes", type=float, help="time budget (default 1 without --faults)")
     p.add_argument("--moves", type=int, help="fault-free moves to run instead of --minutes")
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
-    p.add_argument("--profile", choices=["ci"], help="ci: the derandomized CI profile")
+    p.add_argument("--profile", choices=["ci", "ci-vllm"],
+                   help="ci: the derandomized CI profile (manager, toy); ci-vllm: the same for "
+                   "the vLLM engines")
     p.add_argument("--config", default="small",
                    help="system shape: small (finds races fast) or bench (4,096 pages, 64 running)")
     p.add_argument("--seed", type=int, default=0, help="first campaign seed (default 0)")
@@ -93,12 +98,18 @@ def run_fuzz(args: argparse.Namespace) -> int:
             print(f"{name:32s} BUGS {','.join(map(str, f.bugs)):8s} {f.side:8s} "
                   f"{'timeline' if f.timeline else '        '} {engines:12s} {f.describe()}")
         return 0
-    if args.engine not in ENGINES:
-        raise KVMemError(f"no fuzz engine {args.engine!r}; choose one of {sorted(ENGINES)}")
+    engine = "vllm" if args.profile == "ci-vllm" else args.engine
+    if engine not in ENGINES:
+        if engine in _VLLM_ENGINES:
+            from kvmem.integrations.vllm import SETUP_HINT
+
+            raise KVMemError(f"the {engine!r} fuzz engine needs vLLM: {SETUP_HINT}")
+        raise KVMemError(f"no fuzz engine {engine!r}; choose one of {sorted(ENGINES)}")
     config = FuzzConfig.preset(args.config)
     progress = _Progress()
-    if args.profile == "ci":
-        results, ok = _ci_profile(progress)
+    if args.profile is not None:
+        results, ok = _ci_profile(progress, _VLLM_ENGINES if args.profile == "ci-vllm"
+                                  else _CI_ENGINES)
     elif args.faults is not None:
         results, ok = _catalog(args, config, progress)
     else:
@@ -196,20 +207,23 @@ def _save(args: argparse.Namespace, r: Any, config: Any) -> None:
         r.message = f"{r.message} (saved {path})"
 
 
-# The CI profile: fixed seeds and budgets, so the outcome depends on the code only.
+# The CI profiles: fixed seeds and budgets, so the outcome depends on the code only.
 _CI_ENGINES = ("manager", "toy")
+_VLLM_ENGINES = ("vllm", "vllm-async")  # ci-vllm: vLLM's import alone takes 5-20 s
 _CI_CAMPAIGNS, _CI_MOVES, _CI_SHRINK = 25, 1500, 100
-_CI_CLEAN = {"manager": 5 * _CLEAN_MOVES, "toy": _CLEAN_MOVES}  # fault-free moves
+_CI_CLEAN = {"manager": 5 * _CLEAN_MOVES, "toy": _CLEAN_MOVES,  # fault-free moves
+             "vllm": _CLEAN_MOVES // 2, "vllm-async": _CLEAN_MOVES // 2}
 
 
-def _ci_profile(progress: _Progress) -> tuple[list[Any], bool]:
+def _ci_profile(progress: _Progress,
+                engines: tuple[str, ...] = _CI_ENGINES) -> tuple[list[Any], bool]:
     from kvmem.testing import FuzzConfig, hunt
     from kvmem.testing.faults import CATALOG
 
     config = FuzzConfig.preset("small")
     results = []
     ok = True
-    for engine in _CI_ENGINES:
+    for engine in engines:
         for name, f in CATALOG.items():
             if f.engines is not None and engine not in f.engines:
                 continue
@@ -226,14 +240,14 @@ def _ci_profile(progress: _Progress) -> tuple[list[Any], bool]:
 
 
 def _table(results: list[Any]) -> str:
-    lines = [f"{'engine':8s} {'fault':32s} {'BUGS':8s} {'detected by':15s} {'moves':>7s} "
+    lines = [f"{'engine':10s} {'fault':32s} {'BUGS':8s} {'detected by':15s} {'moves':>7s} "
              f"{'shrunk':>6s} {'seconds':>8s}"]
     for r in results:
         if r.fault == "none":
             what = f"TRIPPED {r.detected_by}" if r.detected else "clean"
         else:
             what = r.detected_by if r.detected else "NOT DETECTED"
-        lines.append(f"{r.engine:8s} {r.fault:32s} {','.join(map(str, r.bugs)):8s} "
+        lines.append(f"{r.engine:10s} {r.fault:32s} {','.join(map(str, r.bugs)):8s} "
                      f"{what:15s} {r.moves:7d} {r.schedule_len or '':>6} {r.seconds:8.1f}")
         if r.detected and r.fault == "none":
             lines.append(f"    {r.message}")

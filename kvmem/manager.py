@@ -72,6 +72,7 @@ from kvmem.allocator import (
     PageTable,
     Plan,
     PrefixCache,
+    PrefixMatch,
     Reserver,
     StepBuilder,
     StepHandle,
@@ -117,6 +118,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_NO_PAGES = np.empty(0, dtype=np.int32)
+_NO_PAGES.flags.writeable = False
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -350,6 +353,21 @@ class KVCacheManager:
         plan = self._admission.plan(token_array(token_ids, "token_ids"), namespace, False)
         self._admission.remember(self._mutations, plan)  # for the admit() right after
         return self._admission.fits(plan, self.watermark_pages)
+
+    def match_prefix(self, token_ids: Any, namespace: Any = None,
+                     max_pages: int | None = None) -> PrefixMatch:
+        """The cached pages holding ``token_ids``' leading full pages in ``namespace`` (at
+        most ``max_pages``; default ``(len - 1) // page_size``, as ``admit`` reuses), each
+        confirmed against its tokens, lifetime and namespace. A lookup: takes no reference and
+        changes nothing (an engine that schedules itself, e.g. vLLM's, asks first)."""
+        tokens = token_array(token_ids, "token_ids")
+        limit = (tokens.size - 1) // self.page_size if max_pages is None else integer(
+            max_pages, "max_pages", minimum=0)
+        ns = self.namespaces.id_of(namespace, register=False)
+        if self.cache is None or ns < 0 or limit <= 0:
+            return PrefixMatch(_NO_PAGES, np.empty((0, 2), dtype=np.uint64),
+                               np.zeros(2, dtype=np.uint64), 0)
+        return self.cache.match(tokens, namespace, limit, ns)
 
     @_public
     def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> AdmitResult:

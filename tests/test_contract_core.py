@@ -369,3 +369,22 @@ def test_evict_ahead_is_checked() -> None:
     for bad in (-1, 1.5, True, 10**9):
         with pytest.raises(KVMemError, match="evict_ahead"):
             KVCacheManager(64, evict_ahead=bad)
+
+
+def test_match_prefix_finds_what_admit_reuses_and_changes_nothing() -> None:
+    mgr = make()
+    eng = ToyEngine(mgr)
+    prompt = list(range(13))
+    res = eng.admit("a", prompt, "t")
+    eng.step(["a"], len(prompt) - res.num_cached_tokens)
+    eng.commit(["a"])
+    before = snapshot(mgr)
+    match = mgr.match_prefix(prompt, "t")
+    assert match.num_pages == 3 and match.pages.tolist() == mgr.pages_of("a")[:3].tolist()
+    assert mgr.match_prefix(prompt, "t", max_pages=1).num_pages == 1
+    assert mgr.match_prefix(prompt, "other").num_pages == 0  # unseen namespace: nothing
+    assert mgr.match_prefix(prompt, True).num_pages == 0
+    assert snapshot(mgr) == before
+    assert eng.admit("b", prompt, "t").num_cached_tokens == 12
+    with pytest.raises(ArgumentTypeError):
+        mgr.match_prefix(prompt, "t", max_pages=1.5)

@@ -8,7 +8,8 @@
 * The device timeline and the fuzzer (``kvmem fuzz``; see ``docs/fuzzing.md``):
   :class:`Timeline` models an asynchronous engine's device (steps in flight, copies and
   transfers that land later) and checks the oracles after every move; :class:`FuzzEngine` is
-  the protocol an engine adapter implements (:data:`ENGINES`: ``"manager"``, ``"toy"``);
+  the protocol an engine adapter implements (:data:`ENGINES`: ``"manager"``, ``"toy"``, and
+  ``"vllm"``, ``"vllm-async"`` where vLLM is installed);
   :func:`campaign`, :func:`replay`, :func:`shrink`, :func:`hunt` and :func:`schedules` run,
   replay and shrink interleavings.
 * :mod:`kvmem.testing.faults` injects the bugs real engines shipped (BUGS.md) into a manager,
@@ -50,6 +51,9 @@ from kvmem.testing._timeline import (
     kv_value_array,
 )
 from kvmem.testing._toy_engine import ToyEngine, kv_values
+from kvmem.testing._vllm_engine import VLLM_ENGINES
+
+ENGINES.update(VLLM_ENGINES)  # "vllm", "vllm-async": only where vLLM is installed
 
 __all__ = [
     "ENGINES",

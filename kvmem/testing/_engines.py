@@ -167,10 +167,17 @@ class FuzzEngine:
     capabilities: optional moves the engine supports: ``"fork"``, ``"preempt"``, ``"resume"``,
         ``"receive"``, ``"clear"``
     bugs: engine-side fault switches the adapter honours (see :mod:`kvmem.testing.faults`)
+    stream_ordered: the engine runs its steps in launch order on one stream and relies on that
+        order instead of step fences (vLLM): it frees and reuses pages while a step runs and
+        commits a step's tokens when it schedules the step. The timeline then guards no step's
+        pages (``happens_before``) and allows hits on unlanded writes (``landed_hit`` off, as
+        with ``strict_commits=False``): every later step runs after the write; ``reads`` still
+        sees a step read what it must not
     """
 
     name: ClassVar[str] = "engine"
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    stream_ordered: ClassVar[bool] = False
     manager: Any
     max_in_flight: int = 2
 

@@ -114,8 +114,9 @@ class Run:
         self.fault = _fault(fault)
         self.seed = seed
         mgr = self.engine.manager
+        ordered = self.engine.stream_ordered
         self.timeline = Timeline(mgr, c.max_requests, c.max_len, c.check_every,
-                                 c.strict_commits)
+                                 c.strict_commits and not ordered, ordered)
         self.timeline.extra_check = self.engine.check
         rng = np.random.default_rng(seed)
         self._material = rng.integers(0, c.vocab, size=1 << 16).astype(np.int64)

@@ -217,17 +217,22 @@ class Launch:
         None when the engine took none
     kind: ``"step"`` (reads and writes; completes in launch order) or ``"transfer"`` (writes
         only, e.g. KV arriving from a prefill node; lands in any order)
+    writes_first: the step's kernels write its K/V before attention reads (vLLM's backends,
+        layer by layer), so a request may read another's same-step write (a same-step prefix
+        hit); default False: old positions are read before the step's writes land
     """
 
     __slots__ = ("copy_dst", "copy_src", "ent_c", "ent_flat", "ent_m", "fence", "guard",
                  "held_sources", "id", "kind", "kv_indices", "kv_indptr", "mrows", "num_new",
-                 "pending_copies", "request_ids", "slot_mapping", "starts", "write_pages")
+                 "pending_copies", "request_ids", "slot_mapping", "starts", "write_pages",
+                 "writes_first")
 
     def __init__(self, request_ids: tuple[Any, ...], starts: npt.ArrayLike,
                  num_new: npt.ArrayLike, kv_indptr: npt.ArrayLike, kv_indices: npt.ArrayLike,
                  slot_mapping: npt.ArrayLike, copy_src: npt.ArrayLike = _EMPTY32,
                  copy_dst: npt.ArrayLike = _EMPTY32, fence: int | None = None,
-                 kind: str = "step", held_sources: npt.ArrayLike | None = None) -> None:
+                 kind: str = "step", held_sources: npt.ArrayLike | None = None,
+                 writes_first: bool = False) -> None:
         if kind not in ("step", "transfer"):
             raise KVMemError(f"Launch kind must be 'step' or 'transfer', got {kind!r}")
         self.request_ids = tuple(request_ids)
@@ -242,6 +247,7 @@ class Launch:
                              else np.asarray(held_sources, dtype=np.int64))
         self.fence = fence
         self.kind = kind
+        self.writes_first = writes_first
         b = len(self.request_ids)
         if (self.starts.shape != (b,) or self.num_new.shape != (b,)
                 or self.kv_indptr.shape != (b + 1,) or self.copy_src.shape != self.copy_dst.shape):
@@ -290,6 +296,9 @@ class Timeline:
         landed); False for an engine that commits when it schedules and relies on one stream's
         order (a hit is read by a later step, after the write): then only a same-step hit, which
         ``reads`` sees, is a failure
+    stream_ordered: the engine's steps run in launch order on one stream and it relies on that
+        (vLLM): a page a step lists may be freed or reused while the step runs, since every
+        later writer runs after it; ``happens_before`` then guards only transfers and copies
 
     Attributes
     ----------
@@ -298,9 +307,11 @@ class Timeline:
     """
 
     def __init__(self, manager: Any, max_requests: int, max_len: int,
-                 check_every: int = 64, strict_commits: bool = True) -> None:
+                 check_every: int = 64, strict_commits: bool = True,
+                 stream_ordered: bool = False) -> None:
         self.mgr = manager
         self.strict_commits = strict_commits
+        self.stream_ordered = stream_ordered
         self.P = P = int(manager.page_size)
         self.num_pages = n = int(manager.num_pages)
         self.max_len = max_len
@@ -654,9 +665,10 @@ class Timeline:
         if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.num_pages * P):
             raise FuzzFailure("reads", f"{op!r} writes slots outside the pool")
         op.write_pages = slots // P
-        op.guard = (np.concatenate([op.kv_indices, op.write_pages, op.copy_src, op.copy_dst])
-                    if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages]))
-        self.guard += np.bincount(op.guard, minlength=self.num_pages)
+        if not (self.stream_ordered and op.kind == "step" and not op.copy_src.size):
+            op.guard = (np.concatenate([op.kv_indices, op.write_pages, op.copy_src, op.copy_dst])
+                        if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages]))
+            self.guard += np.bincount(op.guard, minlength=self.num_pages)
         op.pending_copies = int(op.copy_src.size)
         if op.fence is not None:
             if op.fence in self._retired:
@@ -761,10 +773,12 @@ class Timeline:
         was written by a landing, since the request last read it (the rest were read then and
         have not changed). New positions are read after the writes land, token by token,
         through the CSR the kernel got (a slot mapping that disagrees with it, or two writes
-        into one slot, leaves a wrong value there)."""
+        into one slot, leaves a wrong value there). A ``writes_first`` step lands its writes
+        before any read."""
         P = self.P
         pages, mrows, starts = op.kv_indices, op.mrows, op.starts
         ent_m, flat = op.ent_m, op.ent_flat
+        landed = self._land_writes(op) if op.writes_first else None
         dirty = ((self._vpages_flat[flat] != pages)
                  | (self.pepoch[pages] > self.vepoch[ent_m])).nonzero()[0]
         if dirty.size:
@@ -779,8 +793,9 @@ class Timeline:
                 bad = old & (got != want)
                 if bad.any():
                     self._read_failure(op, db, pos, slots, bad, got, want,
+                                       "after the step's writes" if landed is not None else
                                        "before the step's writes")
-        pos, values = self._land_writes(op)
+        pos, values = self._land_writes(op) if landed is None else landed
         if pos.size:
             tb = self._arange[: mrows.size].repeat(op.num_new)
             entry = op.kv_indptr[:-1][tb] + pos // P

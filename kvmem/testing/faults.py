@@ -437,7 +437,7 @@ class NamespaceDropped(_EngineBug):
     name = "tenant_salt_dropped"
     bugs = (11,)
     switch = "namespace_dropped"
-    engines = ("manager", "toy")
+    engines = ("manager", "toy", "vllm", "vllm-async")
     expected = "reads"
 
 
@@ -448,7 +448,7 @@ class LeakOnAbort(_EngineBug):
     name = "leak_on_abort"
     bugs = (2, 8)
     switch = "leak_on_abort"
-    engines = ("manager", "toy")
+    engines = ("manager", "toy", "vllm", "vllm-async")
     expected = "requests"
     weights: ClassVar[dict[str, float]] = {"abort": 8}
 

@@ -179,7 +179,6 @@ class VllmKVCacheAdapter:
         self.num_kv_cache_groups = 1
         self.empty_kv_cache_blocks = KVMemBlocks(None, [])
         self._free_view = self.manager.allocator  # num_free
-        self._cache = self.manager.cache  # num_evictable
         self._reqs: dict[str, _Req] = {}
         # The queue (see the module doc): (request, state, tokens, commit target or None: all
         # scheduled tokens that are known), and the new-block results to fill at the flush.
@@ -200,7 +199,7 @@ class VllmKVCacheAdapter:
 
     def _num_free(self) -> int:
         """vLLM's ``get_num_free_blocks()``: free + evictable cached pages, less the queue's."""
-        cache = self._cache
+        cache = self.manager.cache
         return (self._free_view.num_free + (cache.num_evictable if cache is not None else 0)
                 - self._q_pages)
 
@@ -227,10 +226,9 @@ class VllmKVCacheAdapter:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        assert self._cache is not None
         tokens = np.asarray(request._all_token_ids, dtype=np.int64)  # the list behind all_token_ids
-        match = self._cache.match(tokens, self.namespace_of(request),
-                                  max_cache_hit_length // self.block_size)
+        match = self.manager.match_prefix(tokens, self.namespace_of(request),
+                                          max_cache_hit_length // self.block_size)
         if not match.num_pages:
             return self.empty_kv_cache_blocks, 0, 0
         hit = _Hit((match.pages + 1).tolist(), match.num_evictable)
