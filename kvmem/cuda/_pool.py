@@ -23,13 +23,21 @@ mapping once with :meth:`PagePool.check_slots`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from kvmem._validate import flag, index_array, integer, show
+from kvmem._validate import flag, integer, show
+from kvmem.cuda._checks import (
+    IndexLike,
+    check_finite,
+    check_range,
+    check_slot_values,
+    index_tensor,
+    read_dtype,
+    write_rows,
+)
 from kvmem.cuda._spec import PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.quant import make_codec
@@ -38,13 +46,8 @@ __all__ = ["PagePool", "PoolStats"]
 
 log = logging.getLogger(__name__)
 
-IndexLike = torch.Tensor | np.ndarray | Sequence[int]
-
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_ELEMS = 1 << 19  # elements per CPU write chunk: 2 MiB of fp32 temporaries
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _TAG_BOUND = 2**63 - 1  # tags are non-negative int64 (0: free)
 
 
@@ -203,8 +206,8 @@ class PagePool:
         """
         self._check_layer(layer)
         check = flag(check, "check")
-        num_tokens = self._check_rows(k, v)
-        slots = self._index(slot_mapping, "slot_mapping")
+        num_tokens = write_rows(self.spec, self.device, k, v)
+        slots = index_tensor(slot_mapping, "slot_mapping", self.device)
         if slots.shape[0] != num_tokens:
             raise ArgumentError(
                 f"slot_mapping has {slots.shape[0]} entries for {num_tokens} tokens; give one "
@@ -218,15 +221,14 @@ class PagePool:
             v = None if v is None else v[keep]
         if slots.numel() == 0:
             return
-        if self.spec.nonfinite == "raise" and not all(
-            bool(torch.isfinite(t).all()) for t in (k, v) if t is not None
-        ):
-            raise ArgumentError(
-                f"layer {layer}: K/V input holds NaN or inf and the pool's policy is "
-                "nonfinite='raise'; nothing was written. Fix the producer, or use "
-                "nonfinite='zero' to store 0 and count them."
-            )
+        if self.spec.nonfinite == "raise":
+            check_finite(layer, k, v)
+        self._store(layer, slots, k, v)
 
+    def _store(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        """Quantize checked tokens (no -1 slot left) and copy them into their slots' rows."""
         static = None if self.static_scales is None else self.static_scales[layer]
         if static is not None and not self._calibrated[layer]:
             static = self.codec.calibrate(self._stack(k, v), static)
@@ -273,25 +275,24 @@ class PagePool:
             rows = (base[:, :, None] * H + heads) * ps + offset[:, None, None]
         return rows.reshape(-1)
 
+    def _stack(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """An owned [T, C, H, D] copy of the input, in fp32 for fp8 pages (one pass each)."""
+        dtype = torch.float32 if self.format.quantized else k.dtype
+        x = torch.empty(
+            (k.shape[0], self.spec.num_components, self.spec.num_heads, self.spec.width),
+            dtype=dtype,
+            device=self.device,
+        )
+        if v is None:
+            x[:, 0, 0] = k
+        else:
+            x[:, 0] = k
+            x[:, 1] = v
+        return x
+
     def check_slots(self, slot_mapping: IndexLike) -> None:
         """Raise unless every slot is -1 or in ``[0, num_slots)`` and none appears twice."""
-        slots = self._index(slot_mapping, "slot_mapping")
-        if slots.numel() == 0:
-            return
-        n = self.spec.num_slots
-        lo, hi = (int(t) for t in torch.aminmax(slots))
-        if lo < -1 or hi >= n:
-            raise ArgumentError(
-                f"slot_mapping holds slots from {lo} to {hi}, but this pool has slots "
-                f"0..{n - 1} ({self.spec.num_pages} pages x {self.spec.page_size}) and -1 for "
-                "padding; nothing was written. Check the page table that produced it."
-            )
-        used = slots[slots >= 0]
-        if torch.unique(used).numel() != used.numel():
-            raise ArgumentError(
-                "slot_mapping names a slot more than once; two tokens cannot share a slot. "
-                "Nothing was written."
-            )
+        check_slot_values(index_tensor(slot_mapping, "slot_mapping", self.device), self.spec)
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -312,9 +313,9 @@ class PagePool:
         [n, C, page_size, H, D], dtype (a transposed view for HND pools)
         """
         self._check_layer(layer)
-        out_dtype = self._check_dtype(dtype)
-        ids = self._index(page_ids, "page_ids")
-        self._check_range(ids, self.spec.num_pages, "page_ids", "page")
+        out_dtype = read_dtype(dtype, self.compute_dtype)
+        ids = index_tensor(page_ids, "page_ids", self.device)
+        check_range(ids, self.spec.num_pages, "page_ids", "page")
         pages = self.data[layer]
         raw = _words(pages.view(pages.shape[0], -1)).index_select(0, ids)
         raw = raw.view(pages.dtype).view(ids.numel(), *pages.shape[1:])
@@ -351,15 +352,15 @@ class PagePool:
 
         All sources are read before any destination is written. Destinations must be distinct.
         """
-        src = self._index(src_page_ids, "src_page_ids")
-        dst = self._index(dst_page_ids, "dst_page_ids")
+        src = index_tensor(src_page_ids, "src_page_ids", self.device)
+        dst = index_tensor(dst_page_ids, "dst_page_ids", self.device)
         if src.shape != dst.shape:
             raise ArgumentError(
                 f"copy_pages got {src.numel()} sources and {dst.numel()} destinations; give one "
                 "destination per source. Nothing was copied."
             )
-        self._check_range(src, self.spec.num_pages, "src_page_ids", "page")
-        self._check_range(dst, self.spec.num_pages, "dst_page_ids", "page")
+        check_range(src, self.spec.num_pages, "src_page_ids", "page")
+        check_range(dst, self.spec.num_pages, "dst_page_ids", "page")
         if torch.unique(dst).numel() != dst.numel():
             raise ArgumentError(
                 "dst_page_ids names a destination page twice; give distinct destinations. "
@@ -402,15 +403,15 @@ class PagePool:
         key : the key from :meth:`claim_tags`, when the pool is claimed
         """
         self._require_unclaimed("update_tags", key)
-        ids = self._index(page_ids, "page_ids")
-        values = self._index(tags, "tags")
+        ids = index_tensor(page_ids, "page_ids", self.device)
+        values = index_tensor(tags, "tags", self.device)
         if ids.shape != values.shape:
             raise ArgumentError(
                 f"update_tags got {ids.numel()} pages and {values.numel()} tags; give one tag "
                 "per page. No tag changed."
             )
-        self._check_range(ids, self.spec.num_pages, "page_ids", "page")
-        self._check_range(values, _TAG_BOUND, "tags", "tag")
+        check_range(ids, self.spec.num_pages, "page_ids", "page")
+        check_range(values, _TAG_BOUND, "tags", "tag")
         if torch.unique(ids).numel() != ids.numel():
             raise ArgumentError("update_tags names a page twice; no tag changed.")
         self.tags[ids] = values
@@ -444,13 +445,13 @@ class PagePool:
     def load_tags(self, tags: IndexLike) -> None:
         """Replace the whole tag mirror (e.g. at start-up): ``tags`` [num_pages], int64."""
         self._require_unclaimed("load_tags")
-        values = self._index(tags, "tags")
+        values = index_tensor(tags, "tags", self.device)
         if values.shape != self.tags.shape:
             raise ArgumentError(
                 f"load_tags needs {self.spec.num_pages} tags, one per page; got "
                 f"{values.numel()}. No tag changed."
             )
-        self._check_range(values, _TAG_BOUND, "tags", "tag")
+        check_range(values, _TAG_BOUND, "tags", "tag")
         self.tags.copy_(values)
 
     # -- counters -------------------------------------------------------------------------------
@@ -476,112 +477,10 @@ class PagePool:
         """Zero the saturation and NaN/inf counters."""
         self._counters.zero_()
 
-    # -- input checks ---------------------------------------------------------------------------
+    # -- input checks (the others: _checks.py) --------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:
         integer(layer, "layer", minimum=0, maximum=self.spec.num_layers - 1)
-
-    def _check_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
-        if dtype is None:
-            return self.compute_dtype
-        if not isinstance(dtype, torch.dtype):
-            raise ArgumentTypeError(
-                f"dtype={show(dtype)}: expected None or torch.float32, bfloat16, float16 or "
-                "float64."
-            )
-        if dtype not in _READ_DTYPES:
-            raise ArgumentError(
-                f"dtype={dtype}: expected None or torch.float32, bfloat16, float16 or float64."
-            )
-        return dtype
-
-    def _check_rows(self, k: torch.Tensor, v: torch.Tensor | None) -> int:
-        """Validate write input; return the number of tokens."""
-        spec = self.spec
-        if spec.attention == "mla":
-            if v is not None:
-                raise ArgumentError(
-                    "MLA pools store one latent per token: call write(layer, slot_mapping, "
-                    "latent) without v."
-                )
-            self._check_tensor(k, "latent", (spec.width,))
-            return k.shape[0]
-        if v is None:
-            raise ArgumentError("MHA/GQA pools store keys and values: pass both k and v.")
-        self._check_tensor(k, "k", (spec.num_heads, spec.width))
-        self._check_tensor(v, "v", (spec.num_heads, spec.width))
-        if k.shape[0] != v.shape[0] or k.dtype != v.dtype:
-            raise ArgumentError(
-                f"k and v must match in tokens and dtype; got k {tuple(k.shape)} {k.dtype}, "
-                f"v {tuple(v.shape)} {v.dtype}."
-            )
-        return k.shape[0]
-
-    def _stack(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        """An owned [T, C, H, D] copy of the input, in fp32 for fp8 pages (one pass each)."""
-        dtype = torch.float32 if self.format.quantized else k.dtype
-        x = torch.empty(
-            (k.shape[0], self.spec.num_components, self.spec.num_heads, self.spec.width),
-            dtype=dtype,
-            device=self.device,
-        )
-        if v is None:
-            x[:, 0, 0] = k
-        else:
-            x[:, 0] = k
-            x[:, 1] = v
-        return x
-
-    def _check_tensor(self, t: torch.Tensor, name: str, tail: tuple[int, ...]) -> None:
-        want = ", ".join(["T", *map(str, tail)])
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(
-                f"{name}={show(t)}: expected a [{want}] torch.Tensor (float32, bfloat16 or "
-                "float16)."
-            )
-        if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tail:
-            raise ArgumentError(f"{name} has shape {tuple(t.shape)}; this pool expects [{want}].")
-        if t.dtype not in _FLOAT_INPUTS:
-            raise ArgumentTypeError(
-                f"{name} has dtype {t.dtype}; pass float32, bfloat16 or float16."
-            )
-        if t.device != self.device:
-            raise ArgumentError(
-                f"{name} is on {t.device} but the pool is on {self.device}; move it first."
-            )
-
-    def _index(self, value: IndexLike, name: str) -> torch.Tensor:
-        """A 1-D int64 tensor on the pool's device from a tensor, numpy array or sequence of
-        integer-likes (values are range-checked by the caller)."""
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in _INDEX_DTYPES:
-                raise ArgumentTypeError(
-                    f"{name} has dtype {value.dtype}: expected an integer tensor (int64, int32, "
-                    "int16, int8 or uint8)."
-                )
-            if value.dim() != 1:
-                raise ArgumentError(
-                    f"{name} has shape {tuple(value.shape)}: expected a 1-D tensor."
-                )
-            if value.device != self.device:
-                raise ArgumentError(
-                    f"{name} is on {value.device} but the pool is on {self.device}; move it "
-                    "first (numpy arrays and lists are moved for you)."
-                )
-            return value.long()
-        arr = index_array(value, name, minimum=np.iinfo(np.int64).min)
-        return torch.from_numpy(arr).to(self.device)
-
-    @staticmethod
-    def _check_range(ids: torch.Tensor, bound: int, name: str, what: str) -> None:
-        if ids.numel() == 0:
-            return
-        lo, hi = (int(t) for t in torch.aminmax(ids))
-        if lo < 0 or hi >= bound:
-            raise ArgumentError(
-                f"{name} holds {what}s from {lo} to {hi}; valid {what}s are 0..{bound - 1}. "
-                "Nothing was changed."
-            )
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
