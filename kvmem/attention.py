@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmem._validate import flag, index_array, integer, real, show
-from kvmem.cuda import PagePool
+from kvmem.cuda import PagePool, PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["paged_attention"]
@@ -87,6 +87,25 @@ def paged_attention(
         sm_scale = real(sm_scale, "sm_scale", minimum=0, exclusive_minimum=True)
     causal = flag(causal, "causal")
     meta = _Metadata.parse(q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, pool)
+    out_dim = _output_dim(q, spec)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    compute = torch.promote_types(q.dtype, pool.compute_dtype)
+    out = torch.zeros((q.shape[0], q.shape[1], out_dim), dtype=q.dtype, device=q.device)
+    if meta.num_tokens == 0:
+        return out
+    keys, values = _token_rows(pool, layer, meta.kv_indices, compute, out_dim)
+    qc = q.to(compute)
+    if bool(np.all(meta.qo_len <= 1)):
+        _decode(qc, keys, values, meta, scale, out)
+    else:
+        for b in np.flatnonzero(meta.qo_len):
+            _one_request(qc, keys, values, meta, int(b), scale, causal, out)
+    return out
+
+
+def _output_dim(q: torch.Tensor, spec: PoolSpec) -> int:
+    """Check q's heads and head size against the pool; return the output's head size
+    (``head_dim``; MLA: ``kv_lora_rank``)."""
     num_q_heads = q.shape[1]
     if num_q_heads < 1:
         raise ArgumentError(f"q has shape {tuple(q.shape)}: it needs at least one head.")
@@ -105,30 +124,20 @@ def paged_attention(
             f"q has head size {q.shape[2]} but the pool stores {spec.width} per head "
             f"({'head_dim' if spec.attention == 'gqa' else 'kv_lora_rank + qk_rope_head_dim'})."
         )
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    compute = torch.promote_types(q.dtype, pool.compute_dtype)
-    out = torch.zeros((q.shape[0], num_q_heads, out_dim), dtype=q.dtype, device=q.device)
-    if meta.num_tokens == 0:
-        return out
+    return out_dim
 
-    # Every page the batch reads, dequantized once: [nnz * page_size, C, H, D] token rows.
-    pages = torch.from_numpy(meta.kv_indices).to(q.device)
-    kv = pool.gather(layer, pages, compute)  # [nnz, C, page_size, H, D]
+
+def _token_rows(
+    pool: PagePool, layer: int, page_ids: npt.NDArray[np.int64], dtype: torch.dtype, out_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every page the batch reads, dequantized once, as token rows: keys [rows, H_kv, D] and
+    values [rows, H_kv, Dv], ``rows = nnz * page_size`` (row ``p * page_size + o``: offset ``o``
+    of the batch's ``p``-th page)."""
+    pages = torch.from_numpy(page_ids).to(pool.device)
+    kv = pool.gather(layer, pages, dtype)  # [nnz, C, page_size, H, D]
     nnz, comps, page_size, heads, width = kv.shape
     kv = kv.transpose(1, 2).reshape(nnz * page_size, comps, heads, width)
-    keys, values = _split(kv, spec.attention, out_dim)  # [rows, H_kv, D], [rows, H_kv, Dv]
-    qc = q.to(compute)
-
-    if bool(np.all(meta.qo_len <= 1)):
-        _decode(qc, keys, values, meta, scale, out)
-    else:
-        for b in np.flatnonzero(meta.qo_len):
-            _one_request(qc, keys, values, meta, int(b), scale, causal, out)
-    return out
-
-
-def _split(kv: torch.Tensor, attention: str, out_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if attention == "gqa":
+    if pool.spec.attention == "gqa":
         return kv[:, 0], kv[:, 1]
     latent = kv[:, 0]  # [rows, 1, L + R]: one shared "head"; V is the first L channels
     return latent, latent[..., :out_dim]
@@ -235,20 +244,8 @@ class _Metadata:
         kv_last_page_len: MetaLike,
         pool: PagePool,
     ) -> _Metadata:
-        if not isinstance(q, torch.Tensor):
-            raise ArgumentTypeError(
-                f"q={show(q)}: expected a [T, num_q_heads, head_dim] float tensor."
-            )
-        if q.dim() != 3:
-            raise ArgumentError(
-                f"q must be a [T, num_q_heads, head_dim] tensor; got {tuple(q.shape)}."
-            )
-        if q.device != pool.device:
-            raise ArgumentError(f"q is on {q.device} but the pool is on {pool.device}.")
-        if q.dtype not in _Q_DTYPES:
-            raise ArgumentTypeError(
-                f"q has dtype {q.dtype}: expected float32, bfloat16, float16 or float64."
-            )
+        """Check ``q`` and the CSR arrays against each other and the pool; copy them to host."""
+        _check_q(q, pool)
         qo = _host(qo_indptr, "qo_indptr")
         indptr = _host(kv_indptr, "kv_indptr")
         indices = _host(kv_indices, "kv_indices")
@@ -292,6 +289,23 @@ class _Metadata:
                 "queries are the last tokens of their sequence, so qo_len <= kv_len."
             )
         return cls(qo, indptr, indices, kv_len, ps)
+
+
+def _check_q(q: torch.Tensor, pool: PagePool) -> None:
+    if not isinstance(q, torch.Tensor):
+        raise ArgumentTypeError(
+            f"q={show(q)}: expected a [T, num_q_heads, head_dim] float tensor."
+        )
+    if q.dim() != 3:
+        raise ArgumentError(
+            f"q must be a [T, num_q_heads, head_dim] tensor; got {tuple(q.shape)}."
+        )
+    if q.device != pool.device:
+        raise ArgumentError(f"q is on {q.device} but the pool is on {pool.device}.")
+    if q.dtype not in _Q_DTYPES:
+        raise ArgumentTypeError(
+            f"q has dtype {q.dtype}: expected float32, bfloat16, float16 or float64."
+        )
 
 
 def _host(value: MetaLike, name: str) -> npt.NDArray[np.int64]:

@@ -20,12 +20,9 @@ import argparse
 import json
 import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
-
-import numpy as np
 
 from kvmem import __version__
 from kvmem.errors import KVMemError
@@ -113,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_plan(sub)
-    _add_simulate(sub)
     from kvmem._fuzz_cli import add_fuzz_parser
+    from kvmem._simulate_cli import add_simulate_parser
 
+    add_simulate_parser(sub)
     add_fuzz_parser(sub)
     return parser
 
@@ -164,65 +162,6 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--plot", metavar="FILE.png",
                    help="also plot max concurrency against context into FILE.png (matplotlib)")
     p.set_defaults(func=_cmd_plan)
-
-
-def _add_simulate(sub: argparse._SubParsersAction[_Parser]) -> None:
-    p = sub.add_parser(
-        "simulate",
-        help="simulate continuous batching on a planned KV pool with the real manager",
-        description=(
-            "Drive kvmem's KVCacheManager with a simulated workload on the KV pool that "
-            "`kvmem plan` computes, and report concurrency, queueing, preemptions and prefix "
-            "hits. Defaults reproduce the report's shape: 64 clients of 11-20K-token requests "
-            "on Kimi K2.6, 8 x H200, TP 8 (try --compare bf16,fp8_e4m3)."
-        ),
-    )
-    p.add_argument("model", nargs="?", default="kimi-k2.6",
-                   help="preset name or config.json (default kimi-k2.6)")
-    p.add_argument("--gpu", default="h200", help="GPU preset name (default h200)")
-    p.add_argument("--tp", type=_POSITIVE_INT, default=8,
-                   help="tensor-parallel GPUs per replica (default 8)")
-    p.add_argument("--kv-dtype", default="bf16", choices=_KV_DTYPES, help="KV dtype (default bf16)")
-    p.add_argument("--compare", type=_dtype_list,
-                   help="comma-separated KV dtypes, simulated one after the other")
-    p.add_argument("--weights", default="native",
-                   help="native, bf16, fp8, int4-g<N> or mxfp4 (default native)")
-    p.add_argument("--page-size", type=_POSITIVE_INT, default=16,
-                   help="tokens per KV page (default 16)")
-    p.add_argument("--requests", type=_POSITIVE_INT, default=1000,
-                   help="requests to simulate (default 1000)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--concurrency", type=_POSITIVE_INT,
-                   help="closed loop: clients, each sending its next request when one ends "
-                        "(default 64)")
-    g.add_argument("--rate", type=_POSITIVE, help="open loop: Poisson arrivals per second (> 0)")
-    p.add_argument("--prompt-len", default="10000-18000",
-                   help="prompt tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 10000-18000)")
-    p.add_argument("--output-len", default="1000-2000",
-                   help="output tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 1000-2000)")
-    p.add_argument("--prefixes", type=_NONNEG_INT, default=0,
-                   help="shared prefixes (default 0)")
-    p.add_argument("--prefix-len", type=_NONNEG_INT, default=0,
-                   help="tokens per shared prefix (default 0)")
-    p.add_argument("--prefix-fraction", type=_number(float, 0, maximum=1), default=1.0,
-                   help="fraction of requests that start with a shared prefix, in [0, 1]")
-    p.add_argument("--max-running", type=_POSITIVE_INT, default=256,
-                   help="most requests decoding at once (default 256)")
-    p.add_argument("--chunk", type=_POSITIVE_INT, default=16,
-                   help="decode steps per batched manager call (default 16)")
-    p.add_argument("--prefill-tps", type=_POSITIVE,
-                   help="prefill tokens/s, > 0 (default: a disaggregated decode pool)")
-    p.add_argument("--t0-ms", type=_NONNEG,
-                   help="fixed cost of a decode step in ms (default 5.4, the Kimi K2.6 fit)")
-    p.add_argument("--efficiency", type=_FRACTION,
-                   help="fraction of peak bandwidth a decode step reaches, in (0, 1] "
-                        "(default 0.70, the Kimi K2.6 fit)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="run without prefix reuse")
-    p.add_argument("--seed", type=_number(int, 0, maximum=2**32 - 1), default=0,
-                   help="random seed of the workload (default 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=_cmd_simulate)
 
 
 def _resolve_model(name: str) -> Any:
@@ -440,95 +379,6 @@ def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
     finally:
         plt.close(fig)
     return series
-
-
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    # Checked before the manager is imported: every name is known and every length parses.
-    from kvmem.planning import ThroughputModel, get_gpu, plan_capacity
-
-    spec = _resolve_model(args.model)
-    gpu = get_gpu(args.gpu)
-    dtypes = args.compare or [args.kv_dtype]
-    from kvmem.simulate import DEFAULT_STEP_MODEL, LengthDist, SimulationReport, Workload, simulate
-
-    workload = Workload(
-        num_requests=args.requests,
-        concurrency=None if args.rate is not None else (args.concurrency or 64),
-        rate=args.rate,
-        prompt_len=LengthDist.parse(args.prompt_len),
-        output_len=LengthDist.parse(args.output_len),
-        num_prefixes=args.prefixes,
-        prefix_len=args.prefix_len,
-        prefix_fraction=args.prefix_fraction,
-        seed=args.seed,
-    )
-    step_model = ThroughputModel(
-        t0_s=DEFAULT_STEP_MODEL.t0_s if args.t0_ms is None else args.t0_ms / 1e3,
-        efficiency=DEFAULT_STEP_MODEL.efficiency if args.efficiency is None else args.efficiency,
-        context_len=DEFAULT_STEP_MODEL.context_len,
-    )
-    plans = [
-        plan_capacity(
-            spec, gpu, args.tp, kv_dtype=dtype, weights=args.weights, page_size=args.page_size
-        )
-        for dtype in dtypes
-    ]
-    reports: list[SimulationReport] = []
-    for dtype, plan in zip(dtypes, plans):
-        bar = None if args.no_progress or args.json else _progress_bar(f"{dtype:>9}")
-        reports.append(
-            simulate(
-                workload,
-                plan,
-                step_model=step_model,
-                max_running=args.max_running,
-                chunk=args.chunk,
-                prefill_tokens_per_s=args.prefill_tps,
-                prefix_cache=not args.no_prefix_cache,
-                progress=bar,
-            )
-        )
-    if args.json:
-        dumped = [r.model_dump(mode="json") for r in reports]
-        print(json.dumps(dumped[0] if len(dumped) == 1 else {"compare": dumped}, indent=2))
-        return 0
-    for r in reports:
-        print(r.summary())
-        print(_sparkline(r))
-    return 0
-
-
-def _progress_bar(label: str) -> Callable[[int, int], None]:
-    start = time.perf_counter()
-
-    def show(done: int, total: int) -> None:
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        rate = done / max(time.perf_counter() - start, 1e-9)
-        end = "\n" if done >= total else ""
-        sys.stderr.write(f"\r{label} [{bar:<30}] {done:,}/{total:,} requests ({rate:,.0f}/s){end}")
-        sys.stderr.flush()
-
-    return show
-
-
-def _sparkline(r: Any, width: int = 60) -> str:
-    """Running and waiting requests over time, as two text rows."""
-    if not r.timeline:
-        return ""
-    idx = np.linspace(0, len(r.timeline) - 1, min(width, len(r.timeline))).astype(int)
-    pts = [r.timeline[i] for i in idx]
-    top = max(max(p.running for p in pts), max(p.waiting for p in pts), 1)
-    ramp = " .:-=+*#%@"
-
-    def row(values: list[int]) -> str:
-        return "".join(ramp[min(9, int(9 * v / top + 0.999))] if v else " " for v in values)
-
-    return (
-        f"  running  |{row([p.running for p in pts])}| max {r.max_running}\n"
-        f"  waiting  |{row([p.waiting for p in pts])}| max {r.max_waiting}\n"
-        f"            0 s{' ' * (width - 12)}{r.simulated_seconds:,.0f} s"
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

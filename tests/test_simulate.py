@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pytest
 
+from kvmem._workload import Arrivals
 from kvmem.cli import main
 from kvmem.errors import ConfigError
 from kvmem.planning import FixedReserve, GPUSpec, plan_capacity
-from kvmem.simulate import LengthDist, Workload, _Arrivals, simulate
+from kvmem.simulate import LengthDist, Workload, simulate
 
 
 def tiny_plan(memory_mib: int = 1024, page_size: int = 16):  # type: ignore[no-untyped-def]
@@ -92,7 +93,7 @@ def test_shared_prefixes_hit_the_prefix_cache() -> None:
     hit = simulate(workload, plan)
     # Every request reuses its prefix's 32 full pages, except the first 16, admitted together
     # before any prompt was committed (pages become reusable only once their KV is written).
-    arr = _Arrivals(workload)
+    arr = Arrivals(workload)
     expected = (200 - 16) * 512 / float(arr.prompt.sum())
     assert hit.prefix_hit_rate == pytest.approx(expected, rel=0.02)
     miss = simulate(workload, plan, prefix_cache=False)
@@ -111,7 +112,7 @@ def test_open_loop_light_load_does_not_queue() -> None:
     )
     r = simulate(workload, plan)
     assert r.num_completed == 300 and r.num_queued == 0 and r.num_preemptions == 0
-    arrivals = _Arrivals(workload)
+    arrivals = Arrivals(workload)
     assert r.output_tokens == int(arrivals.output.sum())
     assert r.simulated_seconds >= float(arrivals.times[-1])
     ts = [p.t for p in r.timeline]
@@ -195,11 +196,11 @@ def test_cli_simulate_json_and_compare(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_prompt_tokens_are_the_documented_sequence() -> None:
-    """_Arrivals.tokens reads each prompt from one table; it equals the formula."""
+    """Arrivals.tokens reads each prompt from one table; it equals the formula."""
     w = Workload(num_requests=700, concurrency=8, prompt_len=LengthDist.parse("1-300"),
                  output_len=LengthDist.parse("5"), num_prefixes=3, prefix_len=40,
                  prefix_fraction=0.5, seed=3)
-    arr = _Arrivals(w)
+    arr = Arrivals(w)
     for i in range(w.num_requests):
         p = int(arr.prefix_id[i])
         head = arr.prefixes[p] if p >= 0 else np.empty(0, dtype=np.int64)

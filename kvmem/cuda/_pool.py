@@ -23,14 +23,24 @@ mapping once with :meth:`PagePool.check_slots`.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from kvmem._validate import flag, index_array, integer, show
+from kvmem._validate import flag, integer, show
+from kvmem.cuda._checks import (
+    IndexLike,
+    check_finite,
+    check_fits,
+    check_range,
+    check_slot_values,
+    index_tensor,
+    pool_device,
+    read_dtype,
+    words,
+    write_rows,
+)
 from kvmem.cuda._spec import PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.quant import make_codec
@@ -39,13 +49,8 @@ __all__ = ["PagePool", "PoolStats"]
 
 log = logging.getLogger(__name__)
 
-IndexLike = torch.Tensor | np.ndarray | Sequence[int]
-
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _CHUNK_ELEMS = 1 << 19  # elements per CPU write chunk: 2 MiB of fp32 temporaries
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_READ_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _TAG_BOUND = 2**63 - 1  # tags are non-negative int64 (0: free)
 
 
@@ -90,29 +95,9 @@ class PagePool:
                 f"spec={show(spec)}: expected a PoolSpec, e.g. PagePool(PoolSpec(num_layers=2, "
                 "num_pages=64, num_kv_heads=2, head_dim=64))."
             )
-        try:
-            device = torch.device(spec.resolved_device())
-        except RuntimeError as e:
-            raise ConfigError(
-                f"PoolSpec device={spec.device!r} is not a device torch knows ({e}); use 'cpu', "
-                "'cuda' or 'cuda:N', or leave device unset."
-            ) from None
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(
-                f"PoolSpec device={spec.device!r}: kvmem pools live on 'cpu' or 'cuda[:N]'."
-            )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"PoolSpec asks for device {spec.device!r} but CUDA is not available; use "
-                "device='cpu' or leave device unset."
-            )
+        device = pool_device(spec)
         nbytes = spec.nbytes + spec.tag_nbytes
-        physical = _physical_memory() if device.type == "cpu" else None
-        if physical is not None and nbytes > physical:
-            raise ConfigError(
-                f"this pool needs {nbytes / 2**30:,.1f} GiB ({spec.describe()}) but the machine "
-                f"has {physical / 2**30:,.1f} GiB of memory; use fewer pages or layers."
-            )
+        check_fits(spec, device, nbytes)
         try:
             self._build(spec, device)
         except (RuntimeError, MemoryError) as e:  # the device cannot hold it
@@ -225,8 +210,8 @@ class PagePool:
         """
         self._check_layer(layer)
         check = flag(check, "check")
-        num_tokens = self._check_rows(k, v)
-        slots = self._index(slot_mapping, "slot_mapping")
+        num_tokens = write_rows(self.spec, self.device, k, v)
+        slots = index_tensor(slot_mapping, "slot_mapping", self.device)
         if slots.shape[0] != num_tokens:
             raise ArgumentError(
                 f"slot_mapping has {slots.shape[0]} entries for {num_tokens} tokens; give one "
@@ -240,15 +225,14 @@ class PagePool:
             v = None if v is None else v[keep]
         if slots.numel() == 0:
             return
-        if self.spec.nonfinite == "raise" and not all(
-            bool(torch.isfinite(t).all()) for t in (k, v) if t is not None
-        ):
-            raise ArgumentError(
-                f"layer {layer}: K/V input holds NaN or inf and the pool's policy is "
-                "nonfinite='raise'; nothing was written. Fix the producer, or use "
-                "nonfinite='zero' to store 0 and count them."
-            )
+        if self.spec.nonfinite == "raise":
+            check_finite(layer, k, v)
+        self._store(layer, slots, k, v)
 
+    def _store(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        """Quantize checked tokens (no -1 slot left) and copy them into their slots' rows."""
         static = None if self.static_scales is None else self.static_scales[layer]
         if static is not None and not self._calibrated[layer]:
             static = self.codec.calibrate(self._stack(k, v), static)
@@ -257,20 +241,20 @@ class PagePool:
         # CPU: cache-sized token chunks keep the fp32 temporaries out of fresh (page-faulting)
         # memory. CUDA's caching allocator has no such cost: one chunk.
         step = slots.numel() if self.device.type == "cuda" else self._chunk_tokens
-        data_rows = _words(self.data[layer].view(-1, self._row_width))
+        data_rows = words(self.data[layer].view(-1, self._row_width))
         scale_rows = None
         if self.token_scales is not None:
-            scale_rows = _words(self.token_scales[layer].view(-1, self._scale_row_width))
+            scale_rows = words(self.token_scales[layer].view(-1, self._scale_row_width))
         for t0 in range(0, slots.numel(), step):
             t1 = min(slots.numel(), t0 + step)
             x = self._stack(k[t0:t1], None if v is None else v[t0:t1])
             enc = self.codec.quantize(x, static)
             chunk_rows = rows[t0 * rows_per_token : t1 * rows_per_token]
-            data_rows.index_copy_(0, chunk_rows, _words(enc.data.reshape(-1, self._row_width)))
+            data_rows.index_copy_(0, chunk_rows, words(enc.data.reshape(-1, self._row_width)))
             if scale_rows is not None:
                 assert enc.token_scales is not None
                 scales = enc.token_scales.reshape(-1, self._scale_row_width)
-                scale_rows.index_copy_(0, chunk_rows, _words(scales))
+                scale_rows.index_copy_(0, chunk_rows, words(scales))
             self._counters[layer, 0] += enc.num_saturated
             self._counters[layer, 1] += enc.num_nonfinite
         if static is not None and not self._calibrated[layer]:
@@ -295,25 +279,24 @@ class PagePool:
             rows = (base[:, :, None] * H + heads) * ps + offset[:, None, None]
         return rows.reshape(-1)
 
+    def _stack(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """An owned [T, C, H, D] copy of the input, in fp32 for fp8 pages (one pass each)."""
+        dtype = torch.float32 if self.format.quantized else k.dtype
+        x = torch.empty(
+            (k.shape[0], self.spec.num_components, self.spec.num_heads, self.spec.width),
+            dtype=dtype,
+            device=self.device,
+        )
+        if v is None:
+            x[:, 0, 0] = k
+        else:
+            x[:, 0] = k
+            x[:, 1] = v
+        return x
+
     def check_slots(self, slot_mapping: IndexLike) -> None:
         """Raise unless every slot is -1 or in ``[0, num_slots)`` and none appears twice."""
-        slots = self._index(slot_mapping, "slot_mapping")
-        if slots.numel() == 0:
-            return
-        n = self.spec.num_slots
-        lo, hi = (int(t) for t in torch.aminmax(slots))
-        if lo < -1 or hi >= n:
-            raise ArgumentError(
-                f"slot_mapping holds slots from {lo} to {hi}, but this pool has slots "
-                f"0..{n - 1} ({self.spec.num_pages} pages x {self.spec.page_size}) and -1 for "
-                "padding; nothing was written. Check the page table that produced it."
-            )
-        used = slots[slots >= 0]
-        if torch.unique(used).numel() != used.numel():
-            raise ArgumentError(
-                "slot_mapping names a slot more than once; two tokens cannot share a slot. "
-                "Nothing was written."
-            )
+        check_slot_values(index_tensor(slot_mapping, "slot_mapping", self.device), self.spec)
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -334,11 +317,11 @@ class PagePool:
         [n, C, page_size, H, D], dtype (a transposed view for HND pools)
         """
         self._check_layer(layer)
-        out_dtype = self._check_dtype(dtype)
-        ids = self._index(page_ids, "page_ids")
-        self._check_range(ids, self.spec.num_pages, "page_ids", "page")
+        out_dtype = read_dtype(dtype, self.compute_dtype)
+        ids = index_tensor(page_ids, "page_ids", self.device)
+        check_range(ids, self.spec.num_pages, "page_ids", "page")
         pages = self.data[layer]
-        raw = _words(pages.view(pages.shape[0], -1)).index_select(0, ids)
+        raw = words(pages.view(pages.shape[0], -1)).index_select(0, ids)
         raw = raw.view(pages.dtype).view(ids.numel(), *pages.shape[1:])
         scale: torch.Tensor | None = None
         if self.token_scales is not None:
@@ -373,15 +356,15 @@ class PagePool:
 
         All sources are read before any destination is written. Destinations must be distinct.
         """
-        src = self._index(src_page_ids, "src_page_ids")
-        dst = self._index(dst_page_ids, "dst_page_ids")
+        src = index_tensor(src_page_ids, "src_page_ids", self.device)
+        dst = index_tensor(dst_page_ids, "dst_page_ids", self.device)
         if src.shape != dst.shape:
             raise ArgumentError(
                 f"copy_pages got {src.numel()} sources and {dst.numel()} destinations; give one "
                 "destination per source. Nothing was copied."
             )
-        self._check_range(src, self.spec.num_pages, "src_page_ids", "page")
-        self._check_range(dst, self.spec.num_pages, "dst_page_ids", "page")
+        check_range(src, self.spec.num_pages, "src_page_ids", "page")
+        check_range(dst, self.spec.num_pages, "dst_page_ids", "page")
         if torch.unique(dst).numel() != dst.numel():
             raise ArgumentError(
                 "dst_page_ids names a destination page twice; give distinct destinations. "
@@ -389,7 +372,7 @@ class PagePool:
             )
         if src.numel() == 0:
             return
-        raw = _words(self.page_bytes)
+        raw = words(self.page_bytes)
         raw[:, dst] = raw[:, src]
         if self.token_scales is not None:
             self.token_scales[:, dst] = self.token_scales[:, src]
@@ -424,15 +407,15 @@ class PagePool:
         key : the key from :meth:`claim_tags`, when the pool is claimed
         """
         self._require_unclaimed("update_tags", key)
-        ids = self._index(page_ids, "page_ids")
-        values = self._index(tags, "tags")
+        ids = index_tensor(page_ids, "page_ids", self.device)
+        values = index_tensor(tags, "tags", self.device)
         if ids.shape != values.shape:
             raise ArgumentError(
                 f"update_tags got {ids.numel()} pages and {values.numel()} tags; give one tag "
                 "per page. No tag changed."
             )
-        self._check_range(ids, self.spec.num_pages, "page_ids", "page")
-        self._check_range(values, _TAG_BOUND, "tags", "tag")
+        check_range(ids, self.spec.num_pages, "page_ids", "page")
+        check_range(values, _TAG_BOUND, "tags", "tag")
         if torch.unique(ids).numel() != ids.numel():
             raise ArgumentError("update_tags names a page twice; no tag changed.")
         self.tags[ids] = values
@@ -466,13 +449,13 @@ class PagePool:
     def load_tags(self, tags: IndexLike) -> None:
         """Replace the whole tag mirror (e.g. at start-up): ``tags`` [num_pages], int64."""
         self._require_unclaimed("load_tags")
-        values = self._index(tags, "tags")
+        values = index_tensor(tags, "tags", self.device)
         if values.shape != self.tags.shape:
             raise ArgumentError(
                 f"load_tags needs {self.spec.num_pages} tags, one per page; got "
                 f"{values.numel()}. No tag changed."
             )
-        self._check_range(values, _TAG_BOUND, "tags", "tag")
+        check_range(values, _TAG_BOUND, "tags", "tag")
         self.tags.copy_(values)
 
     # -- counters -------------------------------------------------------------------------------
@@ -498,130 +481,7 @@ class PagePool:
         """Zero the saturation and NaN/inf counters."""
         self._counters.zero_()
 
-    # -- input checks ---------------------------------------------------------------------------
+    # -- input checks (the others: _checks.py) --------------------------------------------------
 
     def _check_layer(self, layer: int) -> None:
         integer(layer, "layer", minimum=0, maximum=self.spec.num_layers - 1)
-
-    def _check_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
-        if dtype is None:
-            return self.compute_dtype
-        if not isinstance(dtype, torch.dtype):
-            raise ArgumentTypeError(
-                f"dtype={show(dtype)}: expected None or torch.float32, bfloat16, float16 or "
-                "float64."
-            )
-        if dtype not in _READ_DTYPES:
-            raise ArgumentError(
-                f"dtype={dtype}: expected None or torch.float32, bfloat16, float16 or float64."
-            )
-        return dtype
-
-    def _check_rows(self, k: torch.Tensor, v: torch.Tensor | None) -> int:
-        """Validate write input; return the number of tokens."""
-        spec = self.spec
-        if spec.attention == "mla":
-            if v is not None:
-                raise ArgumentError(
-                    "MLA pools store one latent per token: call write(layer, slot_mapping, "
-                    "latent) without v."
-                )
-            self._check_tensor(k, "latent", (spec.width,))
-            return k.shape[0]
-        if v is None:
-            raise ArgumentError("MHA/GQA pools store keys and values: pass both k and v.")
-        self._check_tensor(k, "k", (spec.num_heads, spec.width))
-        self._check_tensor(v, "v", (spec.num_heads, spec.width))
-        if k.shape[0] != v.shape[0] or k.dtype != v.dtype:
-            raise ArgumentError(
-                f"k and v must match in tokens and dtype; got k {tuple(k.shape)} {k.dtype}, "
-                f"v {tuple(v.shape)} {v.dtype}."
-            )
-        return k.shape[0]
-
-    def _stack(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        """An owned [T, C, H, D] copy of the input, in fp32 for fp8 pages (one pass each)."""
-        dtype = torch.float32 if self.format.quantized else k.dtype
-        x = torch.empty(
-            (k.shape[0], self.spec.num_components, self.spec.num_heads, self.spec.width),
-            dtype=dtype,
-            device=self.device,
-        )
-        if v is None:
-            x[:, 0, 0] = k
-        else:
-            x[:, 0] = k
-            x[:, 1] = v
-        return x
-
-    def _check_tensor(self, t: torch.Tensor, name: str, tail: tuple[int, ...]) -> None:
-        want = ", ".join(["T", *map(str, tail)])
-        if not isinstance(t, torch.Tensor):
-            raise ArgumentTypeError(
-                f"{name}={show(t)}: expected a [{want}] torch.Tensor (float32, bfloat16 or "
-                "float16)."
-            )
-        if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tail:
-            raise ArgumentError(f"{name} has shape {tuple(t.shape)}; this pool expects [{want}].")
-        if t.dtype not in _FLOAT_INPUTS:
-            raise ArgumentTypeError(
-                f"{name} has dtype {t.dtype}; pass float32, bfloat16 or float16."
-            )
-        if t.device != self.device:
-            raise ArgumentError(
-                f"{name} is on {t.device} but the pool is on {self.device}; move it first."
-            )
-
-    def _index(self, value: IndexLike, name: str) -> torch.Tensor:
-        """A 1-D int64 tensor on the pool's device from a tensor, numpy array or sequence of
-        integer-likes (values are range-checked by the caller)."""
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in _INDEX_DTYPES:
-                raise ArgumentTypeError(
-                    f"{name} has dtype {value.dtype}: expected an integer tensor (int64, int32, "
-                    "int16, int8 or uint8)."
-                )
-            if value.dim() != 1:
-                raise ArgumentError(
-                    f"{name} has shape {tuple(value.shape)}: expected a 1-D tensor."
-                )
-            if value.device != self.device:
-                raise ArgumentError(
-                    f"{name} is on {value.device} but the pool is on {self.device}; move it "
-                    "first (numpy arrays and lists are moved for you)."
-                )
-            return value.long()
-        arr = index_array(value, name, minimum=np.iinfo(np.int64).min)
-        return torch.from_numpy(arr).to(self.device)
-
-    @staticmethod
-    def _check_range(ids: torch.Tensor, bound: int, name: str, what: str) -> None:
-        if ids.numel() == 0:
-            return
-        lo, hi = (int(t) for t in torch.aminmax(ids))
-        if lo < 0 or hi >= bound:
-            raise ArgumentError(
-                f"{name} holds {what}s from {lo} to {hi}; valid {what}s are 0..{bound - 1}. "
-                "Nothing was changed."
-            )
-
-
-def _physical_memory() -> int | None:
-    """Bytes of physical memory, where the OS says (None where it does not)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _words(rows: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous [..., W] tensor as the widest integer words that tile a row.
-
-    Row copies (``index_copy_``, indexed assignment) move one element at a time; moving 8-byte
-    words instead of bytes makes them several times faster, and the bits are the same.
-    """
-    raw = rows.view(torch.uint8)
-    for word in (torch.int64, torch.int32, torch.int16):
-        if raw.shape[-1] % word.itemsize == 0 and raw.storage_offset() % word.itemsize == 0:
-            return raw.view(word)
-    return raw

@@ -40,7 +40,6 @@ _MAX_WIDTH = 1 << 16
 TAG_BYTES = 8  # the device mirror of allocator tags is int64
 
 
-
 def _static_scales(value: Any) -> Any:
     """Numbers or nested lists of numbers (no bools, no strings), as floats."""
     if isinstance(value, (list, tuple)):

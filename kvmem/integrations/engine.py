@@ -44,7 +44,7 @@ from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemErr
 from kvmem.integrations._kvbatch import KVBatch, PagedModel
 
 if TYPE_CHECKING:
-    from kvmem.manager import KVCacheManager, StepMetadata
+    from kvmem.manager import KVCacheManager, StepMetadata, VerifyReport
 
 __all__ = [
     "Engine",
@@ -256,7 +256,6 @@ class Engine:
         list[Request]
             Requests that finished or were aborted during this step.
         """
-        mgr = self.manager
         t0 = time.perf_counter()
         self._admit()
         t1 = time.perf_counter()
@@ -265,41 +264,11 @@ class Engine:
             return []
         ids = [r.request_id for r in batch]
         t2 = time.perf_counter()
-        lens = {len(f) for f in feeds}
-        # A uniform step (every decode step) passes an int: the manager's vectorized fast path.
-        step = mgr.reserve(ids, lens.pop() if len(lens) == 1 else [len(f) for f in feeds])
-        if step.copy_src.size:  # copy-on-write, when the manager has no pool to do it itself
-            src, dst = torch.from_numpy(step.copy_src), torch.from_numpy(step.copy_dst)
-            self.lm.pool.copy_pages(src, dst)
-        kv = KVBatch.from_arrays(
-            self.lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr, step.kv_indices,
-            step.kv_last_page_len,
-        )
+        step, kv = self._reserve(ids, feeds)
         t3 = time.perf_counter()
-        # Check the very metadata the kernel reads: on a CPU pool the tensors share the step's
-        # numpy memory (zero-copy); on a device pool, check the device tensors there.
-        if kv.kv_indices.device.type == "cpu":
-            report = mgr.verify(ids, step)
-        else:  # the CSR, slot mapping and lengths the kernels read, checked on their device
-            report = mgr.verify(ids, metadata={k: v for k, v in kv._asdict().items()
-                                               if k != "pool"})
+        report = self._verify(ids, step, kv)
         t4 = time.perf_counter()
-        ended: list[Request] = []
-        aborted = dict(report.aborted)  # the manager released these
-        for r in list(self.running):  # the caller's aborts, at the same point
-            if r.request_id in self._aborts and r.request_id not in aborted:
-                mgr.release(r.request_id)
-                aborted[r.request_id] = self._aborts[r.request_id]
-        self._aborts.clear()
-        if aborted:  # the rest of the batch proceeds
-            keep = np.array([r.request_id not in aborted for r in batch], dtype=bool)
-            kv = KVBatch.from_arrays(self.lm.pool, *_keep_requests(step, keep)[:5])
-            for r in list(self.running):
-                if r.request_id in aborted:
-                    self._end(r, "aborted", aborted[r.request_id])
-                    ended.append(r)
-            batch = [r for r, k in zip(batch, keep) if k]
-            feeds = [f for f, k in zip(feeds, keep) if k]
+        batch, feeds, kv, ended = self._drop_aborted(report, batch, feeds, step, kv)
         if not batch:
             return ended
         input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64)
@@ -307,23 +276,9 @@ class Engine:
         t5 = time.perf_counter()
         next_ids = self.lm.forward(input_ids, kv, last).argmax(dim=-1).tolist()
         t6 = time.perf_counter()
-        kept = [r.request_id for r in batch]
-        if all(len(f) == len(feeds[0]) for f in feeds):
-            mgr.commit_batch(kept, np.array(feeds, dtype=np.int64))  # [B, k]: no ragged path
-        else:
-            mgr.commit_batch(kept, feeds)
+        self._commit(batch, feeds)
         t7 = time.perf_counter()
-        num_decode = 0
-        for r, fed, tok in zip(batch, feeds, next_ids):
-            num_decode += r.num_computed >= len(r.prompt_ids)
-            r.num_computed += len(fed)
-            if r.num_computed < len(r.prompt_ids):
-                continue  # a prefill chunk short of the prompt's end: its logits are not used
-            r.output_ids.append(int(tok))
-            if len(r.output_ids) >= r.max_new_tokens or tok in r.stop_token_ids:
-                mgr.release(r.request_id)
-                self._end(r, "finished")
-                ended.append(r)
+        num_decode, finished = self._sample(batch, feeds, next_ids)
         t8 = time.perf_counter()
         self.timings.append(
             StepTiming(
@@ -338,7 +293,7 @@ class Engine:
                 other=(t2 - t1) + (t5 - t4) + (t8 - t7),
             )
         )
-        return ended
+        return ended + finished
 
     def run(
         self,
@@ -410,6 +365,91 @@ class Engine:
             feeds.append(fed)
             budget -= len(fed)
         return batch, feeds
+
+    def _reserve(self, ids: list[Hashable], feeds: list[list[int]]) -> tuple[StepMetadata, KVBatch]:
+        """Slots for every fed token (copy-on-write done), and the batch's kernel metadata."""
+        lens = {len(f) for f in feeds}
+        # A uniform step (every decode step) passes an int: the manager's vectorized fast path.
+        step = self.manager.reserve(ids, lens.pop() if len(lens) == 1 else [len(f) for f in feeds])
+        if step.copy_src.size:  # copy-on-write, when the manager has no pool to do it itself
+            src, dst = torch.from_numpy(step.copy_src), torch.from_numpy(step.copy_dst)
+            self.lm.pool.copy_pages(src, dst)
+        kv = KVBatch.from_arrays(
+            self.lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr, step.kv_indices,
+            step.kv_last_page_len,
+        )
+        return step, kv
+
+    def _verify(self, ids: list[Hashable], step: StepMetadata, kv: KVBatch) -> VerifyReport:
+        """Check the very metadata the kernel reads: on a CPU pool the tensors share the step's
+        numpy memory (zero-copy); on a device pool, check the device tensors there."""
+        if kv.kv_indices.device.type == "cpu":
+            return self.manager.verify(ids, step)
+        # the CSR, slot mapping and lengths the kernels read, checked on their device
+        return self.manager.verify(
+            ids, metadata={k: v for k, v in kv._asdict().items() if k != "pool"}
+        )
+
+    def _drop_aborted(
+        self,
+        report: VerifyReport,
+        batch: list[Request],
+        feeds: list[list[int]],
+        step: StepMetadata,
+        kv: KVBatch,
+    ) -> tuple[list[Request], list[list[int]], KVBatch, list[Request]]:
+        """End the requests the check aborted (the manager released them) and those the caller
+        aborted (released here, at the same point); the rest of the batch proceeds.
+
+        Returns the kept requests, their feeds and metadata, and the requests that ended.
+        """
+        ended: list[Request] = []
+        aborted = dict(report.aborted)  # the manager released these
+        for r in list(self.running):  # the caller's aborts, at the same point
+            if r.request_id in self._aborts and r.request_id not in aborted:
+                self.manager.release(r.request_id)
+                aborted[r.request_id] = self._aborts[r.request_id]
+        self._aborts.clear()
+        if not aborted:
+            return batch, feeds, kv, ended
+        keep = np.array([r.request_id not in aborted for r in batch], dtype=bool)
+        kv = KVBatch.from_arrays(self.lm.pool, *_keep_requests(step, keep)[:5])
+        for r in list(self.running):
+            if r.request_id in aborted:
+                self._end(r, "aborted", aborted[r.request_id])
+                ended.append(r)
+        batch = [r for r, k in zip(batch, keep) if k]
+        feeds = [f for f, k in zip(feeds, keep) if k]
+        return batch, feeds, kv, ended
+
+    def _commit(self, batch: list[Request], feeds: list[list[int]]) -> None:
+        """The fed tokens' KV is in pages (full pages become reusable prefixes)."""
+        kept = [r.request_id for r in batch]
+        if all(len(f) == len(feeds[0]) for f in feeds):  # [B, k]: no ragged path
+            self.manager.commit_batch(kept, np.array(feeds, dtype=np.int64))
+        else:
+            self.manager.commit_batch(kept, feeds)
+
+    def _sample(
+        self, batch: list[Request], feeds: list[list[int]], next_ids: list[int]
+    ) -> tuple[int, list[Request]]:
+        """Append each complete prompt's next token (greedy); release the finished requests.
+
+        Returns the number of decoding requests and the requests that finished.
+        """
+        num_decode = 0
+        finished: list[Request] = []
+        for r, fed, tok in zip(batch, feeds, next_ids):
+            num_decode += r.num_computed >= len(r.prompt_ids)
+            r.num_computed += len(fed)
+            if r.num_computed < len(r.prompt_ids):
+                continue  # a prefill chunk short of the prompt's end: its logits are not used
+            r.output_ids.append(int(tok))
+            if len(r.output_ids) >= r.max_new_tokens or tok in r.stop_token_ids:
+                self.manager.release(r.request_id)
+                self._end(r, "finished")
+                finished.append(r)
+        return num_decode, finished
 
     def _end(self, r: Request, status: Status, reason: str | None = None) -> None:
         r.status = status

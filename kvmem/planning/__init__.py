@@ -26,14 +26,9 @@ from kvmem.planning._accounting import (
 from kvmem.planning._hf import SUPPORTED_MODEL_TYPES, load_hf_config, model_from_hf_config
 from kvmem.planning._plan import (
     CapacityPlan,
-    FixedReserve,
-    MemoryFraction,
-    ReservePolicy,
-    SGLangPolicy,
     decode_bytes_per_step,
     expected_active_experts,
     plan_capacity,
-    sglang_mem_fraction_static,
     tokens_freed,
 )
 from kvmem.planning._presets import (
@@ -42,6 +37,13 @@ from kvmem.planning._presets import (
     get_gpu,
     get_model,
     weight_scheme,
+)
+from kvmem.planning._reserve import (
+    FixedReserve,
+    MemoryFraction,
+    ReservePolicy,
+    SGLangPolicy,
+    sglang_mem_fraction_static,
 )
 from kvmem.planning._spec import (
     KV_DTYPES,

@@ -111,22 +111,8 @@ def model_from_hf_config(
 
 
 def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
-    top_type = cfg.get("model_type")
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
-    model_type = top_type
-    if top_type == "kimi_k25" or (top_type not in SUPPORTED_MODEL_TYPES and text is not None):
-        if text is None:
-            raise ConfigError(f"config.json (model_type {top_type!r}) lacks 'text_config'.")
-        model_type = text.get("model_type")
-        body = text
-    else:
-        body = cfg
-    if model_type not in SUPPORTED_MODEL_TYPES or model_type == "kimi_k25":
-        raise ConfigError(
-            f"config.json model_type {model_type!r} is not supported; kvmem reads "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Describe other models with ModelSpec."
-        )
-    f = _Fields(body, str(model_type))
+    model_type, body = _text_model(cfg)
+    f = _Fields(body, model_type)
     layers = int(f.need("num_hidden_layers"))
     hidden = int(f.need("hidden_size"))
     heads = int(f.need("num_attention_heads"))
@@ -141,35 +127,7 @@ def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelS
         ),
     )
     quant = body.get("quantization_config") or cfg.get("quantization_config")
-
-    if model_type in _MLA:
-        attention = AttentionSpec(
-            kind="mla",
-            num_heads=heads,
-            kv_lora_rank=int(f.need("kv_lora_rank")),
-            qk_rope_head_dim=int(f.need("qk_rope_head_dim")),
-            qk_nope_head_dim=int(f.need("qk_nope_head_dim")),
-            v_head_dim=int(f.need("v_head_dim")),
-            q_lora_rank=f.get("q_lora_rank", None),
-        )
-    else:
-        kv_heads = int(f.get("num_key_value_heads", heads))
-        head_dim = int(f.get("head_dim", hidden // heads))
-        sliding, window = 0, None
-        layer_types = body.get("layer_types")
-        if isinstance(layer_types, list):
-            sliding = sum(1 for t in layer_types if t == "sliding_attention")
-            if sliding:
-                window = int(f.need("sliding_window"))
-        attention = AttentionSpec(
-            kind="gqa" if kv_heads != heads else "mha",
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            sliding_window=window,
-            num_sliding_layers=sliding,
-        )
-
+    attention = _attention(f, model_type, heads, hidden)
     moe, num_dense = _moe(f, model_type, layers)
     indexer = None
     if model_type == "glm_moe_dsa":
@@ -191,6 +149,58 @@ def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelS
         num_mtp_layers=int(f.get("num_nextn_predict_layers", 0)),
         vision=vision,
         weights=_weights(quant, moe is not None),
+    )
+
+
+def _text_model(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The language model's ``model_type`` and config dict (a multimodal wrapper's
+    ``text_config``); refuses a type kvmem does not read."""
+    top_type = cfg.get("model_type")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None
+    model_type = top_type
+    if top_type == "kimi_k25" or (top_type not in SUPPORTED_MODEL_TYPES and text is not None):
+        if text is None:
+            raise ConfigError(f"config.json (model_type {top_type!r}) lacks 'text_config'.")
+        model_type = text.get("model_type")
+        body = text
+    else:
+        body = cfg
+    if model_type not in SUPPORTED_MODEL_TYPES or model_type == "kimi_k25":
+        raise ConfigError(
+            f"config.json model_type {model_type!r} is not supported; kvmem reads "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Describe other models with ModelSpec."
+        )
+    return str(model_type), body
+
+
+def _attention(f: _Fields, model_type: str, heads: int, hidden: int) -> AttentionSpec:
+    """MLA for the DeepSeek-style families; else GQA (MHA when every head has its own KV),
+    with the sliding-window layers ``layer_types`` names."""
+    if model_type in _MLA:
+        return AttentionSpec(
+            kind="mla",
+            num_heads=heads,
+            kv_lora_rank=int(f.need("kv_lora_rank")),
+            qk_rope_head_dim=int(f.need("qk_rope_head_dim")),
+            qk_nope_head_dim=int(f.need("qk_nope_head_dim")),
+            v_head_dim=int(f.need("v_head_dim")),
+            q_lora_rank=f.get("q_lora_rank", None),
+        )
+    kv_heads = int(f.get("num_key_value_heads", heads))
+    head_dim = int(f.get("head_dim", hidden // heads))
+    sliding, window = 0, None
+    layer_types = f.cfg.get("layer_types")
+    if isinstance(layer_types, list):
+        sliding = sum(1 for t in layer_types if t == "sliding_attention")
+        if sliding:
+            window = int(f.need("sliding_window"))
+    return AttentionSpec(
+        kind="gqa" if kv_heads != heads else "mha",
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        sliding_window=window,
+        num_sliding_layers=sliding,
     )
 
 

@@ -9,149 +9,41 @@ How one GPU's memory is divided (a TP group of ``tp`` GPUs holds one replica)::
 
 The reserve comes from a policy: a fixed number of GiB, a fraction of memory for weights + KV
 (``--mem-fraction-static`` / ``gpu_memory_utilization`` style), or :class:`SGLangPolicy`, which
-recomputes SGLang's documented default ``mem_fraction_static``.
+recomputes SGLang's documented default ``mem_fraction_static`` (``_reserve.py``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from pydantic import BaseModel, ConfigDict
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
-
-from kvmem._models import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
 from kvmem._validate import choice, flag, integer, show
 from kvmem.errors import ArgumentTypeError, ConfigError
-from kvmem.planning._accounting import GIB, kv_layout, weight_bytes
+from kvmem.planning._accounting import GIB, KVLayout, WeightBytes, kv_layout, weight_bytes
 from kvmem.planning._presets import get_gpu, get_model, weight_scheme
+from kvmem.planning._reserve import (
+    FixedReserve,
+    MemoryFraction,
+    ReservePolicy,
+    SGLangPolicy,
+    sglang_mem_fraction_static,
+)
 from kvmem.planning._spec import (
     KV_DTYPES,
     SCALE_LAYOUTS,
     GPUSpec,
     ModelSpec,
-    VisionSpec,
     WeightScheme,
 )
 
 __all__ = [
     "CapacityPlan",
-    "FixedReserve",
-    "MemoryFraction",
-    "ReservePolicy",
-    "SGLangPolicy",
     "decode_bytes_per_step",
     "expected_active_experts",
     "plan_capacity",
-    "sglang_mem_fraction_static",
     "tokens_freed",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class FixedReserve(SpecModel):
-    """Keep ``reserve_gib`` per GPU out of the KV pool (activations, graphs, CUDA context)."""
-
-    kind: Literal["fixed"] = "fixed"
-    reserve_gib: NonNegativeReal = 8.0
-
-    def describe(self) -> str:
-        return f"fixed reserve {self.reserve_gib:g} GiB"
-
-
-class MemoryFraction(SpecModel):
-    """Weights plus KV pool take ``fraction`` of GPU memory; the rest is reserve."""
-
-    kind: Literal["fraction"] = "fraction"
-    fraction: PositiveReal = Field(default=0.9, le=1)
-
-    def describe(self) -> str:
-        return f"memory fraction {self.fraction:g}"
-
-
-class SGLangPolicy(SpecModel):
-    """SGLang's default ``mem_fraction_static`` heuristic, as its server_args documents it.
-
-    SGLang picks ``chunked_prefill_size`` and ``cuda_graph_max_bs`` from the GPU's memory
-    (H100/H200: 8192 and 256, or 512 at TP >= 4; B200/MI300X: 16384 and 512) and reserves, in MiB::
-
-        512 + 1.5 * max(chunked_prefill_size, 2048) + 2 * cuda_graph_max_bs + 1024 * tp * pp / 8
-            [+ 3 * cuda_graph_max_bs * dp (+1.5 * ... above bs 300) with DP attention]
-            at least 10240 on GPUs over 60 GiB; + 2048 for EAGLE/MTP drafts, + 6144 standalone
-
-    ``mem_fraction_static = round((memory - reserved) / memory, 3)``, then, for a model with a
-    vision tower, times ``0.95 * clamp(1 - 0.1 * (L * H^2 / (24 * 1024^2) - 1), 0.8, 1.05)``
-    (L, H: the tower's layers and width). The KV pool is ``memory * mem_fraction_static - weights``
-    less ``runtime_overhead_gib`` (CUDA context and NCCL buffers, which SGLang measures rather
-    than predicts; 0 by default).
-    """
-
-    kind: Literal["sglang"] = "sglang"
-    mem_fraction_static: PositiveReal | None = Field(default=None, le=1)
-    chunked_prefill_size: PositiveInt | None = None
-    cuda_graph_max_bs: PositiveInt | None = None
-    pp: PositiveInt = 1
-    dp_attention: StrictBool = False
-    dp_size: PositiveInt = 1
-    speculative: Literal["eagle", "standalone", "ngram"] | None = None
-    vlm_adjust: StrictBool = True
-    runtime_overhead_gib: NonNegativeReal = 0.0
-
-    def describe(self) -> str:
-        return (
-            "sglang defaults"
-            if self.mem_fraction_static is None
-            else (f"sglang mem_fraction_static={self.mem_fraction_static:g}")
-        )
-
-
-ReservePolicy = Annotated[FixedReserve | MemoryFraction | SGLangPolicy, Field(discriminator="kind")]
-
-
-def sglang_mem_fraction_static(
-    gpu: GPUSpec, tp: int, policy: SGLangPolicy | None = None, vision: VisionSpec | None = None
-) -> float:
-    """SGLang's default ``mem_fraction_static`` on ``gpu`` at ``tp`` (:class:`SGLangPolicy`)."""
-    if not isinstance(gpu, GPUSpec):
-        raise ArgumentTypeError(f"gpu={show(gpu)}: expected a GPUSpec (get_gpu('h200')).")
-    tp = integer(tp, "tp", minimum=1)
-    if policy is not None and not isinstance(policy, SGLangPolicy):
-        raise ArgumentTypeError(f"policy={show(policy)}: expected None or an SGLangPolicy.")
-    if vision is not None and not isinstance(vision, VisionSpec):
-        raise ArgumentTypeError(f"vision={show(vision)}: expected None or a VisionSpec.")
-    policy = policy or SGLangPolicy()
-    if policy.mem_fraction_static is not None:
-        return policy.mem_fraction_static
-    mem = gpu.memory_mib
-    small_tp = tp < 4
-    if mem < 20 * 1024:
-        chunk, bs = 2048, 8
-    elif mem < 35 * 1024:
-        chunk, bs = 2048, 24 if small_tp else 80
-    elif mem < 60 * 1024:
-        chunk, bs = 4096, 32 if small_tp else 160
-    elif mem < 160 * 1024:
-        chunk, bs = 8192, 256 if small_tp else 512
-    else:
-        chunk, bs = 16384, 512
-    chunk = policy.chunked_prefill_size or chunk
-    bs = policy.cuda_graph_max_bs or bs
-    reserved = 512 + max(chunk, 2048) * 1.5 + bs * 2 + tp * policy.pp / 8 * 1024
-    if policy.dp_attention:
-        reserved += bs * policy.dp_size * 3
-        if bs > 300:
-            reserved += bs * policy.dp_size * 1.5
-    if mem > 60 * 1024:
-        reserved = max(reserved, 10 * 1024)
-    if policy.speculative == "standalone":
-        reserved += 6 * 1024
-    elif policy.speculative == "eagle":
-        reserved += 2 * 1024
-    fraction = round((mem - reserved) / mem, 3)
-    if vision is not None and policy.vlm_adjust:
-        ratio = vision.num_layers * vision.hidden_size**2 / (24 * 1024**2)
-        factor = max(0.8, min(1.05, 1.0 - 0.1 * (ratio - 1.0)))
-        fraction *= 0.95 * factor
-    return fraction
 
 
 class CapacityPlan(BaseModel):
@@ -266,6 +158,7 @@ def decode_bytes_per_step(plan: CapacityPlan, concurrency: int, context_len: int
     return plan.decode_dense_weight_bytes + routed + kv
 
 
+# Long for its docstring and argument checks; the arithmetic is in _plan and its helpers.
 def plan_capacity(
     model: ModelSpec | str,
     gpu: GPUSpec | str,
@@ -328,15 +221,7 @@ def plan_capacity(
     tp = integer(tp, "tp", minimum=1)
     dp = integer(dp, "dp", minimum=1)
     kv_dtype = choice(kv_dtype, "kv_dtype", KV_DTYPES)
-    if kv_scale_layout is not None:
-        kv_scale_layout = choice(kv_scale_layout, "kv_scale_layout", SCALE_LAYOUTS)
-        if not kv_dtype.startswith("fp8"):
-            raise ConfigError(
-                f"kv_scale_layout={kv_scale_layout!r} applies to fp8 KV only; {kv_dtype} KV has "
-                "no scales. Leave kv_scale_layout unset, or pick kv_dtype fp8_e4m3/fp8_e5m2."
-            )
-    elif kv_dtype.startswith("fp8"):
-        kv_scale_layout = "tensor"
+    kv_scale_layout = _scale_layout(kv_dtype, kv_scale_layout)
     if weights is not None and not isinstance(weights, (str, WeightScheme)):
         raise ArgumentTypeError(
             f"weights={show(weights)}: expected None, a scheme name (e.g. 'int4-g32') or a "
@@ -355,10 +240,92 @@ def plan_capacity(
     spec = get_model(model) if isinstance(model, str) else model
     card = get_gpu(gpu) if isinstance(gpu, str) else gpu
     scheme = weight_scheme(weights, spec) if isinstance(weights, str) else (weights or spec.weights)
-    policy = policy or SGLangPolicy()
+    plan = _plan(
+        spec, card, scheme, policy or SGLangPolicy(), tp, dp, kv_dtype, kv_scale_layout,
+        page_size, use_mtp,
+    )
+    return _with_context(plan, context_len, concurrency)
+
+
+def _scale_layout(kv_dtype: str, kv_scale_layout: str | None) -> str | None:
+    """The checked FP8 scale layout: ``tensor`` by default for fp8, refused for bf16/fp16."""
+    if kv_scale_layout is None:
+        return "tensor" if kv_dtype.startswith("fp8") else None
+    kv_scale_layout = choice(kv_scale_layout, "kv_scale_layout", SCALE_LAYOUTS)
+    if not kv_dtype.startswith("fp8"):
+        raise ConfigError(
+            f"kv_scale_layout={kv_scale_layout!r} applies to fp8 KV only; {kv_dtype} KV has "
+            "no scales. Leave kv_scale_layout unset, or pick kv_dtype fp8_e4m3/fp8_e5m2."
+        )
+    return kv_scale_layout
+
+
+def _plan(
+    spec: ModelSpec,
+    card: GPUSpec,
+    scheme: WeightScheme,
+    policy: ReservePolicy,
+    tp: int,
+    dp: int,
+    kv_dtype: str,
+    kv_scale_layout: str | None,
+    page_size: int,
+    use_mtp: bool,
+) -> CapacityPlan:
+    """:func:`plan_capacity` on checked arguments, before the context and concurrency rows."""
     layout = kv_layout(spec, kv_dtype, kv_scale_layout or "tensor", tp)
     wb = weight_bytes(spec, scheme, tp, use_mtp=use_mtp)
+    mem_bytes = card.memory_mib * (1 << 20)
+    budget, fraction = _kv_budget(spec, card, scheme, policy, tp, wb, layout, page_size)
+    tokens = budget // layout.bytes_per_token
+    page_bytes = layout.bytes_per_token * page_size
+    return CapacityPlan(
+        model=spec.name,
+        gpu=card.name,
+        gpu_memory_gib=card.memory_gib,
+        tp=tp,
+        dp=dp,
+        num_gpus=tp * dp,
+        kv_dtype=kv_dtype,
+        kv_scale_layout=kv_scale_layout,
+        weights=scheme.label(),
+        page_size=page_size,
+        policy=policy.describe(),
+        mem_fraction_static=fraction,
+        kv_bytes_per_token_per_gpu=layout.bytes_per_token,
+        kv_attention_bytes_per_token_per_gpu=layout.attention_bytes_per_token,
+        kv_indexer_bytes_per_token_per_gpu=layout.indexer_bytes_per_token,
+        kv_sliding_bytes_per_token_per_gpu=layout.sliding_bytes_per_token,
+        sliding_window=layout.sliding_window,
+        kv_bytes_per_page_per_gpu=page_bytes,
+        weights_gib_total=wb.total / GIB,
+        weights_gib_per_gpu=wb.per_gpu / GIB,
+        weights_gib_replicated_per_gpu=wb.replicated_per_gpu / GIB,
+        weights_gib_by_class={k: v / GIB for k, v in wb.by_class.items()},
+        reserve_gib_per_gpu=(mem_bytes - wb.per_gpu - budget) / GIB,
+        kv_budget_gib_per_gpu=budget / GIB,
+        kv_tokens_per_gpu=tokens,
+        kv_pages_per_gpu=budget // page_bytes,
+        kv_tokens_total=tokens * dp,
+        gpu_bandwidth_gbs=card.bandwidth_gbs,
+        decode_dense_weight_bytes=_dense_read_bytes(spec, scheme, wb),
+        decode_routed_weight_bytes=wb.by_class["routed_experts"],
+        num_experts=spec.moe.num_experts if spec.moe else 0,
+        experts_top_k=spec.moe.top_k if spec.moe else 0,
+    )
 
+
+def _kv_budget(
+    spec: ModelSpec,
+    card: GPUSpec,
+    scheme: WeightScheme,
+    policy: ReservePolicy,
+    tp: int,
+    wb: WeightBytes,
+    layout: KVLayout,
+    page_size: int,
+) -> tuple[int, float | None]:
+    """Bytes per GPU left for KV pages, and the memory fraction the policy used (if any)."""
     mem_bytes = card.memory_mib * (1 << 20)
     fraction: float | None = None
     if isinstance(policy, FixedReserve):
@@ -383,16 +350,15 @@ def plan_capacity(
             f"{max(budget, 0) / GIB:.2f} GiB, not even one KV page; use more GPUs per replica, "
             "smaller weights or a smaller reserve."
         )
-    budget_int = int(budget)
-    tokens = budget_int // layout.bytes_per_token
-    page_bytes = layout.bytes_per_token * page_size
-    pages = budget_int // page_bytes
+    return int(budget), fraction
 
-    # What a decode step reads: all non-expert weights but the input embedding table and the
-    # vision tower; routed experts as far as they are activated.
+
+def _dense_read_bytes(spec: ModelSpec, scheme: WeightScheme, wb: WeightBytes) -> float:
+    """Weight bytes a decode step reads whatever the batch: all non-expert weights but the input
+    embedding table and the vision tower (routed experts are read as far as they are active)."""
     embed_share = 0.5 if not spec.tie_word_embeddings else 1.0  # the lm_head half is read
     vision_bytes = spec.vision.num_params * scheme.other.bytes_per_param() if spec.vision else 0.0
-    dense_read = (
+    return (
         wb.by_class["attention"]
         + wb.by_class["dense_mlp"]
         + wb.by_class["shared_experts"]
@@ -400,56 +366,28 @@ def plan_capacity(
         - vision_bytes
         + wb.by_class["embeddings"] * embed_share
     )
-    plan = CapacityPlan(
-        model=spec.name,
-        gpu=card.name,
-        gpu_memory_gib=card.memory_gib,
-        tp=tp,
-        dp=dp,
-        num_gpus=tp * dp,
-        kv_dtype=kv_dtype,
-        kv_scale_layout=kv_scale_layout,
-        weights=scheme.label(),
-        page_size=page_size,
-        policy=policy.describe(),
-        mem_fraction_static=fraction,
-        kv_bytes_per_token_per_gpu=layout.bytes_per_token,
-        kv_attention_bytes_per_token_per_gpu=layout.attention_bytes_per_token,
-        kv_indexer_bytes_per_token_per_gpu=layout.indexer_bytes_per_token,
-        kv_sliding_bytes_per_token_per_gpu=layout.sliding_bytes_per_token,
-        sliding_window=layout.sliding_window,
-        kv_bytes_per_page_per_gpu=page_bytes,
-        weights_gib_total=wb.total / GIB,
-        weights_gib_per_gpu=wb.per_gpu / GIB,
-        weights_gib_replicated_per_gpu=wb.replicated_per_gpu / GIB,
-        weights_gib_by_class={k: v / GIB for k, v in wb.by_class.items()},
-        reserve_gib_per_gpu=(mem_bytes - wb.per_gpu - budget_int) / GIB,
-        kv_budget_gib_per_gpu=budget_int / GIB,
-        kv_tokens_per_gpu=tokens,
-        kv_pages_per_gpu=pages,
-        kv_tokens_total=tokens * dp,
-        gpu_bandwidth_gbs=card.bandwidth_gbs,
-        decode_dense_weight_bytes=dense_read,
-        decode_routed_weight_bytes=wb.by_class["routed_experts"],
-        num_experts=spec.moe.num_experts if spec.moe else 0,
-        experts_top_k=spec.moe.top_k if spec.moe else 0,
-    )
+
+
+def _with_context(
+    plan: CapacityPlan, context_len: int | None, concurrency: int | None
+) -> CapacityPlan:
+    """``plan`` with its max concurrency at ``context_len`` and decode bound at ``concurrency``."""
     updates: dict[str, object] = {}
     if context_len is not None:
         conc = plan.concurrency_at(context_len)
         updates.update(
-            context_len=context_len, max_concurrency=conc, max_concurrency_total=conc * dp
+            context_len=context_len, max_concurrency=conc, max_concurrency_total=conc * plan.dp
         )
     if concurrency is not None:
         if context_len is None:
             raise ConfigError("a decode bound at a concurrency needs context_len as well.")
-        step_s = decode_bytes_per_step(plan, concurrency, context_len) / (card.bandwidth_gbs * 1e9)
+        step_s = decode_bytes_per_step(plan, concurrency, context_len) / (
+            plan.gpu_bandwidth_gbs * 1e9
+        )
         updates.update(
             decode_concurrency=concurrency, decode_tokens_per_s_bound=concurrency / step_s
         )
-    if updates:
-        plan = plan.model_copy(update=updates)
-    return plan
+    return plan.model_copy(update=updates) if updates else plan
 
 
 def tokens_freed(before: CapacityPlan, after: CapacityPlan) -> int:

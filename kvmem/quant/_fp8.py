@@ -72,6 +72,30 @@ def fp8_to_float(
     -------
     [..., D], out_dtype
     """
+    _check_args(data, fmt, scale, out_dtype)
+    out = _output(data, out_dtype, out)
+    if data.numel() == 0:
+        return out
+    if data.device.type != "cpu":
+        # Accelerators cast fp8 natively at full bandwidth; the bit trick is a CPU remedy.
+        value = data.view(page_format(fmt).dtype).float()
+        if scale is not None:
+            value = value * scale
+        return out.copy_(value)
+
+    multiplier, undo = _WIDEN[fmt]
+    width = data.shape[-1]
+    rows = data.numel() // width
+    src = data.view(torch.int8).reshape(rows, width)
+    mult = _row_multipliers(scale, data.shape[:-1], rows, undo)
+    _decode_rows(src, out.view(rows, width), mult, multiplier, fmt == "fp8_e4m3")
+    return out
+
+
+def _check_args(
+    data: torch.Tensor, fmt: str, scale: torch.Tensor | float | None, out_dtype: torch.dtype
+) -> None:
+    """Refuse a format, bytes, scale or output dtype :func:`fp8_to_float` cannot decode."""
     if not isinstance(fmt, str):
         raise ArgumentTypeError(f"fmt={show(fmt)}: expected 'fp8_e4m3' or 'fp8_e5m2'.")
     if fmt not in _WIDEN:
@@ -95,9 +119,13 @@ def fp8_to_float(
             f"fp8_to_float needs a contiguous tensor of at least one dimension; got shape "
             f"{tuple(data.shape)} (contiguous={data.is_contiguous()}). Call .contiguous() first."
         )
+
+
+def _output(data: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """``out``, checked against ``data``, or a new tensor of its shape."""
     if out is None:
-        out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
-    elif (
+        return torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    if (
         not isinstance(out, torch.Tensor)
         or out.shape != data.shape
         or out.dtype != out_dtype
@@ -107,21 +135,6 @@ def fp8_to_float(
             f"out must be a contiguous {out_dtype} tensor of shape {tuple(data.shape)}; got "
             f"{show(out) if not isinstance(out, torch.Tensor) else (out.dtype, tuple(out.shape))}."
         )
-    if data.numel() == 0:
-        return out
-    if data.device.type != "cpu":
-        # Accelerators cast fp8 natively at full bandwidth; the bit trick is a CPU remedy.
-        value = data.view(page_format(fmt).dtype).float()
-        if scale is not None:
-            value = value * scale
-        return out.copy_(value)
-
-    multiplier, undo = _WIDEN[fmt]
-    width = data.shape[-1]
-    rows = data.numel() // width
-    src = data.view(torch.int8).reshape(rows, width)
-    mult = _row_multipliers(scale, data.shape[:-1], rows, undo)
-    _decode_rows(src, out.view(rows, width), mult, multiplier, fmt == "fp8_e4m3")
     return out
 
 
