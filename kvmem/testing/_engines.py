@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._manager_types import HookError
 from kvmem.errors import KVMemError, OutOfPagesError
 from kvmem.testing._timeline import FuzzFailure, Launch, RequestSpec
 
@@ -311,8 +312,6 @@ class _SlotEngine(FuzzEngine):
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the manager; a HookError means the operation completed (the hook failed)."""
-        from kvmem.manager import HookError
-
         try:
             return fn(*args)
         except HookError:
@@ -555,10 +554,13 @@ class ManagerEngine(_SlotEngine):
         self.state[s] = _PREEMPTED
         self.inc[s] += 1
 
-    def _commit(self, slots: Int64Array, starts: Int64Array, n: Int64Array) -> None:
+    def _commit(self, slots: Int64Array, starts: Int64Array, n: Int64Array,
+                ids: Sequence[Any] | None = None) -> None:
+        """Commit ``n`` tokens from ``starts`` for ``slots`` (``ids``: their request ids)."""
         if not slots.size:
             return
-        ids = [self.ids[s] for s in slots.tolist()]
+        if ids is None:
+            ids = [self.ids[s] for s in slots.tolist()]
         if np.count_nonzero(self.comm[slots] != starts):
             raise FuzzFailure("engine", f"{self.name} commits out of order: requests {ids[:4]} "
                               f"committed {self.comm[slots][:4]} but the step started at "
@@ -585,9 +587,13 @@ class ManagerEngine(_SlotEngine):
         self._release_ops(slots)
         st = self.state[slots]
         live = (self.inc[slots] == incs) & ((st == _RUNNING) | (st == _RECEIVING))
-        slots, starts, n = slots[live], op.starts[live], op.num_new[live]
+        ids: Sequence[Any] | None = None
+        if np.count_nonzero(live) == live.size:  # (the usual case: nothing to leave out)
+            starts, n, ids = op.starts, op.num_new, op.request_ids
+        else:
+            slots, starts, n = slots[live], op.starts[live], op.num_new[live]
         if "commit_at_launch" not in self.bugs or op.kind == "transfer":
-            self._commit(slots, starts, n)
+            self._commit(slots, starts, n, ids)
         if op.kind == "transfer":
             self.state[slots] = _RUNNING
         return self._finish_done(slots)
