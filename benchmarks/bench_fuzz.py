@@ -51,12 +51,12 @@ def _driver(run: Run, seed: int) -> Any:
         total += weights[m]
         cum.append(total)
     rnd = random.Random(seed)
+    step, rand, bits, pick = run.step, rnd.random, rnd.getrandbits, bisect.bisect
 
     def moves(n: int) -> None:
         target = run.num_moves + n
         while run.num_moves < target:
-            name = names[bisect.bisect(cum, rnd.random() * total)]
-            run.step(name, rnd.getrandbits(20), rnd.getrandbits(20))
+            step(names[pick(cum, rand() * total)], bits(20), bits(20))
 
     return moves
 

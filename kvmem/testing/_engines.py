@@ -347,18 +347,30 @@ class _SlotEngine(FuzzEngine):
         rem = self.plen[slots] - sched
         prefill = rem > 0
         mode = choice % 16
+        kind = 0  # 1: prefill only, -1: decode only, 0: both
         if mode != 5:  # 5: a mixed step
-            use_prefill = bool(prefill.any()) and (mode % 4 != 0 or prefill.all())
-            keep = prefill if use_prefill else ~prefill
-            slots, sched, rem = slots[keep], sched[keep], rem[keep]
+            num_prefill = int(np.count_nonzero(prefill))
+            use_prefill = num_prefill > 0 and (mode % 4 != 0 or num_prefill == prefill.size)
+            if 0 < num_prefill < prefill.size:
+                keep = prefill if use_prefill else ~prefill
+                slots, sched, rem = slots[keep], sched[keep], rem[keep]
+            kind = 1 if use_prefill else -1
         if (choice >> 4) % 8 == 0 and slots.size > 1:  # now and then a partial batch
-            keep = np.array([stable_bit(choice, self.ids[s]) for s in slots.tolist()],
-                            dtype=bool)
+            # stable_bit(choice, id) for each id, the shared prefix hashed once
+            head = zlib.crc32(f"{choice}/".encode())
+            ids = self.ids
+            keep = np.array([zlib.crc32(f"{ids[s]}".encode(), head) & 1
+                             for s in slots.tolist()], dtype=bool)
             if np.count_nonzero(keep):
                 slots, sched, rem = slots[keep], sched[keep], rem[keep]
-        n = np.where(rem > 0, np.minimum(rem, self.config.chunk), 1)
+        if kind < 0:
+            n = np.ones(slots.size, dtype=np.int64)
+        elif kind > 0:
+            n = np.minimum(rem, self.config.chunk)
+        else:
+            n = np.where(rem > 0, np.minimum(rem, self.config.chunk), 1)
         budget = self.config.max_batch_tokens
-        if int(n.sum()) > budget:
+        if (n.size if kind < 0 else int(n.sum())) > budget:
             over = np.cumsum(n) > budget
             if over[0]:
                 n[0] = budget
@@ -497,7 +509,7 @@ class ManagerEngine(_SlotEngine):
                     fence=handle.step_id, held_sources=step.copy_src)
         self.sched[slots] = sched + n
         self.busy[slots] += 1
-        self.ops[op] = (handle, slots, self.inc[slots].copy())
+        self.ops[op] = (handle, slots, self.inc[slots])  # (fancy indexing copies)
         self.handles[op] = handle
         if "commit_at_launch" in self.bugs:
             self._commit(slots, sched, n)
@@ -584,13 +596,16 @@ class ManagerEngine(_SlotEngine):
 
     def finish(self, op: Launch) -> Sequence[Any]:
         _, slots, incs = self.ops.pop(op)
-        self._release_ops(slots)
+        self.busy[slots] -= 1
         st = self.state[slots]
         live = (self.inc[slots] == incs) & ((st == _RUNNING) | (st == _RECEIVING))
         ids: Sequence[Any] | None = None
-        if np.count_nonzero(live) == live.size:  # (the usual case: nothing to leave out)
+        if np.count_nonzero(live) == live.size:  # (the usual case: nothing gone, all commit)
             starts, n, ids = op.starts, op.num_new, op.request_ids
         else:
+            # (_release_ops, with the states at hand: gone requests' slots become reusable)
+            for s in slots[(st == _GONE) & (self.busy[slots] == 0)].tolist():
+                self._free.append(s)
             slots, starts, n = slots[live], op.starts[live], op.num_new[live]
         if "commit_at_launch" not in self.bugs or op.kind == "transfer":
             self._commit(slots, starts, n, ids)

@@ -493,7 +493,7 @@ class Timeline:
         flat += ar[:nnz]
         op.ent_flat = flat
         op.kv_counts = counts
-        old = self._map_flat[flat]
+        old = self._map_flat.take(flat)
         changed = (old != pages).nonzero()[0]
         if changed.size:
             o = old[changed]
@@ -566,7 +566,7 @@ class Timeline:
         d_rc = (rc != self._seen_rc).nonzero()[0]
         if d_rc.size:
             parts.append(d_rc)
-            self._seen_rc[d_rc] = rc[d_rc]
+            np.copyto(self._seen_rc, rc)
             live = int(np.count_nonzero(rc))  # (one pass: cheaper than counting what changed)
             if alloc.num_free + live != self.num_pages:
                 raise FuzzFailure(
@@ -579,7 +579,7 @@ class Timeline:
             d_held = (held != self._seen_held).nonzero()[0]
             if d_held.size:
                 parts.append(d_held)
-                self._seen_held[d_held] = held[d_held]
+                np.copyto(self._seen_held, held)
             self._held_any = holds
         if parts:
             dirty = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -610,11 +610,10 @@ class Timeline:
 
     def _check_refcounts(self, pages: Int64Array, rc: Int32Array, held: Int32Array) -> None:
         # (held: the fences' references, copy-on-write sources awaiting their copy included)
-        pages = pages.astype(np.int32)  # the manager's page-id dtype: no conversion in is_cached
         cache = self.mgr.cache
         want = self.holders[pages] + held[pages]
-        if cache is not None:
-            want += cache.is_cached(pages)
+        if cache is not None:  # (int32 ids: the cache converts nothing)
+            want += cache.is_cached(pages.astype(np.int32))
         bad = (rc[pages] != want).nonzero()[0]
         if bad.size:
             p = pages[bad]
@@ -796,7 +795,7 @@ class Timeline:
         P = self.P
         pages, mrows, starts, indptr = op.kv_indices, op.mrows, op.starts, op.kv_indptr
         flat = op.ent_flat
-        dirty = (self._vseen_flat[flat] != self.pver[pages]).nonzero()[0]
+        dirty = (self._vseen_flat.take(flat) != self.pver.take(pages)).nonzero()[0]
         if dirty.size:
             db = indptr.searchsorted(dirty, side="right") - 1  # each dirty entry's request
             first = (dirty - indptr[db]) * P  # the first position its page holds
@@ -821,7 +820,7 @@ class Timeline:
             if np.count_nonzero(bad):
                 self._read_failure(op, tb[:, None], pos[:, None], slots[:, None], bad[:, None],
                                    got[:, None], values[:, None], "after the step's writes")
-        self._vseen_flat[flat] = self.pver[pages]
+        self._vseen_flat[flat] = self.pver.take(pages)
         self.num_reads += 1
         self.counts["reads"] += 1
 
