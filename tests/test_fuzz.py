@@ -230,6 +230,43 @@ def test_the_reads_oracle_fires_on_a_slot_mapping_that_disagrees_with_the_csr() 
             ("complete", 0, 0)], ManagerEngine, None, 0, cfg)
 
 
+class _TransferAstray(ManagerEngine):
+    """A transfer's first token lands in the first slot of the request admitted first."""
+
+    def receive(self, spec: Any) -> Any:
+        first = self.manager.running[0] if self.manager.running else None
+        op = super().receive(spec)
+        if op is not None and first is not None:
+            op.slot_mapping = op.slot_mapping.copy()
+            op.slot_mapping[0] = int(self.manager.pages_of(first)[0]) * self.manager.page_size
+        return op
+
+
+def test_the_reads_oracle_rereads_a_page_written_right_after_the_last_read() -> None:
+    # r279's prefill completes (its read), then the very next landing, a transfer, writes into
+    # r279's first page: r279's next step must read that page again, not trust its last read.
+    cfg = FuzzConfig(tracker=None)  # (nothing verifies a transfer's slots)
+    schedule = [("submit", 9, 0), ("launch", 0, 0), ("complete", 0, 0), ("retire", 0, 0),
+                ("finish", 0, 0), ("receive", 5, 1), ("transfer", 0, 0), ("launch", 0, 0),
+                ("complete", 0, 0)]
+    with pytest.raises(FuzzFailure) as e:
+        replay(schedule, _TransferAstray, None, 0, cfg)
+    assert e.value.oracle == "reads" and e.value.move == len(schedule) - 1
+    assert "before the step's writes" in str(e.value)
+    replay(schedule, ManagerEngine, None, 0, cfg)
+
+
+def test_the_tags_oracle_fires_on_a_negative_tag() -> None:
+    run = _busy_run()
+    mgr = run.engine.manager
+    tags = mgr.allocator.tags.copy()
+    tags[int(np.flatnonzero(tags == 0)[0])] = -5  # (the distinctness check sorts the tags)
+    mgr.allocator = _Allocator(mgr.allocator, tags=tags)
+    with pytest.raises(FuzzFailure) as e:
+        run.timeline.after_host_move()
+    assert e.value.oracle == "tags"
+
+
 def test_the_engine_oracle_reports_an_adapter_that_raises() -> None:
     with pytest.raises(FuzzFailure) as e:
         replay([("submit", 0, 0), ("launch", 0, 0)], _Crashes, None, 0, "small")

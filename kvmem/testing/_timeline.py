@@ -497,12 +497,13 @@ class Timeline:
         changed = (old != pages).nonzero()[0]
         if changed.size:
             o = old[changed]
-            o = o[o >= 0]
+            o = o[o >= 0]  # (none when the changed entries are pages just added at the end)
+            if o.size:
+                np.subtract.at(self.holders, o, 1)
+                self._dirty.append(o)
             new = pages[changed]
-            np.subtract.at(self.holders, o, 1)
             np.add.at(self.holders, new, 1)
             self._map_flat[flat[changed]] = new
-            self._dirty.append(o)
             self._dirty.append(new)
             # A request's CSR covers its first columns: it maps at least that many now.
             self.map_len[mrows] = np.maximum(self.map_len[mrows], counts)
@@ -588,9 +589,8 @@ class Timeline:
                 self._check_refcounts(dirty, rc, held)
 
     def _check_tags(self, changed: Int64Array, tags: Int64Array) -> None:
-        guarded = changed[self.guard[changed] > 0]
-        if guarded.size:
-            p = int(guarded[0])
+        if np.count_nonzero(self.guard[changed]):
+            p = int(changed[self.guard[changed] > 0][0])
             op = self._op_guarding(p)
             was = int(self._seen_tags[p])
             now = int(tags[p])
