@@ -243,7 +243,7 @@ class Launch:
         self.slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
         self.copy_src = np.asarray(copy_src, dtype=np.int64)
         self.copy_dst = np.asarray(copy_dst, dtype=np.int64)
-        self.held_sources = (self.copy_src if held_sources is None
+        self.held_sources = (self.copy_src if held_sources is None or held_sources is copy_src
                              else np.asarray(held_sources, dtype=np.int64))
         self.fence = fence
         self.kind = kind
