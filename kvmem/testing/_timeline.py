@@ -505,8 +505,9 @@ class Timeline:
             np.add.at(self.holders, new, 1)
             self._map_flat[flat[changed]] = new
             self._dirty.append(new)
-            # A request's CSR covers its first columns: it maps at least that many now.
-            self.map_len[mrows] = np.maximum(self.map_len[mrows], counts)
+            # A request's CSR covers its first columns: it maps at least that many now (.at: a
+            # request listed twice by a buggy engine keeps the longer).
+            np.maximum.at(self.map_len, mrows, counts)
         # The manager keeps the latest reserve's copy-on-write sources until the next reserve.
         if self._copy_hold_pages.size:
             np.subtract.at(self.copy_hold, self._copy_hold_pages, 1)
