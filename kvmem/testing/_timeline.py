@@ -663,6 +663,11 @@ class Timeline:
         if slots.size and int(_max(slots.view(np.uint64))) >= self.num_pages * P:
             raise FuzzFailure("reads", f"{op!r} writes slots outside the pool")
         op.write_pages = slots // P
+        if op.copy_src.size:
+            copies = np.concatenate([op.copy_src, op.copy_dst])
+            if int(_max(copies.view(np.uint64))) >= self.num_pages:
+                raise FuzzFailure("engine", f"{op!r} copies page ids outside "
+                                  f"0..{self.num_pages - 1}")
         op.guard = (np.concatenate([op.kv_indices, op.write_pages, op.copy_src, op.copy_dst])
                     if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages]))
         np.add.at(self.guard, op.guard, 1)
