@@ -340,6 +340,7 @@ class Timeline:
         self._seen_tags = manager.allocator.tags.copy()
         self._max_tag = int(self._seen_tags.max(initial=0))
         self._seen_rc = manager.allocator.refcounts.copy()
+        self._num_live = int(np.count_nonzero(self._seen_rc))  # pages with a holder, as seen
         self._seen_held = manager.fences.held.copy()
         self._held_any = True
         self._dirty: list[Int64Array] = []
@@ -567,12 +568,15 @@ class Timeline:
         parts = self._dirty
         d_rc = (rc != self._seen_rc).nonzero()[0]
         if d_rc.size:
+            # (Only the pages that changed are touched: the page arrays are the memory traffic.)
             parts.append(d_rc)
-            np.copyto(self._seen_rc, rc)
-            live = int(np.count_nonzero(rc))  # (one pass: cheaper than counting what changed)
-            if alloc.num_free + live != self.num_pages:
+            now = rc[d_rc]
+            self._num_live += (int(np.count_nonzero(now))
+                               - int(np.count_nonzero(self._seen_rc[d_rc])))
+            self._seen_rc[d_rc] = now
+            if alloc.num_free + self._num_live != self.num_pages:
                 raise FuzzFailure(
-                    "conservation", f"{alloc.num_free} free + {live} live pages != "
+                    "conservation", f"{alloc.num_free} free + {self._num_live} live pages != "
                     f"{self.num_pages}")
         fences = self.mgr.fences
         held = fences.held
@@ -581,7 +585,7 @@ class Timeline:
             d_held = (held != self._seen_held).nonzero()[0]
             if d_held.size:
                 parts.append(d_held)
-                np.copyto(self._seen_held, held)
+                self._seen_held[d_held] = held[d_held]
             self._held_any = holds
         if parts:
             dirty = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -644,6 +648,11 @@ class Timeline:
         self._check_refcounts(pages, mgr.allocator.refcounts, mgr.fences.held)
         if np.count_nonzero(mgr.allocator.tags != self._seen_tags):
             raise FuzzFailure("tags", "the tags changed without the per-move check seeing it")
+        live = int(np.count_nonzero(mgr.allocator.refcounts))
+        if live != self._num_live or mgr.allocator.num_free + live != self.num_pages:
+            raise FuzzFailure("conservation", f"{mgr.allocator.num_free} free + {live} live "
+                              f"pages != {self.num_pages}, or the per-move count "
+                              f"({self._num_live}) missed a change")
         if self.extra_check is not None:
             self.extra_check()
         held_for_steps = mgr.fences.num_held - int(self.copy_hold.sum())
