@@ -386,7 +386,7 @@ class _SlotEngine(FuzzEngine):
         if (last is not None and last[2] == self._slots_epoch and last[0].shape == slots.shape
                 and not np.count_nonzero(last[0] != slots)):
             return last[1]
-        ids = tuple([self.ids[s] for s in slots.tolist()])
+        ids = tuple(map(self.ids.__getitem__, slots.tolist()))
         self._last_batch = (slots, ids, self._slots_epoch)
         return ids
 
