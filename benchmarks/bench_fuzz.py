@@ -19,9 +19,11 @@ Keys:
   cost CPU too; their cost per call (``timer_us_per_call``: inside the timed span / around it)
   is measured on a no-op and removed, so the two shares add up to an untimed move.
 * ``raw_manager_ops_per_s``: the issue's yardstick: a lockstep decode loop (reserve, verify,
-  commit_batch) over 64 requests, 300 steps, in manager calls per CPU second. It runs in slices
-  between slices of the shares' run (with ``--no-split``: of the first run), so that both are
-  measured in the same minute of the machine's swings.
+  commit_batch) over 64 requests, 300 steps, in manager calls per CPU second. It runs right
+  before and right after the shares' run (with ``--no-split``: after the first run), twice from
+  scratch, and the two are pooled: the same minute of the machine's swings as the shares, and
+  each loop in one piece, warm, as the issue ran it (in slices between the moves, each slice
+  starts cold and the yardstick reads up to 1.3x slower).
 * ``moves_per_s_at_12k``: the rate on the machine the goal was set for, where the issue measured
   the yardstick at 12,000 manager calls per second (the goal: 5,000 moves per second there).
 
@@ -37,10 +39,10 @@ takes ``(m + f) / r`` calls of ``1 / 12,000`` s::
 
 ``moves_per_s * 12,000 / raw_manager_ops_per_s`` is the same formula with ``1 / moves_per_s`` in
 place of ``m + f``, but ``moves_per_s`` comes from another run than the yardstick, a minute apart
-on a machine whose speed swings by 2x, so their ratio carries that swing; the shares and the
-yardstick are measured in one window, in alternating slices. Under heavy load the yardstick (a
-small working set) slows down less than the fuzz does (cache pressure from the other jobs), so
-a figure taken at a high load average is pessimistic: compare runs at similar load averages.
+on a machine whose speed swings by 2x, so their ratio carries that swing; the shares are
+measured between the yardstick's two loops. Under load the yardstick (a small working set, warm)
+slows down less than the fuzz does (the other jobs evict its caches), so a figure taken at a
+high load average is pessimistic: compare runs at similar load averages.
 
 Run: ``taskset -c 1 python benchmarks/bench_fuzz.py [--moves 15000] [--no-split]``.
 """
@@ -67,7 +69,6 @@ ISSUE_RAW_OPS_PER_S = 12_000.0
 _TIMED = ("reserve", "verify", "commit_batch", "commit", "admit", "can_admit", "begin_step",
           "retire", "release", "release_batch", "preempt", "resume", "can_resume", "fork",
           "clear_prefix_cache", "pages_of", "num_tokens", "can_reserve")
-_SLICES = 6  # the timed moves and the yardstick's steps, each in this many alternating slices
 
 
 def _driver(run: Run, seed: int) -> Any:
@@ -127,23 +128,24 @@ def timer_cost(calls: int = 50_000) -> tuple[float, float]:
 
 class Yardstick:
     """The issue's yardstick: lockstep decode of 64 requests on 4,096 pages, CheckingTracker
-    (reserve, verify, commit_batch each step), run in slices by :meth:`run`."""
+    (reserve, verify, commit_batch each step). :meth:`loop` runs the issue's 300 steps on a
+    fresh manager; the times of every loop run add up."""
 
     def __init__(self) -> None:
-        self.mgr = mgr = KVCacheManager(4096, page_size=16, max_seqs=128, tracker="checking")
+        self.steps = 0
+        self.parts = {"reserve": 0.0, "verify": 0.0, "commit_batch": 0.0}
+
+    def loop(self, steps: int = 300) -> None:
+        mgr = KVCacheManager(4096, page_size=16, max_seqs=128, tracker="checking")
         rng = np.random.default_rng(0)
         for i in range(64):
             p = rng.integers(0, 100, size=int(rng.integers(100, 400)))
             mgr.admit(i, p)
             mgr.reserve([i], len(p))
             mgr.commit(i, p)
-        self.ids = tuple(range(64))
-        self.tok = np.zeros(64, dtype=np.int64)
-        self.steps = 0
-        self.parts = {"reserve": 0.0, "verify": 0.0, "commit_batch": 0.0}
-
-    def run(self, steps: int) -> None:
-        mgr, ids, tok, parts = self.mgr, self.ids, self.tok, self.parts
+        ids = tuple(range(64))
+        tok = np.zeros(64, dtype=np.int64)
+        parts = self.parts
         clock = time.process_time
         for _ in range(steps):
             t0 = clock()
@@ -164,10 +166,8 @@ class Yardstick:
         return out
 
 
-def fuzz_rate(num_moves: int, seed: int, split: bool, yardstick: Yardstick | None = None,
-              yardstick_steps: int = 300) -> dict[str, float]:
-    """Time ``num_moves`` moves (``split``: with the manager's calls timed apart), in slices
-    alternating with slices of ``yardstick`` (``yardstick_steps`` steps in all)."""
+def fuzz_rate(num_moves: int, seed: int, split: bool) -> dict[str, float]:
+    """Time ``num_moves`` moves (``split``: with the manager's calls timed apart)."""
     run = Run("manager", FuzzConfig.preset("bench"), None, seed)
     mgr = run.engine.manager
     spent = [0.0, 0.0]  # CPU seconds inside the manager's calls, calls
@@ -178,15 +178,9 @@ def fuzz_rate(num_moves: int, seed: int, split: bool, yardstick: Yardstick | Non
     while len(mgr.running) < 64:  # fill the system
         moves(200)
     spent[:] = [0.0, 0.0]
-    cpu = wall = 0.0
-    for i in range(_SLICES):
-        n = num_moves * (i + 1) // _SLICES - num_moves * i // _SLICES
-        w0, c0 = time.perf_counter(), time.process_time()
-        moves(n)
-        cpu += time.process_time() - c0
-        wall += time.perf_counter() - w0
-        if yardstick is not None:
-            yardstick.run(yardstick_steps * (i + 1) // _SLICES - yardstick_steps * i // _SLICES)
+    w0, c0 = time.perf_counter(), time.process_time()
+    moves(num_moves)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     run.final_check()
     out = {"moves": num_moves, "cpu_s": cpu, "wall_s": wall, "moves_per_s": num_moves / cpu,
            "moves_per_wall_s": num_moves / wall, "running": len(mgr.running),
@@ -214,10 +208,11 @@ def main() -> None:
                               "CheckingTracker, every oracle, 2 steps in flight",
                               "load_average": round(os.getloadavg()[0], 2)}
     yardstick = Yardstick()
-    result.update(fuzz_rate(args.moves, args.seed, split=False,
-                            yardstick=None if args.split else yardstick))
+    result.update(fuzz_rate(args.moves, args.seed, split=False))
+    yardstick.loop()
     if args.split:
-        shares = fuzz_rate(args.moves, args.seed, split=True, yardstick=yardstick)
+        shares = fuzz_rate(args.moves, args.seed, split=True)
+        yardstick.loop()
         for key in ("manager_us_per_move", "fuzzer_us_per_move", "manager_calls_per_move",
                     "timer_us_per_call"):
             result[key] = shares[key]

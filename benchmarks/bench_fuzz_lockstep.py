@@ -3,10 +3,10 @@
 ``bench_fuzz.py`` run twice, a minute apart, compares two states of a shared machine as much as
 two trees: the development VM's speed swings by 2x within a minute. Here four processes (each
 tree, with and without the manager's calls timed, ``bench_fuzz.py``'s two runs) take turns,
-``--moves`` moves each, ``--slices`` times, and each runs a slice of the yardstick after its
-moves, so every figure of both trees comes from the same minutes. The yardstick (the manager's
-lockstep decode) is the same code in both trees when the manager did not change, so its four
-measurements are pooled for ``moves_per_s_at_12k`` (see ``bench_fuzz.py`` for the derivation).
+``--moves`` moves each, ``--slices`` times, so every figure of both trees comes from the same
+minutes. Each runs the yardstick (the manager's lockstep decode, 300 steps in one piece) before
+its first and after its last moves; it is the same code in both trees when the manager did not
+change, so the eight loops are pooled for ``moves_per_s_at_12k`` (see ``bench_fuzz.py``).
 
 Run: ``taskset -c 1 python benchmarks/bench_fuzz_lockstep.py BASE [--new REV]`` (git revisions;
 without ``--new``, the working tree). Keys per tree (``base``, ``new``): ``moves_per_s``
@@ -43,7 +43,7 @@ def _export(rev: str, into: Path) -> Path:
 
 
 def worker(split: bool) -> None:
-    """Answer ``moves N``, ``raw S`` and ``done`` on stdin, one line each on stdout."""
+    """Answer ``moves N`` and ``done`` on stdin, one line each on stdout."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_fuzz as B  # (this file's sibling; kvmem comes from PYTHONPATH, the tree's)
 
@@ -60,6 +60,7 @@ def worker(split: bool) -> None:
         moves(200)
     spent[:] = [0.0, 0.0]
     yardstick = B.Yardstick()
+    yardstick.loop()
     cpu, done = 0.0, 0
     print("ready", flush=True)
     for line in sys.stdin:
@@ -69,9 +70,8 @@ def worker(split: bool) -> None:
             moves(int(arg[0]))
             cpu += time.process_time() - c0
             done += int(arg[0])
-        elif cmd == "raw":
-            yardstick.run(int(arg[0]))
         else:
+            yardstick.loop()
             run.final_check()
             out: dict[str, Any] = {"moves": done, "moves_per_s": done / cpu,
                                    **yardstick.result()}
@@ -116,12 +116,10 @@ def main() -> None:
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         load = round(os.getloadavg()[0], 2)
-        steps = 300  # the yardstick's steps in all, per process (bench_fuzz's)
         for i in range(args.slices):
             turn = list(procs.values())
             for p in turn if i % 2 == 0 else reversed(turn):
                 _ask(p, f"moves {args.moves}")
-                _ask(p, f"raw {steps * (i + 1) // args.slices - steps * i // args.slices}")
         res = {key: json.loads(_ask(p, "done")) for key, p in procs.items()}
     raw = len(res) / sum(1 / r["raw_manager_ops_per_s"] for r in res.values())
     out: dict[str, Any] = {"base_rev": args.base, "new_rev": args.new or "working tree",
