@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._manager_types import HookError
 from kvmem.errors import KVMemError, OutOfPagesError
 from kvmem.testing._timeline import FuzzFailure, Launch, RequestSpec
 
@@ -223,9 +224,10 @@ def stable_pick(choice: int, keys: Sequence[Any]) -> int:
     """The index of the key that ``choice`` picks, by rendezvous hashing: the pick does not
     change when other keys come or go (so deleting an unrelated move while shrinking does not
     change what a later move does)."""
+    head = zlib.crc32(f"{choice}:".encode())  # (crc32 of f"{choice}:{k}", the head once)
     best, best_i = -1, -1
     for i, k in enumerate(keys):
-        h = zlib.crc32(f"{choice}:{k}".encode())
+        h = zlib.crc32(f"{k}".encode(), head)
         if h > best:
             best, best_i = h, i
     return best_i
@@ -318,8 +320,6 @@ class _SlotEngine(FuzzEngine):
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the manager; a HookError means the operation completed (the hook failed)."""
-        from kvmem.manager import HookError
-
         try:
             return fn(*args)
         except HookError:
@@ -355,18 +355,30 @@ class _SlotEngine(FuzzEngine):
         rem = self.plen[slots] - sched
         prefill = rem > 0
         mode = choice % 16
+        kind = 0  # 1: prefill only, -1: decode only, 0: both
         if mode != 5:  # 5: a mixed step
-            use_prefill = bool(prefill.any()) and (mode % 4 != 0 or prefill.all())
-            keep = prefill if use_prefill else ~prefill
-            slots, sched, rem = slots[keep], sched[keep], rem[keep]
+            num_prefill = int(np.count_nonzero(prefill))
+            use_prefill = num_prefill > 0 and (mode % 4 != 0 or num_prefill == prefill.size)
+            if 0 < num_prefill < prefill.size:
+                keep = prefill if use_prefill else ~prefill
+                slots, sched, rem = slots[keep], sched[keep], rem[keep]
+            kind = 1 if use_prefill else -1
         if (choice >> 4) % 8 == 0 and slots.size > 1:  # now and then a partial batch
-            keep = np.array([stable_bit(choice, self.ids[s]) for s in slots.tolist()],
-                            dtype=bool)
+            # stable_bit(choice, id) for each id, the shared prefix hashed once
+            head = zlib.crc32(f"{choice}/".encode())
+            ids = self.ids
+            keep = np.array([zlib.crc32(f"{ids[s]}".encode(), head) & 1
+                             for s in slots.tolist()], dtype=bool)
             if np.count_nonzero(keep):
                 slots, sched, rem = slots[keep], sched[keep], rem[keep]
-        n = np.where(rem > 0, np.minimum(rem, self.config.chunk), 1)
+        if kind < 0:
+            n = np.ones(slots.size, dtype=np.int64)
+        elif kind > 0:
+            n = np.minimum(rem, self.config.chunk)
+        else:
+            n = np.where(rem > 0, np.minimum(rem, self.config.chunk), 1)
         budget = self.config.max_batch_tokens
-        if int(n.sum()) > budget:
+        if (n.size if kind < 0 else int(n.sum())) > budget:
             over = np.cumsum(n) > budget
             if over[0]:
                 n[0] = budget
@@ -379,9 +391,9 @@ class _SlotEngine(FuzzEngine):
         manager recognizes a batch it has seen by its ids)."""
         last = self._last_batch
         if (last is not None and last[2] == self._slots_epoch and last[0].shape == slots.shape
-                and np.array_equal(last[0], slots)):
+                and not np.count_nonzero(last[0] != slots)):
             return last[1]
-        ids = tuple([self.ids[s] for s in slots.tolist()])
+        ids = tuple(map(self.ids.__getitem__, slots.tolist()))
         self._last_batch = (slots, ids, self._slots_epoch)
         return ids
 
@@ -505,7 +517,7 @@ class ManagerEngine(_SlotEngine):
                     fence=handle.step_id, held_sources=step.copy_src)
         self.sched[slots] = sched + n
         self.busy[slots] += 1
-        self.ops[op] = (handle, slots, self.inc[slots].copy())
+        self.ops[op] = (handle, slots, self.inc[slots])  # (fancy indexing copies)
         self.handles[op] = handle
         if "commit_at_launch" in self.bugs:
             self._commit(slots, sched, n)
@@ -562,10 +574,13 @@ class ManagerEngine(_SlotEngine):
         self.state[s] = _PREEMPTED
         self.inc[s] += 1
 
-    def _commit(self, slots: Int64Array, starts: Int64Array, n: Int64Array) -> None:
+    def _commit(self, slots: Int64Array, starts: Int64Array, n: Int64Array,
+                ids: Sequence[Any] | None = None) -> None:
+        """Commit ``n`` tokens from ``starts`` for ``slots`` (``ids``: their request ids)."""
         if not slots.size:
             return
-        ids = [self.ids[s] for s in slots.tolist()]
+        if ids is None:
+            ids = [self.ids[s] for s in slots.tolist()]
         if np.count_nonzero(self.comm[slots] != starts):
             raise FuzzFailure("engine", f"{self.name} commits out of order: requests {ids[:4]} "
                               f"committed {self.comm[slots][:4]} but the step started at "
@@ -589,12 +604,19 @@ class ManagerEngine(_SlotEngine):
 
     def finish(self, op: Launch) -> Sequence[Any]:
         _, slots, incs = self.ops.pop(op)
-        self._release_ops(slots)
+        self.busy[slots] -= 1
         st = self.state[slots]
         live = (self.inc[slots] == incs) & ((st == _RUNNING) | (st == _RECEIVING))
-        slots, starts, n = slots[live], op.starts[live], op.num_new[live]
+        ids: Sequence[Any] | None = None
+        if np.count_nonzero(live) == live.size:  # (the usual case: nothing gone, all commit)
+            starts, n, ids = op.starts, op.num_new, op.request_ids
+        else:
+            # (_release_ops, with the states at hand: gone requests' slots become reusable)
+            for s in slots[(st == _GONE) & (self.busy[slots] == 0)].tolist():
+                self._free.append(s)
+            slots, starts, n = slots[live], op.starts[live], op.num_new[live]
         if "commit_at_launch" not in self.bugs or op.kind == "transfer":
-            self._commit(slots, starts, n)
+            self._commit(slots, starts, n, ids)
         if op.kind == "transfer":
             self.state[slots] = _RUNNING
         return self._finish_done(slots)

@@ -77,6 +77,8 @@ _EMPTY32 = np.empty(0, dtype=np.int32)
 _EMPTY32.flags.writeable = False
 _EMPTY64 = np.empty(0, dtype=np.int64)
 _EMPTY64.flags.writeable = False
+_min = np.minimum.reduce  # the ufunc reductions: a little cheaper than ndarray.min() / .max()
+_max = np.maximum.reduce
 
 
 class FuzzFailure(IntegrityError):
@@ -113,8 +115,8 @@ _S33 = np.uint64(33)
 _powers: dict[str, npt.NDArray[np.uint64]] = {}
 
 
-def _power_table(n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """``B**i`` and ``B**-i`` mod 2**64 for ``i < n`` (grown on demand, shared)."""
+def _power_table(n: int) -> tuple[npt.NDArray[np.uint64], ...]:
+    """``B**i``, ``B**-i`` and ``i * POS`` mod 2**64 for ``i < n`` (grown on demand, shared)."""
     have = _powers.get("b")
     if have is None or have.size < n:
         size = max(n, 1024, 0 if have is None else 2 * have.size)
@@ -125,7 +127,8 @@ def _power_table(n: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]
             binv[0] = 1
             _powers["b"] = np.multiply.accumulate(b)
             _powers["binv"] = np.multiply.accumulate(binv)
-    return _powers["b"][:n], _powers["binv"][:n]
+            _powers["pos"] = np.arange(size, dtype=np.uint64) * _POS
+    return _powers["b"][:n], _powers["binv"][:n], _powers["pos"][:n]
 
 
 def namespace_key(namespace: Any) -> int:
@@ -141,21 +144,23 @@ def kv_value_array(ns_key: int, tokens: npt.ArrayLike) -> Int64Array:
     ``0 .. i`` (computed for all positions at once: ``h(i) = B**i * sum_j (t_j + 1) B**-j``), so
     two streams agree at ``i`` only if they agree on the namespace and the whole prefix.
     """
-    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+    t = np.asarray(tokens, dtype=np.int64).view(np.uint64)  # (the same bits as astype)
     n = t.size
     if n == 0:
         return np.empty(0, dtype=np.int64)
-    pb, pinv = _power_table(n)
-    with np.errstate(over="ignore"):
-        s = np.cumsum((t + np.uint64(1)) * pinv, dtype=np.uint64)
-        h = pb * s
-        h ^= np.uint64(ns_key)
-        h += np.arange(n, dtype=np.uint64) * _POS
-        h ^= h >> _S33
-        h *= _M1
-        h ^= h >> _S33
-        h *= _M2
-        h ^= h >> _S33
+    pb, pinv, pos = _power_table(n)
+    # (Array arithmetic wraps mod 2**64 silently: no np.errstate needed, it costs 2 us a call.)
+    s = t + np.uint64(1)
+    s *= pinv
+    np.cumsum(s, out=s)
+    h = pb * s
+    h ^= np.uint64(ns_key)
+    h += pos
+    h ^= h >> _S33
+    h *= _M1
+    h ^= h >> _S33
+    h *= _M2
+    h ^= h >> _S33
     out = h.view(np.int64)
     out |= 1  # never 0: 0 is a slot nothing wrote
     return out
@@ -222,8 +227,8 @@ class Launch:
         hit); default False: old positions are read before the step's writes land
     """
 
-    __slots__ = ("copy_dst", "copy_src", "ent_c", "ent_flat", "ent_m", "fence", "guard",
-                 "held_sources", "id", "kind", "kv_indices", "kv_indptr", "mrows", "num_new",
+    __slots__ = ("copy_dst", "copy_src", "ent_flat", "fence", "guard", "held_sources", "id",
+                 "kind", "kv_counts", "kv_indices", "kv_indptr", "mrows", "num_new",
                  "pending_copies", "request_ids", "slot_mapping", "starts", "write_pages",
                  "writes_first")
 
@@ -243,7 +248,7 @@ class Launch:
         self.slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
         self.copy_src = np.asarray(copy_src, dtype=np.int64)
         self.copy_dst = np.asarray(copy_dst, dtype=np.int64)
-        self.held_sources = (self.copy_src if held_sources is None
+        self.held_sources = (self.copy_src if held_sources is None or held_sources is copy_src
                              else np.asarray(held_sources, dtype=np.int64))
         self.fence = fence
         self.kind = kind
@@ -262,7 +267,8 @@ class Launch:
         self.mrows = _EMPTY64
         self.guard = _EMPTY64
         self.write_pages = _EMPTY64
-        self.ent_m = self.ent_c = self.ent_flat = _EMPTY64  # per CSR entry: row, column
+        self.ent_flat = _EMPTY64  # per CSR entry: its place in the model's [rows, width]
+        self.kv_counts = _EMPTY64  # pages each request reads
         self.pending_copies = 0
 
     def __repr__(self) -> str:
@@ -324,29 +330,32 @@ class Timeline:
         self.map = np.full((max_requests, width), -1, dtype=np.int64)  # pages each maps
         self._map_flat = self.map.reshape(-1)
         self.map_len = np.zeros(max_requests, dtype=np.int64)
-        self.vpages = np.full((max_requests, width), -1, dtype=np.int64)  # pages last read
-        self._vpages_flat = self.vpages.reshape(-1)
+        # The version (see ``pver``) of the page each entry held when the request last read it.
+        self.vseen = np.full((max_requests, width), -1, dtype=np.int64)
+        self._vseen_flat = self.vseen.reshape(-1)
         self._arange = np.arange(max_requests * width + 1, dtype=np.int64)
-        self.vepoch = np.zeros(max_requests, dtype=np.int64)
         self._free_mrows = list(range(max_requests - 1, -1, -1))
-        self.mrow_ops = np.zeros(max_requests, dtype=np.int64)  # device ops listing the row
-        self._mrow_epoch = 0  # bumped when a row changes hands
-        self._mrows_of: dict[tuple[Any, ...], Int64Array] = {}  # recent batches' rows
-        self._mrows_epoch = 0
         self.reqs: dict[Any, _Req] = {}
+        self._mrow_of: dict[Any, int] = {}  # request id -> its row (written with ``reqs``)
+        self._ns_keys: dict[str, int] = {}  # repr(namespace) -> namespace_key(namespace)
         # Per page.
         self.holders = np.zeros(n, dtype=np.int64)  # request mappings in the model
         self.copy_hold = np.zeros(n, dtype=np.int64)  # copy-on-write sources awaiting a reserve
         self._copy_hold_pages = _EMPTY64
         self.guard = np.zeros(n, dtype=np.int64)  # in-flight ops listing the page
-        self.pepoch = np.zeros(n, dtype=np.int64)  # landing that last wrote it
+        # Which page it is and which landing last wrote it (epoch * num_pages + page): a read
+        # through an entry is new if the entry's page or that page's content changed since.
+        self.pver = np.arange(n, dtype=np.int64)
         self.epoch = 1
+        # What the last move saw (copies in the manager's own dtypes: compared every move).
         self._seen_tags = manager.allocator.tags.copy()
         self._max_tag = int(self._seen_tags.max(initial=0))
-        self._seen_rc = manager.allocator.refcounts.astype(np.int64)
-        self._seen_held = manager.fences.held.astype(np.int64)
+        self._seen_rc = manager.allocator.refcounts.copy()
+        self._num_live = int(np.count_nonzero(self._seen_rc))  # pages with a holder, as seen
+        self._seen_held = manager.fences.held.copy()
         self._held_any = True
         self._dirty: list[Int64Array] = []
+        self._page_mask = np.zeros(n, dtype=bool)  # scratch, all False between uses
         # Device queues.
         self.in_flight: deque[Launch] = deque()  # steps, launch order
         self.transfers: list[Launch] = []
@@ -383,12 +392,16 @@ class Timeline:
                     "or abort some before submitting more"
                 )
         mrow = self._free_mrows.pop()
-        self.val[mrow, : spec.max_len] = kv_value_array(namespace_key(spec.namespace),
-                                                        spec.tokens)
-        self.vpages[mrow] = -1
+        ns = repr(spec.namespace)  # (what namespace_key hashes: 1 and True are two tenants)
+        key = self._ns_keys.get(ns)
+        if key is None:
+            key = self._ns_keys[ns] = namespace_key(spec.namespace)
+        self.val[mrow, : spec.max_len] = kv_value_array(key, spec.tokens)
+        self.vseen[mrow] = -1
         self.map[mrow] = -1
         self.map_len[mrow] = 0
         self.reqs[spec.request_id] = _Req(spec, mrow)
+        self._mrow_of[spec.request_id] = mrow
 
     def forget(self, request_id: Any) -> None:
         """The fuzzer is done with a request (finished or aborted): its row can be reused once
@@ -398,10 +411,13 @@ class Timeline:
             req.alive = False
 
     def _collect(self) -> None:
-        ops = self.mrow_ops
-        for rid in [r for r, q in self.reqs.items() if not q.alive and ops[q.mrow] == 0]:
+        """Forget the finished requests that no op on the device lists (their rows are free)."""
+        listed: set[int] = set()
+        for op in (*self.in_flight, *self.transfers):
+            listed.update(op.mrows.tolist())
+        for rid in [r for r, q in self.reqs.items() if not q.alive and q.mrow not in listed]:
             q = self.reqs.pop(rid)
-            self._mrow_epoch += 1
+            del self._mrow_of[rid]
             if self.map_len[q.mrow]:
                 self._unmap(q.mrow)
             self._free_mrows.append(q.mrow)
@@ -450,13 +466,12 @@ class Timeline:
             if kind in ("admit", "fork"):
                 p = pages.astype(np.int64)
                 self._set_map(req.mrow, p)
-                self.vpages[req.mrow] = -1
+                self.vseen[req.mrow] = -1
                 if kind == "admit" and detail and self.strict_commits:
                     hits = p[: int(detail) // self.P]
                     self.counts["hits"] += 1
-                    pending = self.unlanded_pages()
-                    if hits.size and pending.size and np.isin(hits, pending).any():
-                        bad = hits[np.isin(hits, pending)]
+                    bad = self._unlanded_among(hits)
+                    if bad.size:
                         raise FuzzFailure(
                             "landed_hit", f"request {rid!r} reuses cached pages "
                             f"{bad.tolist()[:8]} whose K/V writes have not landed yet")
@@ -469,48 +484,42 @@ class Timeline:
         """The launch's metadata tells the model each request's first pages now (growth and
         copy-on-write happen in reserve, which emits no per-request event)."""
         ids = op.request_ids
-        cache = self._mrows_of
-        if self._mrow_epoch != self._mrows_epoch:
-            cache.clear()
-            self._mrows_epoch = self._mrow_epoch
-        mrows = cache.get(ids)
-        if mrows is None:
-            reqs = self.reqs
-            try:
-                mrows = np.array([reqs[rid].mrow for rid in ids], dtype=np.int64)
-            except KeyError as e:
-                raise FuzzFailure("engine", f"{op!r} lists request {e.args[0]!r}, which the "
-                                  "fuzzer never submitted") from None
-            if len(cache) > 8:
-                cache.clear()
-            cache[ids] = mrows
-        self.mrow_ops[mrows] += 1
+        try:
+            mrows = np.fromiter(map(self._mrow_of.__getitem__, ids), dtype=np.int64,
+                                count=len(ids))
+        except KeyError as e:
+            raise FuzzFailure("engine", f"{op!r} lists request {e.args[0]!r}, which the "
+                              "fuzzer never submitted") from None
         op.mrows = mrows
         indptr, pages = op.kv_indptr, op.kv_indices
         nnz = pages.size
-        if nnz and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+        if nnz and int(_max(pages.view(np.uint64))) >= self.num_pages:  # (negatives wrap)
             raise FuzzFailure("reads", f"{op!r} lists page ids outside 0..{self.num_pages - 1}")
         counts = indptr[1:] - indptr[:-1]
         if indptr[0] != 0 or indptr[-1] != nnz or (
-                counts.size and int(counts.max()) > self.width):
+                counts.size and int(_max(counts)) > self.width):
             raise FuzzFailure("reads", f"{op!r} has a malformed CSR (kv_indptr {indptr[:8]})")
-        ent_m = mrows.repeat(counts)
+        # Entry k of the CSR is column k - indptr[b] of its request b's model row.
         ar = self._arange if nnz <= self._arange.size else np.arange(nnz, dtype=np.int64)
-        ent_c = ar[:nnz] - indptr[:-1].repeat(counts)
-        flat = ent_m * self.width + ent_c
-        op.ent_m, op.ent_c, op.ent_flat = ent_m, ent_c, flat
-        old = self._map_flat[flat]
+        flat = (mrows * self.width - indptr[:-1]).repeat(counts)
+        flat += ar[:nnz]
+        op.ent_flat = flat
+        op.kv_counts = counts
+        old = self._map_flat.take(flat)
         changed = (old != pages).nonzero()[0]
         if changed.size:
             o = old[changed]
-            o = o[o >= 0]
+            o = o[o >= 0]  # (none when the changed entries are pages just added at the end)
+            if o.size:
+                np.subtract.at(self.holders, o, 1)
+                self._dirty.append(o)
             new = pages[changed]
-            np.subtract.at(self.holders, o, 1)
             np.add.at(self.holders, new, 1)
             self._map_flat[flat[changed]] = new
-            self._dirty.append(o)
             self._dirty.append(new)
-            np.maximum.at(self.map_len, ent_m[changed], ent_c[changed] + 1)
+            # A request's CSR covers its first columns: it maps at least that many now (.at: a
+            # request listed twice by a buggy engine keeps the longer).
+            np.maximum.at(self.map_len, mrows, counts)
         # The manager keeps the latest reserve's copy-on-write sources until the next reserve.
         if self._copy_hold_pages.size:
             np.subtract.at(self.copy_hold, self._copy_hold_pages, 1)
@@ -555,7 +564,10 @@ class Timeline:
         self.moves += 1
 
     def _check_pages(self) -> None:
-        """Tags, happens-before, refcounts and conservation over the pages that changed."""
+        """Tags, happens-before, refcounts and conservation over the pages that changed.
+
+        One comparison per page array (tags, refcounts, fence holds) with what the previous
+        move saw finds the pages that changed, whoever changed them; only those are checked."""
         alloc = self.mgr.allocator
         tags = alloc.tags
         self.counts["page_checks"] += 1
@@ -567,11 +579,16 @@ class Timeline:
         parts = self._dirty
         d_rc = (rc != self._seen_rc).nonzero()[0]
         if d_rc.size:
+            # (Only the pages that changed are touched: the page arrays are the memory traffic.)
             parts.append(d_rc)
-            if alloc.num_free + np.count_nonzero(rc) != self.num_pages:
+            now = rc[d_rc]
+            self._num_live += (int(np.count_nonzero(now))
+                               - int(np.count_nonzero(self._seen_rc[d_rc])))
+            self._seen_rc[d_rc] = now
+            if alloc.num_free + self._num_live != self.num_pages:
                 raise FuzzFailure(
-                    "conservation", f"{alloc.num_free} free + {int(np.count_nonzero(rc))} live "
-                    f"pages != {self.num_pages}")
+                    "conservation", f"{alloc.num_free} free + {self._num_live} live pages != "
+                    f"{self.num_pages}")
         fences = self.mgr.fences
         held = fences.held
         holds = fences.holds_any
@@ -586,13 +603,10 @@ class Timeline:
             self._dirty = []
             if dirty.size:
                 self._check_refcounts(dirty, rc, held)
-            if d_rc.size:
-                self._seen_rc[d_rc] = rc[d_rc]
 
     def _check_tags(self, changed: Int64Array, tags: Int64Array) -> None:
-        guarded = changed[self.guard[changed] > 0]
-        if guarded.size:
-            p = int(guarded[0])
+        if np.count_nonzero(self.guard[changed]):
+            p = int(changed[self.guard[changed] > 0][0])
             op = self._op_guarding(p)
             was = int(self._seen_tags[p])
             now = int(tags[p])
@@ -601,22 +615,21 @@ class Timeline:
                 f"{'freed' if now == 0 else 'reallocated'}) while {op!r}, which lists it, "
                 "has not completed on the device")
         new = tags[changed]
-        new = new[new != 0]
+        self._seen_tags[changed] = new
+        new = np.sort(new[new != 0])  # (a freed page's tag is 0)
         if new.size:
-            if int(new.min()) <= self._max_tag or (
-                    new.size > 1 and np.unique(new).size != new.size):
+            if int(new[0]) <= self._max_tag or np.count_nonzero(new[1:] == new[:-1]):
                 raise FuzzFailure(
                     "tags", f"pages {changed.tolist()[:8]} got tags {new.tolist()[:8]}, not "
                     f"all above the previous highest tag {self._max_tag} and distinct")
-            self._max_tag = int(new.max())
-        self._seen_tags[changed] = tags[changed]
+            self._max_tag = int(new[-1])
 
     def _check_refcounts(self, pages: Int64Array, rc: Int32Array, held: Int32Array) -> None:
         # (held: the fences' references, copy-on-write sources awaiting their copy included)
         cache = self.mgr.cache
         want = self.holders[pages] + held[pages]
-        if cache is not None:
-            want += cache.is_cached(pages)
+        if cache is not None:  # (int32 ids: the cache converts nothing)
+            want += cache.is_cached(pages.astype(np.int32))
         bad = (rc[pages] != want).nonzero()[0]
         if bad.size:
             p = pages[bad]
@@ -646,6 +659,11 @@ class Timeline:
         self._check_refcounts(pages, mgr.allocator.refcounts, mgr.fences.held)
         if np.count_nonzero(mgr.allocator.tags != self._seen_tags):
             raise FuzzFailure("tags", "the tags changed without the per-move check seeing it")
+        live = int(np.count_nonzero(mgr.allocator.refcounts))
+        if live != self._num_live or mgr.allocator.num_free + live != self.num_pages:
+            raise FuzzFailure("conservation", f"{mgr.allocator.num_free} free + {live} live "
+                              f"pages != {self.num_pages}, or the per-move count "
+                              f"({self._num_live}) missed a change")
         if self.extra_check is not None:
             self.extra_check()
         held_for_steps = mgr.fences.num_held - int(self.copy_hold.sum())
@@ -662,13 +680,18 @@ class Timeline:
         self._next_op += 1
         P = self.P
         slots = op.slot_mapping
-        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= self.num_pages * P):
+        if slots.size and int(_max(slots.view(np.uint64))) >= self.num_pages * P:
             raise FuzzFailure("reads", f"{op!r} writes slots outside the pool")
         op.write_pages = slots // P
+        if op.copy_src.size:
+            copies = np.concatenate([op.copy_src, op.copy_dst])
+            if int(_max(copies.view(np.uint64))) >= self.num_pages:
+                raise FuzzFailure("engine", f"{op!r} copies page ids outside "
+                                  f"0..{self.num_pages - 1}")
         if not (self.stream_ordered and op.kind == "step" and not op.copy_src.size):
             op.guard = (np.concatenate([op.kv_indices, op.write_pages, op.copy_src, op.copy_dst])
                         if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages]))
-            self.guard += np.bincount(op.guard, minlength=self.num_pages)
+            np.add.at(self.guard, op.guard, 1)
         op.pending_copies = int(op.copy_src.size)
         if op.fence is not None:
             if op.fence in self._retired:
@@ -695,6 +718,19 @@ class Timeline:
         parts += [op.write_pages for op in self.transfers]
         return np.concatenate(parts) if parts else _EMPTY64
 
+    def _unlanded_among(self, pages: Int64Array) -> Int64Array:
+        """Those of ``pages`` that a launched write has not landed in yet."""
+        if not pages.size:
+            return _EMPTY64
+        pending = self.unlanded_pages()
+        if not pending.size:
+            return _EMPTY64
+        mask = self._page_mask
+        mask[pending] = True
+        found = pages[mask[pages]]
+        mask[pending] = False
+        return found
+
     def can_land_copy(self) -> bool:
         return bool(self.in_flight) and self.in_flight[0].pending_copies > 0
 
@@ -707,7 +743,7 @@ class Timeline:
         src, dst = int(op.copy_src[i]), int(op.copy_dst[i])
         P = self.P
         self.kv[dst * P : (dst + 1) * P] = self.kv[src * P : (src + 1) * P]
-        self.pepoch[dst] = self.epoch
+        self.pver[dst] = self.epoch * self.num_pages + dst
         self.epoch += 1
         self.guard[src] -= 1  # the copy no longer reads its source
         op.pending_copies -= 1
@@ -743,27 +779,36 @@ class Timeline:
         g = op.guard
         if op.copy_src.size:  # each copy's source was released when it landed
             g = np.concatenate([op.kv_indices, op.write_pages, op.copy_dst])
-        self.guard -= np.bincount(g, minlength=self.num_pages)
+        np.subtract.at(self.guard, g, 1)
         if op.fence is not None:
             self._open_fences.pop(op.fence, None)
-        self.mrow_ops[op.mrows] -= 1
         if op.fence is not None:
             self.to_retire.append(op)
         self.to_finish.append(op)
 
-    def _land_writes(self, op: Launch) -> tuple[Int64Array, Int64Array]:
-        """The op's K/V writes land; returns each written token's position and value."""
+    def _land_writes(self, op: Launch) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The op's K/V writes land; returns each written token's request (index in the op),
+        position and value."""
         counts = op.num_new
-        total = int(counts.sum())
-        if not total:
-            return _EMPTY64, _EMPTY64
-        ar = self._arange if total <= self._arange.size else np.arange(total, dtype=np.int64)
-        pos = (op.starts - np.cumsum(counts) + counts).repeat(counts) + ar[:total]
-        values = self.val[op.mrows.repeat(counts), pos]
+        b = counts.size
+        if b and op.slot_mapping.size == b and int(_min(counts)) == 1:  # a token each (decode)
+            tb = self._arange[:b]
+            pos = op.starts
+            values = self.val[op.mrows, pos]
+        else:
+            total = int(counts.sum())
+            if not total:
+                return _EMPTY64, _EMPTY64, _EMPTY64
+            ar = self._arange if total <= self._arange.size else np.arange(total,
+                                                                            dtype=np.int64)
+            tb = ar[:b].repeat(counts)
+            pos = (op.starts - np.cumsum(counts) + counts)[tb] + ar[:total]
+            values = self.val[op.mrows[tb], pos]
         self.kv[op.slot_mapping] = values
-        self.pepoch[op.write_pages] = self.epoch
+        wp = op.write_pages
+        self.pver[wp] = self.epoch * self.num_pages + wp
         self.epoch += 1
-        return pos, values
+        return tb, pos, values
 
     def _check_reads(self, op: Launch) -> None:
         """Every position a request reads (``< starts + num_new``) holds its own value.
@@ -776,37 +821,36 @@ class Timeline:
         into one slot, leaves a wrong value there). A ``writes_first`` step lands its writes
         before any read."""
         P = self.P
-        pages, mrows, starts = op.kv_indices, op.mrows, op.starts
-        ent_m, flat = op.ent_m, op.ent_flat
+        pages, mrows, starts, indptr = op.kv_indices, op.mrows, op.starts, op.kv_indptr
+        flat = op.ent_flat
         landed = self._land_writes(op) if op.writes_first else None
-        dirty = ((self._vpages_flat[flat] != pages)
-                 | (self.pepoch[pages] > self.vepoch[ent_m])).nonzero()[0]
+        dirty = (self._vseen_flat.take(flat) != self.pver.take(pages)).nonzero()[0]
         if dirty.size:
-            counts = op.kv_indptr[1:] - op.kv_indptr[:-1]
-            db = self._arange[: mrows.size].repeat(counts)[dirty]
-            pos = (op.ent_c[dirty] * P)[:, None] + self._arange_p
-            old = pos < starts[db][:, None]
-            if old.any():
+            db = indptr.searchsorted(dirty, side="right") - 1  # each dirty entry's request
+            first = (dirty - indptr[db]) * P  # the first position its page holds
+            some_old = (first < starts[db]).nonzero()[0]  # (a page just added holds none)
+            if some_old.size:
+                dirty, db, first = dirty[some_old], db[some_old], first[some_old]
+                pos = first[:, None] + self._arange_p
+                old = pos < starts[db][:, None]
                 slots = (pages[dirty] * P)[:, None] + self._arange_p
                 want = self.val[mrows[db][:, None], np.minimum(pos, self.max_len)]
                 got = self.kv[slots]
                 bad = old & (got != want)
-                if bad.any():
+                if np.count_nonzero(bad):
                     self._read_failure(op, db, pos, slots, bad, got, want,
                                        "after the step's writes" if landed is not None else
                                        "before the step's writes")
-        pos, values = self._land_writes(op) if landed is None else landed
+        tb, pos, values = self._land_writes(op) if landed is None else landed
         if pos.size:
-            tb = self._arange[: mrows.size].repeat(op.num_new)
-            entry = op.kv_indptr[:-1][tb] + pos // P
-            slots = pages[entry] * P + pos % P
+            col, off = np.divmod(pos, P)
+            slots = pages[indptr[tb] + col] * P + off
             got = self.kv[slots]
             bad = got != values
-            if bad.any():
+            if np.count_nonzero(bad):
                 self._read_failure(op, tb[:, None], pos[:, None], slots[:, None], bad[:, None],
                                    got[:, None], values[:, None], "after the step's writes")
-        self._vpages_flat[flat] = pages
-        self.vepoch[mrows] = self.epoch
+        self._vseen_flat[flat] = self.pver.take(pages)
         self.num_reads += 1
         self.counts["reads"] += 1
 
