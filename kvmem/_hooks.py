@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._manager_types import HOOK_KINDS, HookError, KVEvent, ManagerEvent
-from kvmem.errors import ArgumentError
+from kvmem._manager_types import HOOK_KINDS, KVEvent, ManagerEvent
+from kvmem.errors import ArgumentError, HookError
 
 __all__ = ["HookBus"]
 

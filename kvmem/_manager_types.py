@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from kvmem._validate import INT32_MAX, integer
 from kvmem.allocator import HashedPrefixCache, PrefixCache, StepMetadata
-from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, HookError
 from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker, VerifierStats
 
 __all__ = [
@@ -209,13 +209,6 @@ class AllPagesCleared:
 
 
 KVEvent = PagesStored | PagesRemoved | AllPagesCleared
-
-
-class HookError(KVMemError):
-    """A hook raised. The operation that triggered it completed (``result`` is what it
-    returned: a step's metadata, a handle, a report); every other hook still ran."""
-
-    result: Any = None
 
 
 # -- the constructor's other arguments -----------------------------------------------------------

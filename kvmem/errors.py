@@ -7,6 +7,7 @@
     ├── InvalidFreeError                a free of a page that is free, out of range, or over-freed
     ├── IntegrityError                  bookkeeping or a request's page mapping is inconsistent
     ├── ConcurrentUseError              a second thread entered a manager another one is in
+    ├── HookError                       a hook raised; the operation itself completed
     ├── ArgumentError (ValueError)      an argument of the right type with a value that cannot
     │   │                               work: out of range, wrong shape, unknown name
     │   ├── ConfigError                 a spec, plan or model description that cannot work
@@ -15,8 +16,9 @@
                                         an integer is expected, a list where a tensor is
 
 Messages say what was asked, what was found, and what to do. An operation that raises has
-changed no state. The contract every public entry point keeps (what "integer-like" means,
-page ids that never wrap, negative ids that never index from the end) is in docs/errors.md.
+changed no state, except where a hook raised (``HookError``): the operation completed first.
+The contract every public entry point keeps (what "integer-like" means, page ids that never
+wrap, negative ids that never index from the end) is in docs/errors.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ArgumentTypeError",
     "ConcurrentUseError",
     "ConfigError",
+    "HookError",
     "IntegrityError",
     "InvalidFreeError",
     "KVMemError",
@@ -78,6 +81,13 @@ class ConfigError(ArgumentError):
 class MetadataError(ArgumentError):
     """Kernel metadata given to ``verify`` is malformed (a field of the wrong shape, a CSR whose
     ``kv_indptr`` does not fit its ``kv_indices``...): it was refused, nothing changed."""
+
+
+class HookError(KVMemError):
+    """A hook raised. The operation that triggered it completed (``result`` is what it
+    returned: a step's metadata, a handle, a report); every other hook still ran."""
+
+    result: object = None
 
 
 class ConcurrentUseError(KVMemError):

@@ -21,6 +21,7 @@ EXPECTED = {
     "GPUSpec",
     "GrowResult",
     "HashedPrefixCache",
+    "HookError",
     "IntegrityError",
     "IntegrityReport",
     "InvalidFreeError",
@@ -61,7 +62,8 @@ def test_public_names_are_pinned() -> None:
 
 def test_errors_share_one_root() -> None:
     for name in ("ConfigError", "IntegrityError", "InvalidFreeError", "OutOfPagesError",
-                 "MetadataError", "ConcurrentUseError", "ArgumentError", "ArgumentTypeError"):
+                 "MetadataError", "ConcurrentUseError", "ArgumentError", "ArgumentTypeError",
+                 "HookError"):
         assert issubclass(getattr(kvmem, name), kvmem.KVMemError)
     for name in ("ConfigError", "MetadataError", "ArgumentError"):
         assert issubclass(getattr(kvmem, name), ValueError)

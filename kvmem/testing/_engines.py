@@ -36,8 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._manager_types import HookError
-from kvmem.errors import KVMemError, OutOfPagesError
+from kvmem.errors import HookError, KVMemError, OutOfPagesError
 from kvmem.testing._timeline import FuzzFailure, Launch, RequestSpec
 
 __all__ = ["ENGINES", "FuzzConfig", "FuzzEngine", "ManagerEngine", "ToyEngineAdapter",
