@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.outputs import RequestError
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -30,6 +30,12 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvmem.errors import KVMemError
 from kvmem.integrations.vllm._adapter import VllmKVCacheAdapter
+
+# The mixin's super() calls reach vLLM's Scheduler or AsyncScheduler, whichever it is mixed into.
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
+else:
+    _SchedulerBase = object
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +91,7 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
         raise _refuse("hash lookahead tokens", vllm_config.num_hash_lookahead_tokens)
 
 
-class _KVMemMixin:
+class _KVMemMixin(_SchedulerBase):
     """What both schedulers add: the adapter, the per-step check, integrity aborts."""
 
     kv_cache_manager: Any
@@ -93,6 +99,29 @@ class _KVMemMixin:
     #: handed out (every entry) instead of the step's CSR they are sliced from (incremental).
     #: Subclass to set it, or set KVMEM_VLLM_VERIFY_BLOCK_TABLES=1.
     verify_block_tables: bool = os.environ.get("KVMEM_VLLM_VERIFY_BLOCK_TABLES", "") == "1"
+
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
+                 structured_output_manager: Any, block_size: int,
+                 hash_block_size: int | None = None, *args: Any, **kwargs: Any) -> None:
+        check_supported(vllm_config, kv_cache_config, block_size, hash_block_size)
+        super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
+                         hash_block_size, *args, **kwargs)
+        self._install_kvmem(vllm_config, kv_cache_config, block_size, self.log_stats,
+                            self.enable_kv_cache_events)
+
+    def add_request(self, request: Request) -> None:
+        self._check_request(request)
+        super().add_request(request)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        return self._after_schedule(super().schedule(throttle_prefills))
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._kvmem_aborted:
+            self._report_aborted(outputs)
+        return outputs
 
     def _install_kvmem(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
                        block_size: int, log_stats: bool, enable_kv_cache_events: bool) -> None:
@@ -180,52 +209,6 @@ class _KVMemMixin:
 class KVMemScheduler(_KVMemMixin, Scheduler):
     """vLLM's ``Scheduler`` with kvmem's KV cache bookkeeping and integrity check."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
-                 structured_output_manager: Any, block_size: int,
-                 hash_block_size: int | None = None, *args: Any, **kwargs: Any) -> None:
-        check_supported(vllm_config, kv_cache_config, block_size, hash_block_size)
-        super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
-                         hash_block_size, *args, **kwargs)
-        self._install_kvmem(vllm_config, kv_cache_config, block_size, self.log_stats,
-                            self.enable_kv_cache_events)
-
-    def add_request(self, request: Request) -> None:
-        self._check_request(request)
-        super().add_request(request)
-
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        return self._after_schedule(super().schedule(throttle_prefills))
-
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self._kvmem_aborted:
-            self._report_aborted(outputs)
-        return outputs
-
 
 class KVMemAsyncScheduler(_KVMemMixin, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with kvmem's KV cache bookkeeping and integrity check."""
-
-    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
-                 structured_output_manager: Any, block_size: int,
-                 hash_block_size: int | None = None, *args: Any, **kwargs: Any) -> None:
-        check_supported(vllm_config, kv_cache_config, block_size, hash_block_size)
-        super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
-                         hash_block_size, *args, **kwargs)
-        self._install_kvmem(vllm_config, kv_cache_config, block_size, self.log_stats,
-                            self.enable_kv_cache_events)
-
-    def add_request(self, request: Request) -> None:
-        self._check_request(request)
-        super().add_request(request)
-
-    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        return self._after_schedule(super().schedule(throttle_prefills))
-
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self._kvmem_aborted:
-            self._report_aborted(outputs)
-        return outputs
