@@ -775,6 +775,7 @@ class KVCacheManager:
         return int(self.table.num_tokens[self._row_of(request_id)])
 
     def num_committed(self, request_id: Any) -> int:
+        """Tokens of a running request that were committed (their K/V written)."""
         return int(self.table.num_committed[self._row_of(request_id)])
 
     def pages_of(self, request_id: Any) -> Int32Array:
