@@ -42,14 +42,10 @@ from kvmem.testing._fuzz import (
     schedules,
     shrink,
 )
-from kvmem.testing._timeline import (
-    ORACLES,
-    FuzzFailure,
-    Launch,
-    RequestSpec,
-    Timeline,
-    kv_value_array,
-)
+from kvmem.testing._kv_values import kv_value_array
+from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._oracles import ORACLES, FuzzFailure
+from kvmem.testing._timeline import Timeline
 from kvmem.testing._toy_engine import ToyEngine, kv_values
 from kvmem.testing._vllm_engine import VLLM_ENGINES
 

@@ -37,7 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import HookError, KVMemError, OutOfPagesError
-from kvmem.testing._timeline import FuzzFailure, Launch, RequestSpec
+from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._oracles import FuzzFailure
 
 __all__ = ["ENGINES", "FuzzConfig", "FuzzEngine", "ManagerEngine", "ToyEngineAdapter",
            "make_engine", "subset_step"]

@@ -30,7 +30,9 @@ import numpy.typing as npt
 
 from kvmem.errors import KVMemError
 from kvmem.testing._engines import ENGINES, FuzzConfig, FuzzEngine, make_engine, stable_pick
-from kvmem.testing._timeline import FuzzFailure, Launch, RequestSpec, Timeline
+from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._oracles import FuzzFailure
+from kvmem.testing._timeline import Timeline
 
 __all__ = [
     "HOOK_KINDS_FAILED",
