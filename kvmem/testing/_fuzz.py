@@ -29,7 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import KVMemError
-from kvmem.testing._engines import ENGINES, FuzzConfig, FuzzEngine, make_engine, stable_pick
+from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, stable_pick
+from kvmem.testing._engines import ENGINES, make_engine
 from kvmem.testing._launch import Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
 from kvmem.testing._timeline import Timeline
