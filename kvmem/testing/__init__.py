@@ -24,10 +24,8 @@ from kvmem.testing import faults
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, subset_step
 from kvmem.testing._engines import ENGINES, make_engine
 from kvmem.testing._fuzz import (
-    MOVES,
     CampaignResult,
     FaultResult,
-    Run,
     campaign,
     hunt,
     replay,
@@ -39,6 +37,7 @@ from kvmem.testing._kv_values import kv_value_array
 from kvmem.testing._launch import Launch, RequestSpec
 from kvmem.testing._manager_engine import ManagerEngine
 from kvmem.testing._oracles import ORACLES, FuzzFailure
+from kvmem.testing._run import MOVES, Run
 from kvmem.testing._timeline import Timeline
 from kvmem.testing._toy_adapter import ToyEngineAdapter
 from kvmem.testing._toy_engine import ToyEngine, kv_values

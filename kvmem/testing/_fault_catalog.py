@@ -11,7 +11,7 @@ import numpy.typing as npt
 from kvmem.errors import KVMemError
 
 if TYPE_CHECKING:
-    from kvmem.testing._fuzz import Run
+    from kvmem.testing._run import Run
 
 from kvmem.testing._fault_caches import TenantlessCache, WeakKeyCache
 from kvmem.testing._one_shot_faults import overwrite_page_entry
