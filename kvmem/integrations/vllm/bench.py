@@ -79,7 +79,7 @@ def _instrument(sched: Any, timer: _KVTimer, kvmem: bool) -> Callable[[], None]:
     cls_usage = type(mgr).usage
     blocks_cls: Any
     if kvmem:
-        from kvmem.integrations.vllm._adapter import KVMemBlocks
+        from kvmem.integrations.vllm._blocks import KVMemBlocks
 
         blocks_cls = KVMemBlocks
     else:
