@@ -118,11 +118,12 @@ def _make(rid: str, prompt: list[int], max_tokens: int, block_size: int) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    from kvmem.integrations.vllm.conformance import _block_hasher
+    from kvmem.integrations.vllm._vllm_objects import make_block_hasher
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params,
-                   pooling_params=None, arrival_time=0.0, block_hasher=_block_hasher(block_size))
+                   pooling_params=None, arrival_time=0.0,
+                   block_hasher=make_block_hasher(block_size))
 
 
 def _step(sched: Any) -> Any:
