@@ -134,6 +134,24 @@ def _step(sched: Any) -> Any:
     return out
 
 
+def _prefill(scheds: dict[str, Any], num_requests: int) -> tuple[int, int]:
+    """Step both schedulers until every request decodes (not timed); returns the steps whose
+    schedules differ and the steps taken."""
+    mismatched = 0
+    prefill_steps = 0
+    while True:
+        outs = {name: _step(s) for name, s in scheds.items()}
+        prefill_steps += 1
+        if outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens:
+            mismatched += 1
+        if all(v == 1 for v in outs["vllm"].num_scheduled_tokens.values()) and len(
+                outs["vllm"].num_scheduled_tokens) == num_requests:
+            break
+        if prefill_steps > 10_000:
+            raise RuntimeError("the prefill phase did not end")
+    return mismatched, prefill_steps
+
+
 def _pass(num_requests: int, prompt_len: int, shared_len: int, decode_steps: int,
           block_size: int, async_scheduling: bool, seed: int, instrument: bool
           ) -> dict[str, Any]:
@@ -150,19 +168,7 @@ def _pass(num_requests: int, prompt_len: int, shared_len: int, decode_steps: int
         for rid, prompt in _requests(num_requests, prompt_len, shared_len, max_tokens,
                                      block_size, seed):
             sched.add_request(_make(rid, prompt, max_tokens, block_size))
-    mismatched = 0
-    prefill_steps = 0
-    # Prefill until every request decodes (not timed).
-    while True:
-        outs = {name: _step(s) for name, s in scheds.items()}
-        prefill_steps += 1
-        if outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens:
-            mismatched += 1
-        if all(v == 1 for v in outs["vllm"].num_scheduled_tokens.values()) and len(
-                outs["vllm"].num_scheduled_tokens) == num_requests:
-            break
-        if prefill_steps > 10_000:
-            raise RuntimeError("the prefill phase did not end")
+    mismatched, prefill_steps = _prefill(scheds, num_requests)
     timers = {name: _KVTimer() for name in scheds}
     undo = []
     if instrument:
