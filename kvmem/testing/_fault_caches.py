@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvmem.allocator import PrefixCache, PrefixMatch
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["TenantlessCache", "WeakKeyCache"]
 

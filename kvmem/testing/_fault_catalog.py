@@ -9,12 +9,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import KVMemError
+from kvmem.testing._fault_caches import TenantlessCache, WeakKeyCache
+from kvmem.testing._one_shot_faults import overwrite_page_entry
 
 if TYPE_CHECKING:
     from kvmem.testing._run import Run
-
-from kvmem.testing._fault_caches import TenantlessCache, WeakKeyCache
-from kvmem.testing._one_shot_faults import overwrite_page_entry
 
 __all__ = ["CATALOG", "Fault"]
 
