@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_STEP_MODEL = ThroughputModel(t0_s=0.0054, efficiency=0.70, context_len=4096)
 
 
-# Long for its docstring and argument checks; the loop is kvmem._simulation.Simulation.
 def simulate(
     workload: Workload,
     plan: CapacityPlan | None = None,
@@ -103,6 +102,29 @@ def simulate(
     SimulationReport
     """
     wall0 = time.perf_counter()
+    max_running, chunk, prefill_tokens_per_s, sample_every, prefix_cache = _checked_arguments(
+        workload, plan, step_model, max_running, chunk, prefill_tokens_per_s, sample_every,
+        prefix_cache, progress)
+    plan = plan or plan_capacity(model, gpu, tp, kv_dtype=kv_dtype)
+    sim = _simulation(workload, plan, step_model, max_running, chunk, prefill_tokens_per_s,
+                      sample_every, prefix_cache)
+    sim.run(progress, wall0)
+    return sim.report(wall0)
+
+
+def _checked_arguments(
+    workload: Workload,
+    plan: CapacityPlan | None,
+    step_model: ThroughputModel | None,
+    max_running: int,
+    chunk: int,
+    prefill_tokens_per_s: float | None,
+    sample_every: float | None,
+    prefix_cache: bool,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[int, int, float | None, float | None, bool]:
+    """:func:`simulate`'s arguments checked: ``(max_running, chunk, prefill_tokens_per_s,
+    sample_every, prefix_cache)``."""
     if not isinstance(workload, Workload):
         raise ArgumentTypeError(f"workload={show(workload)}: expected a Workload.")
     if plan is not None and not isinstance(plan, CapacityPlan):
@@ -120,18 +142,29 @@ def simulate(
     prefix_cache = flag(prefix_cache, "prefix_cache")
     if progress is not None and not callable(progress):
         raise ArgumentTypeError(f"progress={show(progress)}: expected None or a callable.")
-    plan = plan or plan_capacity(model, gpu, tp, kv_dtype=kv_dtype)
+    return max_running, chunk, prefill_tokens_per_s, sample_every, prefix_cache
+
+
+def _simulation(
+    workload: Workload,
+    plan: CapacityPlan,
+    step_model: ThroughputModel | None,
+    max_running: int,
+    chunk: int,
+    prefill_tokens_per_s: float | None,
+    sample_every: float | None,
+    prefix_cache: bool,
+) -> Simulation:
+    """The simulation of ``workload`` on a manager over ``plan``'s pool, ready to run."""
     mgr = _manager(plan, workload, max_running, prefix_cache)
     arr = Arrivals(workload)
     _check_fits(arr, plan)
     clock = StepClock(plan, step_model or DEFAULT_STEP_MODEL)
     if sample_every is None:
         sample_every = _default_sample_every(arr, workload, clock)
-    sim = Simulation(
+    return Simulation(
         workload, plan, mgr, arr, clock, max_running, chunk, prefill_tokens_per_s, sample_every
     )
-    sim.run(progress, wall0)
-    return sim.report(wall0)
 
 
 def _manager(

@@ -21,20 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvmem.testing import faults
-from kvmem.testing._engines import (
-    ENGINES,
-    FuzzConfig,
-    FuzzEngine,
-    ManagerEngine,
-    ToyEngineAdapter,
-    make_engine,
-    subset_step,
-)
+from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, subset_step
+from kvmem.testing._engines import ENGINES, make_engine
 from kvmem.testing._fuzz import (
-    MOVES,
     CampaignResult,
     FaultResult,
-    Run,
     campaign,
     hunt,
     replay,
@@ -42,14 +33,13 @@ from kvmem.testing._fuzz import (
     schedules,
     shrink,
 )
-from kvmem.testing._timeline import (
-    ORACLES,
-    FuzzFailure,
-    Launch,
-    RequestSpec,
-    Timeline,
-    kv_value_array,
-)
+from kvmem.testing._kv_values import kv_value_array
+from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._manager_engine import ManagerEngine
+from kvmem.testing._oracles import ORACLES, FuzzFailure
+from kvmem.testing._run import MOVES, Run
+from kvmem.testing._timeline import Timeline
+from kvmem.testing._toy_adapter import ToyEngineAdapter
 from kvmem.testing._toy_engine import ToyEngine, kv_values
 from kvmem.testing._vllm_engine import VLLM_ENGINES
 

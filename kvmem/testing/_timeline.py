@@ -1,4 +1,4 @@
-"""The device timeline: a deterministic model of an asynchronous engine's device, and the oracles.
+"""The device timeline: a deterministic model of an asynchronous engine's device.
 
 An engine that overlaps host scheduling with device work has several actors: the scheduler
 (admit, reserve, commit, preempt, abort, release), the device's step stream (steps launched in
@@ -13,41 +13,13 @@ the device side and checks, after every move, what must hold whatever the interl
     host       -> retire(op): the engine learns the op is done on the device (retires its fence)
                -> finish(op): the engine processes the op's outputs (commit, release finished)
 
-Device memory holds one int64 "K/V value" per token slot; the value of position ``i`` of a
-request depends on its namespace and every token up to ``i`` (:func:`kv_value_array`), so a
-read through a wrong page, of a slot not yet written, or of another tenant's page is visible.
-
-Oracles (each named; :class:`FuzzFailure.oracle` says which fired):
-
-=================  ==========================================================================
-``happens_before`` no page listed by a launched op (step reads and writes, copy source and
-                   destination, transfer) changes lifetime (tag) before the op completes
-``fences``         an op's fence (step handle) is not retired before the op completes on the
-                   device, and is retired when the host learns of the completion
-``reads``          every read of a step sees exactly the K/V of its request's own tokens in its
-                   own namespace (old positions before the step's writes land, new ones after)
-``landed_hit``     a prefix hit never reuses a page whose write has not landed (kvmem's contract:
-                   commit means written; ``strict_commits=False`` leaves only the same-step
-                   hit, which ``reads`` sees, for engines that rely on one stream's order)
-``tags``           every new lifetime gets a tag above every earlier one (tags never repeat)
-``refcounts``      each page's refcount equals its holders in the model: request mappings (from
-                   admit/fork events and the launched steps' metadata) + the prefix cache + the
-                   step fences + copy-on-write sources awaiting their copy
-``conservation``   free + live pages == total
-``verify``         verify aborted a request (a false positive on a correct run)
-``requests``       the manager holds exactly the requests the engine has not finished or aborted
-``check``          ``KVCacheManager.check()`` (full bookkeeping), every ``check_every`` moves
-``kvmem_error``    a manager call raised where the engine did not expect it
-=================  ==========================================================================
-
-The checks after a move are incremental: one comparison of the tags, refcounts and fence holds
-with their previous values finds the pages that changed, and only those are checked; a step's
-reads re-read only the pages that changed or were written since its request last read them.
+Device memory holds one int64 "K/V value" per token slot (:mod:`kvmem.testing._kv_values`), so
+a read through a wrong page, of a slot not yet written, or of another tenant's page is visible.
+The oracles are :class:`~kvmem.testing._oracles.Oracles`, the timeline's base class.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -55,229 +27,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import IntegrityError, KVMemError
+from kvmem.errors import KVMemError
+from kvmem.testing._kv_values import kv_value_array, namespace_key
+from kvmem.testing._launch import EMPTY64, Launch, RequestSpec
+from kvmem.testing._oracles import FuzzFailure, Oracles
 
-__all__ = [
-    "ORACLES",
-    "FuzzFailure",
-    "Launch",
-    "RequestSpec",
-    "Timeline",
-    "kv_value_array",
-    "namespace_key",
-]
+__all__ = ["Timeline"]
 
 Int64Array = npt.NDArray[np.int64]
-Int32Array = npt.NDArray[np.int32]
 
-ORACLES = ("happens_before", "fences", "reads", "landed_hit", "tags", "refcounts",
-           "conservation", "verify", "requests", "check", "kvmem_error", "engine")
-
-_EMPTY32 = np.empty(0, dtype=np.int32)
-_EMPTY32.flags.writeable = False
-_EMPTY64 = np.empty(0, dtype=np.int64)
-_EMPTY64.flags.writeable = False
 _min = np.minimum.reduce  # the ufunc reductions: a little cheaper than ndarray.min() / .max()
 _max = np.maximum.reduce
-
-
-class FuzzFailure(IntegrityError):
-    """An oracle fired: the interleaving broke an invariant (or a fault was detected).
-
-    Attributes
-    ----------
-    oracle: the oracle that fired first (one of :data:`ORACLES`)
-    move: index of the move after which it fired (None: the final check)
-    also: other oracles that fired at the same move
-    """
-
-    def __init__(self, oracle: str, message: str, move: int | None = None,
-                 also: tuple[str, ...] = ()) -> None:
-        self.oracle = oracle
-        self.detail = message
-        self.move = move
-        self.also = also
-        super().__init__(oracle, message)
-
-    def __str__(self) -> str:
-        where = "at the final check" if self.move is None else f"after move {self.move}"
-        return f"[{self.oracle}] {where}: {self.detail}"
-
-
-# -- K/V values --------------------------------------------------------------------------------
-
-_B = 0x9E3779B97F4A7C15  # odd, so invertible mod 2**64
-_B_INV = pow(_B, -1, 1 << 64)
-_POS = np.uint64(0xD6E8FEB86659FD93)
-_M1 = np.uint64(0xFF51AFD7ED558CCD)
-_M2 = np.uint64(0xC4CEB9FE1A85EC53)
-_S33 = np.uint64(33)
-_powers: dict[str, npt.NDArray[np.uint64]] = {}
-
-
-def _power_table(n: int) -> tuple[npt.NDArray[np.uint64], ...]:
-    """``B**i``, ``B**-i`` and ``i * POS`` mod 2**64 for ``i < n`` (grown on demand, shared)."""
-    have = _powers.get("b")
-    if have is None or have.size < n:
-        size = max(n, 1024, 0 if have is None else 2 * have.size)
-        with np.errstate(over="ignore"):
-            b = np.full(size, _B, dtype=np.uint64)
-            b[0] = 1
-            binv = np.full(size, _B_INV, dtype=np.uint64)
-            binv[0] = 1
-            _powers["b"] = np.multiply.accumulate(b)
-            _powers["binv"] = np.multiply.accumulate(binv)
-            _powers["pos"] = np.arange(size, dtype=np.uint64) * _POS
-    return _powers["b"][:n], _powers["binv"][:n], _powers["pos"][:n]
-
-
-def namespace_key(namespace: Any) -> int:
-    """A stable 64-bit key of a namespace (the same in every process)."""
-    digest = hashlib.blake2b(repr(namespace).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def kv_value_array(ns_key: int, tokens: npt.ArrayLike) -> Int64Array:
-    """The K/V value of every position of a token stream: ``[n]``, int64, never 0.
-
-    Position ``i``'s value mixes the namespace key, ``i`` and a polynomial hash of tokens
-    ``0 .. i`` (computed for all positions at once: ``h(i) = B**i * sum_j (t_j + 1) B**-j``), so
-    two streams agree at ``i`` only if they agree on the namespace and the whole prefix.
-    """
-    t = np.asarray(tokens, dtype=np.int64).view(np.uint64)  # (the same bits as astype)
-    n = t.size
-    if n == 0:
-        return np.empty(0, dtype=np.int64)
-    pb, pinv, pos = _power_table(n)
-    # (Array arithmetic wraps mod 2**64 silently: no np.errstate needed, it costs 2 us a call.)
-    s = t + np.uint64(1)
-    s *= pinv
-    np.cumsum(s, out=s)
-    h = pb * s
-    h ^= np.uint64(ns_key)
-    h += pos
-    h ^= h >> _S33
-    h *= _M1
-    h ^= h >> _S33
-    h *= _M2
-    h ^= h >> _S33
-    out = h.view(np.int64)
-    out |= 1  # never 0: 0 is a slot nothing wrote
-    return out
-
-
-# -- what the fuzzer gives engines and what they give back -------------------------------------
-
-
-class RequestSpec:
-    """A request the fuzzer submits: its namespace and its whole token stream.
-
-    ``tokens[:prompt_len]`` is the prompt; ``tokens[i]`` for ``i >= prompt_len`` is the token the
-    model samples at position ``i`` (an engine must use exactly these). The request finishes when
-    the K/V of every position ``< len(tokens)`` has been computed.
-    """
-
-    __slots__ = ("namespace", "parent", "prompt_len", "request_id", "tokens")
-
-    def __init__(self, request_id: Any, namespace: Any, tokens: Int64Array, prompt_len: int,
-                 parent: Any = None) -> None:
-        self.request_id = request_id
-        self.namespace = namespace
-        self.tokens = tokens
-        self.prompt_len = prompt_len
-        self.parent = parent
-
-    @property
-    def prompt(self) -> Int64Array:
-        return self.tokens[: self.prompt_len]
-
-    @property
-    def max_len(self) -> int:
-        return int(self.tokens.size)
-
-    def __repr__(self) -> str:
-        return (f"RequestSpec({self.request_id!r}, ns={self.namespace!r}, "
-                f"prompt_len={self.prompt_len}, max_len={self.max_len})")
-
-
-class Launch:
-    """Device work an engine launched: a step (or a transfer), as its kernels see it.
-
-    Parameters
-    ----------
-    request_ids: ``[B]`` the requests the step computes
-    starts: ``[B]`` int — first position each request computes in this step
-    num_new: ``[B]`` int — positions computed (``starts[b] .. starts[b] + num_new[b] - 1``)
-    kv_indptr: ``[B + 1]`` int; kv_indices: ``[nnz]`` int — the pages each request reads, in
-        order (FlashInfer CSR, as the attention kernel gets it), covering every position up to
-        ``starts + num_new``
-    slot_mapping: ``[T]`` int — where each computed position's K/V is written
-        (``page * page_size + offset``), request by request, ``T = sum(num_new)``
-    copy_src, copy_dst: ``[C]`` int — page copies the step does before anything else
-        (copy-on-write); they land on the device after every earlier step completed
-    held_sources: ``[C']`` int — copy-on-write sources the manager keeps alive for this
-        reserve's copies until the next reserve (default ``copy_src``; an engine that does not
-        do the copies it was asked for still reports what the manager holds)
-    fence: the ``step_id`` of the :class:`~kvmem.manager.StepHandle` that covers this work, or
-        None when the engine took none
-    kind: ``"step"`` (reads and writes; completes in launch order) or ``"transfer"`` (writes
-        only, e.g. KV arriving from a prefill node; lands in any order)
-    writes_first: the step's kernels write its K/V before attention reads (vLLM's backends,
-        layer by layer), so a request may read another's same-step write (a same-step prefix
-        hit); default False: old positions are read before the step's writes land
-    """
-
-    __slots__ = ("copy_dst", "copy_src", "ent_flat", "fence", "guard", "held_sources", "id",
-                 "kind", "kv_counts", "kv_indices", "kv_indptr", "mrows", "num_new",
-                 "pending_copies", "request_ids", "slot_mapping", "starts", "write_pages",
-                 "writes_first")
-
-    def __init__(self, request_ids: tuple[Any, ...], starts: npt.ArrayLike,
-                 num_new: npt.ArrayLike, kv_indptr: npt.ArrayLike, kv_indices: npt.ArrayLike,
-                 slot_mapping: npt.ArrayLike, copy_src: npt.ArrayLike = _EMPTY32,
-                 copy_dst: npt.ArrayLike = _EMPTY32, fence: int | None = None,
-                 kind: str = "step", held_sources: npt.ArrayLike | None = None,
-                 writes_first: bool = False) -> None:
-        if kind not in ("step", "transfer"):
-            raise KVMemError(f"Launch kind must be 'step' or 'transfer', got {kind!r}")
-        self.request_ids = tuple(request_ids)
-        self.starts = np.asarray(starts, dtype=np.int64)
-        self.num_new = np.asarray(num_new, dtype=np.int64)
-        self.kv_indptr = np.asarray(kv_indptr, dtype=np.int64)
-        self.kv_indices = np.asarray(kv_indices, dtype=np.int64)
-        self.slot_mapping = np.asarray(slot_mapping, dtype=np.int64)
-        self.copy_src = np.asarray(copy_src, dtype=np.int64)
-        self.copy_dst = np.asarray(copy_dst, dtype=np.int64)
-        self.held_sources = (self.copy_src if held_sources is None or held_sources is copy_src
-                             else np.asarray(held_sources, dtype=np.int64))
-        self.fence = fence
-        self.kind = kind
-        self.writes_first = writes_first
-        b = len(self.request_ids)
-        if (self.starts.shape != (b,) or self.num_new.shape != (b,)
-                or self.kv_indptr.shape != (b + 1,) or self.copy_src.shape != self.copy_dst.shape):
-            raise KVMemError(
-                f"a Launch of {b} requests needs starts/num_new [{b}], kv_indptr [{b + 1}] and "
-                f"copy_src/copy_dst of one shape; got {self.starts.shape}, "
-                f"{self.num_new.shape}, {self.kv_indptr.shape}, {self.copy_src.shape}/"
-                f"{self.copy_dst.shape}"
-            )
-        # Filled by the timeline when it registers the op.
-        self.id = -1
-        self.mrows = _EMPTY64
-        self.guard = _EMPTY64
-        self.write_pages = _EMPTY64
-        self.ent_flat = _EMPTY64  # per CSR entry: its place in the model's [rows, width]
-        self.kv_counts = _EMPTY64  # pages each request reads
-        self.pending_copies = 0
-
-    def __repr__(self) -> str:
-        return (f"Launch(#{self.id} {self.kind}, {len(self.request_ids)} requests, "
-                f"{int(self.num_new.sum())} tokens, {self.copy_src.size} copies, "
-                f"fence={self.fence})")
-
-
-# -- the timeline ----------------------------------------------------------------------------
 
 
 class _Req:
@@ -289,7 +49,7 @@ class _Req:
         self.alive = True
 
 
-class Timeline:
+class Timeline(Oracles):
     """The device and the reference model of one run over a :class:`KVCacheManager`.
 
     Parameters
@@ -323,9 +83,25 @@ class Timeline:
         self.max_len = max_len
         self.check_every = check_every
         self.kv = np.zeros(n * P, dtype=np.int64)
+        self._init_rows(max_requests)
+        self._init_pages(manager)
+        self._init_queues()
+        self.moves = 0
+        self.num_reads = 0  # steps whose reads were checked
+        # How often each check ran (a correct run must show them all > 0 and silent).
+        self.counts = {"page_checks": 0, "tag_changes": 0, "reads": 0, "hits": 0,
+                       "retires": 0, "full_checks": 0, "launches": 0}
+        self.aborted_by_verify: list[tuple[Any, str]] = []
+        self._arange_p = np.arange(P, dtype=np.int64)
+        self.extra_check: Callable[[], None] | None = None  # the engine's own checks
+        for kind in ("admit", "fork", "preempt", "release", "integrity_failure", "step_end"):
+            manager.add_hook(kind, self._on_event)
+
+    def _init_rows(self, max_requests: int) -> None:
+        """Per model row (one per request the model follows)."""
+        P, max_len = self.P, self.max_len
         width = -(-max_len // P) + 1
         self.width = width
-        # Per model row (one per request the model follows).
         self.val = np.zeros((max_requests, max_len + P), dtype=np.int64)
         self.map = np.full((max_requests, width), -1, dtype=np.int64)  # pages each maps
         self._map_flat = self.map.reshape(-1)
@@ -338,10 +114,13 @@ class Timeline:
         self.reqs: dict[Any, _Req] = {}
         self._mrow_of: dict[Any, int] = {}  # request id -> its row (written with ``reqs``)
         self._ns_keys: dict[str, int] = {}  # repr(namespace) -> namespace_key(namespace)
-        # Per page.
+
+    def _init_pages(self, manager: Any) -> None:
+        """Per page: the model's holders and guards, and what the last move saw."""
+        n = self.num_pages
         self.holders = np.zeros(n, dtype=np.int64)  # request mappings in the model
         self.copy_hold = np.zeros(n, dtype=np.int64)  # copy-on-write sources awaiting a reserve
-        self._copy_hold_pages = _EMPTY64
+        self._copy_hold_pages = EMPTY64
         self.guard = np.zeros(n, dtype=np.int64)  # in-flight ops listing the page
         # Which page it is and which landing last wrote it (epoch * num_pages + page): a read
         # through an entry is new if the entry's page or that page's content changed since.
@@ -356,7 +135,9 @@ class Timeline:
         self._held_any = True
         self._dirty: list[Int64Array] = []
         self._page_mask = np.zeros(n, dtype=bool)  # scratch, all False between uses
-        # Device queues.
+
+    def _init_queues(self) -> None:
+        """The device's queues, and the fences they hold."""
         self.in_flight: deque[Launch] = deque()  # steps, launch order
         self.transfers: list[Launch] = []
         # Done on the device; the host has yet to retire their fence / process their outputs.
@@ -367,16 +148,6 @@ class Timeline:
         self._must_retire: set[int] = set()  # fences the host was told to retire
         self._retired: set[int] = set()
         self._events: list[tuple[str, Any, Any, Any]] = []
-        self.moves = 0
-        self.num_reads = 0  # steps whose reads were checked
-        # How often each check ran (a correct run must show them all > 0 and silent).
-        self.counts = {"page_checks": 0, "tag_changes": 0, "reads": 0, "hits": 0,
-                       "retires": 0, "full_checks": 0, "launches": 0}
-        self.aborted_by_verify: list[tuple[Any, str]] = []
-        self._arange_p = np.arange(P, dtype=np.int64)
-        self.extra_check: Callable[[], None] | None = None  # the engine's own checks
-        for kind in ("admit", "fork", "preempt", "release", "integrity_failure", "step_end"):
-            manager.add_hook(kind, self._on_event)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -535,7 +306,7 @@ class Timeline:
         if self._copy_hold_pages.size:
             np.subtract.at(self.copy_hold, self._copy_hold_pages, 1)
             self._dirty.append(self._copy_hold_pages)
-            self._copy_hold_pages = _EMPTY64
+            self._copy_hold_pages = EMPTY64
 
     # -- host moves -------------------------------------------------------------------------------
 
@@ -563,114 +334,6 @@ class Timeline:
     def after_device_move(self) -> None:
         self.moves += 1
 
-    def _check_pages(self) -> None:
-        """Tags, happens-before, refcounts and conservation over the pages that changed.
-
-        One comparison per page array (tags, refcounts, fence holds) with what the previous
-        move saw finds the pages that changed, whoever changed them; only those are checked."""
-        alloc = self.mgr.allocator
-        tags = alloc.tags
-        self.counts["page_checks"] += 1
-        changed = (tags != self._seen_tags).nonzero()[0]
-        if changed.size:
-            self.counts["tag_changes"] += 1
-            self._check_tags(changed, tags)
-        rc = alloc.refcounts
-        parts = self._dirty
-        d_rc = (rc != self._seen_rc).nonzero()[0]
-        if d_rc.size:
-            # (Only the pages that changed are touched: the page arrays are the memory traffic.)
-            parts.append(d_rc)
-            now = rc[d_rc]
-            self._num_live += (int(np.count_nonzero(now))
-                               - int(np.count_nonzero(self._seen_rc[d_rc])))
-            self._seen_rc[d_rc] = now
-            if alloc.num_free + self._num_live != self.num_pages:
-                raise FuzzFailure(
-                    "conservation", f"{alloc.num_free} free + {self._num_live} live pages != "
-                    f"{self.num_pages}")
-        fences = self.mgr.fences
-        held = fences.held
-        holds = fences.holds_any
-        if holds or self._held_any:
-            d_held = (held != self._seen_held).nonzero()[0]
-            if d_held.size:
-                parts.append(d_held)
-                self._seen_held[d_held] = held[d_held]
-            self._held_any = holds
-        if parts:
-            dirty = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            self._dirty = []
-            if dirty.size:
-                self._check_refcounts(dirty, rc, held)
-
-    def _check_tags(self, changed: Int64Array, tags: Int64Array) -> None:
-        if np.count_nonzero(self.guard[changed]):
-            p = int(changed[self.guard[changed] > 0][0])
-            op = self._op_guarding(p)
-            was = int(self._seen_tags[p])
-            now = int(tags[p])
-            raise FuzzFailure(
-                "happens_before", f"page {p} changed lifetime (tag {was} -> {now}: "
-                f"{'freed' if now == 0 else 'reallocated'}) while {op!r}, which lists it, "
-                "has not completed on the device")
-        new = tags[changed]
-        self._seen_tags[changed] = new
-        new = np.sort(new[new != 0])  # (a freed page's tag is 0)
-        if new.size:
-            if int(new[0]) <= self._max_tag or np.count_nonzero(new[1:] == new[:-1]):
-                raise FuzzFailure(
-                    "tags", f"pages {changed.tolist()[:8]} got tags {new.tolist()[:8]}, not "
-                    f"all above the previous highest tag {self._max_tag} and distinct")
-            self._max_tag = int(new[-1])
-
-    def _check_refcounts(self, pages: Int64Array, rc: Int32Array, held: Int32Array) -> None:
-        # (held: the fences' references, copy-on-write sources awaiting their copy included)
-        cache = self.mgr.cache
-        want = self.holders[pages] + held[pages]
-        if cache is not None:  # (int32 ids: the cache converts nothing)
-            want += cache.is_cached(pages.astype(np.int32))
-        bad = (rc[pages] != want).nonzero()[0]
-        if bad.size:
-            p = pages[bad]
-            raise FuzzFailure(
-                "refcounts", f"pages {p.tolist()[:8]} have refcounts {rc[p].tolist()[:8]} but "
-                f"the model counts {want[bad].tolist()[:8]} holders (request mappings "
-                f"{self.holders[p].tolist()[:8]}, fences {held[p].tolist()[:8]}, copy sources "
-                f"{self.copy_hold[p].tolist()[:8]}, cache)"
-                + (": a leak" if int((rc[p] - want[bad]).max()) > 0 else ": freed under a holder"))
-
-    def full_check(self) -> None:
-        """Everything at once: ``manager.check()``, the model over every page, the requests."""
-        mgr = self.mgr
-        self.counts["full_checks"] += 1
-        known = set(mgr.running) | set(mgr.preempted)
-        extra = [rid for rid in known if rid not in self.reqs or not self.reqs[rid].alive]
-        if extra:
-            raise FuzzFailure(
-                "requests", f"the manager still holds requests {sorted(map(str, extra))[:8]} that "
-                "the engine finished or aborted: their pages leak")
-        self._collect()
-        try:
-            mgr.check()
-        except IntegrityError as e:
-            raise FuzzFailure("check", str(e)) from None
-        pages = np.arange(self.num_pages, dtype=np.int64)
-        self._check_refcounts(pages, mgr.allocator.refcounts, mgr.fences.held)
-        if np.count_nonzero(mgr.allocator.tags != self._seen_tags):
-            raise FuzzFailure("tags", "the tags changed without the per-move check seeing it")
-        live = int(np.count_nonzero(mgr.allocator.refcounts))
-        if live != self._num_live or mgr.allocator.num_free + live != self.num_pages:
-            raise FuzzFailure("conservation", f"{mgr.allocator.num_free} free + {live} live "
-                              f"pages != {self.num_pages}, or the per-move count "
-                              f"({self._num_live}) missed a change")
-        if self.extra_check is not None:
-            self.extra_check()
-        held_for_steps = mgr.fences.num_held - int(self.copy_hold.sum())
-        if self.idle and (mgr.fences.in_flight or held_for_steps > 0):
-            raise FuzzFailure(
-                "fences", f"nothing runs on the device but steps {mgr.fences.open_steps} are "
-                "open in kvmem: a completion was lost, the pages they hold leak")
 
     # -- device ---------------------------------------------------------------------------------
 
@@ -704,11 +367,6 @@ class Timeline:
         else:
             self.in_flight.append(op)
 
-    def _op_guarding(self, page: int) -> Launch | None:
-        for op in (*self.in_flight, *self.transfers):
-            if np.count_nonzero(op.guard == page):
-                return op
-        return None
 
     def unlanded_pages(self) -> Int64Array:
         """Pages with K/V writes launched and not yet landed (steps, copies, transfers)."""
@@ -716,15 +374,15 @@ class Timeline:
         parts += [op.copy_dst[op.copy_dst.size - op.pending_copies :]
                   for op in self.in_flight if op.pending_copies]
         parts += [op.write_pages for op in self.transfers]
-        return np.concatenate(parts) if parts else _EMPTY64
+        return np.concatenate(parts) if parts else EMPTY64
 
     def _unlanded_among(self, pages: Int64Array) -> Int64Array:
         """Those of ``pages`` that a launched write has not landed in yet."""
         if not pages.size:
-            return _EMPTY64
+            return EMPTY64
         pending = self.unlanded_pages()
         if not pending.size:
-            return _EMPTY64
+            return EMPTY64
         mask = self._page_mask
         mask[pending] = True
         found = pages[mask[pages]]
@@ -798,7 +456,7 @@ class Timeline:
         else:
             total = int(counts.sum())
             if not total:
-                return _EMPTY64, _EMPTY64, _EMPTY64
+                return EMPTY64, EMPTY64, EMPTY64
             ar = self._arange if total <= self._arange.size else np.arange(total,
                                                                             dtype=np.int64)
             tb = ar[:b].repeat(counts)
@@ -809,73 +467,6 @@ class Timeline:
         self.pver[wp] = self.epoch * self.num_pages + wp
         self.epoch += 1
         return tb, pos, values
-
-    def _check_reads(self, op: Launch) -> None:
-        """Every position a request reads (``< starts + num_new``) holds its own value.
-
-        Old positions (``< starts``) are read before the step's writes land (another request's
-        same-step write is not visible yet), and only through entries whose page changed, or
-        was written by a landing, since the request last read it (the rest were read then and
-        have not changed). New positions are read after the writes land, token by token,
-        through the CSR the kernel got (a slot mapping that disagrees with it, or two writes
-        into one slot, leaves a wrong value there). A ``writes_first`` step lands its writes
-        before any read."""
-        P = self.P
-        pages, mrows, starts, indptr = op.kv_indices, op.mrows, op.starts, op.kv_indptr
-        flat = op.ent_flat
-        landed = self._land_writes(op) if op.writes_first else None
-        dirty = (self._vseen_flat.take(flat) != self.pver.take(pages)).nonzero()[0]
-        if dirty.size:
-            db = indptr.searchsorted(dirty, side="right") - 1  # each dirty entry's request
-            first = (dirty - indptr[db]) * P  # the first position its page holds
-            some_old = (first < starts[db]).nonzero()[0]  # (a page just added holds none)
-            if some_old.size:
-                dirty, db, first = dirty[some_old], db[some_old], first[some_old]
-                pos = first[:, None] + self._arange_p
-                old = pos < starts[db][:, None]
-                slots = (pages[dirty] * P)[:, None] + self._arange_p
-                want = self.val[mrows[db][:, None], np.minimum(pos, self.max_len)]
-                got = self.kv[slots]
-                bad = old & (got != want)
-                if np.count_nonzero(bad):
-                    self._read_failure(op, db, pos, slots, bad, got, want,
-                                       "after the step's writes" if landed is not None else
-                                       "before the step's writes")
-        tb, pos, values = self._land_writes(op) if landed is None else landed
-        if pos.size:
-            col, off = np.divmod(pos, P)
-            slots = pages[indptr[tb] + col] * P + off
-            got = self.kv[slots]
-            bad = got != values
-            if np.count_nonzero(bad):
-                self._read_failure(op, tb[:, None], pos[:, None], slots[:, None], bad[:, None],
-                                   got[:, None], values[:, None], "after the step's writes")
-        self._vseen_flat[flat] = self.pver.take(pages)
-        self.num_reads += 1
-        self.counts["reads"] += 1
-
-    def _read_failure(self, op: Launch, db: Int64Array, pos: Int64Array, slots: Int64Array,
-                      bad: npt.NDArray[np.bool_], got: Int64Array, want: Int64Array,
-                      when: str) -> None:
-        i, j = (int(x[0]) for x in np.nonzero(bad))
-        b = int(np.asarray(db).reshape(-1)[i])
-        rid = op.request_ids[b]
-        slot = int(slots[i, j])
-        found = int(got[i, j])
-        owner = "a slot nothing wrote" if found == 0 else self._whose(found)
-        raise FuzzFailure(
-            "reads", f"{op!r}: request {rid!r} reads position {int(pos[i, j])} from slot {slot} "
-            f"(page {slot // self.P}) {when} and finds {owner}, not its own K/V")
-
-    def _whose(self, value: int) -> str:
-        hits = np.argwhere(self.val == value)
-        if not hits.size:
-            return "a value no request's tokens imply"
-        mrow, p = (int(x) for x in hits[0])
-        for rid, q in self.reqs.items():
-            if q.mrow == mrow:
-                return f"the K/V of request {rid!r} (ns {q.spec.namespace!r}) at position {p}"
-        return f"the K/V of a finished request at position {p}"
 
     # -- host learns completions ---------------------------------------------------------------
 

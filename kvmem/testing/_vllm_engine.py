@@ -29,8 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import KVMemError
-from kvmem.testing._engines import FuzzConfig, FuzzEngine
-from kvmem.testing._timeline import FuzzFailure, Launch, RequestSpec
+from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
+from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._oracles import FuzzFailure
 
 __all__ = ["VLLM_ENGINES", "VllmAsyncEngine", "VllmEngine"]
 

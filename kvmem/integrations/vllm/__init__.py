@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 
 if TYPE_CHECKING:
-    from kvmem.integrations.vllm._adapter import KVMemBlocks, VllmKVCacheAdapter
+    from kvmem.integrations.vllm._adapter import VllmKVCacheAdapter
+    from kvmem.integrations.vllm._blocks import KVMemBlocks
     from kvmem.integrations.vllm._scheduler import (
         KVMemAsyncScheduler,
         KVMemScheduler,
@@ -58,7 +59,7 @@ _LAZY = {
     "KVMemAsyncScheduler": "kvmem.integrations.vllm._scheduler",
     "check_supported": "kvmem.integrations.vllm._scheduler",
     "VllmKVCacheAdapter": "kvmem.integrations.vllm._adapter",
-    "KVMemBlocks": "kvmem.integrations.vllm._adapter",
+    "KVMemBlocks": "kvmem.integrations.vllm._blocks",
 }
 
 

@@ -37,91 +37,27 @@ table is what kvmem checks. A request the check aborts is released by kvmem and 
 from __future__ import annotations
 
 import logging
-from operator import attrgetter, getitem, itemgetter
 from typing import Any
 
 import numpy as np
 
 from kvmem.allocator import PAD
 from kvmem.errors import KVMemError
+from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState
+from kvmem.integrations.vllm._flush import QueueFlush
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 from kvmem.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
-# Field getters for the queue's (request, state, tokens, commit target) entries (the first
-# also for (batch index, pages, out) results) and for requests.
-_REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
-_RID = attrgetter("rid")
-_TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
-_COMPUTED = attrgetter("num_computed_tokens")
-
-__all__ = ["KVMemBlocks", "VllmKVCacheAdapter"]
+__all__ = ["VllmKVCacheAdapter"]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVMemBlocks:
-    """What vLLM's ``KVCacheBlocks`` gives the scheduler: block ids, one list per group (one
-    group here). ``ids`` is None until the adapter's queue is flushed (see the module doc)."""
-
-    __slots__ = ("_adapter", "ids")
-
-    def __init__(self, adapter: VllmKVCacheAdapter | None, ids: list[int] | None) -> None:
-        self._adapter = adapter
-        self.ids = ids
-
-    def get_block_ids(self, allow_none: bool = False, *,
-                      group_ids: Any = None) -> tuple[list[int], ...] | None:
-        ids = self.ids
-        if ids is None:
-            assert self._adapter is not None
-            self._adapter.flush()
-            ids = self.ids
-            assert ids is not None
-        if ids or not allow_none:
-            return (ids,)
-        return None
-
-    @property
-    def blocks(self) -> tuple[list[int], ...]:
-        b = self.get_block_ids()
-        assert b is not None
-        return b
-
-    def __repr__(self) -> str:
-        return f"KVMemBlocks({self.ids!r})"
-
-
-class _Hit(KVMemBlocks):
-    """``get_computed_blocks``' result: the prefix hit's block ids and how many of them only the
-    cache holds (a hit takes them out of the free count, as vLLM's touch does)."""
-
-    __slots__ = ("num_evictable",)
-
-    def __init__(self, ids: list[int], num_evictable: int) -> None:
-        super().__init__(None, ids)
-        self.num_evictable = num_evictable
-
-
-class _Req:
-    """Per running request: its id, its token capacity once the queue is flushed (pages *
-    block size), and its tokens committed once the queue is flushed (kept up to date under
-    async scheduling; synchronous scheduling commits what it schedules, so there the request's
-    computed tokens say it and the decode step's flush does not touch this)."""
-
-    __slots__ = ("cap", "committed", "rid", "row")
-
-    def __init__(self, rid: str, cap: int, committed: int) -> None:
-        self.rid = rid
-        self.cap = cap
-        self.committed = committed
-        self.row = -1  # its kvmem row (kept for the paranoid check's worker block table)
-
-
-class VllmKVCacheAdapter:
+class VllmKVCacheAdapter(QueueFlush):
     """vLLM 0.33's ``KVCacheManager`` surface over a :class:`kvmem.KVCacheManager`.
 
     Parameters
@@ -179,15 +115,15 @@ class VllmKVCacheAdapter:
         self.num_kv_cache_groups = 1
         self.empty_kv_cache_blocks = KVMemBlocks(None, [])
         self._free_view = self.manager.allocator  # num_free
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, RequestState] = {}
         # The queue (see the module doc): (request, state, tokens, commit target or None: all
         # scheduled tokens that are known), and the new-block results to fill at the flush.
-        self._q: list[tuple[Any, _Req, int, int | None]] = []
+        self._q: list[tuple[Any, RequestState, int, int | None]] = []
         self._q_blocks: list[tuple[int, int, KVMemBlocks]] = []  # (batch index, new pages, out)
         self._q_pages = 0  # pages the queue will allocate
         self._q_admits = False  # an admission is queued (its commit target is explicit)
         # cache_blocks() calls since the last flush: (request, state, commit target).
-        self._q_commits: list[tuple[Any, _Req, int]] = []
+        self._q_commits: list[tuple[Any, RequestState, int]] = []
         self._empty = self.empty_kv_cache_blocks
         # Requests the integrity check aborted since the scheduler last asked: id -> reason.
         self.integrity_aborts: dict[str, str] = {}
@@ -231,7 +167,7 @@ class VllmKVCacheAdapter:
                                           max_cache_hit_length // self.block_size)
         if not match.num_pages:
             return self.empty_kv_cache_blocks, 0, 0
-        hit = _Hit((match.pages + 1).tolist(), match.num_evictable)
+        hit = PrefixHit((match.pages + 1).tolist(), match.num_evictable)
         return hit, match.num_pages * self.block_size, 0
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
@@ -282,7 +218,7 @@ class VllmKVCacheAdapter:
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
                            has_scheduled_reqs)
 
-    def _grow(self, request: Any, st: _Req, num_new_tokens: int, num_lookahead_tokens: int,
+    def _grow(self, request: Any, st: RequestState, num_new_tokens: int, num_lookahead_tokens: int,
               reserved_blocks: int) -> KVMemBlocks | None:
         """A running request that needs new pages: decided now, allocated at the flush."""
         if num_new_tokens == 0:
@@ -316,7 +252,7 @@ class VllmKVCacheAdapter:
         need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
                           self.max_model_len)
         num_hit = num_hit_tokens // p
-        evictable = hit.num_evictable if isinstance(hit, _Hit) else 0
+        evictable = hit.num_evictable if isinstance(hit, PrefixHit) else 0
         watermark = (self.watermark_blocks
                      if has_scheduled_reqs and request.status in self._admitting else 0)
         free = self._num_free()
@@ -340,7 +276,7 @@ class VllmKVCacheAdapter:
                 f"request {rid!r}: the prefix lookup found {num_hit_tokens} cached tokens but "
                 f"admission then found {res.num_cached_tokens}; nothing may change between "
                 "get_computed_blocks() and allocate_slots() (the request was not admitted)")
-        st = _Req(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
+        st = RequestState(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
         self._reqs[rid] = st
         upto = min(num_hit_tokens + num_new_tokens, len(tokens))
         self._q.append((request, st, num_new_tokens, upto))
@@ -349,138 +285,6 @@ class VllmKVCacheAdapter:
         out = KVMemBlocks(self, None)  # the pages past the hit (the scheduler asks get_blocks)
         self._q_blocks.append((len(self._q) - 1, need, out))
         return out
-
-    def flush(self) -> None:
-        """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
-        and commit every scheduled token whose id is known (one commit_batch)."""
-        q, commits = self._q, self._q_commits
-        if not q:
-            if commits:
-                self._q_commits = []
-                self._commit_general([], commits)
-            return
-        outs, admits = self._q_blocks, self._q_admits
-        self._q, self._q_blocks, self._q_pages, self._q_admits = [], [], 0, False
-        self._q_commits = []
-        ids = tuple(map(_RID, map(_STATE, q)))  # C-level gathers: a batch is 256 requests
-        nums = list(map(_NUM, q))
-        n0 = nums[0]
-        uniform = nums.count(n0) == len(nums)
-        mgr = self.manager
-        step = mgr.reserve(ids, n0 if uniform else nums)
-        if self.worker_block_table is None:
-            report = mgr.verify(ids, step)
-            if outs:
-                self._new_block_ids(step, outs)
-        else:
-            report = self._verify_worker_table(ids, q, step, outs)
-        self.num_verified_steps += 1
-        self.num_verified_requests += len(ids)
-        if report.aborted:
-            self._aborted(report.aborted)
-            q = [e for e in q if e[1].rid not in report.aborted]
-            commits = [c for c in commits if c[1].rid not in report.aborted]
-            ids = tuple([e[1].rid for e in q])
-            uniform = False  # the commit below takes the general path
-        if not q and not commits:
-            return
-        if uniform and n0 == 1 and not admits and not commits and not self.async_outputs:
-            # The synchronous decode step: without output placeholders every scheduled token
-            # is known and was committed when scheduled, so each request's committed tokens
-            # are its computed ones and it commits the one at that position. (``committed``
-            # is kept only for async scheduling; here the request's computed tokens say it.)
-            reqs = list(map(_REQUEST, q))
-            mgr.commit_batch(ids, np.array(
-                list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
-            return
-        self._commit_general(q, commits)
-
-    @staticmethod
-    def _new_block_ids(step: Any, outs: list[tuple[int, int, KVMemBlocks]]) -> None:
-        """Each grown request's new block ids: the last ``k`` pages of its CSR row, + 1."""
-        indptr = step.kv_indptr
-        indices = step.kv_indices
-        ends = indptr[np.fromiter(map(_REQUEST, outs), dtype=np.intp, count=len(outs)) + 1]
-        if all(o[1] == 1 for o in outs):  # the decode step: one new page each
-            for (_, _, out), block in zip(outs, (indices[ends - 1] + 1).tolist()):
-                out.ids = [block]
-            return
-        for (_, k, out), end in zip(outs, ends.tolist()):
-            out.ids = (indices[end - k : end] + 1).tolist()
-
-    def _verify_worker_table(self, ids: tuple[str, ...], q: list[Any], step: Any,
-                             outs: list[tuple[int, int, KVMemBlocks]]) -> Any:
-        """The paranoid check: the block ids handed to the workers come from
-        ``worker_block_table`` (a row per kvmem row, as the worker appends them: ``[max_seqs,
-        max_pages]``, int32, page ids, PAD past each request's blocks), and kvmem checks that
-        very table (``verify(metadata=...)``: every entry, the padding, the slot mapping and
-        lengths), not the CSR the table was written from."""
-        wt = self.worker_block_table
-        assert wt is not None
-        indptr = step.kv_indptr
-        indices = step.kv_indices
-        rows = step.rows.astype(np.intp)
-        for b, e in enumerate(q):
-            if e[3] is not None:  # admitted in this flush: the row is its whole table
-                row = int(rows[b])
-                e[1].row = row
-                lo, hi = int(indptr[b]), int(indptr[b + 1])
-                wt[row] = PAD
-                wt[row, : hi - lo] = indices[lo:hi]
-        for b, k, out in outs:
-            row = int(rows[b])
-            n = int(indptr[b + 1] - indptr[b])
-            if q[b][3] is None:  # a running request appends its new blocks
-                wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
-            out.ids = (wt[row, n - k : n] + 1).tolist()
-        table = wt[rows]
-        return self.manager.verify(ids, metadata={
-            "block_table": table, "slot_mapping": step.slot_mapping,
-            "seq_lens": step.seq_lens, "num_new_tokens": step.num_new_tokens})
-
-    def _commit_general(self, q: list[tuple[Any, _Req, int, int | None]],
-                        commits: list[tuple[Any, _Req, int]]) -> None:
-        """Commit, for each request queued or named by cache_blocks(), its known tokens up to
-        its target (vLLM caches the blocks they fill now)."""
-        sync = not self.async_outputs
-        entries: list[tuple[Any, _Req, int, int]] = []  # (request, state, from, to)
-        for request, st, n, upto in q:
-            lo = st.committed  # an admission's (its hit), or async scheduling's
-            if upto is None:  # a running request
-                c = request.num_computed_tokens
-                upto = c + n
-                known = len(request._all_token_ids)
-                if upto > known:
-                    upto = known
-                if sync:
-                    lo = c  # synchronous: everything computed was committed when scheduled
-            if upto > lo:
-                entries.append((request, st, lo, upto))
-        if commits:
-            # Both queued and cache_blocks() targets (rare): one per request, the furthest.
-            merged = {e[1].rid: e for e in entries}
-            reqs = self._reqs
-            for request, st, upto in commits:
-                if st.rid not in reqs:
-                    continue
-                prev = merged.get(st.rid)
-                if prev is None:
-                    lo = self.manager.num_committed(st.rid) if sync else st.committed
-                    if upto > lo:
-                        merged[st.rid] = (request, st, lo, upto)
-                elif prev[3] < upto:
-                    merged[st.rid] = (request, st, prev[2], upto)
-            entries = list(merged.values())
-        if not entries:
-            return
-        ids = [e[1].rid for e in entries]
-        if all(e[3] - e[2] == 1 for e in entries):  # one token each (the async decode step)
-            tokens: Any = np.array([e[0]._all_token_ids[e[2]] for e in entries], dtype=np.int64)
-        else:
-            tokens = [e[0]._all_token_ids[e[2] : e[3]] for e in entries]
-        self.manager.commit_batch(ids, tokens)
-        for e in entries:
-            e[1].committed = e[3]
 
     def _aborted(self, aborted: dict[Any, str]) -> None:
         for rid, reason in aborted.items():

@@ -79,7 +79,7 @@ def _instrument(sched: Any, timer: _KVTimer, kvmem: bool) -> Callable[[], None]:
     cls_usage = type(mgr).usage
     blocks_cls: Any
     if kvmem:
-        from kvmem.integrations.vllm._adapter import KVMemBlocks
+        from kvmem.integrations.vllm._blocks import KVMemBlocks
 
         blocks_cls = KVMemBlocks
     else:
@@ -118,11 +118,12 @@ def _make(rid: str, prompt: list[int], max_tokens: int, block_size: int) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    from kvmem.integrations.vllm.conformance import _block_hasher
+    from kvmem.integrations.vllm._vllm_objects import make_block_hasher
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=params,
-                   pooling_params=None, arrival_time=0.0, block_hasher=_block_hasher(block_size))
+                   pooling_params=None, arrival_time=0.0,
+                   block_hasher=make_block_hasher(block_size))
 
 
 def _step(sched: Any) -> Any:
@@ -131,6 +132,24 @@ def _step(sched: Any) -> Any:
     out = sched.schedule()
     sched.update_from_output(out, model_output(sched, out))
     return out
+
+
+def _prefill(scheds: dict[str, Any], num_requests: int) -> tuple[int, int]:
+    """Step both schedulers until every request decodes (not timed); returns the steps whose
+    schedules differ and the steps taken."""
+    mismatched = 0
+    prefill_steps = 0
+    while True:
+        outs = {name: _step(s) for name, s in scheds.items()}
+        prefill_steps += 1
+        if outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens:
+            mismatched += 1
+        if all(v == 1 for v in outs["vllm"].num_scheduled_tokens.values()) and len(
+                outs["vllm"].num_scheduled_tokens) == num_requests:
+            break
+        if prefill_steps > 10_000:
+            raise RuntimeError("the prefill phase did not end")
+    return mismatched, prefill_steps
 
 
 def _pass(num_requests: int, prompt_len: int, shared_len: int, decode_steps: int,
@@ -149,19 +168,7 @@ def _pass(num_requests: int, prompt_len: int, shared_len: int, decode_steps: int
         for rid, prompt in _requests(num_requests, prompt_len, shared_len, max_tokens,
                                      block_size, seed):
             sched.add_request(_make(rid, prompt, max_tokens, block_size))
-    mismatched = 0
-    prefill_steps = 0
-    # Prefill until every request decodes (not timed).
-    while True:
-        outs = {name: _step(s) for name, s in scheds.items()}
-        prefill_steps += 1
-        if outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens:
-            mismatched += 1
-        if all(v == 1 for v in outs["vllm"].num_scheduled_tokens.values()) and len(
-                outs["vllm"].num_scheduled_tokens) == num_requests:
-            break
-        if prefill_steps > 10_000:
-            raise RuntimeError("the prefill phase did not end")
+    mismatched, prefill_steps = _prefill(scheds, num_requests)
     timers = {name: _KVTimer() for name in scheds}
     undo = []
     if instrument:

@@ -20,17 +20,29 @@ get it.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import os
-import random
-import tempfile
 import time
-import zlib
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from kvmem.integrations.vllm._streams import (
+    STOP_TOKEN,
+    RequestSpec,
+    SchedulerSpec,
+    StepRecord,
+    StreamResult,
+    StreamSpec,
+    random_stream,
+    token_at,
+)
+from kvmem.integrations.vllm._vllm_objects import (
+    EventRecorder,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    model_output,
+)
 
 __all__ = [
     "STOP_TOKEN",
@@ -47,217 +59,6 @@ __all__ = [
     "run_stream",
     "token_at",
 ]
-
-STOP_TOKEN = 7
-VOCAB = 997
-
-
-@dataclass(frozen=True)
-class SchedulerSpec:
-    """The scheduler's configuration (what a stream varies)."""
-
-    num_blocks: int = 64
-    block_size: int = 4
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 64
-    max_model_len: int = 256
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    watermark: float = 0.0
-    async_scheduling: bool = False
-    kv_events: bool = True
-    policy: str = "fcfs"
-    paranoid: bool = False  # kvmem: verify the workers' block tables (every entry) each step
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request: arrives before step ``arrival`` is scheduled, aborted before step
-    ``abort_at`` (if given and it is still unfinished)."""
-
-    rid: str
-    prompt: tuple[int, ...]
-    max_tokens: int
-    arrival: int = 0
-    salt: str | None = None
-    abort_at: int | None = None
-    priority: int = 0
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """A stream: ``run_stream(StreamSpec(...))`` replays it exactly."""
-
-    sched: SchedulerSpec
-    requests: tuple[RequestSpec, ...]
-    max_steps: int = 400
-    seed: int = 0
-    pipeline: int = 1  # steps scheduled before the oldest one's output is handed back
-
-
-@dataclass
-class StepRecord:
-    """What one step scheduled, in a form both managers must agree on."""
-
-    new: list[tuple[str, int]]  # (request id, prefix-hit num_computed_tokens), in order
-    cached: list[str]  # running or resumed requests, in order
-    resumed: list[str]
-    num_scheduled: dict[str, int]
-    preempted: list[str]
-    finished: list[str]
-    sharing: list[tuple[str, int, int]]  # (request, position, first (req, pos) with its block)
-    usage: float  # the scheduler's KV cache usage after the step was scheduled
-    events: Counter[tuple[Any, ...]] = field(default_factory=Counter)
-
-    def key(self) -> tuple[Any, ...]:
-        return (self.new, self.cached, self.resumed, sorted(self.num_scheduled.items()),
-                self.preempted, self.finished, self.sharing, self.usage,
-                sorted(self.events.items()))
-
-
-@dataclass
-class StreamResult:
-    steps: list[StepRecord]
-    outputs: dict[str, tuple[int, ...]]  # every request's final output tokens
-    finish: dict[str, str]  # finish reason per request
-    step_us: list[float]  # schedule() + update_from_output() per step
-    verify_failures: int = 0  # requests kvmem's integrity check aborted (kvmem only)
-    table_mismatches: int = 0  # handed-out block ids that differ from kvmem's pages
-
-
-def token_at(rid: str, position: int, seed: int = 0) -> int:
-    """The synthetic model's sampled token for request ``rid`` at ``position`` (deterministic;
-    the stop token about one time in 24)."""
-    h = zlib.crc32(f"{seed}:{rid}:{position}".encode())
-    return STOP_TOKEN if h % 24 == 0 else 10 + h % (VOCAB - 10)
-
-
-# -- building vLLM objects ---------------------------------------------------------------------
-
-
-@functools.cache
-def _model_dir() -> str:
-    """A folder with a tiny model config.json: what ModelConfig needs, without weights."""
-    path = os.path.join(tempfile.gettempdir(), "kvmem_vllm_tiny_model")
-    os.makedirs(path, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20,
-           "torch_dtype": "float16", "rms_norm_eps": 1e-5}
-    target = os.path.join(path, "config.json")
-    tmp = f"{target}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cfg, f)
-    os.replace(tmp, target)
-    return path
-
-
-@functools.cache
-def _model_config(max_model_len: int) -> Any:
-    from vllm.config import ModelConfig
-
-    return ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0,
-                       max_model_len=max_model_len)
-
-
-def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
-    """``(VllmConfig, KVCacheConfig)`` for a CPU-only scheduler with one full-attention group."""
-    import torch
-    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    sc = SchedulerConfig(
-        max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=spec.max_model_len, enable_chunked_prefill=True,
-        long_prefill_token_threshold=spec.long_prefill_token_threshold,
-        watermark=spec.watermark, async_scheduling=spec.async_scheduling,
-        is_encoder_decoder=False, policy=spec.policy)
-    cc = CacheConfig(block_size=spec.block_size, enable_prefix_caching=spec.enable_prefix_caching)
-    cc.num_gpu_blocks = spec.num_blocks
-    events = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-              if spec.kv_events else None)
-    vc = VllmConfig(scheduler_config=sc, model_config=_model_config(spec.max_model_len),
-                    cache_config=cc, device_config=DeviceConfig(device="cpu"),
-                    kv_events_config=events)
-    kc = KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    return vc, kc
-
-
-class _Recorder:
-    """Stands in for the KV event publisher: keeps the batches it is given."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def publish(self, batch: Any) -> None:
-        self.events.extend(batch.events)
-
-    def shutdown(self) -> None:
-        pass
-
-
-def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False) -> Any:
-    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``), on vLLM's own manager
-    or (``kvmem=True``) kvmem's."""
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    if kvmem:
-        from kvmem.integrations.vllm._scheduler import KVMemAsyncScheduler, KVMemScheduler
-
-        cls: Any = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
-        if spec.paranoid:
-            cls = type(f"Paranoid{cls.__name__}", (cls,), {"verify_block_tables": True})
-    else:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        cls = AsyncScheduler if spec.async_scheduling else Scheduler
-    vc, kc = make_vllm_config(spec)
-    sched = cls(vllm_config=vc, kv_cache_config=kc,
-                structured_output_manager=StructuredOutputManager(vc),
-                block_size=spec.block_size, log_stats=log_stats)
-    sched.kv_event_publisher = _Recorder()
-    return sched
-
-
-@functools.cache
-def _block_hasher(block_size: int) -> Any:
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    init_none_hash(sha256)
-    return get_request_block_hasher(block_size, sha256)
-
-
-def make_request(r: RequestSpec, block_size: int) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=[STOP_TOKEN],
-                            ignore_eos=True)
-    return Request(request_id=r.rid, prompt_token_ids=list(r.prompt), sampling_params=params,
-                   pooling_params=None, arrival_time=float(r.arrival), cache_salt=r.salt,
-                   priority=r.priority, block_hasher=_block_hasher(block_size))
-
-
-def model_output(sched: Any, out: Any, seed: int = 0) -> Any:
-    """The synthetic model's ``ModelRunnerOutput`` for a step, built right after ``schedule()``
-    returned it: one sampled token per request whose prompt (or resumed sequence) is complete
-    after this step (``token_at`` its position), none otherwise."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    ids = list(out.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for rid in ids:
-        req = sched.requests.get(rid)
-        if req is None or req.is_prefill_chunk:
-            sampled.append([])
-        else:
-            sampled.append([token_at(rid, req.num_computed_tokens, seed)])
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled)
 
 
 # -- recording ------------------------------------------------------------------------------
@@ -385,7 +186,7 @@ class Driver:
 
     def update(self, out: Any) -> None:
         self.sched.update_from_output(out, self._output_of.pop(id(out)))
-        recorder: _Recorder = self.sched.kv_event_publisher
+        recorder: EventRecorder = self.sched.kv_event_publisher
         rec = self._record_of.pop(id(out))
         rec.events.update(self.contents.convert(recorder.events))
         recorder.events = []
@@ -511,57 +312,6 @@ def compare(stream: StreamSpec) -> Comparison:
     if outs and first is None:
         first = f"final tokens of {outs[:4]} differ"
     return Comparison(stream, n, bad, first, outs, k.verify_failures, k.table_mismatches, v, k)
-
-
-# -- random streams -------------------------------------------------------------------------
-
-
-def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
-    """A stream that exercises prefix sharing at several depths, several salts, chunked
-    prefill, aborts, and (often) a pool small enough to preempt. Same rng state, same stream."""
-    block_size = rng.choice((2, 4, 8, 16))
-    num_requests = rng.randint(1, max_requests)
-    salts = [None, "tenant-a", "tenant-b"]
-    roots = [tuple(rng.randrange(10, VOCAB) for _ in range(block_size * rng.randint(1, 5) + 3))
-             for _ in range(rng.randint(1, 3))]
-    priority = rng.random() < 0.2  # the priority policy preempts requests already scheduled
-    requests = []
-    arrival = 0
-    longest = 1
-    for i in range(num_requests):
-        root = rng.choice(roots)
-        depth = min(len(root), rng.choice((0, block_size - 1, block_size, block_size + 1,
-                                           2 * block_size, len(root))))
-        suffix = tuple(rng.randrange(10, VOCAB) for _ in range(rng.randint(0, 3 * block_size)))
-        prompt = root[:depth] + suffix
-        if not prompt:
-            prompt = (rng.randrange(10, VOCAB),)
-        max_tokens = rng.randint(1, 3 * block_size)
-        arrival += rng.choice((0, 0, 1, 2, 5))
-        abort_at = arrival + rng.randint(0, 30) if rng.random() < 0.15 else None
-        salt = rng.choice(salts) if rng.random() < 0.5 else None
-        requests.append(RequestSpec(f"r{i}", prompt, max_tokens, arrival, salt, abort_at,
-                                    rng.randint(0, 3) if priority else 0))
-        longest = max(longest, len(prompt) + max_tokens)
-    # Every request must fit alone (vLLM reserves the whole sequence on admission); a tight
-    # pool preempts.
-    need = -(-longest // block_size) + 1
-    num_blocks = need + rng.choice((0, 1, 2, 4, need, 4 * need))
-    max_num_seqs = rng.choice((2, 4, 8, 16))
-    sched = SchedulerSpec(
-        num_blocks=min(num_blocks, 500), block_size=block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(rng.choice((8, 16, 32, 64, 256)), max_num_seqs),
-        max_model_len=max(256, longest + block_size),
-        enable_prefix_caching=rng.random() < 0.8,
-        long_prefill_token_threshold=rng.choice((0, 0, 0, 5)),
-        watermark=rng.choice((0.0, 0.0, 0.05)),
-        async_scheduling=rng.random() < 0.25, policy="priority" if priority else "fcfs",
-        paranoid=rng.random() < 0.3)
-    # Steps in flight: an async engine schedules step t + 1 before step t's output is back
-    # (placeholders, caching after the output); a sync one with pipeline parallelism too.
-    pipeline = 2 if rng.random() < (0.6 if sched.async_scheduling else 0.1) else 1
-    return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16),
-                      pipeline=pipeline)
 
 
 def as_dict(c: Comparison) -> dict[str, Any]:

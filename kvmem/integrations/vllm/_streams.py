@@ -1,0 +1,145 @@
+"""What a conformance stream is (:class:`StreamSpec`: a scheduler configuration and its
+requests), what a run of one records (:class:`StepRecord`, :class:`StreamResult`), the synthetic
+model's tokens (:func:`token_at`) and random streams (:func:`random_stream`). No vLLM needed."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["STOP_TOKEN", "VOCAB", "RequestSpec", "SchedulerSpec", "StepRecord", "StreamResult",
+           "StreamSpec", "random_stream", "token_at"]
+
+STOP_TOKEN = 7
+VOCAB = 997
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """The scheduler's configuration (what a stream varies)."""
+
+    num_blocks: int = 64
+    block_size: int = 4
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 64
+    max_model_len: int = 256
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    watermark: float = 0.0
+    async_scheduling: bool = False
+    kv_events: bool = True
+    policy: str = "fcfs"
+    paranoid: bool = False  # kvmem: verify the workers' block tables (every entry) each step
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request: arrives before step ``arrival`` is scheduled, aborted before step
+    ``abort_at`` (if given and it is still unfinished)."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival: int = 0
+    salt: str | None = None
+    abort_at: int | None = None
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A stream: ``run_stream(StreamSpec(...))`` replays it exactly."""
+
+    sched: SchedulerSpec
+    requests: tuple[RequestSpec, ...]
+    max_steps: int = 400
+    seed: int = 0
+    pipeline: int = 1  # steps scheduled before the oldest one's output is handed back
+
+
+@dataclass
+class StepRecord:
+    """What one step scheduled, in a form both managers must agree on."""
+
+    new: list[tuple[str, int]]  # (request id, prefix-hit num_computed_tokens), in order
+    cached: list[str]  # running or resumed requests, in order
+    resumed: list[str]
+    num_scheduled: dict[str, int]
+    preempted: list[str]
+    finished: list[str]
+    sharing: list[tuple[str, int, int]]  # (request, position, first (req, pos) with its block)
+    usage: float  # the scheduler's KV cache usage after the step was scheduled
+    events: Counter[tuple[Any, ...]] = field(default_factory=Counter)
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.new, self.cached, self.resumed, sorted(self.num_scheduled.items()),
+                self.preempted, self.finished, self.sharing, self.usage,
+                sorted(self.events.items()))
+
+
+@dataclass
+class StreamResult:
+    steps: list[StepRecord]
+    outputs: dict[str, tuple[int, ...]]  # every request's final output tokens
+    finish: dict[str, str]  # finish reason per request
+    step_us: list[float]  # schedule() + update_from_output() per step
+    verify_failures: int = 0  # requests kvmem's integrity check aborted (kvmem only)
+    table_mismatches: int = 0  # handed-out block ids that differ from kvmem's pages
+
+
+def token_at(rid: str, position: int, seed: int = 0) -> int:
+    """The synthetic model's sampled token for request ``rid`` at ``position`` (deterministic;
+    the stop token about one time in 24)."""
+    h = zlib.crc32(f"{seed}:{rid}:{position}".encode())
+    return STOP_TOKEN if h % 24 == 0 else 10 + h % (VOCAB - 10)
+
+
+def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
+    """A stream that exercises prefix sharing at several depths, several salts, chunked
+    prefill, aborts, and (often) a pool small enough to preempt. Same rng state, same stream."""
+    block_size = rng.choice((2, 4, 8, 16))
+    num_requests = rng.randint(1, max_requests)
+    salts = [None, "tenant-a", "tenant-b"]
+    roots = [tuple(rng.randrange(10, VOCAB) for _ in range(block_size * rng.randint(1, 5) + 3))
+             for _ in range(rng.randint(1, 3))]
+    priority = rng.random() < 0.2  # the priority policy preempts requests already scheduled
+    requests = []
+    arrival = 0
+    longest = 1
+    for i in range(num_requests):
+        root = rng.choice(roots)
+        depth = min(len(root), rng.choice((0, block_size - 1, block_size, block_size + 1,
+                                           2 * block_size, len(root))))
+        suffix = tuple(rng.randrange(10, VOCAB) for _ in range(rng.randint(0, 3 * block_size)))
+        prompt = root[:depth] + suffix
+        if not prompt:
+            prompt = (rng.randrange(10, VOCAB),)
+        max_tokens = rng.randint(1, 3 * block_size)
+        arrival += rng.choice((0, 0, 1, 2, 5))
+        abort_at = arrival + rng.randint(0, 30) if rng.random() < 0.15 else None
+        salt = rng.choice(salts) if rng.random() < 0.5 else None
+        requests.append(RequestSpec(f"r{i}", prompt, max_tokens, arrival, salt, abort_at,
+                                    rng.randint(0, 3) if priority else 0))
+        longest = max(longest, len(prompt) + max_tokens)
+    # Every request must fit alone (vLLM reserves the whole sequence on admission); a tight
+    # pool preempts.
+    need = -(-longest // block_size) + 1
+    num_blocks = need + rng.choice((0, 1, 2, 4, need, 4 * need))
+    max_num_seqs = rng.choice((2, 4, 8, 16))
+    sched = SchedulerSpec(
+        num_blocks=min(num_blocks, 500), block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(rng.choice((8, 16, 32, 64, 256)), max_num_seqs),
+        max_model_len=max(256, longest + block_size),
+        enable_prefix_caching=rng.random() < 0.8,
+        long_prefill_token_threshold=rng.choice((0, 0, 0, 5)),
+        watermark=rng.choice((0.0, 0.0, 0.05)),
+        async_scheduling=rng.random() < 0.25, policy="priority" if priority else "fcfs",
+        paranoid=rng.random() < 0.3)
+    # Steps in flight: an async engine schedules step t + 1 before step t's output is back
+    # (placeholders, caching after the output); a sync one with pipeline parallelism too.
+    pipeline = 2 if rng.random() < (0.6 if sched.async_scheduling else 0.1) else 1
+    return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16),
+                      pipeline=pipeline)

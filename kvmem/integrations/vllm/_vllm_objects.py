@@ -1,0 +1,141 @@
+"""vLLM's objects for the conformance harness: a config from a tiny model ``config.json`` (no
+weights), a scheduler on vLLM's manager or kvmem's, requests, and the synthetic model's output.
+Every function imports vLLM."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from typing import Any
+
+from kvmem.integrations.vllm._streams import STOP_TOKEN, RequestSpec, SchedulerSpec, token_at
+
+__all__ = ["EventRecorder", "make_block_hasher", "make_request", "make_scheduler",
+           "make_vllm_config", "model_output"]
+
+
+@functools.cache
+def _model_dir() -> str:
+    """A folder with a tiny model config.json: what ModelConfig needs, without weights."""
+    path = os.path.join(tempfile.gettempdir(), "kvmem_vllm_tiny_model")
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20,
+           "torch_dtype": "float16", "rms_norm_eps": 1e-5}
+    target = os.path.join(path, "config.json")
+    tmp = f"{target}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cfg, f)
+    os.replace(tmp, target)
+    return path
+
+
+@functools.cache
+def _model_config(max_model_len: int) -> Any:
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0,
+                       max_model_len=max_model_len)
+
+
+def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
+    """``(VllmConfig, KVCacheConfig)`` for a CPU-only scheduler with one full-attention group."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    sc = SchedulerConfig(
+        max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.max_model_len, enable_chunked_prefill=True,
+        long_prefill_token_threshold=spec.long_prefill_token_threshold,
+        watermark=spec.watermark, async_scheduling=spec.async_scheduling,
+        is_encoder_decoder=False, policy=spec.policy)
+    cc = CacheConfig(block_size=spec.block_size, enable_prefix_caching=spec.enable_prefix_caching)
+    cc.num_gpu_blocks = spec.num_blocks
+    events = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+              if spec.kv_events else None)
+    vc = VllmConfig(scheduler_config=sc, model_config=_model_config(spec.max_model_len),
+                    cache_config=cc, device_config=DeviceConfig(device="cpu"),
+                    kv_events_config=events)
+    kc = KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1,
+                                                      head_size=1, dtype=torch.float32))])
+    return vc, kc
+
+
+class EventRecorder:
+    """Stands in for the KV event publisher: keeps the batches it is given."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False) -> Any:
+    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``), on vLLM's own manager
+    or (``kvmem=True``) kvmem's."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if kvmem:
+        from kvmem.integrations.vllm._scheduler import KVMemAsyncScheduler, KVMemScheduler
+
+        cls: Any = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
+        if spec.paranoid:
+            cls = type(f"Paranoid{cls.__name__}", (cls,), {"verify_block_tables": True})
+    else:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        cls = AsyncScheduler if spec.async_scheduling else Scheduler
+    vc, kc = make_vllm_config(spec)
+    sched = cls(vllm_config=vc, kv_cache_config=kc,
+                structured_output_manager=StructuredOutputManager(vc),
+                block_size=spec.block_size, log_stats=log_stats)
+    sched.kv_event_publisher = EventRecorder()
+    return sched
+
+
+@functools.cache
+def make_block_hasher(block_size: int) -> Any:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
+def make_request(r: RequestSpec, block_size: int) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=[STOP_TOKEN],
+                            ignore_eos=True)
+    return Request(request_id=r.rid, prompt_token_ids=list(r.prompt), sampling_params=params,
+                   pooling_params=None, arrival_time=float(r.arrival), cache_salt=r.salt,
+                   priority=r.priority, block_hasher=make_block_hasher(block_size))
+
+
+def model_output(sched: Any, out: Any, seed: int = 0) -> Any:
+    """The synthetic model's ``ModelRunnerOutput`` for a step, built right after ``schedule()``
+    returned it: one sampled token per request whose prompt (or resumed sequence) is complete
+    after this step (``token_at`` its position), none otherwise."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in ids:
+        req = sched.requests.get(rid)
+        if req is None or req.is_prefill_chunk:
+            sampled.append([])
+        else:
+            sampled.append([token_at(rid, req.num_computed_tokens, seed)])
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled)

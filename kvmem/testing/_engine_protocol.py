@@ -1,0 +1,244 @@
+"""Engines under test: the protocol the fuzzer drives, and the adapters kvmem ships.
+
+The fuzzer plays the clients (requests arrive, get cancelled), the device (steps complete, copies
+and transfers land) and the model (the token each step samples is ``spec.tokens[position]``).
+An engine adapter plays the host: its scheduler decides what each step computes and calls its
+:class:`~kvmem.manager.KVCacheManager`. What the fuzzer calls and what it observes::
+
+    fuzzer -> engine                          engine -> fuzzer
+    submit(spec)      a request arrives       (manager hooks: admit, fork, preempt, release,
+    abort(id)         the client cancels       integrity_failure, step_end: seen by the fuzzer)
+    launch(choice)    schedule + launch ...   -> Launch: per request the positions computed,
+                                                 the pages read (CSR), the slots written, the
+                                                 copies to do first, the fence that covers it
+    retire(op)        the device finished op: retire its fence (ops with a fence only)
+    finish(op)        process op's outputs    -> ids of the requests that finished
+    fork / preempt / resume / receive / clear_cache (optional, see ``capabilities``)
+    check()           engine-specific checks (optional; raise FuzzFailure("engine", ...))
+
+Rules an adapter follows (they are what an engine on kvmem must do anyway):
+
+* every successful ``reserve`` is run by exactly one :class:`Launch` (a step or a transfer):
+  the fuzzer learns each request's pages from it;
+* ``retire`` and ``finish`` are each called in completion order, in either order for one op,
+  only after the op completed on the device; ``retire`` retires the op's fence, ``finish``
+  commits what the op computed and releases the requests it finished;
+* the token at position ``i`` of a request is ``spec.tokens[i]``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.errors import KVMemError
+from kvmem.testing._launch import Launch, RequestSpec
+
+__all__ = ["FuzzConfig", "FuzzEngine", "stable_bit", "stable_pick", "subset_step"]
+
+Int64Array = npt.NDArray[np.int64]
+
+
+class FuzzConfig:
+    """The shape of a fuzzed system: pool, limits, request sizes, the device's depth.
+
+    Parameters
+    ----------
+    num_pages, page_size, max_seqs: the manager's pool and rows
+    max_len: most tokens per request (prompt + generated)
+    prompt_len: ``(lo, hi)`` prompt tokens
+    max_new: ``(lo, hi)`` tokens generated per request
+    vocab: tokens are drawn from ``0 .. vocab - 1`` (small: prompts share prefixes)
+    namespaces: the tenants requests are spread over
+    target_running: the fuzzer submits requests until this many are alive
+    max_in_flight: steps an asynchronous engine keeps launched at once
+    chunk: most prefill tokens per request per step; max_batch_tokens: per step
+    tracker: ``"checking"`` or ``None`` (NoOpTracker: verify checks nothing)
+    check_every: ``manager.check()`` and the full model comparison every this many moves
+    weights: relative frequency of each move in random campaigns
+    strict_commits: hold engines to "commit means the K/V landed" (see :class:`Timeline`)
+    """
+
+    DEFAULT_WEIGHTS: ClassVar[dict[str, float]] = {
+        "submit": 6, "launch": 10, "complete": 10, "retire": 10, "finish": 10, "copy": 6,
+        "transfer": 4,
+        "abort": 2, "fork": 3, "preempt": 2, "resume": 3, "receive": 2, "clear": 0.3,
+        "hook": 1, "inject": 2,
+    }
+
+    def __init__(self, num_pages: int = 48, page_size: int = 4, max_seqs: int = 10,
+                 max_len: int = 64, prompt_len: tuple[int, int] = (1, 36),
+                 max_new: tuple[int, int] = (1, 16), vocab: int = 3,
+                 namespaces: Sequence[Any] = (None, "tenant-a", ("lora", 7)),
+                 target_running: int = 8, max_in_flight: int = 2, chunk: int = 12,
+                 max_batch_tokens: int = 64, tracker: str | None = "checking",
+                 check_every: int = 64, weights: dict[str, float] | None = None,
+                 strict_commits: bool = True) -> None:
+        if prompt_len[0] < 1 or prompt_len[1] < prompt_len[0] or max_new[1] < max_new[0]:
+            raise KVMemError(f"prompt_len {prompt_len} and max_new {max_new} must be (lo, hi) "
+                             "ranges with lo <= hi and prompts of at least one token")
+        if prompt_len[1] + max_new[1] > max_len:
+            raise KVMemError(f"prompt_len[1] + max_new[1] = {prompt_len[1] + max_new[1]} "
+                             f"exceeds max_len={max_len}; raise max_len")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_seqs = max_seqs
+        self.max_len = max_len
+        self.prompt_len = (int(prompt_len[0]), int(prompt_len[1]))
+        self.max_new = (int(max_new[0]), int(max_new[1]))
+        self.vocab = vocab
+        self.namespaces = tuple(namespaces)
+        self.target_running = target_running
+        self.max_in_flight = max_in_flight
+        self.chunk = chunk
+        self.max_batch_tokens = max_batch_tokens
+        self.tracker = tracker
+        self.check_every = check_every
+        self.weights = {**self.DEFAULT_WEIGHTS, **(weights or {})}
+        self.strict_commits = strict_commits
+
+    @property
+    def max_requests(self) -> int:
+        """Requests the model follows at once (alive ones, plus some finishing on the device)."""
+        return 2 * self.target_running + 2 * self.max_seqs + 16
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_pages": self.num_pages, "page_size": self.page_size, "max_seqs": self.max_seqs,
+            "max_len": self.max_len, "prompt_len": list(self.prompt_len),
+            "max_new": list(self.max_new), "vocab": self.vocab,
+            "namespaces": list(self.namespaces), "target_running": self.target_running,
+            "max_in_flight": self.max_in_flight, "chunk": self.chunk,
+            "max_batch_tokens": self.max_batch_tokens, "tracker": self.tracker,
+            "check_every": self.check_every, "weights": dict(self.weights),
+            "strict_commits": self.strict_commits,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FuzzConfig:
+        d = dict(d)
+        for key in ("prompt_len", "max_new"):
+            if key in d:
+                d[key] = tuple(d[key])
+        if "namespaces" in d:
+            d["namespaces"] = tuple(tuple(n) if isinstance(n, list) else n
+                                    for n in d["namespaces"])
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str) -> FuzzConfig:
+        """``"small"`` (finds races fast: few pages, short requests, deep overlap) or
+        ``"bench"`` (4,096 pages of 16 tokens, 64 requests running, the benchmark's setting)."""
+        if name == "small":
+            return cls()
+        if name == "bench":
+            return cls(num_pages=4096, page_size=16, max_seqs=96, max_len=640,
+                       prompt_len=(32, 384), max_new=(64, 240), vocab=4, target_running=64,
+                       max_in_flight=2, chunk=256, max_batch_tokens=768, check_every=2048,
+                       weights={"submit": 3, "launch": 10, "complete": 10, "retire": 10,
+                                "finish": 10,
+                                "copy": 4, "transfer": 4, "abort": 0.4, "fork": 0.3,
+                                "preempt": 0.2, "resume": 1, "receive": 0.3, "clear": 0.01,
+                                "hook": 0.5})
+        raise KVMemError(f"no fuzz config preset {name!r}; use 'small' or 'bench'")
+
+
+class FuzzEngine:
+    """Base class of an engine under test (see the module docstring for the protocol).
+
+    Subclasses set ``manager`` and ``max_in_flight`` and implement :meth:`submit`,
+    :meth:`abort`, :meth:`launch` and :meth:`finish`; the optional moves default to "not
+    supported" (return False / None) and are only offered when named in ``capabilities``.
+
+    Attributes
+    ----------
+    manager: the :class:`~kvmem.manager.KVCacheManager` the engine runs on
+    max_in_flight: steps launched and not yet completed at most (0: a synchronous engine, whose
+        every step completes, and is finished, within the move that launched it)
+    capabilities: optional moves the engine supports: ``"fork"``, ``"preempt"``, ``"resume"``,
+        ``"receive"``, ``"clear"``
+    bugs: engine-side fault switches the adapter honours (see :mod:`kvmem.testing.faults`)
+    stream_ordered: the engine runs its steps in launch order on one stream and relies on that
+        order instead of step fences (vLLM): it frees and reuses pages while a step runs and
+        commits a step's tokens when it schedules the step. The timeline then guards no step's
+        pages (``happens_before``) and allows hits on unlanded writes (``landed_hit`` off, as
+        with ``strict_commits=False``): every later step runs after the write; ``reads`` still
+        sees a step read what it must not
+    """
+
+    name: ClassVar[str] = "engine"
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    stream_ordered: ClassVar[bool] = False
+    manager: Any
+    max_in_flight: int = 2
+
+    def __init__(self) -> None:
+        self.bugs: set[str] = set()
+
+    def submit(self, spec: RequestSpec) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: Any) -> None:
+        raise NotImplementedError
+
+    def launch(self, choice: int) -> Launch | None:
+        raise NotImplementedError
+
+    def retire(self, op: Launch) -> None:
+        """The device finished ``op``: retire the fence that covers it (default: none)."""
+
+    def finish(self, op: Launch) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def fork(self, choice: int,
+             make_child: Callable[[Any, int], RequestSpec | None]) -> bool:
+        return False
+
+    def preempt(self, choice: int) -> bool:
+        return False
+
+    def resume(self, choice: int) -> bool:
+        return False
+
+    def receive(self, spec: RequestSpec) -> Launch | None:
+        return None
+
+    def clear_cache(self) -> bool:
+        return False
+
+    def check(self) -> None:
+        """Engine-specific checks, run with the timeline's full check."""
+
+
+def stable_pick(choice: int, keys: Sequence[Any]) -> int:
+    """The index of the key that ``choice`` picks, by rendezvous hashing: the pick does not
+    change when other keys come or go (so deleting an unrelated move while shrinking does not
+    change what a later move does)."""
+    head = zlib.crc32(f"{choice}:".encode())  # (crc32 of f"{choice}:{k}", the head once)
+    best, best_i = -1, -1
+    for i, k in enumerate(keys):
+        h = zlib.crc32(f"{k}".encode(), head)
+        if h > best:
+            best, best_i = h, i
+    return best_i
+
+
+def stable_bit(choice: int, key: Any) -> bool:
+    """A coin that ``choice`` flips for ``key`` (the same whatever else exists)."""
+    return bool(zlib.crc32(f"{choice}/{key}".encode()) & 1)
+
+
+def subset_step(step: Any, keep: npt.NDArray[np.bool_]) -> tuple[Int64Array, ...]:
+    """The CSR, slot mapping and counts of a reserved step for the requests ``keep`` selects:
+    ``(kv_indptr, kv_indices, slot_mapping, num_new_tokens)``."""
+    counts = np.diff(step.kv_indptr)
+    indptr = np.zeros(int(np.count_nonzero(keep)) + 1, dtype=np.int64)
+    np.cumsum(counts[keep], out=indptr[1:])
+    indices = step.kv_indices[np.repeat(keep, counts)]
+    nn = step.num_new_tokens
+    slots = step.slot_mapping[np.repeat(keep, nn)]
+    return indptr, indices, slots, nn[keep].astype(np.int64)

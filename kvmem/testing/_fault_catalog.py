@@ -1,0 +1,376 @@
+"""The fault catalog (:data:`CATALOG`, for ``kvmem fuzz --faults``): each :class:`Fault` is a
+bug class switched on in a fuzzed system (see :mod:`kvmem.testing.faults`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvmem.errors import KVMemError
+from kvmem.testing._fault_caches import TenantlessCache, WeakKeyCache
+from kvmem.testing._one_shot_faults import overwrite_page_entry
+
+if TYPE_CHECKING:
+    from kvmem.testing._run import Run
+
+__all__ = ["CATALOG", "Fault"]
+
+Int32Array = npt.NDArray[np.int32]
+
+
+class Fault:
+    """One bug class, switchable on a running fuzzed system.
+
+    Attributes
+    ----------
+    name: the catalog's key
+    bugs: BUGS.md rows it models
+    side: ``"kvmem"`` (kvmem skips a protection), ``"engine"`` (the engine misuses kvmem) or
+        ``"injected"`` (something breaks state behind everyone's back)
+    timeline: whether only an asynchronous device makes it observable (steps in flight, copies
+        or transfers landing later)
+    engines: the engine adapters it applies to (None: every engine on a KVCacheManager)
+    weights: move weights that make it likely (merged over the config's)
+    expected: the oracle meant to catch it (informative; the report says which did)
+    """
+
+    name: ClassVar[str] = ""
+    bugs: ClassVar[tuple[int, ...]] = ()
+    side: ClassVar[str] = "kvmem"
+    timeline: ClassVar[bool] = False
+    engines: ClassVar[tuple[str, ...] | None] = None
+    weights: ClassVar[dict[str, float]] = {}
+    expected: ClassVar[str] = ""
+    injects: ClassVar[bool] = False
+
+    def install(self, run: Run) -> None:
+        """Switch the fault on in ``run`` (called once, before the first move)."""
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        """One injection (the ``inject`` move); returns whether it did anything."""
+        return False
+
+    @classmethod
+    def describe(cls) -> str:
+        return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+class _EngineBug(Fault):
+    side = "engine"
+    switch: ClassVar[str] = ""
+
+    def install(self, run: Run) -> None:
+        run.engine.bugs.add(self.switch)
+
+
+# kvmem-side: wrappers around a public component -------------------------------------------------
+
+
+class _FencesFault(Fault):
+    """kvmem skips one of its own protections: a switch of ``manager.fault_hooks``."""
+
+    hook: ClassVar[str] = ""
+    # Step fences only matter to an engine with steps in flight (the toy engine is synchronous:
+    # there, these faults cannot happen, so no check can see them).
+    engines = ("manager",)
+
+    def install(self, run: Run) -> None:
+        setattr(run.engine.manager.fault_hooks, self.hook, False)
+
+
+class FenceBypassed(_FencesFault):
+    """kvmem frees pages dropped during a step at once, as if no step were in flight: a request
+    released (finished, aborted, preempted) while a launched step still reads its pages gives
+    them to the next allocation."""
+
+    name = "free_before_step_completes"
+    bugs = (1, 5)
+    timeline = True
+    hook = "hold_dropped_pages"
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"abort": 6, "preempt": 4, "complete": 4}
+
+
+class FenceLosesReferences(_FencesFault):
+    """The fence gets the step's completion but drops the references it held instead of freeing
+    them (the deferred-free path never frees): pages leak."""
+
+    name = "fence_drops_references"
+    bugs = (2,)
+    timeline = True
+    hook = "retire_frees"
+    expected = "refcounts"
+    weights: ClassVar[dict[str, float]] = {"abort": 6, "preempt": 4}
+
+
+class CowSourceUnfenced(_FencesFault):
+    """kvmem does not hold a copy-on-write source for the step that copies it: a drop of
+    references that includes a source whose copy has not landed is freed at once, and the page
+    is reused before the copy lands."""
+
+    name = "cow_source_reused_before_copy"
+    bugs = (9, 14)
+    timeline = True
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"fork": 10, "abort": 6, "preempt": 4, "copy": 1,
+                                           "complete": 4, "launch": 12}
+
+    def install(self, run: Run) -> None:
+        def unheld(pages: Int32Array) -> bool:
+            sources = run.pending_copy_sources()
+            return bool(sources.size and np.isin(pages, sources).any())
+
+        run.engine.manager.fault_hooks.free_at_once = unheld
+
+
+class WeakPrefixKey(Fault):
+    """The prefix cache keys and confirms pages by a weak digest of their tokens (here each
+    token mod 2): a different prefix hits and a request reads another prompt's K/V."""
+
+    name = "weak_prefix_key"
+    bugs = (10,)
+    expected = "reads"
+
+    def install(self, run: Run) -> None:
+        mgr = run.engine.manager
+        if mgr.cache is not None:
+            mgr.cache = WeakKeyCache(mgr.cache)
+
+
+class TenantlessCacheKey(Fault):
+    """The prefix cache's key misses the tenant (namespace): another tenant's pages hit. kvmem
+    still records namespace-qualified tags, so its own check before decode sees it."""
+
+    name = "tenantless_cache_key"
+    bugs = (11,)
+    expected = "verify"
+
+    def install(self, run: Run) -> None:
+        mgr = run.engine.manager
+        if mgr.cache is not None:
+            mgr.cache = TenantlessCache(mgr.cache)
+
+
+# engine-side: switches the adapters honour --------------------------------------------------
+
+
+class RetireAtLaunch(_EngineBug):
+    """The engine retires a step's fence when it launches the step (a synchronous engine's habit
+    under overlap scheduling): the fence no longer holds what is dropped during the step."""
+
+    name = "retire_at_launch"
+    bugs = (1, 5)
+    timeline = True
+    switch = "retire_at_launch"
+    engines = ("manager",)
+    expected = "fences"
+
+
+class CompletionLost(_EngineBug):
+    """The engine's deferred-free path never gets the step's completion signal: the step's
+    fence is never retired and what it holds leaks forever."""
+
+    name = "fence_completion_lost"
+    bugs = (2,)
+    timeline = True
+    switch = "drop_completion"
+    engines = ("manager",)
+    expected = "fences"
+
+
+class CommitAtLaunch(_EngineBug):
+    """The engine commits a step's tokens when it schedules the step, before the K/V lands: the
+    full pages enter the prefix cache and a request admitted meanwhile reuses pages whose
+    writes have not landed (same-step prefix hit)."""
+
+    name = "prefix_hit_before_write_lands"
+    bugs = (6,)
+    timeline = True
+    switch = "commit_at_launch"
+    engines = ("manager",)
+    expected = "landed_hit"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "abort": 4, "finish": 6}
+
+
+class TransferUnfenced(_EngineBug):
+    """A KV transfer into a request's pages (P/D disaggregation) holds no fence: the request is
+    aborted mid-transfer, its pages go to another request, and the late write lands in them."""
+
+    name = "transfer_without_fence"
+    bugs = (1, 9)
+    timeline = True
+    switch = "no_transfer_fence"
+    engines = ("manager",)
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "abort": 8, "transfer": 1, "submit": 8}
+
+
+class CommitOnAbort(_EngineBug):
+    """On abort the engine commits everything it scheduled for the request, landed or not,
+    before releasing it: pages with K/V still in flight enter the prefix index."""
+
+    name = "commit_on_abort"
+    bugs = (8,)
+    timeline = True
+    switch = "commit_on_abort"
+    engines = ("manager",)
+    expected = "landed_hit"
+    weights: ClassVar[dict[str, float]] = {"abort": 8, "submit": 12}
+
+
+class SkipCowCopy(_EngineBug):
+    """The engine ignores the copy-on-write copies a step asks for: a forked request writes its
+    own tail page, which never received the shared tokens' K/V."""
+
+    name = "cow_copy_skipped"
+    bugs = (14, 16)
+    switch = "skip_cow_copy"
+    engines = ("manager", "toy")
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"fork": 10}
+
+
+class NamespaceDropped(_EngineBug):
+    """The engine admits every request without its tenant salt (namespace): requests of
+    different tenants share prefix pages."""
+
+    name = "tenant_salt_dropped"
+    bugs = (11,)
+    switch = "namespace_dropped"
+    engines = ("manager", "toy", "vllm", "vllm-async")
+    expected = "reads"
+
+
+class LeakOnAbort(_EngineBug):
+    """The engine's abort path forgets the request without releasing it in kvmem: its pages
+    leak."""
+
+    name = "leak_on_abort"
+    bugs = (2, 8)
+    switch = "leak_on_abort"
+    engines = ("manager", "toy", "vllm", "vllm-async")
+    expected = "requests"
+    weights: ClassVar[dict[str, float]] = {"abort": 8}
+
+
+class ReleaseRetried(_EngineBug):
+    """A hook raises during release; the engine takes the HookError for a failed release and
+    releases again (two release paths for one request)."""
+
+    name = "release_retried_on_hook_error"
+    bugs = (3,)
+    switch = "hook_error_retried"
+    engines = ("manager",)
+    expected = "kvmem_error"
+    weights: ClassVar[dict[str, float]] = {"hook": 10, "abort": 6}
+
+
+class StaleBlockTable(_EngineBug):
+    """The engine hands its kernels a block table from a reused buffer whose columns past each
+    request's pages still hold an earlier request's pages."""
+
+    name = "stale_block_table"
+    bugs = (13,)
+    switch = "stale_block_table"
+    engines = ("manager",)
+    expected = "verify"
+
+
+class WrongChunkSlice(_EngineBug):
+    """Chunked prefill hands the kernel the wrong slice of the page table (a request's first two
+    pages swapped)."""
+
+    name = "wrong_chunk_slice"
+    bugs = (12,)
+    switch = "wrong_chunk_slice"
+    engines = ("manager",)
+    expected = "verify"
+
+
+# injected: something breaks behind everyone's back ----------------------------------------------
+
+
+def _victim(run: Run, a: int) -> Any:
+    from kvmem.testing._engine_protocol import stable_pick
+
+    running = run.engine.manager.running
+    return running[stable_pick(a, running)] if running else None
+
+
+class SecondReleasePath(Fault):
+    """A second release path drops a running request's reference to one of its pages (the
+    first path, kvmem's, drops it again later)."""
+
+    name = "second_release_path"
+    bugs = (3, 5)
+    side = "injected"
+    injects = True
+    expected = "refcounts"
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        rid = _victim(run, a)
+        if rid is None:
+            return False
+        pages = run.engine.manager.pages_of(rid)
+        run.engine.manager.allocator.free(pages[b % pages.size : b % pages.size + 1])
+        return True
+
+
+class RefcountOverincrement(Fault):
+    """A page gains a holder nobody will release (fork plus sliding window counted a page
+    twice)."""
+
+    name = "refcount_overincrement"
+    bugs = (4, 15)
+    side = "injected"
+    injects = True
+    expected = "refcounts"
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        rid = _victim(run, a)
+        if rid is None:
+            return False
+        pages = run.engine.manager.pages_of(rid)
+        run.engine.manager.allocator.share(pages[b % pages.size : b % pages.size + 1])
+        return True
+
+
+class StalePageTableEntry(Fault):
+    """A request's page-table entry names another request's page (a stale or misplaced entry
+    the kernel would read)."""
+
+    name = "stale_page_table_entry"
+    bugs = (12, 13)
+    side = "injected"
+    injects = True
+    expected = "verify"
+
+    def inject(self, run: Run, a: int, b: int) -> bool:
+        mgr = run.engine.manager
+        running = mgr.running
+        if len(running) < 2:
+            return False
+        victim = _victim(run, a)
+        other = _victim(run, b)
+        if other == victim:
+            return False
+        pos = b % max(1, -(-mgr.num_tokens(victim) // mgr.page_size))
+        page = int(mgr.pages_of(other)[0])
+        try:
+            if int(mgr.pages_of(victim)[pos]) == page:
+                return False
+            overwrite_page_entry(mgr, victim, pos, page)
+        except (KVMemError, IndexError):
+            return False
+        return True
+
+
+CATALOG: dict[str, Fault] = {f.name: f for f in (
+    FenceBypassed(), CowSourceUnfenced(), RetireAtLaunch(), CompletionLost(), CommitAtLaunch(),
+    TransferUnfenced(), CommitOnAbort(), FenceLosesReferences(), SkipCowCopy(),
+    NamespaceDropped(), TenantlessCacheKey(), WeakPrefixKey(), LeakOnAbort(), ReleaseRetried(),
+    SecondReleasePath(), RefcountOverincrement(), StalePageTableEntry(), StaleBlockTable(),
+    WrongChunkSlice(),
+)}
