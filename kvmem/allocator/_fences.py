@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import show
 from kvmem.allocator._page_allocator import as_page_ids
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
 __all__ = ["StepFences", "StepHandle"]
 
@@ -106,8 +107,11 @@ class StepFences:
             np.add.at(self._held, pages, 1)
 
     def check_retire(self, handle: StepHandle) -> None:
-        if not isinstance(handle, StepHandle) or handle.step_id not in self._open:
-            raise KVMemError(
+        if not isinstance(handle, StepHandle):
+            raise ArgumentTypeError(f"handle={show(handle)}: expected a StepHandle returned by "
+                                    "begin_step(); nothing changed")
+        if handle.step_id not in self._open:
+            raise ArgumentError(
                 f"retire() got {handle!r}, which is not an open step (open: "
                 f"{self.open_steps}); each handle from begin_step() is retired exactly once"
             )

@@ -26,7 +26,7 @@ from kvmem._validate import integer, integers
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError
 from kvmem.integrity import CheckingTracker, Tracker, qualify_live
 
 __all__ = ["Reserver"]
@@ -84,7 +84,7 @@ class Reserver:
         return 0 <= need <= self.pages.available() + (0 if cow is None else cow[0].size)
 
     def _too_long(self, ids: tuple[Any, ...], where: npt.NDArray[np.integer]) -> None:
-        raise KVMemError(
+        raise ArgumentError(
             f"requests {[ids[i] for i in where[:8].tolist()]} would need more than "
             f"max_pages_per_seq={self.table.max_pages_per_seq} pages; finish them or raise the "
             "limit (nothing was reserved)"

@@ -1,0 +1,122 @@
+"""Promises of README.md and docs/{manager,integrity,errors,data_types,capacity_planning}.md,
+each probed where an audit found it broken (or held but untested)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvmem import ArgumentError, ArgumentTypeError, KVCacheManager, KVMemError
+
+
+def manager() -> KVCacheManager:
+    mgr = KVCacheManager(64, page_size=4, max_seqs=8, tracker="checking")
+    mgr.admit("a", list(range(10)))
+    return mgr
+
+
+def state(mgr: KVCacheManager) -> tuple[Any, ...]:
+    return (mgr.allocator.tags.tobytes(), mgr.allocator.refcounts.tobytes(),
+            mgr.table.pages.tobytes(), mgr.table.num_tokens.tobytes(),
+            mgr.table.num_committed.tobytes(), mgr.stats(), mgr.running, mgr.preempted)
+
+
+# -- docs/errors.md: a kvmem error, argument errors are ValueError/TypeError, nothing changed --
+
+@pytest.mark.parametrize("call", ["admit", "can_admit", "match_prefix", "commit", "resume"])
+def test_ragged_token_ids_are_an_argument_error(call: str) -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 2)
+    mgr.preempt("a") if call == "resume" else None
+    before = state(mgr)
+    ragged = [[1], [2, 3]]
+    with pytest.raises(ArgumentError, match="token_ids"):
+        {"admit": lambda: mgr.admit("b", ragged), "can_admit": lambda: mgr.can_admit(ragged),
+         "match_prefix": lambda: mgr.match_prefix(ragged),
+         "commit": lambda: mgr.commit("a", ragged),
+         "resume": lambda: mgr.resume("a", ragged)}[call]()
+    assert state(mgr) == before
+
+
+@pytest.mark.parametrize("tokens", [[True, False], [1.0, 2.0], np.array([1.5]), ["1", "2"]])
+def test_token_ids_of_the_wrong_type_are_a_type_error(tokens: Any) -> None:
+    mgr = manager()
+    before = state(mgr)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        mgr.admit("b", tokens)
+    assert state(mgr) == before
+
+
+@pytest.mark.parametrize("tokens", [[1.5], [True], np.array([2.0])])
+def test_commit_batch_refuses_non_integer_tokens_by_type(tokens: Any) -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 1)
+    before = state(mgr)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        mgr.commit_batch(["a"], tokens)
+    assert state(mgr) == before
+
+
+def test_commit_batch_with_the_wrong_count_names_token_ids() -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 1)
+    with pytest.raises(ArgumentError, match=r"token_ids=\[1, 2\].*2 token lists for 1 requests"):
+        mgr.commit_batch(["a"], [1, 2])
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.reserve(["zz"], 1), lambda m: m.commit("zz", [1]), lambda m: m.verify(["zz"]),
+    lambda m: m.preempt("zz"), lambda m: m.release("zz"), lambda m: m.release_batch(["zz"]),
+    lambda m: m.resume("a"), lambda m: m.can_resume("a"), lambda m: m.fork("zz", "c"),
+    lambda m: m.admit("a", [1, 2]), lambda m: m.fork("a", "a"), lambda m: m.pages_of("zz"),
+    lambda m: m.commit("a", list(range(50))), lambda m: m.admit("b", list(range(1000))),
+    lambda m: m.namespace_of_page(63),
+])
+def test_an_unknown_or_unfit_request_argument_is_an_argument_error(call: Any) -> None:
+    """An id the manager does not know (or knows already), a prompt or chunk too long for a
+    row: argument mistakes, so ArgumentError (a ValueError), changing nothing."""
+    mgr = manager()
+    before = state(mgr)
+    with pytest.raises(ArgumentError):
+        call(mgr)
+    assert state(mgr) == before
+
+
+def test_a_reserve_past_max_pages_per_seq_is_an_argument_error() -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 200)
+    before = state(mgr)
+    with pytest.raises(ArgumentError, match="max_pages_per_seq"):
+        mgr.reserve(["a"], 100)
+    assert state(mgr) == before
+
+
+def test_a_repeated_request_id_is_named() -> None:
+    mgr = manager()
+    mgr.admit("b", [5, 6])
+    for call in (lambda: mgr.reserve(["a", "b", "a"], 1), lambda: mgr.verify(["b", "a", "b"]),
+                 lambda: mgr.release_batch(["a", "b", "b"])):
+        with pytest.raises(ArgumentError, match=r"lists '[ab]' twice"):
+            call()
+    assert set(mgr.running) == {"a", "b"}
+
+
+@pytest.mark.parametrize("handle, kind", [(3, ArgumentTypeError), (None, ArgumentTypeError),
+                                          ("h", ArgumentTypeError)])
+def test_retire_of_something_that_is_no_handle_is_a_type_error(handle: Any, kind: type) -> None:
+    mgr = manager()
+    h = mgr.begin_step()
+    with pytest.raises(kind, match="handle"):
+        mgr.retire(handle)
+    mgr.retire(h)
+    with pytest.raises(ArgumentError, match="not an open step"):
+        mgr.retire(h)  # retired twice
+    assert mgr.stats().steps_in_flight == 0
+
+
+def test_every_manager_error_is_a_kvmem_error() -> None:
+    mgr = manager()
+    with pytest.raises(KVMemError):
+        mgr.reserve([["zz"]], 1)  # unhashable id
