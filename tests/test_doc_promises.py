@@ -120,3 +120,64 @@ def test_every_manager_error_is_a_kvmem_error() -> None:
     mgr = manager()
     with pytest.raises(KVMemError):
         mgr.reserve([["zz"]], 1)  # unhashable id
+
+
+# -- docs/integrity.md: the tracker records only well-formed entries; malformed metadata is a
+# MetadataError ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows, positions, tags, kind", [
+    ([0], [0, 1], [5], ArgumentError),  # lengths differ: no broadcasting
+    ([0], [0], [-5], ArgumentError),  # a tag is never negative
+    ([0], [0], [5.0], ArgumentTypeError),  # [1.7] is not page 1, 5.0 not tag 5
+    ([0], [0], [True], ArgumentTypeError),
+    (0, 0, 5, ArgumentTypeError),  # one id where a list is expected
+    ([1.0], [0], [5], ArgumentTypeError),
+])
+def test_tracker_record_refuses_malformed_entries(rows: Any, positions: Any, tags: Any,
+                                                  kind: type) -> None:
+    from kvmem import CheckingTracker
+
+    tracker = CheckingTracker(4, 8)
+    tracker.record([1], [0], [7])
+    before = (tracker.expected_tags.tobytes(), tracker.versions.tobytes(), tracker.num_changes)
+    with pytest.raises(kind):
+        tracker.record(rows, positions, tags)
+    assert (tracker.expected_tags.tobytes(), tracker.versions.tobytes(),
+            tracker.num_changes) == before
+
+
+def test_tracker_forget_refuses_one_row_and_the_constructor_checks_its_types() -> None:
+    from kvmem import CheckingTracker
+
+    tracker = CheckingTracker(4, 8)
+    tracker.record([0], [0], [7])
+    with pytest.raises(ArgumentTypeError, match="rows"):
+        tracker.forget(0)
+    assert tracker.expected_tags[0, 0] == 7
+    with pytest.raises(ArgumentTypeError, match="max_seqs"):
+        CheckingTracker(True, 8)
+    with pytest.raises(ArgumentTypeError, match="paranoid"):
+        CheckingTracker(4, 8, paranoid=1)
+
+
+def test_tracker_verify_refuses_malformed_metadata_with_a_metadata_error() -> None:
+    from kvmem import CheckingTracker, MetadataError
+
+    tracker = CheckingTracker(4, 8)
+    tracker.record([0], [0], [5])
+    tags = np.zeros(8, dtype=np.int64)
+    tags[3] = 5
+    indptr, indices = np.array([0, 1]), np.array([3])
+    assert tracker.verify([0], [1], tags, kv_indptr=indptr, kv_indices=indices).ok
+    for kwargs in ({}, {"block_table": np.array([[3]]), "kv_indptr": indptr,
+                        "kv_indices": indices},
+                   {"kv_indptr": [0, 1], "kv_indices": [3]},  # Python lists
+                   {"kv_indptr": np.array([0, 1, 1]), "kv_indices": indices}):
+        with pytest.raises(MetadataError):
+            tracker.verify([0], [1], tags, **kwargs)
+    with pytest.raises(ArgumentError, match="rows"):
+        tracker.verify([9], [1], tags, kv_indptr=indptr, kv_indices=indices)
+    with pytest.raises(ArgumentError, match="num_pages"):
+        tracker.verify([0], [1, 1], tags, kv_indptr=indptr, kv_indices=indices)
+    with pytest.raises(ArgumentTypeError, match="tags"):
+        tracker.verify([0], [1], tags.tolist(), kv_indptr=indptr, kv_indices=indices)
