@@ -662,7 +662,7 @@ class KVCacheManager:
 
     def _tokens_of(self, row: int) -> Int64Array:
         committed = int(self.table.num_committed[row])
-        return self.pages.tokens_at(self.table.token_slots([row], [0], [committed]))
+        return self.pages.tokens_at(self.table._token_slots([row], [0], [committed]))
 
     def tokens_of(self, request_id: Any) -> Int64Array:
         """The committed token ids of a running request: ``[k]``, int64 (a copy)."""

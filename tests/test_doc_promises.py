@@ -181,3 +181,61 @@ def test_tracker_verify_refuses_malformed_metadata_with_a_metadata_error() -> No
         tracker.verify([0], [1, 1], tags, kv_indptr=indptr, kv_indices=indices)
     with pytest.raises(ArgumentTypeError, match="tags"):
         tracker.verify([0], [1], tags.tolist(), kv_indptr=indptr, kv_indices=indices)
+
+
+# -- docs/errors.md for kvmem.PageTable: ids never wrap, one id is not a list, bools and floats
+# are not counts, and a refused call changes nothing -----------------------------------------
+
+def table_with_a_row() -> tuple[Any, int]:
+    from kvmem import PageAllocator, PageTable
+
+    table = PageTable(4, 8, 4)
+    row = table.add_row()
+    table.grow([row], [5], PageAllocator(32))
+    return table, row
+
+
+def table_state(table: Any) -> tuple[bytes, ...]:
+    return (table.pages.tobytes(), table.num_pages.tobytes(), table.num_tokens.tobytes(),
+            table.generation.tobytes(), bytes(table.num_free_rows))
+
+
+@pytest.mark.parametrize("call, kind", [
+    (lambda t, r: t.remove_rows(r), ArgumentTypeError),  # one row where a list is expected
+    (lambda t, r: t.remove_rows([0.0]), ArgumentTypeError),
+    (lambda t, r: t.remove_row(True), ArgumentTypeError),
+    (lambda t, r: t.remove_row(3), ArgumentError),
+    (lambda t, r: t.add_rows(-1), ArgumentError),
+    (lambda t, r: t.add_rows(True), ArgumentTypeError),
+    (lambda t, r: t.set_num_tokens(r, True), ArgumentTypeError),
+    (lambda t, r: t.pages_needed([9], [1]), ArgumentError),
+    (lambda t, r: t.pages_needed([r], [-1]), ArgumentError),
+    (lambda t, r: t.grow([r], 1.5, None), ArgumentTypeError),  # not truncated to 1
+    (lambda t, r: t.grow([r], True, None), ArgumentTypeError),
+    (lambda t, r: t.grow([0.0], 1, None), ArgumentTypeError),  # [0.0] is not row 0
+    (lambda t, r: t.grow([r], [-5], None), ArgumentError),
+    (lambda t, r: t.grow([r, r], 1, None), ArgumentError),
+    (lambda t, r: t.slot_mapping([r], [8]), ArgumentError),  # past the row's pages
+    (lambda t, r: t.slot_mapping([r], [-1]), ArgumentError),
+    (lambda t, r: t.token_slots([r], 6, 5), ArgumentError),
+    (lambda t, r: t.csr([5]), ArgumentError),
+    (lambda t, r: t.csr([r], [1000]), ArgumentError),
+    (lambda t, r: t.block_table([r], width=0), ArgumentError),  # narrower than the row
+    (lambda t, r: t.row_pages(9), ArgumentError),
+])
+def test_page_table_refuses_bad_arguments_and_changes_nothing(call: Any, kind: type) -> None:
+    table, row = table_with_a_row()
+    before = table_state(table)
+    with pytest.raises(kind):
+        call(table, row)
+    assert table_state(table) == before
+
+
+def test_page_table_answers_for_good_arguments() -> None:
+    table, row = table_with_a_row()
+    pages = table.row_pages(np.int64(row)).tolist()
+    assert table.slot_mapping([row], [4]).tolist() == [pages[1] * 4]
+    assert table.token_slots([row], 3, 2).tolist() == [pages[0] * 4 + 3, pages[1] * 4]
+    assert table.pages_needed([row], [4]).tolist() == [1]
+    assert table.csr([row], [3]).kv_last_page_len.tolist() == [3]
+    assert table.block_table([row], width=4).tolist() == [[*pages, -1, -1]]

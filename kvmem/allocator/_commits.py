@@ -75,9 +75,9 @@ class Committer:
                 "(nothing was committed)"
             )
         if isinstance(counts, int) and counts == 1:  # the decode step: one token per request
-            slots = t.slot_mapping(rows, start)
+            slots = t._slots(rows, start)
         else:
-            slots = t.token_slots(rows, start, counts)
+            slots = t._token_slots(rows, start, counts)
         self.pages.write_tokens(slots, flat)
         t.num_committed[rows] = end
         if self.pages.cache is not None:

@@ -178,7 +178,7 @@ class Reserver:
         t.write_from[rows] = start
         if k != 1:
             positions = (start[:, None] + self._arange[:k]).reshape(-1)
-            slots = t.slot_mapping(np.repeat(rows, k), positions)
+            slots = t._slots(np.repeat(rows, k), positions)
             return self._finish(ids, rows, rows_w, rows32, start, end, k, slots, None)
         col = start // P
         offset = start - col * P
@@ -219,7 +219,7 @@ class Reserver:
             slots = grown.slot_mapping
         else:  # the rows map the pages already (an admitted prompt's prefill chunks)
             t.num_tokens[rows] = start + n
-            slots = t.token_slots(rows, start, n)
+            slots = t._token_slots(rows, start, n)
         t.write_from[rows] = start
         rows_w, rows32 = self.steps.row_arrays(rows)
         k = n if isinstance(n, int) else -1
