@@ -239,3 +239,29 @@ def test_page_table_answers_for_good_arguments() -> None:
     assert table.pages_needed([row], [4]).tolist() == [1]
     assert table.csr([row], [3]).kv_last_page_len.tolist() == [3]
     assert table.block_table([row], width=4).tolist() == [[*pages, -1, -1]]
+
+
+# -- docs/capacity_planning.md: FixedReserve(reserve_gib), MemoryFraction(fraction) ------------
+
+def test_reserve_policies_take_their_one_field_by_position() -> None:
+    from kvmem.planning import FixedReserve, MemoryFraction, plan_capacity
+
+    assert FixedReserve(10) == FixedReserve(reserve_gib=10)
+    assert MemoryFraction(0.8) == MemoryFraction(fraction=0.8)
+    fixed = plan_capacity("llama-3.1-8b", "h100-80g", policy=FixedReserve(10))
+    assert fixed.kv_budget_gib_per_gpu == pytest.approx(
+        fixed.gpu_memory_gib - fixed.weights_gib_per_gpu - 10)
+    with pytest.raises(ArgumentTypeError, match="reserve_gib twice"):
+        FixedReserve(1, reserve_gib=2)
+    with pytest.raises(ArgumentTypeError, match="positional"):
+        MemoryFraction(0.5, 0.6)
+    with pytest.raises(KVMemError):
+        MemoryFraction(1.5)
+
+
+def test_specs_given_positional_arguments_raise_a_kvmem_error() -> None:
+    from kvmem import GPUSpec, PoolSpec
+
+    for build in (lambda: GPUSpec("x", 1000, 100), lambda: PoolSpec(2)):
+        with pytest.raises(ArgumentTypeError, match="by name"):
+            build()
