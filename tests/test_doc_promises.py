@@ -265,3 +265,34 @@ def test_specs_given_positional_arguments_raise_a_kvmem_error() -> None:
     for build in (lambda: GPUSpec("x", 1000, 100), lambda: PoolSpec(2)):
         with pytest.raises(ArgumentTypeError, match="by name"):
             build()
+
+
+# -- docs/errors.md, the command line: a setting that would be ignored is refused, status 2 ----
+
+@pytest.mark.parametrize("argv, named", [
+    (["plan", "kimi-k2.6", "--tp", "8", "--kv-dtype", "fp8_e5m2", "--compare",
+      "bf16,fp8_e4m3"], "--kv-dtype fp8_e5m2 and --compare"),
+    (["simulate", "llama-3.1-8b", "--kv-dtype", "fp8_e4m3", "--compare", "bf16,fp16"],
+     "--kv-dtype fp8_e4m3 and --compare"),
+    (["simulate", "llama-3.1-8b", "--prefix-len", "100"], "--prefixes"),
+    (["simulate", "llama-3.1-8b", "--prefix-fraction", "0.5"], "--prefixes"),
+])
+def test_cli_refuses_a_setting_it_would_ignore(capsys: pytest.CaptureFixture[str],
+                                               argv: list[str], named: str) -> None:
+    from kvmem.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and named in err
+
+
+def test_cli_kv_dtype_alone_still_picks_the_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvmem.cli import main
+
+    assert main(["plan", "kimi-k2.6", "--tp", "8", "--kv-dtype", "fp8_e4m3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_dtype"] == "fp8_e4m3"
+    assert main(["plan", "kimi-k2.6", "--tp", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_dtype"] == "bf16"
