@@ -296,3 +296,29 @@ def test_cli_kv_dtype_alone_still_picks_the_dtype(capsys: pytest.CaptureFixture[
     assert json.loads(capsys.readouterr().out)["kv_dtype"] == "fp8_e4m3"
     assert main(["plan", "kimi-k2.6", "--tp", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_dtype"] == "bf16"
+
+
+# -- docs/data_types.md -------------------------------------------------------------------------
+
+def test_fp8_pool_spec_scales_default_to_tensor_and_bf16_has_none() -> None:
+    from kvmem import PoolSpec
+    from kvmem.integrations.hf import DEFAULT_FP8_SCALES
+
+    shape = dict(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)
+    assert PoolSpec(**shape, dtype="fp8_e4m3").scales == "tensor"
+    assert PoolSpec(**shape, dtype="bf16").scales is None
+    assert DEFAULT_FP8_SCALES == "token_head"
+
+
+@pytest.mark.parametrize("scales, ratio", [("tensor", 2.0), ("head", 2.0),
+                                           ("token_head", 2.0 / (1 + 4 / 128))])
+def test_an_fp8_pool_holds_twice_the_tokens_of_bf16_up_to_page_rounding(scales: str,
+                                                                         ratio: float) -> None:
+    from kvmem import PoolSpec
+
+    shape = dict(num_layers=32, num_pages=4, page_size=16, num_kv_heads=8, head_dim=128)
+    bf16 = PoolSpec(**shape, dtype="bf16")
+    fp8 = PoolSpec(**shape, dtype="fp8_e4m3", scales=scales)
+    budget = 1000 * bf16.bytes_per_page  # a whole number of bf16 pages
+    assert fp8.num_pages_for_budget(budget) == int(ratio * 1000)
+    assert fp8.num_pages_for_budget(budget + bf16.bytes_per_page - 1) <= int(ratio * 1001)
