@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -403,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVMemError as exc:
         print(f"kvmem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return _EXIT_ERROR
+    except BrokenPipeError:  # `kvmem plan ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
     return status
 
 

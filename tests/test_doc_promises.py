@@ -322,3 +322,78 @@ def test_an_fp8_pool_holds_twice_the_tokens_of_bf16_up_to_page_rounding(scales: 
     budget = 1000 * bf16.bytes_per_page  # a whole number of bf16 pages
     assert fp8.num_pages_for_budget(budget) == int(ratio * 1000)
     assert fp8.num_pages_for_budget(budget + bf16.bytes_per_page - 1) <= int(ratio * 1001)
+
+
+# -- README.md and docs/capacity_planning.md: the figures as printed ------------------------------
+
+def test_the_kimi_and_glm_figures_are_the_ones_the_docs_print() -> None:
+    from kvmem.planning import fit_throughput, get_model, plan_capacity
+
+    kimi = {d: plan_capacity("kimi-k2.6", "h200", tp=8, kv_dtype=d, context_len=16384)
+            for d in ("bf16", "fp8_e4m3")}
+    assert [p.kv_tokens_per_gpu for p in kimi.values()] == [653_125, 1_306_251]
+    assert [p.max_concurrency for p in kimi.values()] == [39, 79]
+    assert kimi["fp8_e4m3"].kv_bytes_per_token_per_gpu == 35_136
+    assert round(kimi["bf16"].weights_gib_per_gpu, 2) == 71.83
+    assert round(kimi["bf16"].kv_budget_gib_per_gpu, 2) == 42.74
+    assert round(kimi["bf16"].mem_fraction_static, 4) == 0.8160
+    glm = get_model("glm-5.2")
+    tokens = {(w, d): plan_capacity(glm, "h200", tp=8, kv_dtype=d, weights=w)
+              for w in ("fp8", "int4-g32") for d in ("bf16", "fp8_e4m3")}
+    assert {k: p.kv_tokens_per_gpu for k, p in tokens.items()} == {
+        ("fp8", "bf16"): 437_757, ("fp8", "fp8_e4m3"): 850_076,
+        ("int4-g32", "bf16"): 829_801, ("int4-g32", "fp8_e4m3"): 1_611_380}
+    fp8_w, int4_w = tokens["fp8", "bf16"], tokens["int4-g32", "bf16"]
+    assert (round(fp8_w.weights_gib_total, 2), round(int4_w.weights_gib_total, 2)) == (
+        703.72, 419.94)
+    assert (round(fp8_w.weights_gib_per_gpu, 2), round(int4_w.weights_gib_per_gpu, 2)) == (
+        88.18, 54.36)
+    assert (round(fp8_w.kv_budget_gib_per_gpu, 2), round(int4_w.kv_budget_gib_per_gpu, 2)) == (
+        37.76, 71.58)
+    bf16 = plan_capacity("kimi-k2.6", "h200", tp=8, kv_dtype="bf16")
+    fit = fit_throughput(bf16, [(1, 137), (8, 731), (16, 1106), (32, 1558)])
+    assert (round(fit.t0_s * 1e3, 2), round(fit.efficiency, 3), fit.context_len) == (
+        5.40, 0.695, 4870)
+    fp8 = plan_capacity("kimi-k2.6", "h200", tp=8, kv_dtype="fp8_e4m3")
+    assert round(fit.tokens_per_s(fp8, 64)) == 2474
+
+
+def test_the_simulate_figures_are_the_ones_the_docs_print(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/capacity_planning.md: `kvmem simulate kimi-k2.6 --compare bf16,fp8_e4m3
+    --requests 300`."""
+    import json
+
+    from kvmem.cli import main
+
+    argv = ["simulate", "kimi-k2.6", "--compare", "bf16,fp8_e4m3", "--requests", "300",
+            "--json", "--no-progress"]
+    assert main(argv) == 0
+    bf16, fp8 = json.loads(capsys.readouterr().out)["compare"]
+    assert (bf16["kv_tokens"], fp8["kv_tokens"]) == (653_120, 1_306_240)
+    assert (round(bf16["mean_running"], 1), bf16["max_running"]) == (40.7, 45)
+    assert (bf16["num_queued"], round(bf16["queue_delay_p95_s"]), bf16["num_preemptions"]) == (
+        258, 39, 4)
+    assert (round(fp8["mean_running"], 1), fp8["max_running"], fp8["num_queued"],
+            fp8["num_preemptions"]) == (59.6, 64, 0, 0)
+    assert (round(bf16["output_tokens_per_s"]), round(fp8["output_tokens_per_s"])) == (
+        1265, 1876)
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`kvmem simulate ... --json | head`: the CLI promises one line or none on stderr, never
+    a traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys; from kvmem.cli import main; sys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp",
+         "1", "--requests", "400", "--prompt-len", "64", "--output-len", "400", "--json",
+         "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and proc.returncode in (0, 141)
