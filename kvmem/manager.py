@@ -263,6 +263,8 @@ class KVCacheManager:
         self._counters = dict.fromkeys(("prefix_queries", "prefix_query_tokens",
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
+        if checking is not None:
+            checking.claimed = True  # its rows are this manager's (make_tracker refuses a 2nd)
 
     @property
     def cache(self) -> PrefixCache | None:

@@ -397,3 +397,20 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert "Traceback" not in err and proc.returncode in (0, 141)
+
+
+def test_a_checking_tracker_serves_one_manager() -> None:
+    """docs/integrity.md: the tracker is the only writer of its expected tags; two managers on
+    one tracker would overwrite each other's rows (like a prefix cache, it binds to one)."""
+    from kvmem import CheckingTracker
+
+    tracker = CheckingTracker(8, 16)
+    first = KVCacheManager(64, page_size=4, max_seqs=8, max_pages_per_seq=16, tracker=tracker)
+    with pytest.raises(ArgumentError, match="tracker"):
+        KVCacheManager(64, page_size=4, max_seqs=8, max_pages_per_seq=16, tracker=tracker)
+    first.admit("a", [1, 2, 3])
+    assert first.tracker is tracker and tracker.expected_tags[first.row_of("a"), 0] > 0
+    with pytest.raises(ArgumentTypeError, match="tracker"):
+        KVCacheManager(64, tracker=3)
+    with pytest.raises(ArgumentTypeError, match="pool"):
+        KVCacheManager(64, pool=object())

@@ -159,6 +159,7 @@ class CheckingTracker:
         self._flat = self._expected.reshape(-1)  # (row, position) at row * width + position
         self._versions = np.zeros(int(max_seqs), dtype=np.int64)
         self.num_changes = 0
+        self.claimed = False  # set by the manager that records its rows here
         self.expected_tags = self._expected.view()
         self.expected_tags.flags.writeable = False
         self.versions = self._versions.view()
