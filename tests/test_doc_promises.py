@@ -414,3 +414,43 @@ def test_a_checking_tracker_serves_one_manager() -> None:
         KVCacheManager(64, tracker=3)
     with pytest.raises(ArgumentTypeError, match="pool"):
         KVCacheManager(64, pool=object())
+
+
+# -- docs/manager.md (hooks) and docs/data_types.md (nonfinite="raise") --------------------------
+
+def test_hook_arguments_of_the_wrong_type_or_kind_are_refused_by_name() -> None:
+    mgr = manager()
+    for kind in (3, ["admit"], None):
+        with pytest.raises(ArgumentTypeError, match="kind"):
+            mgr.add_hook(kind, print)
+    with pytest.raises(ArgumentTypeError, match="callable"):
+        mgr.add_hook("admit", 3)
+    with pytest.raises(ArgumentError, match="kind='nope'"):
+        mgr.remove_hook("nope", print)
+    with pytest.raises(ArgumentError, match="not registered"):
+        mgr.remove_hook("admit", print)
+    mgr.admit("b", [1])  # no hook was added by the refused calls
+
+
+def test_a_nonfinite_write_under_raise_is_a_config_error_and_writes_nothing() -> None:
+    import torch
+
+    from kvmem import ConfigError, PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1,
+                             head_dim=4, dtype="fp8_e4m3", nonfinite="raise", device="cpu"))
+    before = pool.page_bytes.clone()
+    k = torch.tensor([[[float("nan"), 1.0, 2.0, 3.0]]])
+    with pytest.raises(ConfigError, match="nonfinite"):
+        pool.write(0, torch.tensor([0]), k, torch.zeros(1, 1, 4))
+    assert torch.equal(pool.page_bytes, before) and pool.stats().num_nonfinite == 0
+
+
+def test_a_pool_serves_one_manager() -> None:
+    from kvmem import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1,
+                             head_dim=4, device="cpu"))
+    KVCacheManager(8, page_size=4, pool=pool)
+    with pytest.raises(ArgumentError, match="already claimed"):
+        KVCacheManager(8, page_size=4, pool=pool)
