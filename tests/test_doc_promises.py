@@ -454,3 +454,30 @@ def test_a_pool_serves_one_manager() -> None:
     KVCacheManager(8, page_size=4, pool=pool)
     with pytest.raises(ArgumentError, match="already claimed"):
         KVCacheManager(8, page_size=4, pool=pool)
+
+
+# -- docs/manager.md: reserve's StepMetadata ------------------------------------------------------
+
+def test_step_metadata_shapes_and_dtypes_are_the_documented_ones() -> None:
+    mgr = manager()  # "a": 10 prompt tokens, page size 4
+    mgr.admit("b", [7, 8])
+    step = mgr.reserve(["a", "b"], [10, 2])
+    assert step.slot_mapping.dtype == np.int64 and step.slot_mapping.shape == (12,)
+    for name, shape in (("qo_indptr", (3,)), ("kv_indptr", (3,)), ("kv_indices", (4,)),
+                        ("kv_last_page_len", (2,)), ("seq_lens", (2,))):
+        field = getattr(step, name)
+        assert field.dtype == np.int32 and field.shape == shape, name
+    assert step.kv_last_page_len.tolist() == [2, 2] and step.seq_lens.tolist() == [10, 2]
+    assert step.block_table.dtype == np.int32
+    assert step.block_table.tolist() == [mgr.pages_of("a").tolist(),
+                                         [*mgr.pages_of("b").tolist(), -1, -1]]
+    tensors = step.tensors("cpu")
+    assert str(tensors["slot_mapping"].dtype) == "torch.int64"
+    assert all(str(t.dtype) == "torch.int32" for k, t in tensors.items() if k != "slot_mapping")
+
+
+@pytest.mark.parametrize("device", ["tpu", 3, object()])
+def test_step_tensors_on_a_device_torch_cannot_use_is_an_argument_error(device: Any) -> None:
+    step = manager().reserve(["a"], 1)
+    with pytest.raises(ArgumentError, match="device"):
+        step.tensors(device)
