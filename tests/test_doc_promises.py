@@ -481,3 +481,20 @@ def test_step_tensors_on_a_device_torch_cannot_use_is_an_argument_error(device: 
     step = manager().reserve(["a"], 1)
     with pytest.raises(ArgumentError, match="device"):
         step.tensors(device)
+
+
+# -- docs/integrity.md: lifetime_of(q) and namespace_id_of(q) decode one --------------------------
+
+def test_qualified_tags_decode_and_refuse_what_is_no_tag() -> None:
+    from kvmem.integrity import lifetime_of, namespace_id_of
+
+    q = 41 << 20 | 3
+    assert (lifetime_of(q), namespace_id_of(q)) == (41, 3)
+    assert (lifetime_of(np.int64(q)), namespace_id_of(np.int64(q))) == (41, 3)
+    assert lifetime_of(np.array([q, 0])).tolist() == [41, 0]
+    for bad, kind in ((1.5, ArgumentTypeError), (True, ArgumentTypeError), ("3", ArgumentTypeError),
+                      (-1, ArgumentError), (np.array([1.5]), ArgumentTypeError)):
+        with pytest.raises(kind):
+            lifetime_of(bad)
+        with pytest.raises(kind):
+            namespace_id_of(bad)
