@@ -498,3 +498,32 @@ def test_qualified_tags_decode_and_refuse_what_is_no_tag() -> None:
             lifetime_of(bad)
         with pytest.raises(kind):
             namespace_id_of(bad)
+
+
+# -- docs/manager.md: the key function PrefixKeys(seed, page_size), usable alone -------------------
+
+@pytest.mark.parametrize("seed, page_size, kind", [
+    ("x", 16, ArgumentTypeError), (1.5, 16, ArgumentTypeError), (True, 16, ArgumentTypeError),
+    (-1, 16, ArgumentError), (0, 0, ArgumentError), (0, True, ArgumentTypeError),
+])
+def test_prefix_keys_check_their_arguments(seed: Any, page_size: Any, kind: type) -> None:
+    from kvmem.allocator import PrefixKeys
+
+    with pytest.raises(kind):
+        PrefixKeys(seed, page_size)
+
+
+def test_prefix_keys_of_a_list_equal_those_of_an_array_and_floats_are_refused() -> None:
+    from kvmem import HashedPrefixCache
+    from kvmem.allocator import PrefixKeys
+
+    keys = PrefixKeys(7, 4)
+    root = keys.root("tenant")
+    tokens = list(range(9))
+    assert np.array_equal(keys.prompt_keys(tokens, root), keys.prompt_keys(np.arange(9), root))
+    assert keys.prompt_keys(tokens, root).shape == (2, 2)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        keys.prompt_keys(np.array([1.5] * 4), root)
+    for bad in ("x", 1.5):
+        with pytest.raises(ArgumentTypeError, match="seed"):
+            HashedPrefixCache(seed=bad)
