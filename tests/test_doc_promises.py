@@ -527,3 +527,23 @@ def test_prefix_keys_of_a_list_equal_those_of_an_array_and_floats_are_refused() 
     for bad in ("x", 1.5):
         with pytest.raises(ArgumentTypeError, match="seed"):
             HashedPrefixCache(seed=bad)
+
+
+# -- kvmem.StepFences: ids never wrap, a refused call changes nothing ------------------------------
+
+def test_step_fences_refuse_pages_out_of_range_before_holding_any() -> None:
+    from kvmem import StepFences
+
+    fences = StepFences(8)
+    handle = fences.begin()
+    for bad, kind in (([-1], ArgumentError), ([8], ArgumentError), (1, ArgumentTypeError)):
+        with pytest.raises(kind):
+            fences.defer(bad)
+        with pytest.raises(kind):
+            fences.hold_for_copy(bad)
+        assert fences.num_held == 0 and not fences.held.any()
+    fences.defer([1, 1])
+    assert fences.retire(handle).tolist() == [1, 1]  # nothing else was held
+    for bad, kind in ((0, ArgumentError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)):
+        with pytest.raises(kind, match="num_pages"):
+            StepFences(bad)
