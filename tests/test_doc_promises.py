@@ -547,3 +547,27 @@ def test_step_fences_refuse_pages_out_of_range_before_holding_any() -> None:
     for bad, kind in ((0, ArgumentError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)):
         with pytest.raises(kind, match="num_pages"):
             StepFences(bad)
+
+
+# -- docs/capacity_planning.md: lengths are N, LO-HI or lognormal:MEDIAN,SIGMA; a Workload refuses
+# a setting it would ignore ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["1.5", "1e3", "2.5-9", "0", "5-2", "lognormal:100"])
+def test_a_length_that_is_no_token_count_is_refused(text: str) -> None:
+    from kvmem import ConfigError
+    from kvmem.simulate import LengthDist
+
+    with pytest.raises(ConfigError, match="cannot read the length"):
+        LengthDist.parse(text)
+
+
+def test_workload_prefix_settings_without_prefixes_are_refused() -> None:
+    from kvmem import ConfigError
+    from kvmem.simulate import LengthDist, Workload
+
+    lengths = dict(prompt_len=LengthDist.parse("10"), output_len=LengthDist.parse("5"))
+    for extra in ({"prefix_len": 100}, {"prefix_fraction": 0.5}):
+        with pytest.raises(ConfigError, match="num_prefixes"):
+            Workload(num_requests=3, concurrency=2, **lengths, **extra)
+    assert Workload(num_requests=3, concurrency=2, num_prefixes=2, prefix_len=8,
+                    prefix_fraction=0.5, **lengths).prefix_len == 8
