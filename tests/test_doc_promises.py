@@ -571,3 +571,16 @@ def test_workload_prefix_settings_without_prefixes_are_refused() -> None:
             Workload(num_requests=3, concurrency=2, **lengths, **extra)
     assert Workload(num_requests=3, concurrency=2, num_prefixes=2, prefix_len=8,
                     prefix_fraction=0.5, **lengths).prefix_len == 8
+
+
+def test_verify_given_something_that_is_no_step_is_a_type_error() -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 3)
+    before = state(mgr)
+    for bad in (3, {"a": 1}, "step"):
+        with pytest.raises(ArgumentTypeError, match="step="):
+            mgr.verify(["a"], bad)
+    other = KVCacheManager(32, page_size=4, tracker="checking").reserve([], 1)
+    with pytest.raises(ArgumentError, match="a step of 0"):
+        mgr.verify(["a"], other)  # a step of another batch size
+    assert state(mgr) == before
