@@ -392,7 +392,8 @@ class KVCacheManager:
         Raises
         ------
         OutOfPagesError: not enough free + evictable pages (nothing changed)
-        KVMemError: duplicate id, no free row, prompt too long or empty (nothing changed)
+        ArgumentError: duplicate id, prompt too long or empty (nothing changed)
+        KVMemError: no free row (nothing changed)
         """
         if self._known(request_id):
             raise ArgumentError(f"request {request_id!r} is already known to the manager; release "
@@ -453,7 +454,8 @@ class KVCacheManager:
         Raises
         ------
         OutOfPagesError: not enough free + evictable pages; preempt a request and retry
-        KVMemError: a request is not running or would exceed max_pages_per_seq
+        ArgumentError: a request is not running, listed twice, or would exceed
+            max_pages_per_seq
         """
         ids, rows, _ = self._batch(request_ids, "reserved")
         n = token_counts(num_tokens, rows.size, self._most_tokens)

@@ -584,3 +584,20 @@ def test_verify_given_something_that_is_no_step_is_a_type_error() -> None:
     with pytest.raises(ArgumentError, match="a step of 0"):
         mgr.verify(["a"], other)  # a step of another batch size
     assert state(mgr) == before
+
+
+def test_the_error_tree_is_the_one_errors_md_draws() -> None:
+    import kvmem
+
+    parents = {
+        "OutOfPagesError": kvmem.KVMemError, "InvalidFreeError": kvmem.KVMemError,
+        "IntegrityError": kvmem.KVMemError, "ConcurrentUseError": kvmem.KVMemError,
+        "HookError": kvmem.KVMemError, "ArgumentError": kvmem.KVMemError,
+        "ConfigError": kvmem.ArgumentError, "MetadataError": kvmem.ArgumentError,
+        "ArgumentTypeError": kvmem.KVMemError,
+    }
+    for name, parent in parents.items():
+        assert getattr(kvmem, name).__bases__[0] is parent, name
+    assert issubclass(kvmem.ArgumentError, ValueError)
+    assert issubclass(kvmem.ArgumentTypeError, TypeError)
+    assert not issubclass(kvmem.HookError, kvmem.ConcurrentUseError)
