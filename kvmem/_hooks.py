@@ -15,7 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._manager_types import HOOK_KINDS, KVEvent, ManagerEvent
-from kvmem.errors import ArgumentError, HookError
+from kvmem._validate import choice, show
+from kvmem.errors import ArgumentError, ArgumentTypeError, HookError
 
 __all__ = ["HookBus"]
 
@@ -34,14 +35,15 @@ class HookBus:
         self._events: list[KVEvent] = []
 
     def add(self, kind: str, fn: Hook) -> None:
-        if kind not in self._hooks:
-            raise ArgumentError(f"no hook kind {kind!r}; choose one of {HOOK_KINDS}")
+        kind = choice(kind, "kind", HOOK_KINDS)
         if not callable(fn):
-            raise ArgumentError(f"a hook must be callable, got {type(fn).__name__}")
+            raise ArgumentTypeError(f"fn={show(fn)}: a hook must be callable (it is called "
+                                    "with a ManagerEvent); nothing was added")
         self._hooks[kind].append(fn)
 
     def remove(self, kind: str, fn: Hook) -> None:
-        if kind not in self._hooks or fn not in self._hooks[kind]:
+        kind = choice(kind, "kind", HOOK_KINDS)
+        if fn not in self._hooks[kind]:
             raise ArgumentError(f"{fn!r} is not registered for {kind!r}; nothing was removed")
         self._hooks[kind].remove(fn)
 

@@ -238,8 +238,11 @@ def make_tracker(spec: Tracker | str | None, cfg: ManagerConfig) -> Tracker:
                                 "a Tracker")
         return CheckingTracker(cfg.max_seqs, cfg.max_pages_per_seq, paranoid=spec == "paranoid")
     if not isinstance(spec, Tracker):
-        raise ArgumentError(f"tracker must be 'checking', 'paranoid', None or a Tracker, got "
-                            f"{type(spec).__name__}")
+        raise ArgumentTypeError(f"tracker must be 'checking', 'paranoid', None or a Tracker, got "
+                                f"{type(spec).__name__}")
+    if getattr(spec, "claimed", False):
+        raise ArgumentError("this tracker already records another manager's rows (the two "
+                            "would overwrite each other's expected tags); make one per manager")
     expected = getattr(spec, "expected_tags", None)
     if expected is not None and (
         expected.shape[0] < cfg.max_seqs or expected.shape[1] < cfg.max_pages_per_seq
@@ -260,7 +263,7 @@ def check_pool(pool: Any, cfg: ManagerConfig) -> None:
     n = getattr(spec, "num_pages", None)
     size = getattr(spec, "page_size", None)
     if n is None or size is None or not hasattr(pool, "copy_pages"):
-        raise ArgumentError(f"pool must be a kvmem.cuda.PagePool, got {type(pool).__name__}")
+        raise ArgumentTypeError(f"pool must be a kvmem.cuda.PagePool, got {type(pool).__name__}")
     if int(n) != cfg.num_pages:
         raise ArgumentError(
             f"the pool holds {n} pages but the manager was asked to manage {cfg.num_pages}; "

@@ -14,7 +14,7 @@ JSON, so they are checked once, at the boundary, under the error contract of doc
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from annotated_types import Ge, Gt
@@ -113,8 +113,19 @@ class SpecModel(BaseModel):
     """A frozen pydantic model whose validation errors are kvmem errors (see module doc)."""
 
     model_config = FROZEN
+    positional_fields: ClassVar[tuple[str, ...]] = ()  # fields that may be given by position
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, *args: Any, **data: Any) -> None:
+        name = type(self).__name__
+        if len(args) > len(self.positional_fields):
+            raise ArgumentTypeError(
+                f"{name} got {len(args)} positional arguments {show(args)}: it takes "
+                f"{len(self.positional_fields)} ({', '.join(self.positional_fields) or 'none'}); "
+                f"pass fields by name, e.g. {name}(field=value).")
+        for field, value in zip(self.positional_fields, args):
+            if field in data:
+                raise ArgumentTypeError(f"{name} got {field} twice (by position and by name).")
+            data[field] = value
         try:
             super().__init__(**data)
         except ValidationError as e:

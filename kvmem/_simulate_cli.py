@@ -29,7 +29,9 @@ from kvmem.cli import (
     _number,
     _Parser,
     _resolve_model,
+    dtypes_asked,
 )
+from kvmem.errors import ConfigError
 
 __all__ = ["add_simulate_parser", "run_simulate"]
 
@@ -51,7 +53,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--gpu", default="h200", help="GPU preset name (default h200)")
     p.add_argument("--tp", type=_POSITIVE_INT, default=8,
                    help="tensor-parallel GPUs per replica (default 8)")
-    p.add_argument("--kv-dtype", default="bf16", choices=_KV_DTYPES, help="KV dtype (default bf16)")
+    p.add_argument("--kv-dtype", choices=_KV_DTYPES, help="KV dtype (default bf16)")
     p.add_argument("--compare", type=_dtype_list,
                    help="comma-separated KV dtypes, simulated one after the other")
     p.add_argument("--weights", default="native",
@@ -71,10 +73,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
                    help="output tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 1000-2000)")
     p.add_argument("--prefixes", type=_NONNEG_INT, default=0,
                    help="shared prefixes (default 0)")
-    p.add_argument("--prefix-len", type=_NONNEG_INT, default=0,
-                   help="tokens per shared prefix (default 0)")
-    p.add_argument("--prefix-fraction", type=_number(float, 0, maximum=1), default=1.0,
-                   help="fraction of requests that start with a shared prefix, in [0, 1]")
+    p.add_argument("--prefix-len", type=_NONNEG_INT,
+                   help="tokens per shared prefix (default 0; needs --prefixes)")
+    p.add_argument("--prefix-fraction", type=_number(float, 0, maximum=1),
+                   help="fraction of requests that start with a shared prefix, in [0, 1] "
+                        "(default 1; needs --prefixes)")
     p.add_argument("--max-running", type=_POSITIVE_INT, default=256,
                    help="most requests decoding at once (default 256)")
     p.add_argument("--chunk", type=_POSITIVE_INT, default=16,
@@ -99,9 +102,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     # Checked before the manager is imported: every name is known and every length parses.
     from kvmem.planning import ThroughputModel, get_gpu, plan_capacity
 
+    dtypes = dtypes_asked(args)
+    if not args.prefixes and (args.prefix_len is not None or args.prefix_fraction is not None):
+        raise ConfigError("--prefix-len and --prefix-fraction describe shared prefixes: give "
+                          "--prefixes N as well, or drop them.")
     spec = _resolve_model(args.model)
     gpu = get_gpu(args.gpu)
-    dtypes = args.compare or [args.kv_dtype]
     from kvmem.simulate import DEFAULT_STEP_MODEL, LengthDist, SimulationReport, Workload, simulate
 
     workload = Workload(
@@ -111,8 +117,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         prompt_len=LengthDist.parse(args.prompt_len),
         output_len=LengthDist.parse(args.output_len),
         num_prefixes=args.prefixes,
-        prefix_len=args.prefix_len,
-        prefix_fraction=args.prefix_fraction,
+        prefix_len=args.prefix_len or 0,
+        prefix_fraction=1.0 if args.prefix_fraction is None else args.prefix_fraction,
         seed=args.seed,
     )
     step_model = ThroughputModel(

@@ -205,14 +205,19 @@ def token_array(value: Any, name: str) -> npt.NDArray[np.int64]:
     ``[n]`` int64 array: the caller keeps its own object."""
     if hasattr(value, "detach"):  # a torch tensor, on any device
         value = value.detach().cpu().numpy()
-    if isinstance(value, (str, bytes)) or np.ndim(value) != 1:
+    try:
+        tokens = None if isinstance(value, (str, bytes)) else np.asarray(value)
+    except ValueError:  # ragged nested lists
+        tokens = None
+    if tokens is None or tokens.ndim != 1:
+        shape = "ragged" if tokens is None else f"shape {tokens.shape}"
         raise ArgumentError(f"{name}={show(value)}: expected a 1-D sequence of token ids, got "
-                            f"shape {np.shape(value)}.")
-    tokens = np.asarray(value)
+                            f"{shape}.")
     if tokens.size == 0:
         return tokens.astype(np.int64)
     if tokens.dtype.kind not in "iu":
-        raise ArgumentError(f"{name} has dtype {tokens.dtype}: expected integer token ids.")
+        raise ArgumentTypeError(f"{name} has dtype {tokens.dtype}: expected integer token ids "
+                                "(int or numpy integer; not bool, float or str).")
     if int(np.minimum.reduce(tokens)) < 0 or int(np.maximum.reduce(tokens)) > INT32_MAX:
         raise ArgumentError(f"{name} holds ids from {int(tokens.min())} to {int(tokens.max())}: "
                             f"expected token ids in 0..{INT32_MAX}.")

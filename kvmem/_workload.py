@@ -45,8 +45,8 @@ class LengthDist(SpecModel):
                 return cls(kind="lognormal", a=float(median), b=float(sigma))
             if "-" in t:
                 lo, hi = t.split("-", 1)
-                return cls(kind="uniform", a=float(lo), b=float(hi))
-            return cls(kind="fixed", a=float(t))
+                return cls(kind="uniform", a=int(lo), b=int(hi))  # token counts: integers
+            return cls(kind="fixed", a=int(t))
         except ValueError as exc:
             raise ConfigError(
                 f"cannot read the length {text!r}; use N, LO-HI or lognormal:MEDIAN,SIGMA."
@@ -98,6 +98,9 @@ class Workload(SpecModel):
             )
         if self.num_prefixes and not self.prefix_len:
             raise ConfigError("num_prefixes > 0 needs prefix_len > 0.")
+        if not self.num_prefixes and (self.prefix_len or self.prefix_fraction != 1.0):
+            raise ConfigError("prefix_len and prefix_fraction describe shared prefixes, and "
+                              "num_prefixes is 0: set num_prefixes, or leave them unset.")
         return self
 
 

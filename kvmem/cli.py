@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -137,7 +138,7 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
                    help="tensor-parallel GPUs per replica (default 1)")
     p.add_argument("--dp", type=_POSITIVE_INT, default=1,
                    help="replicas, data parallel (default 1)")
-    p.add_argument("--kv-dtype", default="bf16", choices=_KV_DTYPES, help="KV dtype (default bf16)")
+    p.add_argument("--kv-dtype", choices=_KV_DTYPES, help="KV dtype (default bf16)")
     p.add_argument("--kv-scales", choices=_SCALES,
                    help="FP8 scales per tensor (default), head or token_head; fp8 KV only")
     p.add_argument("--compare", type=_dtype_list,
@@ -213,7 +214,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise ConfigError("kvmem plan needs a MODEL (a preset name or a config.json path).")
-    dtypes = args.compare or [args.kv_dtype]
+    dtypes = dtypes_asked(args)
     if args.kv_scales and not any(d.startswith("fp8") for d in dtypes):
         raise ConfigError(
             f"--kv-scales {args.kv_scales} applies to fp8 KV only, and no fp8 dtype was asked "
@@ -240,6 +241,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}")
     return 0
+
+
+def dtypes_asked(args: argparse.Namespace) -> list[str]:
+    """The KV dtypes of ``--compare``, else ``--kv-dtype`` (default bf16); never both."""
+    from kvmem.errors import ConfigError
+
+    if args.compare and args.kv_dtype:
+        raise ConfigError(f"--kv-dtype {args.kv_dtype} and --compare {','.join(args.compare)} "
+                          "both choose the KV dtype; give one of them.")
+    return args.compare or [args.kv_dtype or "bf16"]
 
 
 def format_plans(plans: Sequence[object]) -> str:
@@ -393,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVMemError as exc:
         print(f"kvmem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return _EXIT_ERROR
+    except BrokenPipeError:  # `kvmem plan ... | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
     return status
 
 

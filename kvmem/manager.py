@@ -137,6 +137,11 @@ class _Request:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def _repeated(ids: tuple[Any, ...]) -> Any:
+    """The first id that appears twice in ``ids`` (which has one)."""
+    return next(rid for i, rid in enumerate(ids) if rid in ids[:i])
+
+
 def _public(fn: _F) -> _F:
     """A public operation: one thread at a time (re-entry from the same thread, e.g. a hook,
     is allowed); hooks it queued run once it completed (dropped if it raised: an operation
@@ -258,6 +263,8 @@ class KVCacheManager:
         self._counters = dict.fromkeys(("prefix_queries", "prefix_query_tokens",
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
+        if checking is not None:
+            checking.claimed = True  # its rows are this manager's (make_tracker refuses a 2nd)
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -319,7 +326,7 @@ class KVCacheManager:
         if row is None:
             state = ("preempted" if hashable and request_id in self._requests
                      else "unknown or released")
-            raise KVMemError(
+            raise ArgumentError(
                 f"request {request_id!r} is not running ({state}); admit or resume it first"
             )
         return row
@@ -339,7 +346,8 @@ class KVCacheManager:
                 self._row_of(rid)  # raises, naming the first that is not running
             raise
         if rows.size > 1 and np.maximum.reduce(np.bincount(rows)) > 1:
-            raise ArgumentError(f"request_ids must be distinct (nothing was {what})")
+            raise ArgumentError(f"request_ids lists {_repeated(ids)!r} twice; request ids "
+                                f"must be distinct (nothing was {what})")
         rows.flags.writeable = False
         return ids, rows, None
 
@@ -384,10 +392,11 @@ class KVCacheManager:
         Raises
         ------
         OutOfPagesError: not enough free + evictable pages (nothing changed)
-        KVMemError: duplicate id, no free row, prompt too long or empty (nothing changed)
+        ArgumentError: duplicate id, prompt too long or empty (nothing changed)
+        KVMemError: no free row (nothing changed)
         """
         if self._known(request_id):
-            raise KVMemError(f"request {request_id!r} is already known to the manager; release "
+            raise ArgumentError(f"request {request_id!r} is already known to the manager; release "
                              "it first or use a new id")
         # The counter moved once since a can_admit of this prompt: for this admit.
         plan = self._admission.recall(self._mutations - 1, token_ids, namespace)
@@ -445,7 +454,8 @@ class KVCacheManager:
         Raises
         ------
         OutOfPagesError: not enough free + evictable pages; preempt a request and retry
-        KVMemError: a request is not running or would exceed max_pages_per_seq
+        ArgumentError: a request is not running, listed twice, or would exceed
+            max_pages_per_seq
         """
         ids, rows, _ = self._batch(request_ids, "reserved")
         n = token_counts(num_tokens, rows.size, self._most_tokens)
@@ -603,7 +613,7 @@ class KVCacheManager:
         """
         prow = self._row_of(parent_id)
         if self._known(child_id):
-            raise KVMemError(f"request {child_id!r} is already known; fork into a new id")
+            raise ArgumentError(f"request {child_id!r} is already known; fork into a new id")
         if self.table.num_free_rows == 0:
             raise KVMemError(f"all max_seqs={self.max_seqs} rows are mapped; release a request "
                              "before forking")
@@ -656,7 +666,7 @@ class KVCacheManager:
 
     def _tokens_of(self, row: int) -> Int64Array:
         committed = int(self.table.num_committed[row])
-        return self.pages.tokens_at(self.table.token_slots([row], [0], [committed]))
+        return self.pages.tokens_at(self.table._token_slots([row], [0], [committed]))
 
     def tokens_of(self, request_id: Any) -> Int64Array:
         """The committed token ids of a running request: ``[k]``, int64 (a copy)."""
@@ -678,7 +688,7 @@ class KVCacheManager:
     def can_resume(self, request_id: Any) -> bool:
         req = self._requests.get(request_id) if is_hashable(request_id) else None
         if req is None or req.saved is None:
-            raise KVMemError(f"request {request_id!r} is not preempted")
+            raise ArgumentError(f"request {request_id!r} is not preempted")
         plan = self._admission.plan(req.saved, req.namespace, False)
         return self._admission.fits(plan, self.watermark_pages)
 
@@ -689,7 +699,7 @@ class KVCacheManager:
         A resume that raises changes nothing (the request stays preempted, in its place)."""
         req = self._requests.get(request_id) if is_hashable(request_id) else None
         if req is None or req.saved is None:
-            raise KVMemError(
+            raise ArgumentError(
                 f"request {request_id!r} is not preempted; only a preempted request can resume"
             )
         tokens = req.saved if token_ids is None else token_array(token_ids, "token_ids")
@@ -703,7 +713,7 @@ class KVCacheManager:
     def release(self, request_id: Any) -> None:
         """Forget a request (finished or cancelled), running or preempted; drop its pages."""
         if not is_hashable(request_id) or request_id not in self._requests:
-            raise KVMemError(f"request {request_id!r} is unknown or already released")
+            raise ArgumentError(f"request {request_id!r} is unknown or already released")
         pages = self._close(request_id) if request_id in self._rows else None
         del self._requests[request_id]
         self._hooks.emit("release", request_id, pages)
@@ -717,10 +727,11 @@ class KVCacheManager:
         ids = id_tuple(request_ids, "request_ids")
         unknown = [rid for rid in ids if not is_hashable(rid) or rid not in self._requests]
         if unknown:
-            raise KVMemError(f"requests {unknown[:8]!r} are unknown or already released "
+            raise ArgumentError(f"requests {unknown[:8]!r} are unknown or already released "
                              "(nothing was released)")
         if len(set(ids)) != len(ids):
-            raise ArgumentError("request_ids must be distinct (nothing was released)")
+            raise ArgumentError(f"request_ids lists {_repeated(ids)!r} twice; request ids "
+                                "must be distinct (nothing was released)")
         running = [rid for rid in ids if rid in self._rows]
         if all(self._row_is_own(self._rows[rid]) for rid in running):
             runs = []
@@ -787,7 +798,7 @@ class KVCacheManager:
         page = integer(page, "page", minimum=0, maximum=self.num_pages - 1)
         ns = int(self.pages.namespace_ids[page])
         if ns < 0:
-            raise KVMemError(f"page {page} is free")
+            raise ArgumentError(f"page {page} is free")
         return self.namespaces.name(ns)
 
     def stats(self) -> ManagerStats:

@@ -53,7 +53,7 @@ def test_token_slots_of_one_row_equal_the_reference_at_every_start_and_count() -
         for count in range(41 - start):
             want = reference_slots(table, r0, start, count)
             assert table.token_slots([r0], start, count).tolist() == want
-            assert table.token_slots(r0, [start], [count]).dtype == np.int64
+            assert table.token_slots([r0], [start], [count]).dtype == np.int64
 
 
 def test_grow_is_all_or_nothing_on_oom() -> None:

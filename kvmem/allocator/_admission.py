@@ -98,7 +98,7 @@ class Admission:
             raise ArgumentError("a request needs at least one prompt token; got none")
         num_pages = -(-n // t.page_size)
         if num_pages > t.max_pages_per_seq:
-            raise KVMemError(
+            raise ArgumentError(
                 f"a prompt of {n} tokens needs {num_pages} pages but a request may map at most "
                 f"max_pages_per_seq={t.max_pages_per_seq}; shorten it or raise the limit"
             )

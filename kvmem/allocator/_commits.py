@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import INT32_MAX, token_array
+from kvmem._validate import INT32_MAX, is_integer_like, show, token_array
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepRecord
-from kvmem.errors import ArgumentError, KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Committer", "batch_tokens", "keys_as_ints"]
 
@@ -69,15 +69,15 @@ class Committer:
         if np.count_nonzero(over):
             i = int(np.argmax(over))
             num = counts if isinstance(counts, int) else int(counts[i])
-            raise KVMemError(
+            raise ArgumentError(
                 f"request {ids[i]!r} commits {num} tokens after {int(start[i])} but only "
                 f"{int(t.num_tokens[rows[i]])} slots are reserved; reserve() them first "
                 "(nothing was committed)"
             )
         if isinstance(counts, int) and counts == 1:  # the decode step: one token per request
-            slots = t.slot_mapping(rows, start)
+            slots = t._slots(rows, start)
         else:
-            slots = t.token_slots(rows, start, counts)
+            slots = t._token_slots(rows, start, counts)
         self.pages.write_tokens(slots, flat)
         t.num_committed[rows] = end
         if self.pages.cache is not None:
@@ -172,12 +172,20 @@ def batch_tokens(token_ids: Any, size: int
             raise ArgumentError(f"token ids must be in 0..{INT32_MAX} (nothing was committed)")
         return flat, 1 if arr.ndim == 1 else int(arr.shape[1])
     if arr is not None and arr.dtype.kind not in "iuO" and arr.size:
-        raise ArgumentError(f"token ids must be ints, got {arr.dtype} (nothing was committed)")
+        raise ArgumentTypeError(f"token_ids has dtype {arr.dtype}: expected integer token ids "
+                                "(not bool, float or str); nothing was committed")
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-        raise ArgumentError(f"commit_batch takes [B] or [B, k] ints or B token lists, got "
-                            f"{type(token_ids).__name__}")
+        raise ArgumentTypeError(f"token_ids={show(token_ids)}: expected [B] or [B, k] ints or B "
+                                "token lists, one per request; nothing was committed")
     if len(token_ids) != size:
-        raise ArgumentError(f"commit_batch got {len(token_ids)} token lists for {size} requests")
+        raise ArgumentError(f"token_ids={show(token_ids)} holds {len(token_ids)} token lists for "
+                            f"{size} requests: give one token (or token list) per request; "
+                            "nothing was committed")
+    odd = [t for t in token_ids if not is_integer_like(t) and not hasattr(t, "__len__")]
+    if odd:
+        raise ArgumentTypeError(f"token_ids holds {show(odd[0])}: expected integer token ids "
+                                "(int or numpy integer; not bool, float or str); nothing was "
+                                "committed")
     parts = [token_array(t, "token_ids") for t in token_ids]
     counts = np.array([p.size for p in parts], dtype=np.int64)
     return (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)), counts

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import INT32_MAX, integer, show
 from kvmem.allocator._page_allocator import as_page_ids
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
 __all__ = ["StepFences", "StepHandle"]
 
@@ -54,6 +55,7 @@ class StepFences:
     """
 
     def __init__(self, num_pages: int) -> None:
+        num_pages = integer(num_pages, "num_pages", minimum=1, maximum=INT32_MAX)
         self._open: set[int] = set()
         self._next_id = 1
         self._pending: list[tuple[set[int], Int32Array]] = []
@@ -91,14 +93,22 @@ class StepFences:
         """Hold these references until every step open now has retired (requires one open)."""
         if not self._open:
             raise KVMemError("defer() needs a step in flight; free the pages directly instead")
-        self._hold(set(self._open), as_page_ids(pages))
+        self._hold(set(self._open), self._pages(pages))
 
     def hold_for_copy(self, pages: npt.ArrayLike) -> None:
         """Hold copy-on-write sources until :meth:`copies_done`."""
-        pages = as_page_ids(pages)
+        pages = self._pages(pages)
         if pages.size:
             self._num_copy_holds += 1
         self._hold({_COPIES}, pages)
+
+    def _pages(self, pages: npt.ArrayLike) -> Int32Array:
+        """Page ids in ``0 .. num_pages - 1`` (never wrapped), checked before any change."""
+        ids = as_page_ids(pages)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self._held.size):
+            raise ArgumentError(f"pages holds ids from {int(ids.min())} to {int(ids.max())}: "
+                                f"expected page ids in 0..{self._held.size - 1}; nothing changed")
+        return ids
 
     def _hold(self, waits: set[int], pages: Int32Array) -> None:
         if pages.size:
@@ -106,8 +116,11 @@ class StepFences:
             np.add.at(self._held, pages, 1)
 
     def check_retire(self, handle: StepHandle) -> None:
-        if not isinstance(handle, StepHandle) or handle.step_id not in self._open:
-            raise KVMemError(
+        if not isinstance(handle, StepHandle):
+            raise ArgumentTypeError(f"handle={show(handle)}: expected a StepHandle returned by "
+                                    "begin_step(); nothing changed")
+        if handle.step_id not in self._open:
+            raise ArgumentError(
                 f"retire() got {handle!r}, which is not an open step (open: "
                 f"{self.open_steps}); each handle from begin_step() is retired exactly once"
             )

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer
 from kvmem.allocator._page_allocator import PageAllocator, as_page_ids, equal_arrays
 from kvmem.allocator._prefix_cache import Int32Array, Int64Array, PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import KeyArray, Namespace, PrefixKeys, namespace_bytes
@@ -47,8 +48,7 @@ class HashedPrefixCache(PrefixCache):
     def __init__(self, seed: int | None = None) -> None:
         if seed is None:
             seed = int.from_bytes(os.urandom(16), "little")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ArgumentError(f"seed must be a non-negative int or None, got {seed!r}")
+        seed = integer(seed, "seed", minimum=0)
         self.seed = int(seed)
         self.page_size = 0
         self._allocator: PageAllocator | None = None

@@ -27,8 +27,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import index_array, integer, is_integer_like, show
 from kvmem.allocator._page_allocator import as_page_ids
-from kvmem.errors import ArgumentError, KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.integrity import PAD
 
 __all__ = ["PAD", "CSRMetadata", "GrowResult", "PageTable"]
@@ -147,6 +148,7 @@ class PageTable:
 
     def add_rows(self, num: int) -> Int32Array:
         """Open ``num`` empty rows: ``[num]``, int32."""
+        num = integer(num, "num", minimum=0)
         if num > len(self._free_rows):
             raise KVMemError(
                 f"asked for {num} page-table rows but {len(self._free_rows)} of {self.max_seqs} "
@@ -187,8 +189,10 @@ class PageTable:
 
     def remove_row(self, row: int) -> Int32Array:
         """Close a row; returns the pages it mapped (the caller frees them)."""
+        if not is_integer_like(row):
+            raise ArgumentTypeError(f"row={show(row)}: expected a live row (int or numpy integer)")
         if not 0 <= row < self.max_seqs or not self._live[row]:
-            raise KVMemError(f"rows [{row}] include rows that are not live")
+            raise ArgumentError(f"row={row} is not a live row; nothing was removed")
         num = int(self.num_pages[row])
         pages = self.pages[row, :num].copy()
         self.pages[row, :num] = PAD
@@ -198,7 +202,7 @@ class PageTable:
 
     def remove_rows(self, rows: npt.ArrayLike) -> Int32Array:
         """Close distinct rows; returns their pages, row by row (the caller frees them)."""
-        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
+        rows = self._rows_arg(rows)
         self._require_live_rows(rows)
         width = int(self.num_pages[rows].max()) if rows.size else 0
         block = self.pages[rows, :width]
@@ -234,10 +238,11 @@ class PageTable:
 
     def set_num_tokens(self, row: int, num_tokens: int) -> None:
         """Declare that ``num_tokens`` of the row's slots hold tokens (e.g. after a prefix hit)."""
-        self._require_live_rows(np.array([row]))
+        self._require_live_rows(np.array([integer(row, "row")]))
+        num_tokens = integer(num_tokens, "num_tokens", minimum=0)
         num_slots = int(self.num_pages[row]) * self.page_size
         if not 0 <= num_tokens <= num_slots:
-            raise KVMemError(
+            raise ArgumentError(
                 f"row {row} maps {self.num_pages[row]} pages ({num_slots} slots) and cannot hold "
                 f"{num_tokens} tokens; map more pages first"
             )
@@ -257,13 +262,21 @@ class PageTable:
         self.num_forked += int(np.count_nonzero(self.forked[rows])) - before
 
     def row_pages(self, row: int) -> Int32Array:
+        """The pages a row maps: ``[k]``, int32 (a view; empty for a free row)."""
+        if not is_integer_like(row) or not 0 <= row < self.max_seqs:
+            integer(row, "row", minimum=0, maximum=self.max_seqs - 1)  # raises
         return self.pages[row, : self.num_pages[row]]
 
     # -- growth (the decode step) --------------------------------------------------------------
 
     def pages_needed(self, rows: npt.ArrayLike, num_new_tokens: npt.ArrayLike) -> Int64Array:
         """Pages each row must gain to hold ``num_new_tokens`` more tokens: ``[B]``, int64."""
-        rows = np.asarray(rows)
+        rows = self._rows_arg(rows)
+        self._require_live_rows(rows)
+        new = self._counts_arg(num_new_tokens, rows.size, "num_new_tokens")
+        return self._pages_needed(rows, new)
+
+    def _pages_needed(self, rows: IntpArray, num_new_tokens: npt.ArrayLike) -> Int64Array:
         end = self.num_tokens[rows] + np.asarray(num_new_tokens, dtype=np.int64)
         needed = (end + self.page_size - 1) // self.page_size - self.num_pages[rows]
         return np.maximum(needed, 0)
@@ -285,18 +298,12 @@ class PageTable:
         -------
         GrowResult with the int64 slot mapping of the new tokens (row by row).
         """
-        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
+        rows = self._rows_arg(rows)
         self._require_live_rows(rows)
-        if np.ndim(num_new_tokens) == 0 and 0 <= int(num_new_tokens) <= self.page_size:  # type: ignore[arg-type]
+        if is_integer_like(num_new_tokens) and 0 <= num_new_tokens <= self.page_size:  # type: ignore[operator]
             return self._grow_by_at_most_one_page(rows, int(num_new_tokens), allocator)  # type: ignore[arg-type]
-        new = np.asarray(num_new_tokens, dtype=np.int64)
-        if new.ndim == 0:
-            new = np.full(rows.size, int(new), dtype=np.int64)
-        if new.shape != rows.shape or np.count_nonzero(new < 0):
-            raise ValueError(
-                f"num_new_tokens must be an int >= 0 or one per row ({rows.size}), got {new!r}"
-            )
-        needed = self.pages_needed(rows, new)
+        new = self._counts_arg(num_new_tokens, rows.size, "num_new_tokens")
+        needed = self._pages_needed(rows, new)
         self._require_room(rows, needed)
         total = int(needed.sum())
         new_pages = allocator.allocate(total)  # raises OutOfPagesError before any change
@@ -308,7 +315,7 @@ class PageTable:
         self.num_pages[rows] += needed
         start = self.num_tokens[rows]
         self.num_tokens[rows] = start + new
-        slot_mapping = self.slot_mapping(*self._token_positions(rows, start, new))
+        slot_mapping = self._slots(*self._token_positions(rows, start, new))
         return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
 
     def _grow_by_at_most_one_page(
@@ -329,13 +336,13 @@ class PageTable:
         if num_new != 1:
             start = (start[:, None] + self._arange[:num_new]).reshape(-1)
             rows = np.repeat(rows, num_new)
-        slot_mapping = self.slot_mapping(rows, start)
+        slot_mapping = self._slots(rows, start)
         return GrowResult(slot_mapping, new_pages, page_rows, page_cols.astype(np.int32))
 
     def _require_room(self, rows: IntpArray, needed: Int64Array) -> None:
         too_long = self.num_pages[rows] + needed > self.max_pages_per_seq
         if np.count_nonzero(too_long):
-            raise KVMemError(
+            raise ArgumentError(
                 f"rows {rows[too_long].tolist()[:8]} would need more than max_pages_per_seq="
                 f"{self.max_pages_per_seq} pages; finish those requests or raise the limit"
             )
@@ -343,7 +350,30 @@ class PageTable:
     # -- metadata ------------------------------------------------------------------------------
 
     def slot_mapping(self, token_rows: npt.ArrayLike, positions: npt.ArrayLike) -> Int64Array:
-        """Slots of tokens given by (row, position): ``[T]``, int64."""
+        """Slots of tokens given by (live row, position within its mapped pages): ``[T]``,
+        int64."""
+        rows = self._rows_arg(token_rows, "token_rows")
+        pos = index_array(positions, "positions", what="position")
+        if pos.size != rows.size:
+            raise ArgumentError(f"slot_mapping() got {rows.size} token_rows and {pos.size} "
+                                "positions: give one position per token")
+        self._require_slots(rows, pos, pos + 1)
+        return self._slots(rows, pos)
+
+    def _require_slots(self, rows: IntpArray, start: Int64Array, end: Int64Array) -> None:
+        """Rows live and tokens ``start .. end - 1`` of each inside the pages it maps."""
+        if rows.size and not (int(rows.min()) >= 0 and int(rows.max()) < self.max_seqs
+                              and self._live[rows].all()):
+            raise ArgumentError(f"rows {rows.tolist()[:16]} include rows that are not live")
+        bad = (start < 0) | (end > self.num_pages[rows] * self.page_size)
+        if np.count_nonzero(bad):
+            i = int(np.argmax(bad))
+            raise ArgumentError(
+                f"row {int(rows[i])} maps {int(self.num_pages[rows[i]])} pages of "
+                f"{self.page_size}: tokens {int(start[i])}..{int(end[i]) - 1} are not in them")
+
+    def _slots(self, token_rows: npt.ArrayLike, positions: npt.ArrayLike) -> Int64Array:
+        """:meth:`slot_mapping` of rows and positions the caller knows are mapped."""
         token_rows = np.asarray(token_rows, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         page_index = token_rows * self.max_pages_per_seq + positions // self.page_size
@@ -355,10 +385,21 @@ class PageTable:
     def token_slots(
         self, rows: npt.ArrayLike, start: npt.ArrayLike, count: npt.ArrayLike
     ) -> Int64Array:
-        """Slots of tokens ``start .. start+count-1`` of each row, row by row.
+        """Slots of tokens ``start .. start+count-1`` of each live row, row by row (start and
+        count: an int or one per row, inside the pages the row maps).
 
         Returns ``[sum(count)]``, int64.
         """
+        rows = self._rows_arg(rows)
+        first = self._counts_arg(start, rows.size, "start")
+        count = self._counts_arg(count, rows.size, "count")
+        self._require_slots(rows, first, first + count)
+        return self._token_slots(rows, first, count)
+
+    def _token_slots(
+        self, rows: npt.ArrayLike, start: npt.ArrayLike, count: npt.ArrayLike
+    ) -> Int64Array:
+        """:meth:`token_slots` of tokens the caller knows are mapped."""
         rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         if rows.size == 1 and np.size(start) == 1 and np.size(count) == 1:
             # One request's chunk (a prefill): its pages are one slice of its row.
@@ -373,7 +414,7 @@ class PageTable:
                 return slots.reshape(-1)[skip : skip + num]
         start = np.broadcast_to(np.asarray(start, dtype=np.int64), rows.shape)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), rows.shape)
-        return self.slot_mapping(*self._token_positions(rows, start, count))
+        return self._slots(*self._token_positions(rows, start, count))
 
     @staticmethod
     def _token_positions(
@@ -389,8 +430,7 @@ class PageTable:
         """FlashInfer CSR over the pages that hold each row's first ``seq_lens`` tokens
         (default: all its tokens). Every row must hold at least one token.
         """
-        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
-        lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
+        rows, lens = self._lens_arg(rows, seq_lens)
         used = (lens + self.page_size - 1) // self.page_size
         indptr = np.zeros(rows.size + 1, dtype=np.int32)
         np.cumsum(used, out=indptr[1:])
@@ -406,14 +446,45 @@ class PageTable:
         """vLLM-style block table ``[B, width]``, int32: each row's pages holding its first
         ``seq_lens`` tokens, PAD after. ``width`` defaults to the widest row.
         """
-        rows = np.asarray(rows, dtype=np.intp).reshape(-1)
-        lens = self.num_tokens[rows] if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
+        rows, lens = self._lens_arg(rows, seq_lens)
         used = (lens + self.page_size - 1) // self.page_size
-        if width is None:
-            width = int(used.max()) if used.size else 0
+        widest = int(used.max()) if used.size else 0
+        width = widest if width is None else integer(width, "width", minimum=widest,
+                                                         maximum=self.max_pages_per_seq)
         table = self.pages[rows, :width]
         table[np.arange(width) >= used[:, None]] = PAD
         return table
+
+    def _rows_arg(self, rows: npt.ArrayLike, name: str = "rows") -> IntpArray:
+        """Rows given by a caller: an integer array as is, else a checked 1-D sequence."""
+        if type(rows) is np.ndarray and rows.dtype.kind in "iu" and rows.ndim == 1:
+            return rows.astype(np.intp, copy=False)
+        return index_array(rows, name, what="row").astype(np.intp)
+
+    def _counts_arg(self, value: npt.ArrayLike, size: int, name: str) -> Int64Array:
+        """An integer >= 0, or one per row, as ``[size]`` int64."""
+        if not isinstance(value, (list, tuple, range, np.ndarray)):
+            return np.full(size, integer(value, name, minimum=0), dtype=np.int64)
+        out = index_array(value, name, what="count")
+        if out.size != size or (out.size and int(out.min()) < 0):
+            raise ArgumentError(f"{name}={show(value)}: expected an integer >= 0 or one per row "
+                                f"({size}). Nothing was changed.")
+        return out
+
+    def _lens_arg(self, rows: npt.ArrayLike, seq_lens: npt.ArrayLike | None
+                  ) -> tuple[IntpArray, Int64Array]:
+        """Live rows and their lengths (default: their tokens), each in 1..the row's slots."""
+        rows = self._rows_arg(rows)
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= self.max_seqs
+                          or not self._live[rows].all()):
+            raise ArgumentError(f"rows {rows.tolist()[:16]} include rows that are not live")
+        if seq_lens is None:
+            return rows, self.num_tokens[rows]
+        lens = self._counts_arg(seq_lens, rows.size, "seq_lens")
+        if np.count_nonzero((lens < 1) | (lens > self.num_pages[rows] * self.page_size)):
+            raise ArgumentError(f"seq_lens={show(seq_lens)}: each must be in 1..the row's "
+                                "mapped slots (num_pages * page_size)")
+        return rows, lens
 
     def _require_live_rows(self, rows: IntpArray) -> None:
         try:
@@ -421,10 +492,10 @@ class PageTable:
         except IndexError:
             live = np.zeros(rows.size, dtype=bool)
         if rows.size and (int(rows.min()) < 0 or not live.all()):
-            raise KVMemError(f"rows {rows.tolist()[:16]} include rows that are not live")
+            raise ArgumentError(f"rows {rows.tolist()[:16]} include rows that are not live")
         # Distinct rows: stamping each row with its batch index reads every index back only
         # when no row appears twice (cheaper than np.unique on the per-step path).
         index = self._arange[: rows.size]
         self._stamp[rows] = index
         if np.count_nonzero(self._stamp[rows] != index):
-            raise ValueError(f"rows must be distinct, got {rows.tolist()[:16]}")
+            raise ArgumentError(f"rows must be distinct, got {rows.tolist()[:16]}")

@@ -24,6 +24,7 @@ from collections.abc import Hashable
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer, token_array
 from kvmem.errors import ArgumentTypeError
 
 __all__ = ["Namespace", "PrefixKeys", "namespace_bytes"]
@@ -107,9 +108,9 @@ class PrefixKeys:
     """
 
     def __init__(self, seed: int, page_size: int) -> None:
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(integer(seed, "seed", minimum=0))
         self._secret = rng.bytes(32)
-        self.page_size = int(page_size)
+        self.page_size = integer(page_size, "page_size", minimum=1, maximum=65536)
         self._K = rng.integers(1, 2**63, size=(2, self.page_size), dtype=np.uint64)
         self._K |= np.uint64(1)  # [2, page_size]: one row per lane
         self._Q = rng.integers(1, 2**63, size=2, dtype=np.uint64) | np.uint64(1)
@@ -182,6 +183,11 @@ class PrefixKeys:
                     max_pages: int | None = None) -> KeyArray:
         """Keys of a prompt's full pages (at most ``max_pages``) chained from ``root`` (a
         namespace's :meth:`root`): ``[k, 2]``, uint64."""
+        if type(token_ids) is not np.ndarray or token_ids.dtype.kind not in "iu" or (
+                token_ids.ndim != 1):
+            token_ids = token_array(token_ids, "token_ids")  # checked; the manager's pass as is
+        if max_pages is not None:
+            max_pages = integer(max_pages, "max_pages", minimum=0)
         p = self.page_size
         k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
         if k <= 0:

@@ -26,7 +26,7 @@ from kvmem._validate import integer, integers
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError
 from kvmem.integrity import CheckingTracker, Tracker, qualify_live
 
 __all__ = ["Reserver"]
@@ -84,7 +84,7 @@ class Reserver:
         return 0 <= need <= self.pages.available() + (0 if cow is None else cow[0].size)
 
     def _too_long(self, ids: tuple[Any, ...], where: npt.NDArray[np.integer]) -> None:
-        raise KVMemError(
+        raise ArgumentError(
             f"requests {[ids[i] for i in where[:8].tolist()]} would need more than "
             f"max_pages_per_seq={self.table.max_pages_per_seq} pages; finish them or raise the "
             "limit (nothing was reserved)"
@@ -178,7 +178,7 @@ class Reserver:
         t.write_from[rows] = start
         if k != 1:
             positions = (start[:, None] + self._arange[:k]).reshape(-1)
-            slots = t.slot_mapping(np.repeat(rows, k), positions)
+            slots = t._slots(np.repeat(rows, k), positions)
             return self._finish(ids, rows, rows_w, rows32, start, end, k, slots, None)
         col = start // P
         offset = start - col * P
@@ -219,7 +219,7 @@ class Reserver:
             slots = grown.slot_mapping
         else:  # the rows map the pages already (an admitted prompt's prefill chunks)
             t.num_tokens[rows] = start + n
-            slots = t.token_slots(rows, start, n)
+            slots = t._token_slots(rows, start, n)
         t.write_from[rows] = start
         rows_w, rows32 = self.steps.row_arrays(rows)
         k = n if isinstance(n, int) else -1

@@ -27,7 +27,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import show
 from kvmem.allocator._page_table import CSRMetadata, PageTable
+from kvmem.errors import ArgumentError
 from kvmem.integrity import PAD
 
 __all__ = ["Splice", "StepBuilder", "StepMetadata", "StepRecord"]
@@ -101,8 +103,14 @@ class StepMetadata:
         kernels read, on their device."""
         import torch
 
+        try:
+            where = torch.device("cpu" if device is None else device)
+            torch.empty(0, device=where)  # a device this process can reach
+        except (RuntimeError, TypeError, AssertionError) as e:
+            raise ArgumentError(f"device={show(device)} is not a device torch can use here "
+                                f"({e}); pass 'cpu', 'cuda' or 'cuda:N'") from None
         arrays = {**self.fields(), "block_table": self.block_table}
-        return {name: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return {name: torch.from_numpy(np.ascontiguousarray(a)).to(where)
                 for name, a in arrays.items()}
 
     @cached_property

@@ -79,7 +79,7 @@ def write_rows(
 def check_finite(layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
     """Refuse NaN/inf K/V input (a pool whose policy is ``nonfinite="raise"``)."""
     if not all(bool(torch.isfinite(t).all()) for t in (k, v) if t is not None):
-        raise ArgumentError(
+        raise ConfigError(
             f"layer {layer}: K/V input holds NaN or inf and the pool's policy is "
             "nonfinite='raise'; nothing was written. Fix the producer, or use "
             "nonfinite='zero' to store 0 and count them."

@@ -382,7 +382,7 @@ class PagePool:
         it manages: its tags are namespace-qualified, see ``kvmem.integrity``). Returns the key
         to pass to :meth:`update_tags`; every other write of the mirror is refused."""
         if self._tag_key is not None:
-            raise KVMemError(
+            raise ArgumentError(
                 "this pool's tag mirror is already claimed (by the KVCacheManager that manages "
                 "it); give each manager a pool of its own"
             )

@@ -108,8 +108,8 @@ class PoolSpec(SpecModel):
     compute_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     nonfinite: Literal["zero", "raise"] = "zero"
 
-    def __init__(self, **data: Any) -> None:  # typed loosely: values are checked at run time
-        super().__init__(**data)
+    def __init__(self, *args: Any, **data: Any) -> None:  # typed loosely: checked at run time
+        super().__init__(*args, **data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PoolSpec:

@@ -22,7 +22,9 @@ import numpy.typing as npt
 from kvmem.integrity._check import Reason
 from kvmem.integrity._metadata import Metadata
 from kvmem.integrity._step_checks import length_mismatches, ranges, slot_mismatches, write_set
-from kvmem.integrity._tags import TagMirror, lifetime_of, namespace_id_of
+from kvmem.integrity._tags import TagMirror
+from kvmem.integrity._tags import raw_lifetime_of as lifetime_of
+from kvmem.integrity._tags import raw_namespace_id_of as namespace_id_of
 from kvmem.integrity._tracker import IntegrityReport, Tracker
 
 __all__ = ["FullCheck", "Verdict", "Writers", "describe"]

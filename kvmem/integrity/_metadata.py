@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvmem.errors import ArgumentError
+from kvmem._validate import show
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.integrity._check import require_int_array, validate_block_table
 from kvmem.integrity._step_checks import validate_step_fields
 
@@ -71,7 +72,10 @@ def resolve_metadata(size: int, step: Any, kv_indptr: Any, kv_indices: Any,
             raise ArgumentError("verify() needs both kv_indptr and kv_indices, or neither")
         fields, has_csr = {"kv_indptr": kv_indptr, "kv_indices": kv_indices}, True
     elif step is not None:
-        if not hasattr(step, "fields") or getattr(step, "batch_size", None) != size:
+        if not hasattr(step, "fields"):
+            raise ArgumentTypeError(f"step={show(step)}: expected the StepMetadata the batch's "
+                                    "reserve returned (or None)")
+        if getattr(step, "batch_size", None) != size:
             raise ArgumentError(
                 f"verify() got {size} requests and a step of "
                 f"{getattr(step, 'batch_size', type(step).__name__)}; pass the StepMetadata "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.integrity._tags import lifetime_of
+from kvmem.integrity._tags import raw_lifetime_of as lifetime_of
 
 __all__ = ["owned_pages", "row_is_own"]
 

@@ -23,6 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer
+from kvmem.errors import ArgumentTypeError
+
 __all__ = [
     "MAX_NAMESPACES",
     "NS_BITS",
@@ -61,13 +64,34 @@ def qualify_live(tags: npt.NDArray[np.int64], namespace_ids: Int64Array | int) -
 
 
 def lifetime_of(qualified: Any) -> Any:
-    """The allocator tag inside qualified tags (an int or an array)."""
-    return qualified >> NS_BITS
+    """The allocator tag inside qualified tags (an int or an integer array or tensor)."""
+    return _qualified(qualified) >> NS_BITS
 
 
 def namespace_id_of(qualified: Any) -> Any:
-    """The namespace id inside qualified tags (an int or an array)."""
+    """The namespace id inside qualified tags (an int or an integer array or tensor)."""
+    return _qualified(qualified) & _NS_MASK
+
+
+def raw_lifetime_of(qualified: Any) -> Any:
+    """:func:`lifetime_of` of tags the caller produced (unchecked)."""
+    return qualified >> NS_BITS
+
+
+def raw_namespace_id_of(qualified: Any) -> Any:
+    """:func:`namespace_id_of` of tags the caller produced (unchecked)."""
     return qualified & _NS_MASK
+
+
+def _qualified(value: Any) -> Any:
+    """Qualified tags as given: an integer >= 0, or an integer array or tensor."""
+    if isinstance(value, np.ndarray) or hasattr(value, "device"):
+        kind = str(value.dtype).removeprefix("torch.")
+        if not kind.startswith(("int", "uint")):
+            raise ArgumentTypeError(f"qualified tags have dtype {value.dtype}: expected "
+                                    "integers")
+        return value
+    return integer(value, "qualified", minimum=0)
 
 
 class _Reader(Protocol):

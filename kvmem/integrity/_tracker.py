@@ -22,7 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import ArgumentError, ArgumentTypeError
+from kvmem._validate import flag, index_array, integer, show
+from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
 from kvmem.integrity._check import (
     BadEntries,
     Reason,
@@ -30,6 +31,8 @@ from kvmem.integrity._check import (
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    validate_block_table,
+    validate_csr,
 )
 
 __all__ = ["CheckingTracker", "IntegrityReport", "NoOpTracker", "Tracker"]
@@ -149,28 +152,21 @@ class CheckingTracker:
     enabled = True
 
     def __init__(self, max_seqs: int, max_pages_per_seq: int, paranoid: bool = False) -> None:
-        for name, value in (("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ArgumentError(f"{name} must be a positive int, got {value!r}")
-        self.paranoid = bool(paranoid)
+        max_seqs = integer(max_seqs, "max_seqs", minimum=1)
+        max_pages_per_seq = integer(max_pages_per_seq, "max_pages_per_seq", minimum=1)
+        self.paranoid = flag(paranoid, "paranoid")
         self._expected = np.zeros((int(max_seqs), int(max_pages_per_seq)), dtype=np.int64)
         self._flat = self._expected.reshape(-1)  # (row, position) at row * width + position
         self._versions = np.zeros(int(max_seqs), dtype=np.int64)
         self.num_changes = 0
+        self.claimed = False  # set by the manager that records its rows here
         self.expected_tags = self._expected.view()
         self.expected_tags.flags.writeable = False
         self.versions = self._versions.view()
         self.versions.flags.writeable = False
 
     def _rows(self, rows: npt.ArrayLike) -> npt.NDArray[np.intp]:
-        out = np.asarray(rows).reshape(-1)
-        if out.dtype.kind not in "iu" and out.size:
-            raise ArgumentTypeError(f"rows must be integers, got {out.dtype}")
-        out = out.astype(np.intp)
-        if out.size and (int(out.min()) < 0 or int(out.max()) >= self._expected.shape[0]):
-            raise ArgumentError(f"rows must be in 0..{self._expected.shape[0] - 1}, got "
-                                f"{out.tolist()[:8]}; nothing changed")
-        return out
+        return index_array(rows, "rows", bound=self._expected.shape[0], what="row").astype(np.intp)
 
     def _bump(self, rows: npt.NDArray[np.intp]) -> None:
         self.num_changes += 1
@@ -178,12 +174,13 @@ class CheckingTracker:
 
     def record(self, rows: npt.ArrayLike, positions: npt.ArrayLike, tags: npt.ArrayLike) -> None:
         rows_i = self._rows(rows)
-        pos = np.asarray(positions).reshape(-1)
-        if pos.size and (pos.dtype.kind not in "iu" or int(pos.min()) < 0
-                         or int(pos.max()) >= self._expected.shape[1]):
-            raise ArgumentError(f"positions must be ints in 0..{self._expected.shape[1] - 1}, "
-                                f"got {pos.tolist()[:8]}; nothing changed")
-        self._expected[rows_i, pos] = np.asarray(tags)
+        pos = index_array(positions, "positions", bound=self._expected.shape[1], what="position")
+        tags_i = index_array(tags, "tags", what="tag")
+        if not rows_i.size == pos.size == tags_i.size:
+            raise ArgumentError(f"record() got {rows_i.size} rows, {pos.size} positions and "
+                                f"{tags_i.size} tags: give one position and one tag per row "
+                                "entry. Nothing was changed.")
+        self._expected[rows_i, pos] = tags_i
         self._bump(np.unique(rows_i))
 
     def record_row(self, row: int, tags: npt.NDArray[np.int64]) -> None:
@@ -230,9 +227,20 @@ class CheckingTracker:
         tags: ``[num_physical_pages]``, int64 — live tags (the allocator's, or a device mirror)
         ids: labels for the report (request ids); defaults to ``rows``
         """
-        if (block_table is None) == (kv_indptr is None):
-            raise ValueError("verify() needs exactly one of block_table or kv_indptr/kv_indices")
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if (block_table is None) == (kv_indptr is None and kv_indices is None):
+            raise MetadataError("verify() needs exactly one of block_table or kv_indptr + "
+                                "kv_indices; nothing was checked")
+        rows = self._rows(rows)
+        if not isinstance(tags, np.ndarray) and not hasattr(tags, "device"):
+            raise ArgumentTypeError(f"tags={show(tags)}: expected the live tags as an int64 "
+                                    "numpy array or torch tensor (allocator.tags, pool.tags)")
+        if np.shape(num_pages) != rows.shape:
+            raise ArgumentError(f"num_pages has shape {tuple(np.shape(num_pages))}: expected "
+                                f"{rows.shape}, one count per row. Nothing was checked.")
+        if block_table is not None:
+            validate_block_table(block_table, rows.size)
+        else:
+            validate_csr(kv_indptr, kv_indices, rows.size)
         # Gather only the columns the metadata can reach (CSR: the longest row it lists).
         if block_table is not None:
             width = block_table.shape[1]

@@ -30,6 +30,7 @@ class FixedReserve(SpecModel):
 
     kind: Literal["fixed"] = "fixed"
     reserve_gib: NonNegativeReal = 8.0
+    positional_fields = ("reserve_gib",)  # FixedReserve(8)
 
     def describe(self) -> str:
         return f"fixed reserve {self.reserve_gib:g} GiB"
@@ -40,6 +41,7 @@ class MemoryFraction(SpecModel):
 
     kind: Literal["fraction"] = "fraction"
     fraction: PositiveReal = Field(default=0.9, le=1)
+    positional_fields = ("fraction",)  # MemoryFraction(0.9)
 
     def describe(self) -> str:
         return f"memory fraction {self.fraction:g}"
