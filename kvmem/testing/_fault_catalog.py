@@ -299,6 +299,15 @@ def _victim(run: Run, a: int) -> Any:
     return running[stable_pick(a, running)] if running else None
 
 
+def _victim_page(run: Run, a: int, b: int) -> Any:
+    """One page of a running request, as a 1-element array (None when nothing runs)."""
+    rid = _victim(run, a)
+    if rid is None:
+        return None
+    pages = run.engine.manager.pages_of(rid)
+    return pages[b % pages.size : b % pages.size + 1]
+
+
 class SecondReleasePath(Fault):
     """A second release path drops a running request's reference to one of its pages (the
     first path, kvmem's, drops it again later)."""
@@ -310,12 +319,10 @@ class SecondReleasePath(Fault):
     expected = "refcounts"
 
     def inject(self, run: Run, a: int, b: int) -> bool:
-        rid = _victim(run, a)
-        if rid is None:
-            return False
-        pages = run.engine.manager.pages_of(rid)
-        run.engine.manager.allocator.free(pages[b % pages.size : b % pages.size + 1])
-        return True
+        page = _victim_page(run, a, b)
+        if page is not None:
+            run.engine.manager.allocator.free(page)
+        return page is not None
 
 
 class RefcountOverincrement(Fault):
@@ -329,12 +336,10 @@ class RefcountOverincrement(Fault):
     expected = "refcounts"
 
     def inject(self, run: Run, a: int, b: int) -> bool:
-        rid = _victim(run, a)
-        if rid is None:
-            return False
-        pages = run.engine.manager.pages_of(rid)
-        run.engine.manager.allocator.share(pages[b % pages.size : b % pages.size + 1])
-        return True
+        page = _victim_page(run, a, b)
+        if page is not None:
+            run.engine.manager.allocator.share(page)
+        return page is not None
 
 
 class StalePageTableEntry(Fault):

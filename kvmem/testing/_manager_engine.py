@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -220,33 +220,8 @@ class ManagerEngine(SlotEngine):
             self._call(self.manager.release, request_id)
         self._drop_slot(s)
 
-    def fork(self, choice: int,
-             make_child: Callable[[Any, int], RequestSpec | None]) -> bool:
-        p = self._pick(RUNNING, choice, idle=True)
-        if p is None or self.manager.table.num_free_rows == 0:
-            return False
-        parent = self.ids[p]
-        # The child shares what the parent computed and the parent's prompt (kvmem's fork).
-        child = make_child(parent, int(max(self.sched[p], self.plen[p])))
-        if child is None:
-            return False
-        try:
-            self._call(self.manager.fork, parent, child.request_id)
-        except OutOfPagesError:
-            return False
-        s = self._new_slot(child)
-        self.sched[s] = self.sched[p]
-        self.comm[s] = self.comm[p]
-        self.plen[s] = self.plen[p]
-        self._start_running(s)
-        return True
-
-    def preempt(self, choice: int) -> bool:
-        s = self._pick(RUNNING, choice)
-        if s is None:
-            return False
-        self._preempt_slot(s)
-        return True
+    def _fork(self, parent: Any, child: Any) -> None:
+        self._call(self.manager.fork, parent, child)
 
     def resume(self, choice: int) -> bool:
         s = self._pick(PREEMPTED, choice)

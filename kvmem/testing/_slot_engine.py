@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import HookError, KVMemError
+from kvmem.errors import HookError, KVMemError, OutOfPagesError
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, stable_pick
 from kvmem.testing._launch import Launch, RequestSpec
 
@@ -98,6 +98,44 @@ class SlotEngine(FuzzEngine):
             if "hook_error_retried" in self.bugs and fn.__name__.startswith("release"):
                 return fn(*args)  # the engine thinks the release failed and does it again
             return None
+
+    def fork(self, choice: int,
+             make_child: Callable[[Any, int], RequestSpec | None]) -> bool:
+        p = self._pick(RUNNING, choice, idle=True)
+        if p is None or self.manager.table.num_free_rows == 0:
+            return False
+        parent = self.ids[p]
+        # The child shares what the parent computed and the parent's prompt (kvmem's fork).
+        child = make_child(parent, int(max(self.sched[p], self.plen[p])))
+        if child is None or not self._fork_room():
+            return False
+        try:
+            self._fork(parent, child.request_id)
+        except OutOfPagesError:
+            return False
+        s = self._new_slot(child)
+        self.sched[s] = self.sched[p]
+        self.comm[s] = self.comm[p]
+        self.plen[s] = self.plen[p]
+        self._start_running(s)
+        return True
+
+    def _fork_room(self) -> bool:
+        """Whether the engine has room for a forked request (asked after ``make_child``)."""
+        return True
+
+    def _fork(self, parent: Any, child: Any) -> None:
+        raise NotImplementedError
+
+    def preempt(self, choice: int) -> bool:
+        s = self._pick(RUNNING, choice)
+        if s is None:
+            return False
+        self._preempt_slot(s)
+        return True
+
+    def _preempt_slot(self, s: int) -> None:
+        raise NotImplementedError
 
     def _pick(self, state: int, choice: int, idle: bool = False) -> int | None:
         """A request in ``state`` (the ``choice``-th, deterministically); ``idle``: only one that

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -10,7 +10,7 @@ import numpy.typing as npt
 
 from kvmem.errors import OutOfPagesError
 from kvmem.testing._engine_protocol import FuzzConfig, subset_step
-from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._launch import Launch
 from kvmem.testing._oracles import FuzzFailure
 from kvmem.testing._slot_engine import PREEMPTED, RUNNING, WAITING, SlotEngine
 
@@ -134,32 +134,11 @@ class ToyEngineAdapter(SlotEngine):
             self.toy.release(request_id)
         self._drop_slot(s)
 
-    def fork(self, choice: int,
-             make_child: Callable[[Any, int], RequestSpec | None]) -> bool:
-        p = self._pick(RUNNING, choice, idle=True)
-        if p is None or self.manager.table.num_free_rows == 0:
-            return False
-        parent = self.ids[p]
-        child = make_child(parent, int(max(self.sched[p], self.plen[p])))
-        if child is None or not self._free:
-            return False
-        try:
-            self.toy.fork(parent, child.request_id)
-        except OutOfPagesError:
-            return False
-        s = self._new_slot(child)
-        self.sched[s] = self.sched[p]
-        self.comm[s] = self.comm[p]
-        self.plen[s] = self.plen[p]
-        self._start_running(s)
-        return True
+    def _fork_room(self) -> bool:
+        return bool(self._free)
 
-    def preempt(self, choice: int) -> bool:
-        s = self._pick(RUNNING, choice)
-        if s is None:
-            return False
-        self._preempt_slot(s)
-        return True
+    def _fork(self, parent: Any, child: Any) -> None:
+        self.toy.fork(parent, child)
 
     def resume(self, choice: int) -> bool:
         s = self._pick(PREEMPTED, choice)
