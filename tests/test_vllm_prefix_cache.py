@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kvmem import KVMemError
+from kvmem import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConfigError,
+    HashedPrefixCache,
+    KVMemError,
+)
 from kvmem.integrations.vllm import VllmOrderPrefixCache, vllm_import_error
 from kvmem.manager import KVCacheManager
 from kvmem.testing import ManagerMachine
@@ -128,3 +134,18 @@ def test_the_package_names_are_exactly_the_intended_ones() -> None:
             assert getattr(pkg, name) is not None
     with pytest.raises(AttributeError):
         pkg.NoSuchName  # noqa: B018
+
+
+@pytest.mark.parametrize("cls", [VllmOrderPrefixCache, HashedPrefixCache])
+def test_a_cache_refuses_a_bad_seed_and_a_second_manager(cls: type) -> None:
+    for seed, error in (("x", ArgumentTypeError), (1.5, ArgumentTypeError), (True,
+                        ArgumentTypeError), (-1, ArgumentError)):
+        with pytest.raises(error, match="seed"):
+            cls(seed=seed)
+    cache = cls(seed=7)
+    with pytest.raises(ConfigError, match="not bound"):
+        _ = cache.allocator
+    KVCacheManager(16, page_size=4, prefix_cache=cache)
+    with pytest.raises(ConfigError, match="already bound"):
+        KVCacheManager(16, page_size=4, prefix_cache=cache)
+    assert cache.allocator.num_pages == 16

@@ -11,13 +11,11 @@ tokens), and an LRU of the pages only the cache holds, evicted least recently re
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import integer
 from kvmem.allocator._page_allocator import PageAllocator, as_page_ids, equal_arrays
 from kvmem.allocator._prefix_cache import Int32Array, Int64Array, PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import KeyArray, Namespace, PrefixKeys, namespace_bytes
@@ -46,12 +44,8 @@ class HashedPrefixCache(PrefixCache):
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        if seed is None:
-            seed = int.from_bytes(os.urandom(16), "little")
-        seed = integer(seed, "seed", minimum=0)
-        self.seed = int(seed)
+        self.seed = self._seed(seed)
         self.page_size = 0
-        self._allocator: PageAllocator | None = None
         # First 64-bit lane of a key -> page. An entry may be stale (its page was forgotten, or
         # cached again under another key): lookups confirm it (_live_page, _walk).
         self._index: dict[int, int] = {}
@@ -60,13 +54,9 @@ class HashedPrefixCache(PrefixCache):
 
     def bind(self, allocator: PageAllocator, page_size: int,
              page_tokens: npt.NDArray[np.int32] | None = None) -> None:
-        if self._allocator is not None:
-            raise ArgumentError("this prefix cache is already bound to an allocator; make a new "
-                                "one for each manager")
-        self._allocator = allocator
+        self._bind_allocator(allocator, page_size)
         self._rc = allocator.refcounts  # read-only views, looked up once
         self._atags = allocator.tags
-        self.page_size = int(page_size)
         n = allocator.num_pages
         self.keys = PrefixKeys(self.seed, self.page_size)
         if page_tokens is None:
@@ -98,12 +88,6 @@ class HashedPrefixCache(PrefixCache):
         # stale): each rebuild drops at least 2 * num_pages + 1024 stale entries.
         self._index_limit = 3 * n + 1024
         self._num_evictable = 0
-
-    @property
-    def allocator(self) -> PageAllocator:
-        if self._allocator is None:
-            raise ValueError("the prefix cache is not bound; give it to a KVCacheManager first")
-        return self._allocator
 
     # -- keys (the key function is PrefixKeys') ----------------------------------------------
 

@@ -29,6 +29,7 @@ numpy and hashlib only: no torch.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -36,8 +37,10 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer
 from kvmem.allocator._page_allocator import PageAllocator, as_page_ids
 from kvmem.allocator._prefix_keys import KeyArray, Namespace, namespace_bytes
+from kvmem.errors import ConfigError
 
 __all__ = ["Namespace", "PrefixCache", "PrefixMatch", "namespace_bytes"]
 
@@ -80,6 +83,29 @@ class PrefixCache(ABC):
     """
 
     page_size: int
+    _allocator: PageAllocator | None = None
+
+    @staticmethod
+    def _seed(seed: int | None) -> int:
+        """A key seed: ``seed`` checked, or a random one per process where it is None."""
+        if seed is None:
+            return int.from_bytes(os.urandom(16), "little")
+        return int(integer(seed, "seed", minimum=0))
+
+    def _bind_allocator(self, allocator: PageAllocator, page_size: int) -> None:
+        if self._allocator is not None:
+            raise ConfigError(f"this {type(self).__name__} is already bound to an allocator (a "
+                              "manager); give each KVCacheManager a new one")
+        self._allocator = allocator
+        self.page_size = int(page_size)
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The allocator whose pages the cache holds (set by :meth:`bind`)."""
+        if self._allocator is None:
+            raise ConfigError(f"this {type(self).__name__} is not bound; give it to a "
+                              "KVCacheManager first")
+        return self._allocator
 
     @abstractmethod
     def bind(self, allocator: PageAllocator, page_size: int,

@@ -24,7 +24,6 @@ numpy and the standard library only.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -32,7 +31,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.allocator import Namespace, PageAllocator, PrefixCache, PrefixKeys, PrefixMatch
-from kvmem.errors import ConfigError
 
 __all__ = ["VllmOrderPrefixCache"]
 
@@ -55,9 +53,8 @@ class VllmOrderPrefixCache(PrefixCache):
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        self.seed = int.from_bytes(os.urandom(16), "little") if seed is None else int(seed)
+        self.seed = self._seed(seed)
         self.page_size = 0
-        self._allocator: PageAllocator | None = None
         self._index: dict[tuple[int, int], dict[int, None]] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._num_cached = 0
@@ -66,11 +63,7 @@ class VllmOrderPrefixCache(PrefixCache):
 
     def bind(self, allocator: PageAllocator, page_size: int,
              page_tokens: npt.NDArray[np.int32] | None = None) -> None:
-        if self._allocator is not None:
-            raise ConfigError("this prefix cache is already bound to an allocator (a manager); "
-                              "give each KVCacheManager a new VllmOrderPrefixCache")
-        self._allocator = allocator
-        self.page_size = int(page_size)
+        self._bind_allocator(allocator, page_size)
         self._keyer = PrefixKeys(self.seed, self.page_size)
         n = allocator.num_pages
         self._cached = np.zeros(n, dtype=bool)
@@ -80,12 +73,6 @@ class VllmOrderPrefixCache(PrefixCache):
                             else page_tokens)
         self._namespace = np.zeros(n, dtype=np.int64)
         self._tag = np.zeros(n, dtype=np.int64)
-
-    @property
-    def allocator(self) -> PageAllocator:
-        if self._allocator is None:
-            raise ValueError("the prefix cache is not bound; give it to a KVCacheManager first")
-        return self._allocator
 
     def root_key(self, namespace: Namespace) -> KeyArray:
         return self._keyer.root(namespace)
