@@ -8,7 +8,7 @@ import random
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["STOP_TOKEN", "VOCAB", "RequestSpec", "SchedulerSpec", "StepRecord", "StreamResult",
            "StreamSpec", "random_stream", "token_at"]
@@ -31,7 +31,7 @@ class SchedulerSpec:
     watermark: float = 0.0
     async_scheduling: bool = False
     kv_events: bool = True
-    policy: str = "fcfs"
+    policy: Literal["fcfs", "priority"] = "fcfs"
     paranoid: bool = False  # kvmem: verify the workers' block tables (every entry) each step
 
 
