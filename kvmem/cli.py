@@ -95,6 +95,8 @@ def _dtype_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated KV dtypes from {', '.join(_KV_DTYPES)}, got {text!r}"
         )
+    if len(set(dtypes)) < len(dtypes):
+        raise argparse.ArgumentTypeError(f"{text!r} names a dtype twice; name each once")
     return dtypes
 
 

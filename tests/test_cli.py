@@ -214,6 +214,8 @@ def test_every_option_of_every_subcommand_has_help() -> None:
         (["plan", "llama-3.1-8b", "--mem-fraction", "0"], "--mem-fraction"),
         (["plan", "llama-3.1-8b", "--runtime-overhead-gib", "-2"], "--runtime-overhead-gib"),
         (["plan", "llama-3.1-8b", "--kv-scales", "row"], "--kv-scales"),
+        (["plan", "llama-3.1-8b", "--compare", "bf16,bf16"], "twice"),
+        (["simulate", "kimi-k2.6", "--compare", "fp8_e4m3,bf16,fp8_e4m3"], "twice"),
     ],
 )
 def test_bad_numbers_are_one_line_errors_before_any_work(
