@@ -36,13 +36,7 @@ class ManagerEngine(SlotEngine):
         {"fork", "preempt", "resume", "receive", "clear", "hooks"})
 
     def __init__(self, config: FuzzConfig) -> None:
-        from kvmem.manager import KVCacheManager
-
-        mgr = KVCacheManager(
-            config.num_pages, page_size=config.page_size, max_seqs=config.max_seqs,
-            max_pages_per_seq=-(-config.max_len // config.page_size) + 1,
-            tracker=config.tracker, watermark=0.0,
-        )
+        mgr = self.new_manager(config)
         super().__init__(config, mgr)
         self.max_in_flight = config.max_in_flight
         self._bt: npt.NDArray[np.int32] | None = None  # block-table buffer (stale_block_table)

@@ -52,6 +52,18 @@ class SlotEngine(FuzzEngine):
 
     # -- slots ------------------------------------------------------------------------------------
 
+    @staticmethod
+    def new_manager(config: FuzzConfig) -> Any:
+        """The manager a fuzzed engine runs on: ``config``'s pool, rows and tracker, room for
+        ``max_len`` tokens a request, no admission watermark."""
+        from kvmem.manager import KVCacheManager
+
+        return KVCacheManager(
+            config.num_pages, page_size=config.page_size, max_seqs=config.max_seqs,
+            max_pages_per_seq=-(-config.max_len // config.page_size) + 1,
+            tracker=config.tracker, watermark=0.0,
+        )
+
     def _new_slot(self, spec: RequestSpec) -> int:
         if not self._free:
             raise KVMemError(f"{self.name} follows {len(self.slot_of)} requests, its limit")

@@ -33,14 +33,9 @@ class ToyEngineAdapter(SlotEngine):
     capabilities: ClassVar[frozenset[str]] = frozenset({"fork", "preempt", "resume", "clear"})
 
     def __init__(self, config: FuzzConfig) -> None:
-        from kvmem.manager import KVCacheManager
         from kvmem.testing._toy_engine import ToyEngine
 
-        mgr = KVCacheManager(
-            config.num_pages, page_size=config.page_size, max_seqs=config.max_seqs,
-            max_pages_per_seq=-(-config.max_len // config.page_size) + 1,
-            tracker=config.tracker, watermark=0.0,
-        )
+        mgr = self.new_manager(config)
         super().__init__(config, mgr)
         self.max_in_flight = 0
         self.toy = ToyEngine(mgr, sampler=self._sample)
