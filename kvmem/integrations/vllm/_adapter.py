@@ -300,8 +300,12 @@ class VllmKVCacheAdapter(QueueFlush):
         if not self.enable_caching:
             return
         st = self._reqs.get(request.request_id)
-        if st is not None:
-            self._q_commits.append((request, st, min(num_computed_tokens, request.num_tokens)))
+        if st is None:
+            return
+        known = len(request._all_token_ids)
+        upto = num_computed_tokens if num_computed_tokens < known else known
+        if upto > st.committed:  # (usually not: committed when their step was scheduled)
+            self._q_commits.append((request, st, upto))
 
     def free(self, request: Any) -> None:
         if self._q or self._q_commits:

@@ -21,6 +21,7 @@ _REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
 _RID = attrgetter("rid")
 _TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
 _COMPUTED = attrgetter("num_computed_tokens")
+_COMMITTED = attrgetter("committed")
 
 
 class QueueFlush:
@@ -49,7 +50,8 @@ class QueueFlush:
         if not q:
             if commits:
                 self._q_commits = []
-                self._commit_general([], commits)
+                if not self._commit_arrived(commits):
+                    self._commit_general([], commits)
             return
         outs, admits = self._q_blocks, self._q_admits
         self._q, self._q_blocks, self._q_pages, self._q_admits = [], [], 0, False
@@ -85,7 +87,61 @@ class QueueFlush:
             mgr.commit_batch(ids, np.array(
                 list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
             return
+        if (uniform and n0 == 1 and not admits and not commits and self.async_outputs
+                and self._commit_next_known(q, ids)):
+            return
         self._commit_general(q, commits)
+
+    def _commit_next_known(self, q: list[tuple[Any, RequestState, int, int | None]],
+                           ids: tuple[str, ...]) -> bool:
+        """Async scheduling's decode step (every queued request runs and was scheduled one
+        token): each request's known tokens up to its computed ones + 1, past its committed
+        ones, as ``_commit_general`` would, vectorized: False, nothing done, if one would
+        commit more than one token."""
+        n = len(q)
+        reqs = list(map(_REQUEST, q))
+        computed = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=n)
+        known = np.fromiter(map(len, map(_TOKENS, reqs)), dtype=np.int64, count=n)
+        return self._commit_one_each(q, np.minimum(computed + 1, known), ids)
+
+    def _commit_arrived(self, commits: list[tuple[Any, RequestState, int]]) -> bool:
+        """Async scheduling's ``cache_blocks`` targets, as ``_commit_general`` would commit
+        them, vectorized: False, nothing done, if a request is named twice or would commit
+        more than one token."""
+        if not self.async_outputs:
+            return False
+        n = len(commits)
+        upto = np.fromiter(map(_NUM, commits), dtype=np.int64, count=n)
+        if not np.count_nonzero(upto > np.fromiter(
+                map(_COMMITTED, map(_STATE, commits)), dtype=np.int64, count=n)):
+            return True  # (the usual case: they were committed when their step was scheduled)
+        states = list(map(_STATE, commits))
+        if len(set(states)) != n or not all(map(self._reqs.__contains__, map(_RID, states))):
+            return False
+        return self._commit_one_each(commits, upto)
+
+    def _commit_one_each(self, entries: list[Any], upto: Any,
+                         ids: tuple[str, ...] | None = None) -> bool:
+        """Commit, for each ``(request, state, ...)`` entry, the request's tokens from its
+        committed ones up to ``upto`` (``[n]`` int64) when that is at most one token each (one
+        ``commit_batch``); False, nothing done, otherwise. ``ids``: the entries' request ids
+        (the batch's tuple, which the manager recognizes), if at hand."""
+        committed = np.fromiter(map(_COMMITTED, map(_STATE, entries)), dtype=np.int64,
+                                count=len(entries))
+        gain = upto - committed
+        if np.count_nonzero(gain > 1):
+            return False
+        some = np.flatnonzero(gain > 0).tolist()
+        if not some:
+            return True
+        chosen = [entries[i] for i in some] if len(some) < len(entries) else entries
+        at = committed[some].tolist()
+        self.manager.commit_batch(
+            ids if ids is not None and chosen is entries else tuple(map(_RID, map(_STATE, chosen))),
+            np.array(list(map(getitem, map(_TOKENS, map(_REQUEST, chosen)), at)), dtype=np.int64))
+        for st, c in zip(map(_STATE, chosen), at):
+            st.committed = c + 1
+        return True
 
     @staticmethod
     def _new_block_ids(step: Any, outs: list[tuple[int, int, KVMemBlocks]]) -> None:
