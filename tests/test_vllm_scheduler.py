@@ -249,3 +249,60 @@ def test_the_paranoid_check_catches_a_wrong_block_id_handed_to_the_workers() -> 
     d.update(out)
     d.run()
     d.sched.kv_cache_manager.check()
+
+
+# -- async scheduling's commits, in any order the adapter's surface allows -------------------------
+
+
+def _async_adapter_with_two_decode_slots() -> tuple[object, object]:
+    """An async adapter with one request admitted (6 prompt tokens) and two decode steps
+    scheduled (slots 6 and 7 reserved) whose tokens have not arrived."""
+    from kvmem.integrations.vllm import VllmKVCacheAdapter
+    from kvmem.integrations.vllm._vllm_objects import make_request
+
+    adapter = VllmKVCacheAdapter(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4,
+                                 async_scheduling=True)
+    request = make_request(RequestSpec("r0", tuple(range(20, 26)), max_tokens=8), 4)
+    hit, num_hit, _ = adapter.get_computed_blocks(request)
+    assert num_hit == 0
+    assert adapter.allocate_slots(request, 6, 0, hit) is not None
+    adapter.flush()
+    request.num_computed_tokens = 6
+    for step in range(2):
+        assert adapter.allocate_slots(request, 1) is not None
+        adapter.flush()
+        request.num_computed_tokens += 1
+    return adapter, request
+
+
+@pytest.mark.parametrize(("named", "committed"), [((7,), 7), ((8,), 8), ((7, 8), 8), ((8, 8), 8)])
+def test_async_tokens_named_by_cache_blocks_are_committed_once_each(named: tuple[int, ...],
+                                                                    committed: int) -> None:
+    """cache_blocks naming two arrived tokens at once, or the same request twice: each token
+    is committed once, its page is cached with its content, and the adapter agrees with the
+    manager."""
+    adapter, request = _async_adapter_with_two_decode_slots()
+    mgr = adapter.manager
+    assert mgr.num_committed("r0") == 6
+    request.append_output_token_ids(100)
+    request.append_output_token_ids(101)
+    for upto in named:
+        adapter.cache_blocks(request, upto)
+    assert adapter.take_events() == []  # (the flush: events are off)
+    assert mgr.num_committed("r0") == committed
+    adapter.check()
+    # The page holding tokens 4..7 (24, 25, 100, 101) is cached once all four are committed: a
+    # request with that prefix hits it, one that differs in its last token does not.
+    from kvmem.integrations.vllm._vllm_objects import make_request
+
+    probe = make_request(RequestSpec("probe", (*range(20, 26), 100, 101, 7), max_tokens=1), 4)
+    assert adapter.get_computed_blocks(probe)[1] == (8 if committed == 8 else 4)
+    wrong = make_request(RequestSpec("wrong", (*range(20, 26), 100, 102, 7), max_tokens=1), 4)
+    assert adapter.get_computed_blocks(wrong)[1] == 4
+
+
+def test_async_cache_blocks_naming_committed_tokens_queues_nothing() -> None:
+    adapter, request = _async_adapter_with_two_decode_slots()
+    adapter.cache_blocks(request, 6)
+    assert adapter._q_commits == []
+    adapter.check()
