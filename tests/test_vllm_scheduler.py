@@ -268,7 +268,7 @@ def _async_adapter_with_two_decode_slots() -> tuple[object, object]:
     assert adapter.allocate_slots(request, 6, 0, hit) is not None
     adapter.flush()
     request.num_computed_tokens = 6
-    for step in range(2):
+    for _ in range(2):
         assert adapter.allocate_slots(request, 1) is not None
         adapter.flush()
         request.num_computed_tokens += 1
