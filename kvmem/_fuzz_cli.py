@@ -24,11 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, KVMemError
 
 __all__ = ["add_fuzz_parser", "run_fuzz"]
 
@@ -42,23 +45,28 @@ def add_fuzz_parser(sub: Any) -> None:
         help="property-based fuzzing of allocation races (device timeline, fault catalog)",
         description=(__doc__ or "").split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("--engine", default="manager",
+    p.add_argument("--engine",
                    help="engine adapter: manager (kvmem's, async), toy (synchronous), vllm and "
                    "vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), or one "
-                   "registered in kvmem.testing.ENGINES")
-    p.add_argument("--minutes", type=float, help="time budget (default 1 without --faults)")
-    p.add_argument("--moves", type=int, help="fault-free moves to run instead of --minutes")
+                   "registered in kvmem.testing.ENGINES (default manager)")
+    p.add_argument("--minutes", type=float,
+                   help="time budget, > 0 (default 1 without --faults; with --faults, 0.25 a "
+                   "fault, at least 1)")
+    p.add_argument("--moves", type=int,
+                   help="fault-free moves to run instead of --minutes (>= 1; not with --faults)")
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
     p.add_argument("--profile", choices=["ci", "ci-vllm"],
                    help="ci: the derandomized CI profile (manager, toy); ci-vllm: the same for "
                    "the vLLM engines")
-    p.add_argument("--config", default="small",
-                   help="system shape: small (finds races fast) or bench (4,096 pages, 64 running)")
-    p.add_argument("--seed", type=int, default=0, help="first campaign seed (default 0)")
+    p.add_argument("--config",
+                   help="system shape: small (finds races fast; the default) or bench (4,096 "
+                   "pages, 64 running)")
+    p.add_argument("--seed", type=int, help="first campaign seed (default 0)")
     p.add_argument("--save", metavar="DIR", help="write each failure as a pytest reproducer")
     p.add_argument("--json", action="store_true", help="print one JSON list")
-    p.add_argument("--list", action="store_true", help="list the fault catalog and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the fault catalog and exit (with --json: as a JSON list)")
     p.set_defaults(func=run_fuzz)
 
 
@@ -93,11 +101,19 @@ def run_fuzz(args: argparse.Namespace) -> int:
     # verify's "aborting request" warnings are what faults are for: keep the output readable.
     logging.getLogger("kvmem").setLevel(logging.ERROR)
     if args.list:
+        if args.json:
+            print(json.dumps([{"fault": name, "bugs": list(f.bugs), "side": f.side,
+                               "timeline": f.timeline,
+                               "engines": list(f.engines) if f.engines else None,
+                               "description": f.describe()} for name, f in CATALOG.items()],
+                             indent=1))
+            return 0
         for name, f in CATALOG.items():
             engines = ",".join(f.engines) if f.engines else "any"
             print(f"{name:32s} BUGS {','.join(map(str, f.bugs)):8s} {f.side:8s} "
                   f"{'timeline' if f.timeline else '        '} {engines:12s} {f.describe()}")
         return 0
+    _check_args(args)
     engine = "vllm" if args.profile == "ci-vllm" else args.engine
     if engine not in ENGINES:
         if engine in _VLLM_ENGINES:
@@ -120,6 +136,43 @@ def run_fuzz(args: argparse.Namespace) -> int:
     else:
         print(_table(results))
     return 0 if ok else 1
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse (ArgumentError, before any work) what would be ignored or run forever; fill in
+    the defaults."""
+    if args.profile is not None:
+        given = [f"--{name}" for name in ("engine", "faults", "minutes", "moves", "config",
+                                          "seed", "save") if getattr(args, name) is not None]
+        if given:
+            raise ArgumentError(f"--profile {args.profile} runs fixed engines, seeds and budgets; "
+                                f"it takes no {', '.join(given)} (drop them, or run without "
+                                "--profile)")
+    if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes > 0):
+        raise ArgumentError(f"--minutes {args.minutes}: expected a number of minutes > 0, e.g. "
+                            "--minutes 0.5")
+    if args.moves is not None:
+        if args.moves < 1:
+            raise ArgumentError(f"--moves {args.moves}: expected at least 1 move")
+        if args.minutes is not None:
+            raise ArgumentError("--moves and --minutes are alternatives (a run's length in "
+                                "moves or in time): give one")
+        if args.faults is not None:
+            raise ArgumentError("--faults hunts each fault for a share of --minutes and then "
+                                f"runs {_CLEAN_MOVES:,} fault-free moves; it takes no --moves "
+                                "(use --minutes)")
+    if args.save is not None:
+        try:
+            Path(args.save).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ArgumentError(f"--save {args.save}: cannot create the folder ({e.strerror}); "
+                                "name a folder you can write") from None
+        if not os.access(args.save, os.W_OK):
+            raise ArgumentError(f"--save {args.save}: the folder is not writable; name a "
+                                "folder you can write")
+    args.engine = "manager" if args.engine is None else args.engine
+    args.config = "small" if args.config is None else args.config
+    args.seed = 0 if args.seed is None else args.seed
 
 
 def _names(args: argparse.Namespace, engine: str) -> list[str]:

@@ -62,10 +62,34 @@ def test_list_shows_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(name in out for name in CATALOG)
 
 
+def test_list_json_is_the_catalog_as_one_json_list(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "fuzz", "--list", "--json")
+    assert status == 0
+    entries = json.loads(out)
+    assert [e["fault"] for e in entries] == list(CATALOG)
+    for e in entries:
+        f = CATALOG[e["fault"]]
+        assert e["bugs"] == list(f.bugs) and e["timeline"] == f.timeline
+        assert e["engines"] == (list(f.engines) if f.engines else None)
+        assert e["description"] == f.describe()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["fuzz", "--engine", "nope"], "no fuzz engine"),
     (["fuzz", "--faults", "nope"], "unknown faults"),
     (["fuzz", "--config", "huge"], "no fuzz config preset"),
+    # what would run forever, run nothing, or be ignored is refused before any work
+    (["fuzz", "--minutes", "0"], "--minutes 0.0: expected a number of minutes > 0"),
+    (["fuzz", "--minutes", "-1"], "--minutes -1.0: expected"),
+    (["fuzz", "--minutes", "nan"], "--minutes nan: expected"),
+    (["fuzz", "--minutes", "inf"], "--minutes inf: expected"),
+    (["fuzz", "--moves", "0"], "--moves 0: expected at least 1 move"),
+    (["fuzz", "--moves", "-5"], "--moves -5: expected at least 1 move"),
+    (["fuzz", "--moves", "10", "--minutes", "1"], "--moves and --minutes are alternatives"),
+    (["fuzz", "--faults", "--moves", "10"], "it takes no --moves"),
+    (["fuzz", "--profile", "ci", "--engine", "toy"], "it takes no --engine"),
+    (["fuzz", "--profile", "ci", "--seed", "3", "--minutes", "1"], "it takes no --minutes, --seed"),
+    (["fuzz", "--moves", "10", "--save", "/proc/kvmem-no-such-dir"], "--save /proc/kvmem-no-such"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                             message: str) -> None:
