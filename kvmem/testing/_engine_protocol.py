@@ -28,6 +28,7 @@ Rules an adapter follows (they are what an engine on kvmem must do anyway):
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -35,7 +36,8 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import KVMemError
+from kvmem._validate import integer
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.testing._launch import Launch, RequestSpec
 
 __all__ = ["FuzzConfig", "FuzzEngine", "stable_bit", "stable_pick", "subset_step"]
@@ -78,6 +80,26 @@ class FuzzConfig:
                  max_batch_tokens: int = 64, tracker: str | None = "checking",
                  check_every: int = 64, weights: dict[str, float] | None = None,
                  strict_commits: bool = True) -> None:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("max_seqs", max_seqs), ("max_len", max_len), ("vocab", vocab),
+                            ("target_running", target_running), ("max_in_flight", max_in_flight),
+                            ("chunk", chunk), ("max_batch_tokens", max_batch_tokens),
+                            ("check_every", check_every)):
+            integer(value, name, minimum=1)
+        for name, pair in (("prompt_len", prompt_len), ("max_new", max_new)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ArgumentTypeError(f"{name}={pair!r}: expected a (lo, hi) pair of ints")
+            for bound in pair:
+                integer(bound, name, minimum=0)
+        if tracker not in ("checking", None):
+            raise ArgumentError(f"tracker={tracker!r}: expected 'checking' or None (NoOpTracker)")
+        unknown = sorted(set(weights or {}) - set(self.DEFAULT_WEIGHTS))
+        if unknown:
+            raise ArgumentError(f"weights name unknown moves {unknown}; the moves are "
+                                f"{list(self.DEFAULT_WEIGHTS)}")
+        if any(not (isinstance(w, (int, float)) and 0 <= w < float("inf"))
+               for w in (weights or {}).values()):
+            raise ArgumentError(f"weights={weights!r}: expected finite numbers >= 0")
         if prompt_len[0] < 1 or prompt_len[1] < prompt_len[0] or max_new[1] < max_new[0]:
             raise KVMemError(f"prompt_len {prompt_len} and max_new {max_new} must be (lo, hi) "
                              "ranges with lo <= hi and prompts of at least one token")
@@ -121,6 +143,10 @@ class FuzzConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FuzzConfig:
         d = dict(d)
+        fields = list(inspect.signature(cls).parameters)
+        unknown = sorted(set(d) - set(fields), key=str)
+        if unknown:
+            raise ArgumentError(f"no FuzzConfig field {unknown}; the fields are {fields}")
         for key in ("prompt_len", "max_new"):
             if key in d:
                 d[key] = tuple(d[key])
@@ -235,7 +261,15 @@ def stable_bit(choice: int, key: Any) -> bool:
 def subset_step(step: Any, keep: npt.NDArray[np.bool_]) -> tuple[Int64Array, ...]:
     """The CSR, slot mapping and counts of a reserved step for the requests ``keep`` selects:
     ``(kv_indptr, kv_indices, slot_mapping, num_new_tokens)``."""
+    if not all(hasattr(step, f) for f in ("kv_indptr", "kv_indices", "slot_mapping",
+                                          "num_new_tokens")):
+        raise ArgumentTypeError(f"step={type(step).__name__}: expected the StepMetadata a "
+                                "reserve() returned")
     counts = np.diff(step.kv_indptr)
+    keep = np.asarray(keep)
+    if keep.dtype != np.bool_ or keep.shape != counts.shape:
+        raise ArgumentError(f"keep has dtype {keep.dtype} and shape {keep.shape}: expected a "
+                            f"bool mask of shape ({counts.size},), one per request of the step")
     indptr = np.zeros(int(np.count_nonzero(keep)) + 1, dtype=np.int64)
     np.cumsum(counts[keep], out=indptr[1:])
     indices = step.kv_indices[np.repeat(keep, counts)]

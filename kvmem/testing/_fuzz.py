@@ -10,6 +10,7 @@ pytest file that replays it (:func:`save_reproducer`).
 from __future__ import annotations
 
 import bisect
+import numbers
 import pprint
 import random
 import time
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmem.errors import KVMemError
+from kvmem._validate import integer
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._engines import ENGINES
 from kvmem.testing._oracles import FuzzFailure
@@ -58,7 +60,8 @@ def campaign(engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
     ``time.perf_counter()`` value), then the final check. Moves are drawn with the config's
     weights (merged with the fault's) from a ``random.Random(seed)``."""
     t0 = time.perf_counter()
-    run = Run(engine, config, fault, seed)
+    integer(max_moves, "max_moves", minimum=0)
+    run = Run(engine, config, fault, integer(seed, "seed"))
     weights = dict(run.config.weights)
     if run.fault is not None:
         weights.update(run.fault.weights)
@@ -106,11 +109,30 @@ def replay(schedule: Sequence[Sequence[Any]],
            config: FuzzConfig | dict[str, Any] | str | None = None) -> Run:
     """Run a schedule exactly, then the final check; raises :class:`FuzzFailure` if an oracle
     fires. Returns the run (its manager, timeline and engine) when nothing fired."""
-    run = Run(engine, config, fault, seed)
-    for name, a, b in schedule:
-        run.step(str(name), int(a), int(b))
+    moves = _checked_schedule(schedule)
+    run = Run(engine, config, fault, integer(seed, "seed"))
+    for name, a, b in moves:
+        run.step(name, a, b)
     run.final_check()
     return run
+
+
+def _checked_schedule(schedule: Any) -> list[Move]:
+    """``schedule`` as a list of ``(move name, int, int)``; raises ArgumentError (or
+    ArgumentTypeError) naming the first move that is not one."""
+    if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Sequence):
+        raise ArgumentTypeError(f"schedule={type(schedule).__name__}: expected a list of "
+                                "(move, int, int) tuples, as a campaign or a reproducer records")
+    out: list[Move] = []
+    for i, move in enumerate(schedule):
+        ok = (isinstance(move, (tuple, list)) and len(move) == 3 and move[0] in MOVES
+              and all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                      and int(x) >= 0 for x in move[1:]))
+        if not ok:
+            raise ArgumentError(f"schedule[{i}]={move!r}: expected (move, int >= 0, int >= 0) "
+                                f"with move one of {list(MOVES)}")
+        out.append((str(move[0]), int(move[1]), int(move[2])))
+    return out
 
 
 def _fails(schedule: Sequence[Move], oracle: str, kwargs: dict[str, Any]
@@ -207,7 +229,11 @@ def save_reproducer(directory: str | Path, schedule: Sequence[Move], failure: Fu
                     name: str | None = None) -> Path:
     """Write a runnable pytest file that replays ``schedule`` exactly; returns its path."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KVMemError(f"cannot create the reproducer folder {str(directory)!r} "
+                         f"({e.strerror}); name a folder you can write") from None
     stem = name or f"{fault or 'none'}_{engine}_{seed}_{failure.oracle}"
     stem = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in stem)
     path = directory / f"test_fuzz_{stem}.py"
@@ -262,6 +288,10 @@ def hunt(fault: Any, engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager
     ``fault=None`` hunts on a correct system (a failure then is a bug in kvmem, the engine or
     the fuzzer). Without ``deadline`` the result depends only on the arguments."""
     t0 = time.perf_counter()
+    integer(max_campaigns, "max_campaigns", minimum=1)
+    integer(moves_per_campaign, "moves_per_campaign", minimum=1)
+    integer(shrink_replays, "shrink_replays", minimum=0)
+    integer(seed, "seed")
     f = to_fault(fault)
     cfg = to_config(config)
     moves = 0
@@ -301,7 +331,10 @@ def schedules(max_size: int = 200, engine: str = "manager") -> Any:
     actor moves next and shrinks a failure to a minimal interleaving by itself."""
     from hypothesis import strategies as st
 
+    integer(max_size, "max_size", minimum=0)
     factory: Any = ENGINES.get(engine)
+    if factory is None:
+        raise ArgumentError(f"no fuzz engine {engine!r}; choose one of {sorted(ENGINES)}")
     caps = set(getattr(factory, "capabilities", ()))
     names = [m for m in MOVES if m != "inject"
              and (m not in OPTIONAL_MOVES or OPTIONAL_MOVES[m] in caps)]
