@@ -417,3 +417,28 @@ def test_a_raising_hook_hands_back_the_operations_result() -> None:
     handle = info.value.result
     assert handle is not None and mgr.fences.open_steps == (handle.step_id,)
     mgr.retire(handle)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_page_table_entry_overwritten_after_reserve_is_caught_without_a_slot_mapping(k: int
+                                                                                       ) -> None:
+    """Given only the CSR, a step writes into the pages the page table lists: an entry
+    overwritten there after reserve (with a shared page) fails the write check, on the fast
+    paths too (the step's own copies still list the right page)."""
+    mgr = make(num_pages=32, tracker="checking")
+    for rid, prompt in (("a", np.arange(10, 18)), ("b", np.arange(30, 32)),
+                        ("c", np.arange(40, 42))):
+        mgr.admit(rid, prompt)
+        mgr.reserve([rid], prompt.size)
+        mgr.commit(rid, prompt)  # a's two full pages are cached: two holders each
+    assert mgr.allocator.refcounts[mgr.pages_of("a")[0]] == 2
+    for _ in range(2):  # proofs to splice from
+        step = mgr.reserve(["b", "c"], k)
+        assert not mgr.verify(["b", "c"], step).aborted
+        mgr.commit_batch(["b", "c"], np.full((2, k), 7))
+    step = mgr.reserve(["b", "c"], k)
+    writes_at = mgr.num_committed("b") // mgr.page_size
+    faults.overwrite_page_entry(mgr, "b", writes_at, int(mgr.pages_of("a")[0]))
+    report = mgr.verify(["b", "c"], kv_indptr=step.kv_indptr, kv_indices=step.kv_indices)
+    assert list(report.aborted) == ["b"]
+    assert "2 holders" in report.aborted["b"]

@@ -132,11 +132,10 @@ class Verifier(FullCheck):
             proved = latest is not None and self._try("spliced", self.check_spliced(md, latest))
             if not proved:
                 self._require_well_formed(rows, md)
-                serial = -1  # the step record whose own arrays md holds, if any
-                if latest is not None and _equal(md.indptr, latest.indptr) and _equal(
-                        md.indices, latest.indices):
-                    serial = latest.serial
-                proved = self._try("incremental", self.check_incremental(rows, md, serial))
+                own = latest is not None and _equal(md.indptr, latest.indptr) and _equal(
+                    md.indices, latest.indices)  # md holds the record's own CSR
+                proved = self._try("incremental",
+                                   self.check_incremental(rows, md, latest if own else None))
             if proved:
                 if self.paranoid:
                     self._paranoid(ids, rows, md)
@@ -207,11 +206,14 @@ class Verifier(FullCheck):
         return int(getattr(self._tracker, "num_changes", -1))
 
     def _step_ok(self, b: Any, fields: Mapping[str, Any] | None) -> bool:
-        """The step's writes are the manager's: for a one-token step in a few calls (its given
-        fields equal reserve's copies, each token lands in the last page its row lists, one
-        writer each); otherwise the general checks."""
-        if b.k != 1 or b.token_pages is None:
-            return self._writes_ok(b.rows, fields, b.indptr, b.indices)
+        """The step's writes are the manager's, for ``b``, the latest reserve's record, whose
+        own CSR the metadata holds: its given fields equal reserve's private copies, the rows
+        hold what reserve left them, and each written page has one writer. (reserve's record
+        is consistent by construction: slots from the rows' pages at their offsets, lengths
+        from the token counts; paranoid mode checks that trust beside every answer.)"""
+        t = self.table
+        P = self.page_size
+        one = b.k == 1 and b.token_pages is not None
         if fields is not None:
             get = fields.get
             slot_mapping, seq_lens = get("slot_mapping"), get("seq_lens")
@@ -219,31 +221,40 @@ class Verifier(FullCheck):
                 "qo_indptr")
             if not ((slot_mapping is None or _equal(slot_mapping, b.slots))
                     and (seq_lens is None or _equal(seq_lens, b.end))
-                    and (last_len is None or _equal(last_len - 1, b.offsets))
-                    and (num_new is None or (num_new.shape == b.rows.shape
-                                             and not np.count_nonzero(num_new != 1)))
+                    and (last_len is None or _equal(last_len, (b.end - 1) % P + 1))
+                    and (num_new is None or _equal(num_new, b.end - b.start))
                     and (qo is None or _equal(qo, b.qo_indptr))):
                 return False
-        # reserve's record is consistent by construction (slots = token_pages * P + offsets,
-        # end = start + 1); paranoid mode checks that trust beside every answer.
-        return (_equal(self.table.num_tokens[b.rows], b.end)
-                and _equal(b.indices[b.indptr[1:] - 1], b.token_pages)
-                and not np.count_nonzero(self.writers(b.token_pages) != 1))
+        if not (_equal(t.num_tokens[b.rows], b.end) and _equal(t.write_from[b.rows], b.start)):
+            return False
+        # Without a slot mapping the step writes into the pages the page table lists.
+        by_table = fields is None or fields.get("slot_mapping") is None
+        if one:  # the decode step: each token lands in the last page its row lists
+            return (_equal(b.indices[b.indptr[1:] - 1], b.token_pages)
+                    and (not by_table or _equal(t.pages.reshape(-1)[b.rows_w + b.cols],
+                                                b.token_pages))
+                    and not np.count_nonzero(self.writers(b.token_pages) != 1))
+        if by_table:
+            return self._writes_ok(b.rows, fields, b.indptr, b.indices)
+        return not (b.slots.size and np.count_nonzero(self.writers(b.slots // P) != 1))
 
     # -- the incremental check ----------------------------------------------------------------
 
-    def check_incremental(self, rows: IntpArray, md: Metadata, serial: int = -1) -> bool:
+    def check_incremental(self, rows: IntpArray, md: Metadata, latest: Any = None) -> bool:
         """True only if the full check would find nothing (False: look closer); the proof then
-        covers ``md`` (tagged with the step record ``serial`` whose own arrays ``md`` holds)."""
+        covers ``md``. ``latest``: the step record whose own arrays ``md`` holds, if any (the
+        proof is tagged with it; its writes are checked against its private copies)."""
         assert self._expected is not None
         t = self.table
         P = self.page_size
         indptr, indices = md.indptr, md.indices
         counts = indptr[1:] - indptr[:-1]
         need = (t.num_tokens[rows] + (P - 1)) // P
-        if not np.array_equal(counts, need) or not self._writes_ok(rows, md.fields, indptr,
-                                                                    indices):
+        if not np.array_equal(counts, need) or not (
+                self._step_ok(latest, md.fields) if latest is not None
+                else self._writes_ok(rows, md.fields, indptr, indices)):
             return False
+        serial = -1 if latest is None else latest.serial
         p = self._proof
         if p is not None and rows.size < p.rows.size and rows.size <= max(8, p.rows.size // 8):
             # A small batch beside the proven one (a prefill chunk between decode steps):
