@@ -11,7 +11,8 @@ shared machine's speed hits both alike. After each step the two step metadata (t
 step's, or the admitted prompt's prefill) must be identical (``slot_mapping``, ``kv_indptr``,
 ``kv_indices``, ``seq_lens``), else the run stops: a refactor must not change behaviour.
 
-Per measure: ``base_us_median``, ``new_us_median``, ``ratio_of_medians`` (new over base: above 1,
+Per measure (``decode_step`` also split into its ``reserve``, ``verify`` and ``commit``):
+``base_us_median``, ``new_us_median``, ``ratio_of_medians`` (new over base: above 1,
 the working tree is slower) and ``paired_ratio_median`` (the median over steps of new over base
 for the same step). HEAD against a clean working tree shows the harness's noise.
 
@@ -130,6 +131,8 @@ def main() -> None:
         "lockstep": True,
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "decode_step": measure(dec[0].times["decode"], dec[1].times["decode"]),
+        **{f"decode_{part}": measure(dec[0].times[part], dec[1].times[part])
+           for part in ("reserve", "verify", "commit")},  # the decode step's three calls
         "admit": measure(adm[0].admit_us[1:], adm[1].admit_us[1:]),
         "admit_prefill": measure(adm[0].prefill_us[1:], adm[1].prefill_us[1:]),
     }
@@ -141,10 +144,11 @@ def main() -> None:
           f"{' + uncommitted kvmem/ changes' if new['dirty'] else ''}: {args.steps} decode "
           f"steps, {args.requests} admissions, lockstep, metadata identical; "
           f"load {result['load_average_1min']}")
-    print(f"{'measure':<14}{'base µs':>10}{'new µs':>10}{'new/base':>10}{'paired':>8}")
-    for key in ("decode_step", "admit", "admit_prefill"):
+    print(f"{'measure':<16}{'base µs':>10}{'new µs':>10}{'new/base':>10}{'paired':>8}")
+    for key in ("decode_step", "decode_reserve", "decode_verify", "decode_commit", "admit",
+                "admit_prefill"):
         m = result[key]
-        print(f"{key:<14}{m['base_us_median']:>10.1f}{m['new_us_median']:>10.1f}"
+        print(f"{key:<16}{m['base_us_median']:>10.1f}{m['new_us_median']:>10.1f}"
               f"{m['ratio_of_medians']:>10.3f}{m['paired_ratio_median']:>8.3f}")
 
 

@@ -70,13 +70,19 @@ def integer(
     value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:
     """``value`` as a Python int, if it is integer-like and within ``[minimum, maximum]``."""
-    want = f"an integer{_bounds(minimum, maximum)} (int or numpy integer; not bool, float or str)"
-    if not is_integer_like(value):
-        raise ArgumentTypeError(f"{name}={show(value)}: expected {want}.")
-    v = int(value)
+    if type(value) is int:  # the common case, without the isinstance chain
+        v = value
+    elif is_integer_like(value):
+        v = int(value)
+    else:
+        raise ArgumentTypeError(f"{name}={show(value)}: expected {_an_integer(minimum, maximum)}.")
     if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
-        raise ArgumentError(f"{name}={v}: expected {want}.")
+        raise ArgumentError(f"{name}={v}: expected {_an_integer(minimum, maximum)}.")
     return v
+
+
+def _an_integer(minimum: int | None, maximum: int | None) -> str:
+    return f"an integer{_bounds(minimum, maximum)} (int or numpy integer; not bool, float or str)"
 
 
 def real(

@@ -221,11 +221,14 @@ class Verifier(FullCheck):
                 "qo_indptr")
             if not ((slot_mapping is None or _equal(slot_mapping, b.slots))
                     and (seq_lens is None or _equal(seq_lens, b.end))
-                    and (last_len is None or _equal(last_len, (b.end - 1) % P + 1))
-                    and (num_new is None or _equal(num_new, b.end - b.start))
+                    and (last_len is None or (_equal(last_len - 1, b.offsets) if one
+                                              else _equal(last_len, (b.end - 1) % P + 1)))
+                    and (num_new is None or (
+                        (num_new.shape == b.rows.shape and not np.count_nonzero(num_new != 1))
+                        if one else _equal(num_new, b.end - b.start)))
                     and (qo is None or _equal(qo, b.qo_indptr))):
                 return False
-        if not (_equal(t.num_tokens[b.rows], b.end) and _equal(t.write_from[b.rows], b.start)):
+        if not _equal(t.num_tokens[b.rows], b.end):
             return False
         # Without a slot mapping the step writes into the pages the page table lists.
         by_table = fields is None or fields.get("slot_mapping") is None
