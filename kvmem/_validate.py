@@ -216,7 +216,8 @@ def token_array(value: Any, name: str) -> npt.NDArray[np.int64]:
     except ValueError:  # ragged nested lists
         tokens = None
     if tokens is None or tokens.ndim != 1:
-        shape = "ragged" if tokens is None else f"shape {tokens.shape}"
+        shape = (f"a {type(value).__name__}" if isinstance(value, (str, bytes))
+                 else "ragged" if tokens is None else f"shape {tokens.shape}")
         raise ArgumentError(f"{name}={show(value)}: expected a 1-D sequence of token ids, got "
                             f"{shape}.")
     if tokens.size == 0:

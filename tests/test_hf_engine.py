@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
 from model_fixtures import rounded_kv_logits  # noqa: E402
 
-from kvmem.errors import ConfigError  # noqa: E402
+from kvmem.errors import ArgumentError, ConfigError, KVMemError  # noqa: E402
 from kvmem.integrations.engine import Engine, Request, _keep_requests  # noqa: E402
 from kvmem.integrations.hf import KVBatch, PagedCausalLM  # noqa: E402
 from kvmem.manager import KVCacheManager  # noqa: E402
@@ -204,3 +204,33 @@ def test_abort_waiting_and_running_requests(tiny: Any) -> None:
     with pytest.raises(ArgumentError, match="no waiting or running request"):
         engine.abort(0)
     mgr.check()
+
+
+@pytest.mark.parametrize(("request_", "error", "message"), [
+    (Request("x", [1, -2]), "ArgumentError", "prompt_ids holds ids from -2"),
+    (Request("x", [1.5, 2]), "ArgumentTypeError", "prompt_ids has dtype float64"),
+    (Request("x", "hello"), "ArgumentError", "expected a 1-D sequence of token ids, got a str"),
+    (Request("x", []), "ConfigError", "needs a non-empty prompt"),
+    (Request(["x"], [1, 2]), "ArgumentTypeError", "expected a hashable id"),
+    (Request("x", [1, 2], stop_token_ids=(-1,)), "ArgumentError", "stop_token_ids=-1"),
+    (Request("x", [1, 2], max_new_tokens=2.0), "ArgumentTypeError", "max_new_tokens=2.0"),
+])
+def test_a_bad_request_is_refused_when_added_and_nothing_is_queued(
+        tiny: Any, request_: Request, error: str, message: str) -> None:
+    lm = PagedCausalLM.build(tiny, 16, "fp32", device="cpu")
+    engine = Engine(lm, KVCacheManager(16, page_size=16, pool=lm.pool))
+    with pytest.raises(KVMemError) as info:
+        engine.add_request(request_)
+    assert type(info.value).__name__ == error and message in str(info.value)
+    assert not engine.waiting and not engine.has_work()
+
+
+def test_a_request_id_already_in_the_engine_is_refused(tiny: Any) -> None:
+    lm = PagedCausalLM.build(tiny, 16, "fp32", device="cpu")
+    engine = Engine(lm, KVCacheManager(16, page_size=16, pool=lm.pool))
+    engine.add_request(Request("x", [1, 2], max_new_tokens=2))
+    with pytest.raises(ArgumentError, match="already waiting or running"):
+        engine.add_request(Request("x", [3, 4], max_new_tokens=2))
+    assert [r.prompt_ids for r in engine.waiting] == [[1, 2]]
+    done = engine.run()
+    assert [r.request_id for r in done] == ["x"] and len(done[0].output_ids) == 2

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 import torch
 
-from kvmem._validate import integer, show
+from kvmem._validate import integer, is_hashable, show, token_array
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.integrations._kvbatch import KVBatch, PagedModel
 
@@ -206,13 +206,22 @@ class Engine:
         """Queue a request; it is admitted at the start of a later step."""
         if not isinstance(request, Request):
             raise ArgumentTypeError(f"request={show(request)}: expected an engine Request.")
+        if not is_hashable(request.request_id):
+            raise ArgumentTypeError(f"request_id={show(request.request_id)}: expected a "
+                                    "hashable id (a str or an int).")
         integer(request.max_new_tokens, "max_new_tokens")
-        if request.max_new_tokens < 1 or not request.prompt_ids:
+        prompt = token_array(request.prompt_ids, "prompt_ids")  # ints in 0..INT32_MAX, 1-D
+        if request.max_new_tokens < 1 or not prompt.size:
             raise ConfigError(
                 f"request {request.request_id!r}: needs a non-empty prompt and max_new_tokens "
-                f">= 1, got {len(request.prompt_ids)} prompt tokens and max_new_tokens="
+                f">= 1, got {prompt.size} prompt tokens and max_new_tokens="
                 f"{request.max_new_tokens}"
             )
+        for token in request.stop_token_ids:
+            integer(token, "stop_token_ids", minimum=0)
+        if any(r.request_id == request.request_id for r in (*self.waiting, *self.running)):
+            raise ArgumentError(f"request_id={show(request.request_id)} is already waiting or "
+                                "running in this engine; give each request its own id.")
         request.status = "waiting"
         self.waiting.append(request)
 
