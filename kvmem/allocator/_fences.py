@@ -32,6 +32,8 @@ from kvmem._validate import INT32_MAX, integer, show
 from kvmem.allocator._page_allocator import as_page_ids
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
+_ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
+
 __all__ = ["StepFences", "StepHandle"]
 
 Int32Array = npt.NDArray[np.int32]
@@ -113,7 +115,7 @@ class StepFences:
     def _hold(self, waits: set[int], pages: Int32Array) -> None:
         if pages.size:
             self._pending.append((waits, pages.copy()))
-            np.add.at(self._held, pages, 1)
+            np.add.at(self._held, pages, _ONE)
 
     def check_retire(self, handle: StepHandle) -> None:
         if not isinstance(handle, StepHandle):
@@ -155,5 +157,5 @@ class StepFences:
         if not done:
             return _NO_PAGES
         out = np.concatenate(done)
-        np.subtract.at(self._held, out, 1)
+        np.subtract.at(self._held, out, _ONE)
         return out

@@ -52,6 +52,7 @@ class AllocatorStats:
 
 _min = np.minimum.reduce  # the ufunc reductions: a few microseconds less than ndarray.min()
 _max = np.maximum.reduce
+_ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
 
 def equal_arrays(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
@@ -171,7 +172,7 @@ class PageAllocator:
         """Add one holder to each listed live page (a page listed twice gains two)."""
         pages = as_page_ids(pages)
         self._require_live(pages, "share")
-        np.add.at(self._refcounts, pages, 1)
+        np.add.at(self._refcounts, pages, _ONE)
 
     def share_distinct(self, pages: npt.NDArray[np.integer]) -> None:
         """:meth:`share` for pages (int32 or intp) listed at most once each (one scatter, no

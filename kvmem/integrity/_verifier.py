@@ -51,6 +51,7 @@ IntpArray = npt.NDArray[np.intp]
 _EMPTY = np.empty(0, dtype=np.int64)
 # More changed rows than this: the proof starts over (one full gather is cheaper).
 MAX_CHANGED_ROWS = 64
+_ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
 
 _PROVED = Verdict({})  # (never mutated)
@@ -113,7 +114,6 @@ class Verifier(FullCheck):
         self.paranoid = bool(getattr(tracker, "paranoid", False))
         self._proof: _Proof | None = None
         self._refs = np.zeros(self.num_pages, dtype=np.int32)  # proven entries per page
-        self._stamp = np.zeros(self.num_pages, dtype=np.int64)  # scratch: distinct pages
         self._counts = dict.fromkeys(VerifierStats._fields, 0)
 
     @property
@@ -366,19 +366,8 @@ class Verifier(FullCheck):
 
     def _count_refs(self, pages: npt.NDArray[np.integer]) -> None:
         """``refs[p] += 1`` once per listing of ``p`` (never fewer: a count that is too low
-        could hide a changed page; one too high only costs a full check)."""
-        refs = self._refs
-        if pages.size <= 64:  # (add.at is the cheaper of the two up to here)
-            np.add.at(refs, pages, 1)
-        elif pages.size > 4096:
-            refs += np.bincount(pages, minlength=self.num_pages).astype(np.int32)
-        else:
-            index = np.arange(pages.size)
-            self._stamp[pages] = index
-            if _equal(self._stamp[pages], index):  # distinct: a plain scatter
-                refs[pages] += 1
-            else:
-                np.add.at(refs, pages, 1)
+        could hide a changed page)."""
+        np.add.at(self._refs, pages, _ONE)  # (faster than a bincount or a distinct scatter)
 
     def _writes_ok(self, rows: IntpArray, fields: Mapping[str, Any] | None, indptr: Any,
                    indices: Any) -> bool:
