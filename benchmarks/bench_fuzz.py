@@ -18,6 +18,12 @@ Keys:
   per move, from a second run of the same moves with the manager's methods timed. The timers
   cost CPU too; their cost per call (``timer_us_per_call``: inside the timed span / around it)
   is measured on a no-op and removed, so the two shares add up to an untimed move.
+* ``fuzz_reserve_us`` / ``fuzz_verify_us`` / ``fuzz_commit_batch_us`` (``--split``): those
+  calls' CPU time per call in the fuzz, beside the yardstick's ``raw_*_us``: the fuzz's batches
+  change from step to step (requests finish and join, prefill chunks, partial and mixed steps,
+  two steps in flight), the yardstick's never, so the manager's fast paths for a batch it has
+  seen serve the fuzz less; ``verify_paths``: which path of the verifier answered
+  (``kvmem.integrity.VerifierStats``, counts over the timed moves).
 * ``raw_manager_ops_per_s``: the issue's yardstick: a lockstep decode loop (reserve, verify,
   commit_batch) over 64 requests, 300 steps, in manager calls per CPU second. It runs right
   before and right after the shares' run (with ``--no-split``: after the first run), twice from
@@ -166,33 +172,40 @@ class Yardstick:
         return out
 
 
-def fuzz_rate(num_moves: int, seed: int, split: bool) -> dict[str, float]:
+def fuzz_rate(num_moves: int, seed: int, split: bool) -> dict[str, Any]:
     """Time ``num_moves`` moves (``split``: with the manager's calls timed apart)."""
     run = Run("manager", FuzzConfig.preset("bench"), None, seed)
     mgr = run.engine.manager
-    spent = [0.0, 0.0]  # CPU seconds inside the manager's calls, calls
+    spent = {name: [0.0, 0.0] for name in _TIMED}  # CPU seconds inside each call, calls
     if split:
         for name in _TIMED:
-            setattr(mgr, name, _timed(getattr(mgr, name), spent))
+            setattr(mgr, name, _timed(getattr(mgr, name), spent[name]))
     moves = _driver(run, seed)
     while len(mgr.running) < 64:  # fill the system
         moves(200)
-    spent[:] = [0.0, 0.0]
+    for s in spent.values():
+        s[:] = [0.0, 0.0]
+    before = mgr.verifier.stats
     w0, c0 = time.perf_counter(), time.process_time()
     moves(num_moves)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    paths = {k: n - getattr(before, k) for k, n in mgr.verifier.stats._asdict().items()}
     run.final_check()
-    out = {"moves": num_moves, "cpu_s": cpu, "wall_s": wall, "moves_per_s": num_moves / cpu,
-           "moves_per_wall_s": num_moves / wall, "running": len(mgr.running),
-           "device_reads_checked": run.timeline.num_reads}
+    out: dict[str, Any] = {
+        "moves": num_moves, "cpu_s": cpu, "wall_s": wall, "moves_per_s": num_moves / cpu,
+        "moves_per_wall_s": num_moves / wall, "running": len(mgr.running),
+        "device_reads_checked": run.timeline.num_reads}
     if split:
         inside, around = timer_cost()
-        calls = spent[1]
-        manager = spent[0] - calls * inside
-        out["manager_us_per_move"] = manager / num_moves * 1e6
-        out["fuzzer_us_per_move"] = (cpu - spent[0] - calls * around) / num_moves * 1e6
+        inside_s, calls = (sum(v) for v in zip(*spent.values()))
+        out["manager_us_per_move"] = (inside_s - calls * inside) / num_moves * 1e6
+        out["fuzzer_us_per_move"] = (cpu - inside_s - calls * around) / num_moves * 1e6
         out["manager_calls_per_move"] = calls / num_moves
         out["timer_us_per_call"] = (inside + around) * 1e6
+        for name in ("reserve", "verify", "commit_batch"):
+            t, n = spent[name]
+            out[f"fuzz_{name}_us"] = (t / n - inside) * 1e6 if n else 0.0
+        out["verify_paths"] = paths
     return out
 
 
@@ -214,7 +227,8 @@ def main() -> None:
         shares = fuzz_rate(args.moves, args.seed, split=True)
         yardstick.loop()
         for key in ("manager_us_per_move", "fuzzer_us_per_move", "manager_calls_per_move",
-                    "timer_us_per_call"):
+                    "timer_us_per_call", "fuzz_reserve_us", "fuzz_verify_us",
+                    "fuzz_commit_batch_us", "verify_paths"):
             result[key] = shares[key]
     result.update(yardstick.result())
     if args.split:

@@ -99,7 +99,6 @@ class Oracles:
     _seen_tags: Any
     _max_tag: int
     _seen_rc: Any
-    _num_live: int
     _seen_held: Any
     _held_any: bool
     _dirty: list[Int64Array]
@@ -132,15 +131,12 @@ class Oracles:
         parts = self._dirty
         d_rc = (rc != self._seen_rc).nonzero()[0]
         if d_rc.size:
-            # (Only the pages that changed are touched: the page arrays are the memory traffic.)
             parts.append(d_rc)
-            now = rc[d_rc]
-            self._num_live += (int(np.count_nonzero(now))
-                               - int(np.count_nonzero(self._seen_rc[d_rc])))
-            self._seen_rc[d_rc] = now
-            if alloc.num_free + self._num_live != self.num_pages:
+            self._seen_rc[d_rc] = rc[d_rc]
+            live = int(np.count_nonzero(rc))
+            if alloc.num_free + live != self.num_pages:
                 raise FuzzFailure(
-                    "conservation", f"{alloc.num_free} free + {self._num_live} live pages != "
+                    "conservation", f"{alloc.num_free} free + {live} live pages != "
                     f"{self.num_pages}")
         fences = self.mgr.fences
         held = fences.held
@@ -169,7 +165,8 @@ class Oracles:
                 "has not completed on the device")
         new = tags[changed]
         self._seen_tags[changed] = new
-        new = np.sort(new[new != 0])  # (a freed page's tag is 0)
+        new = new[new != 0]  # (a freed page's tag is 0)
+        new.sort()
         if new.size:
             if int(new[0]) <= self._max_tag or np.count_nonzero(new[1:] == new[:-1]):
                 raise FuzzFailure(
@@ -213,10 +210,9 @@ class Oracles:
         if np.count_nonzero(mgr.allocator.tags != self._seen_tags):
             raise FuzzFailure("tags", "the tags changed without the per-move check seeing it")
         live = int(np.count_nonzero(mgr.allocator.refcounts))
-        if live != self._num_live or mgr.allocator.num_free + live != self.num_pages:
+        if mgr.allocator.num_free + live != self.num_pages:
             raise FuzzFailure("conservation", f"{mgr.allocator.num_free} free + {live} live "
-                              f"pages != {self.num_pages}, or the per-move count "
-                              f"({self._num_live}) missed a change")
+                              f"pages != {self.num_pages}")
         if self.extra_check is not None:
             self.extra_check()
         held_for_steps = mgr.fences.num_held - int(self.copy_hold.sum())

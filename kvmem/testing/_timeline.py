@@ -130,7 +130,6 @@ class Timeline(Oracles):
         self._seen_tags = manager.allocator.tags.copy()
         self._max_tag = int(self._seen_tags.max(initial=0))
         self._seen_rc = manager.allocator.refcounts.copy()
-        self._num_live = int(np.count_nonzero(self._seen_rc))  # pages with a holder, as seen
         self._seen_held = manager.fences.held.copy()
         self._held_any = True
         self._dirty: list[Int64Array] = []
