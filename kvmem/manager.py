@@ -543,8 +543,10 @@ class KVCacheManager:
         ids, rows, b = self._batch(request_ids, "verified")
         md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
                               None if b is None else b.step, lambda: self.table.csr(rows)[:2])
-        verdict = self.verifier.check(ids, rows, md, b if b is not None and b.uncommitted
-                                      else None)
+        if b is not None and not b.uncommitted and np.count_nonzero(
+                self.table.num_committed[rows] != b.start):
+            b = None  # some of its slots were committed since: the write set is not the step's
+        verdict = self.verifier.check(ids, rows, md, b)
         aborted: dict[Any, str] = {}
         for i, (first_bad, reason) in verdict.failed.items():
             aborted[ids[i]] = reason

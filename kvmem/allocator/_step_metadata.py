@@ -42,6 +42,9 @@ _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 # Rows that changed since the previous step (grew a page, or hold another request) up to which
 # the CSR is patched by splicing slices (more: one vectorized rebuild).
 MAX_SPLICES = 64
+# Records kept for commit_batch's decode path: an engine with steps in flight, each reserved in
+# a few calls (prefill chunks, decodes), commits a step several reserves later.
+RECENT = 8
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ class StepBuilder:
         self.expected_flat = expected_flat
         self.latest: StepRecord | None = None
         self._bases: dict[int, StepRecord] = {}  # recent batches by size (a few)
-        self._recent: list[StepRecord] = []  # the latest few records, newest last
+        self._recent: list[StepRecord] = []  # the latest RECENT records, newest last
         self._serial = 0
         self._counts: dict[tuple[int, int], tuple[Int32Array, Int32Array]] = {}
         self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs) + 1, dtype=np.int64)
@@ -201,8 +204,8 @@ class StepBuilder:
         the rows have the same generations (nothing but appends since) and commit exactly its
         tokens next (``committed``: the rows' committed counts, in batch order). An engine
         that reserves step n + 1 before it commits step n finds step n's record here."""
-        for b in reversed(self._recent):
-            if (b.k == 1 and b.uncommitted and b.token_pages is not None and b.ids == ids
+        for b in reversed(self._recent):  # (committed == start: none of its rows committed)
+            if (b.k == 1 and b.token_pages is not None and b.ids == ids
                     and b.start.shape == committed.shape
                     and not np.count_nonzero(committed != b.start)
                     and not np.count_nonzero(self.table.generation[b.rows] != b.gens)):
@@ -303,7 +306,7 @@ class StepBuilder:
         b.serial = self._serial
         self.latest = b
         self._recent.append(b)
-        if len(self._recent) > 4:
+        if len(self._recent) > RECENT:
             del self._recent[0]
         self._bases.pop(b.rows.size, None)
         self._bases[b.rows.size] = b
