@@ -40,8 +40,16 @@ IntpArray = npt.NDArray[np.intp]
 _EMPTY_TAGS = np.empty(0, dtype=np.int64)
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 # Rows that changed since the previous step (grew a page, or hold another request) up to which
-# the CSR is patched by splicing slices (more: one vectorized rebuild).
+# the CSR is patched by splicing slices (more: one vectorized rebuild). A splice costs a few
+# microseconds a row, a rebuild about one per thousand entries: at most
+# ``8 + entries // 1024`` rows are spliced, never more than MAX_SPLICES.
 MAX_SPLICES = 64
+
+
+def max_splices(num_entries: int) -> int:
+    """Changed rows up to which patching a CSR of ``num_entries`` entries beats rebuilding it
+    (the verifier's proof follows the same rule)."""
+    return min(MAX_SPLICES, 8 + num_entries // 1024)
 # Records kept for commit_batch's decode path: an engine with steps in flight, each reserved in
 # a few calls (prefill chunks, decodes), commits a step several reserves later.
 RECENT = 8
@@ -270,7 +278,7 @@ class StepBuilder:
         changed = ((counts != first) | ~kept).nonzero()[0]
         first = first[changed]
         fresh = counts[changed] - first
-        if changed.size > MAX_SPLICES or np.count_nonzero(fresh < 0):
+        if changed.size > max_splices(c.indices.size) or np.count_nonzero(fresh < 0):
             return None
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
         if not changed.size:

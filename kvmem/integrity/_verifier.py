@@ -278,7 +278,10 @@ class Verifier(FullCheck):
             if kept is not None:
                 first = np.where(kept, p.counts, 0)  # entries each row keeps from the proof
                 changed = ((counts != first) | ~kept).nonzero()[0]
-            if kept is None or changed.size > MAX_CHANGED_ROWS:  # another batch: start over
+            if kept is None or changed.size > min(MAX_CHANGED_ROWS, 8 + indices.size // 1024):
+                # another batch, or so many changed rows that checking every entry afresh
+                # costs less than splicing them into the proof (reserve's CSR follows the
+                # same rule: allocator._step_metadata.max_splices): start over
                 self.forget()
                 p = None
         if p is None or first is None:  # nothing proven: every entry is new
