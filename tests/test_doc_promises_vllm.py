@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(vllm_import_error() is not None,
                                 reason="vLLM 0.33 is not importable (see setup_vllm_cpu.sh)")
 
 if vllm_import_error() is None:
-    from kvmem.integrations.vllm import KVMemScheduler
+    from kvmem.integrations.vllm import KVMemScheduler, VllmKVCacheAdapter
 
 SPEC = SchedulerSpec(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                      max_model_len=128)
@@ -261,3 +261,47 @@ def test_the_environment_variable_turns_the_paranoid_check_on_after_import(
     vc, kc = make_vllm_config(SPEC)
     plain = _build(vc, kc)
     assert plain.kv_cache_manager.worker_block_table is None
+
+
+# -- VllmKVCacheAdapter(...): the error contract ------------------------------------------------
+
+_ADAPTER = {"num_blocks": 16, "block_size": 4, "max_model_len": 64, "max_num_seqs": 4}
+
+
+@pytest.mark.parametrize(("name", "value", "kind"), [
+    ("block_size", 0, ValueError),
+    ("block_size", 2.5, TypeError),
+    ("num_blocks", True, TypeError),
+    ("num_blocks", 1.5, TypeError),
+    ("num_blocks", "16", TypeError),
+    ("num_blocks", 1, ValueError),
+    ("max_model_len", 0, ValueError),
+    ("max_model_len", -1, ValueError),
+    ("max_num_seqs", 0, ValueError),
+    ("watermark", -0.5, ValueError),
+    ("watermark", 1.0, ValueError),
+    ("watermark", float("nan"), ValueError),
+    ("watermark", "x", TypeError),
+    ("enable_caching", "no", TypeError),
+])
+def test_a_bad_adapter_argument_is_a_kvmem_error_naming_it(name: str, value: Any,
+                                                           kind: type) -> None:
+    """It raised ZeroDivisionError (block_size=0), TypeError / ValueError from arithmetic,
+    named the manager's num_pages / page_size, or accepted max_model_len=0 and watermarks
+    outside vLLM's [0, 1)."""
+    with pytest.raises(KVMemError, match=f"^{name}=") as info:
+        VllmKVCacheAdapter(**{**_ADAPTER, name: value})
+    assert isinstance(info.value, kind)
+
+
+def test_an_admission_of_no_tokens_is_a_kvmem_value_error_and_admits_nothing() -> None:
+    from kvmem.integrations.vllm.conformance import make_request
+
+    adapter = VllmKVCacheAdapter(**_ADAPTER)
+    req = make_request(RequestSpec("z", (11, 12, 13), 2), 4)
+    with pytest.raises(KVMemError, match=r"'z'.*num_new_tokens") as info:
+        adapter.allocate_slots(req, 0)
+    assert isinstance(info.value, ValueError)  # what vLLM's own manager raises
+    assert not adapter.manager.running
+    assert adapter.get_block_ids("z") == ([],)
+    adapter.check()

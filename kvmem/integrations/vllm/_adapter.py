@@ -41,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from kvmem._validate import INT32_MAX, flag, integer, is_integer_like, real
 from kvmem.allocator import PAD
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, KVMemError
 from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState
 from kvmem.integrations.vllm._flush import QueueFlush
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
@@ -55,6 +56,25 @@ __all__ = ["VllmKVCacheAdapter"]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _check_args(num_blocks: Any, block_size: Any, max_model_len: Any, max_num_seqs: Any,
+                watermark: Any, **flags: Any) -> None:
+    """The adapter's arguments, checked by their own names before anything is built (the
+    manager's checks would name its ``num_pages`` / ``page_size``, or fail on arithmetic)."""
+    if is_integer_like(num_blocks) and num_blocks < 2:
+        raise ArgumentError(f"num_blocks={int(num_blocks)}: vLLM asked for fewer than 2 KV cache "
+                            "blocks; kvmem needs at least 2 (block 0 is vLLM's null block)")
+    integer(num_blocks, "num_blocks", minimum=2, maximum=INT32_MAX)
+    integer(block_size, "block_size", minimum=1, maximum=1 << 16)  # the manager's page_size
+    integer(max_model_len, "max_model_len", minimum=1)
+    integer(max_num_seqs, "max_num_seqs", minimum=1, maximum=1 << 24)  # its max_seqs
+    real(watermark, "watermark", minimum=0.0)
+    if watermark >= 1.0:  # vLLM's SchedulerConfig: 0.0 <= watermark < 1.0
+        raise ArgumentError(f"watermark={float(watermark)!r}: expected a fraction in [0.0, 1.0) "
+                            "of the blocks kept free when admitting (vLLM's range)")
+    for name, value in flags.items():
+        flag(value, name)
 
 
 class VllmKVCacheAdapter(QueueFlush):
@@ -85,12 +105,13 @@ class VllmKVCacheAdapter(QueueFlush):
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
                  tracker: Any = "checking", seed: int | None = None,
                  async_scheduling: bool = False, verify_block_tables: bool = False) -> None:
+        _check_args(num_blocks, block_size, max_model_len, max_num_seqs, watermark,
+                    enable_caching=enable_caching, log_stats=log_stats,
+                    enable_kv_cache_events=enable_kv_cache_events,
+                    async_scheduling=async_scheduling, verify_block_tables=verify_block_tables)
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
-        if num_blocks < 2:
-            raise KVMemError(f"vLLM asked for {num_blocks} KV cache blocks; kvmem needs at least 2 "
-                             "(block 0 is vLLM's null block)")
         self._PrefixCacheStats = PrefixCacheStats
         self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.block_size = block_size
@@ -244,8 +265,10 @@ class VllmKVCacheAdapter(QueueFlush):
                num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> KVMemBlocks | None:
         if num_new_tokens == 0 and num_hit_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
-                             "tokens to adopt")
+            # vLLM's ValueError, as kvmem's (a ValueError too): nothing was admitted.
+            raise ArgumentError(
+                f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
+                "there are no computed tokens to adopt (got 0 new and 0 prefix-hit tokens)")
         if self._q or self._q_commits:
             self.flush()
         p = self.block_size
