@@ -11,6 +11,10 @@ command in a subprocess without it.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.skipif(vllm_import_error() is not None,
 if vllm_import_error() is None:
     from kvmem.integrations.vllm import KVMemScheduler, VllmKVCacheAdapter
 
+ROOT = Path(__file__).resolve().parent.parent
 SPEC = SchedulerSpec(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                      max_model_len=128)
 
@@ -305,3 +310,65 @@ def test_an_admission_of_no_tokens_is_a_kvmem_value_error_and_admits_nothing() -
     assert not adapter.manager.running
     assert adapter.get_block_ids("z") == ([],)
     adapter.check()
+
+
+# -- python -m kvmem.integrations.vllm conformance: bad options ---------------------------------
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["conformance", "--streams", "-1"], "--streams"),
+    (["conformance", "--streams", "0"], "--streams"),
+    (["conformance", "--streams", "1", "--batch", "0", "--decode-steps", "2"], "--batch"),
+    (["conformance", "--decode-steps", "-1"], "--decode-steps"),
+    (["conformance", "--streams", "abc"], "--streams"),
+    (["conformance", "--bogus"], "--bogus"),
+    ([], "command"),
+])
+def test_a_bad_option_is_one_line_and_status_2_before_any_work(
+        capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
+    """``--streams -1`` compared nothing and exited 0 (as if every stream agreed); ``--batch 0``
+    ran the streams, then died in vLLM's config with a traceback and status 1 (as if a stream
+    differed)."""
+    from kvmem.integrations.vllm.__main__ import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0]
+
+
+def _fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """An environment whose ``vllm`` is a broken install raising a multi-line ImportError."""
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        'raise ImportError("\\nIMPORTANT: PLEASE READ THIS\\n\\nthe C extension failed\\n")\n')
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+
+
+def test_a_broken_vllm_install_is_still_one_line(tmp_path: Path) -> None:
+    """``vllm_import_error`` promises one line, and the command prints it as its one line;
+    a broken install's multi-line message made it four."""
+    env = _fake_vllm(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "kvmem.integrations.vllm", "conformance",
+                           "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "setup_vllm_cpu.sh" in lines[0] and "the C extension failed" in lines[0]
+
+
+def test_a_name_that_needs_vllm_says_how_to_get_it(tmp_path: Path) -> None:
+    """``from kvmem.integrations.vllm import KVMemScheduler`` without vLLM raised vLLM's bare
+    ImportError; it is still an ImportError, now with the setup hint."""
+    env = _fake_vllm(tmp_path)
+    code = ("from kvmem.integrations.vllm import VllmOrderPrefixCache\n"  # needs no vLLM
+            "try:\n"
+            "    from kvmem.integrations.vllm import KVMemScheduler\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "KVMemScheduler needs vLLM" in proc.stdout and "setup_vllm_cpu.sh" in proc.stdout
