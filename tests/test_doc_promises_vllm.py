@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,13 @@ import pytest
 
 from kvmem import KVMemError
 from kvmem.integrations.vllm import vllm_import_error
-from kvmem.integrations.vllm.conformance import Driver, RequestSpec, SchedulerSpec, make_vllm_config
+from kvmem.integrations.vllm.conformance import (
+    Driver,
+    RequestSpec,
+    SchedulerSpec,
+    StreamSpec,
+    make_vllm_config,
+)
 
 pytestmark = pytest.mark.skipif(vllm_import_error() is not None,
                                 reason="vLLM 0.33 is not importable (see setup_vllm_cpu.sh)")
@@ -319,6 +326,7 @@ def test_an_admission_of_no_tokens_is_a_kvmem_value_error_and_admits_nothing() -
     (["conformance", "--streams", "-1"], "--streams"),
     (["conformance", "--streams", "0"], "--streams"),
     (["conformance", "--streams", "1", "--batch", "0", "--decode-steps", "2"], "--batch"),
+    (["conformance", "--streams", "1", "--batch", "9000", "--decode-steps", "2"], "--batch"),
     (["conformance", "--decode-steps", "-1"], "--decode-steps"),
     (["conformance", "--streams", "abc"], "--streams"),
     (["conformance", "--bogus"], "--bogus"),
@@ -336,6 +344,56 @@ def test_a_bad_option_is_one_line_and_status_2_before_any_work(
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and named in lines[0]
+
+
+# -- the conformance harness: its specs and functions keep the error contract -----------------
+
+
+@pytest.mark.parametrize(("build", "named", "kind"), [
+    (lambda: SchedulerSpec(num_blocks=1), "num_blocks=1", ValueError),
+    (lambda: SchedulerSpec(block_size=0), "block_size=0", ValueError),
+    (lambda: SchedulerSpec(max_num_seqs=8, max_num_batched_tokens=4),
+     "max_num_batched_tokens=4", ValueError),
+    (lambda: SchedulerSpec(watermark=1.0), "watermark=1.0", ValueError),
+    (lambda: SchedulerSpec(policy="lifo"), "policy='lifo'", ValueError),  # type: ignore[arg-type]
+    (lambda: SchedulerSpec(paranoid="yes"), "paranoid=", TypeError),  # type: ignore[arg-type]
+    (lambda: RequestSpec("a", (), 3), "prompt=()", ValueError),
+    (lambda: RequestSpec("a", (1, 2), 0), "max_tokens=0", ValueError),
+    (lambda: RequestSpec("a", (1, 2), 3, arrival=5, abort_at=2), "abort_at=2", ValueError),
+    (lambda: RequestSpec("a", (1.5,), 3), "prompt=", TypeError),  # type: ignore[arg-type]
+    (lambda: StreamSpec(SchedulerSpec(), (RequestSpec("a", (1,), 1),) * 2), "twice",
+     ValueError),
+    (lambda: StreamSpec(SchedulerSpec(max_model_len=8), (RequestSpec("a", (1,) * 9, 1),)),
+     "max_model_len=8", ValueError),
+    (lambda: StreamSpec(SchedulerSpec(), (), pipeline=0), "pipeline=0", ValueError),
+], ids=["blocks", "block_size", "batched<seqs", "watermark", "policy", "flag", "empty-prompt",
+        "max_tokens", "abort-before-arrival", "float-token", "duplicate-ids", "too-long",
+        "pipeline"])
+def test_a_bad_stream_spec_is_refused_when_built(build: Any, named: str, kind: type) -> None:
+    """They were unchecked: vLLM's pydantic ValidationError, its ``assert`` on a duplicate
+    request id, an IndexError inside vLLM's block pool (a prompt past max_model_len), or
+    nothing at all (``pipeline=0`` ran as 1, an abort before the arrival never happened)."""
+    with pytest.raises(KVMemError, match=re.escape(named)) as info:
+        build()
+    assert isinstance(info.value, kind)
+
+
+def test_the_harness_functions_refuse_what_is_not_theirs() -> None:
+    import random
+
+    from kvmem.integrations.vllm.conformance import compare, random_stream
+
+    with pytest.raises(KVMemError, match="max_requests=0"):
+        random_stream(random.Random(0), max_requests=0)
+    with pytest.raises(KVMemError, match="rng=5"):
+        random_stream(5)  # type: ignore[arg-type]
+    with pytest.raises(KVMemError, match="stream="):
+        compare(SPEC)  # type: ignore[arg-type]
+    with pytest.raises(KVMemError, match="kvmem="):
+        Driver(SPEC, kvmem="yes")  # type: ignore[arg-type]
+    # A replay typed by hand with lists is the stream it stands for.
+    spec = StreamSpec(SPEC, [RequestSpec("a", [11, 12, 13], 2)])  # type: ignore[arg-type]
+    assert spec == StreamSpec(SPEC, (RequestSpec("a", (11, 12, 13), 2),))
 
 
 def _fake_vllm(tmp_path: Path) -> dict[str, str]:

@@ -6,8 +6,8 @@ on kvmem's, compares them step by step, then times a decode-heavy stream at batc
 lockstep (:func:`~kvmem.integrations.vllm.bench.lockstep`, the synchronous scheduler) and prints
 one JSON object. A stream that differs is printed to stderr as a replayable test. Exit status:
 0 when every stream agrees, 1 otherwise, 2 when vLLM is not importable (one line says how to
-get it) or an option is bad (one line names it; checked before any work: ``--streams`` and
-``--batch`` at least 1, ``--decode-steps`` at least 0).
+get it) or an option is bad (one line names it; checked before any work: ``--streams`` at
+least 1, ``--batch`` 1 to 8192, ``--decode-steps`` at least 0).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="random streams to compare (at least 1)")
     c.add_argument("--seed", type=_number(int), default=0, help="first stream's seed")
     c.add_argument("--json", action="store_true", help="print one JSON object")
-    c.add_argument("--batch", type=_number(int, 1), default=256,
-                   help="decode batch of the timed stream (at least 1)")
+    # The timed stream's scheduler batches 8192 tokens a step, and vLLM needs max_num_seqs
+    # (the batch) at most that.
+    c.add_argument("--batch", type=_number(int, 1, maximum=8192), default=256,
+                   help="decode batch of the timed stream (1 to 8192)")
     c.add_argument("--decode-steps", type=_number(int, 0), default=100,
                    help="decode steps timed in lockstep (0: no timing)")
     return p
