@@ -257,6 +257,25 @@ def test_multimodal_and_resumable_requests_are_refused_and_change_nothing(what: 
     assert not d.sched.requests and not d.sched.has_requests()
 
 
+# -- "cache_salt (kvmem's namespace)": the same prefix hits as vLLM's ------------------------
+
+
+def test_an_empty_cache_salt_is_no_salt_as_in_vllm() -> None:
+    """vLLM adds a salt to a block's keys only when it is non-empty, so ``cache_salt=""``
+    shares the unsalted prefix (offline ``LLM.generate`` passes it through); kvmem made it a
+    namespace of its own: no hit where vLLM's manager gives 8 tokens."""
+    from kvmem.integrations.vllm.conformance import compare
+
+    prompt = tuple(range(10, 22))
+    stream = StreamSpec(SPEC, (RequestSpec("a", prompt, 3),
+                               RequestSpec("b", prompt, 3, arrival=3, salt=""),
+                               RequestSpec("c", prompt, 3, arrival=3, salt="tenant")))
+    c = compare(stream)
+    assert c.ok, c.first_difference
+    new = {rid: hit for step in c.kvmem.steps for rid, hit in step.new}
+    assert new["b"] == 8 and new["c"] == 0
+
+
 # -- the paranoid check: "or KVMEM_VLLM_VERIFY_BLOCK_TABLES=1" -------------------------------
 
 

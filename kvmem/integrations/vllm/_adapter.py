@@ -172,8 +172,9 @@ class VllmKVCacheAdapter(QueueFlush):
 
     @staticmethod
     def namespace_of(request: Any) -> Any:
-        """vLLM's ``cache_salt`` is kvmem's namespace."""
-        return request.cache_salt
+        """vLLM's ``cache_salt`` is kvmem's namespace (an empty salt is none: vLLM adds a salt
+        to a block's keys only when it is non-empty)."""
+        return request.cache_salt or None
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
