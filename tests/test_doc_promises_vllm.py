@@ -415,6 +415,23 @@ def test_the_harness_functions_refuse_what_is_not_theirs() -> None:
     assert spec == StreamSpec(SPEC, (RequestSpec("a", (11, 12, 13), 2),))
 
 
+def test_the_json_keys_are_there_without_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/vllm.md: ``--json`` prints at least these keys; with ``--decode-steps 0`` (no
+    timing) the timing keys were missing, not null."""
+    import json
+
+    from kvmem.integrations.vllm.__main__ import main
+
+    assert main(["conformance", "--streams", "1", "--decode-steps", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("streams", "steps", "mismatched_steps", "verify_failures", "table_mismatches",
+                "vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
+                "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup"):
+        assert key in result, key
+    assert result["streams"] == 1 and result["steps"] > 0
+    assert result["step_speedup"] is None and result["timed_stream"] is None
+
+
 def _fake_vllm(tmp_path: Path) -> dict[str, str]:
     """An environment whose ``vllm`` is a broken install raising a multi-line ImportError."""
     pkg = tmp_path / "vllm"

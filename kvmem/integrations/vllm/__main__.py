@@ -68,13 +68,16 @@ def conformance(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "table_mismatches": table_mismatches,
         "conformance_seconds": round(time.perf_counter() - t0, 1),
     }
+    timed = ("vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
+             "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup")
+    # The timing keys are always there (null when --decode-steps 0 timed nothing).
+    result.update(dict.fromkeys(timed))
+    result["timed_stream"] = None
     if args.decode_steps > 0:
         from kvmem.integrations.vllm.bench import lockstep
 
         timing = lockstep(num_requests=args.batch, decode_steps=args.decode_steps)
-        result.update({k: timing[k] for k in (
-            "vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
-            "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup")})
+        result.update({k: timing[k] for k in timed})
         result["timed_stream"] = {"batch": args.batch, "decode_steps": args.decode_steps,
                                   "scheduler": timing["scheduler"],
                                   "mismatched_steps": timing["mismatched_steps"]}
