@@ -454,15 +454,25 @@ def test_a_broken_vllm_install_is_still_one_line(tmp_path: Path) -> None:
 
 
 def test_a_name_that_needs_vllm_says_how_to_get_it(tmp_path: Path) -> None:
-    """``from kvmem.integrations.vllm import KVMemScheduler`` without vLLM raised vLLM's bare
+    """``from kvmem.integrations.vllm import KVMemScheduler`` (and building a
+    ``VllmKVCacheAdapter``, whose module loads without vLLM) without vLLM raised vLLM's bare
     ImportError; it is still an ImportError, now with the setup hint."""
     env = _fake_vllm(tmp_path)
     code = ("from kvmem.integrations.vllm import VllmOrderPrefixCache\n"  # needs no vLLM
             "try:\n"
             "    from kvmem.integrations.vllm import KVMemScheduler\n"
             "except ImportError as e:\n"
+            "    print(e)\n"
+            "from kvmem.integrations.vllm import VllmKVCacheAdapter\n"  # loads without vLLM
+            "try:\n"
+            "    VllmKVCacheAdapter(num_blocks=16, block_size=4, max_model_len=64,\n"
+            "                       max_num_seqs=4)\n"
+            "except ImportError as e:\n"
             "    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "KVMemScheduler needs vLLM" in proc.stdout and "setup_vllm_cpu.sh" in proc.stdout
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    assert "KVMemScheduler needs vLLM" in lines[0] and "setup_vllm_cpu.sh" in lines[0]
+    assert "VllmKVCacheAdapter needs vLLM" in lines[1] and "setup_vllm_cpu.sh" in lines[1]

@@ -109,8 +109,13 @@ class VllmKVCacheAdapter(QueueFlush):
                     enable_caching=enable_caching, log_stats=log_stats,
                     enable_kv_cache_events=enable_kv_cache_events,
                     async_scheduling=async_scheduling, verify_block_tables=verify_block_tables)
-        from vllm.v1.metrics.stats import PrefixCacheStats
-        from vllm.v1.request import RequestStatus
+        try:
+            from vllm.v1.metrics.stats import PrefixCacheStats
+            from vllm.v1.request import RequestStatus
+        except ImportError as e:  # this module loads without vLLM; the adapter needs it
+            from kvmem.integrations.vllm import vllm_import_error
+
+            raise ImportError(f"VllmKVCacheAdapter needs vLLM. {vllm_import_error()}") from e
 
         self._PrefixCacheStats = PrefixCacheStats
         self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
