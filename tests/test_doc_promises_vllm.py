@@ -314,6 +314,7 @@ _ADAPTER = {"num_blocks": 16, "block_size": 4, "max_model_len": 64, "max_num_seq
     ("watermark", float("nan"), ValueError),
     ("watermark", "x", TypeError),
     ("enable_caching", "no", TypeError),
+    ("seed", "s", TypeError),
 ])
 def test_a_bad_adapter_argument_is_a_kvmem_error_naming_it(name: str, value: Any,
                                                            kind: type) -> None:
@@ -323,6 +324,9 @@ def test_a_bad_adapter_argument_is_a_kvmem_error_naming_it(name: str, value: Any
     with pytest.raises(KVMemError, match=f"^{name}=") as info:
         VllmKVCacheAdapter(**{**_ADAPTER, name: value})
     assert isinstance(info.value, kind)
+    if name == "seed":  # a seed nothing would use (no prefix cache) is still checked
+        with pytest.raises(KVMemError, match=r"^seed="):
+            VllmKVCacheAdapter(**{**_ADAPTER, "enable_caching": False, name: value})
 
 
 def test_an_admission_of_no_tokens_is_a_kvmem_value_error_and_admits_nothing() -> None:

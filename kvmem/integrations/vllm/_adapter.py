@@ -59,7 +59,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _check_args(num_blocks: Any, block_size: Any, max_model_len: Any, max_num_seqs: Any,
-                watermark: Any, **flags: Any) -> None:
+                watermark: Any, seed: Any, **flags: Any) -> None:
     """The adapter's arguments, checked by their own names before anything is built (the
     manager's checks would name its ``num_pages`` / ``page_size``, or fail on arithmetic)."""
     if is_integer_like(num_blocks) and num_blocks < 2:
@@ -73,6 +73,8 @@ def _check_args(num_blocks: Any, block_size: Any, max_model_len: Any, max_num_se
     if watermark >= 1.0:  # vLLM's SchedulerConfig: 0.0 <= watermark < 1.0
         raise ArgumentError(f"watermark={float(watermark)!r}: expected a fraction in [0.0, 1.0) "
                             "of the blocks kept free when admitting (vLLM's range)")
+    if seed is not None:  # (checked even when prefix caching is off and nothing uses it)
+        integer(seed, "seed", minimum=0)
     for name, value in flags.items():
         flag(value, name)
 
@@ -105,7 +107,7 @@ class VllmKVCacheAdapter(QueueFlush):
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
                  tracker: Any = "checking", seed: int | None = None,
                  async_scheduling: bool = False, verify_block_tables: bool = False) -> None:
-        _check_args(num_blocks, block_size, max_model_len, max_num_seqs, watermark,
+        _check_args(num_blocks, block_size, max_model_len, max_num_seqs, watermark, seed,
                     enable_caching=enable_caching, log_stats=log_stats,
                     enable_kv_cache_events=enable_kv_cache_events,
                     async_scheduling=async_scheduling, verify_block_tables=verify_block_tables)
