@@ -39,13 +39,14 @@ else:
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["KVMemAsyncScheduler", "KVMemScheduler", "check_supported"]
+
 _VERIFY_ENV = "KVMEM_VLLM_VERIFY_BLOCK_TABLES"
 
 
 def _env_verify_block_tables() -> bool:
     return os.environ.get(_VERIFY_ENV, "") == "1"
 
-__all__ = ["KVMemAsyncScheduler", "KVMemScheduler", "check_supported"]
 
 _SUPPORTED = ("one full-attention KV cache group, prefix caching on or off, chunked prefill, "
               "preemption by recompute, aborts, cache_salt, KV events")
