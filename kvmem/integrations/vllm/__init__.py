@@ -69,7 +69,8 @@ def vllm_import_error() -> str | None:
     try:
         importlib.import_module("vllm.v1.core.sched.scheduler")
     except Exception as e:  # ImportError, or a broken install raising anything on import
-        return f"{SETUP_HINT}. ({type(e).__name__}: {e})"
+        # One line, whatever the error says (a broken install's message may span several).
+        return f"{SETUP_HINT}. ({type(e).__name__}: {' '.join(str(e).split())})"
     return None
 
 
@@ -77,6 +78,13 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvmem.integrations.vllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError as e:
+        missing = vllm_import_error()
+        if missing is None:  # vLLM imports: the error is something else's
+            raise
+        raise ImportError(f"kvmem.integrations.vllm.{name} needs vLLM. {missing}") from e
+    value = getattr(loaded, name)
     globals()[name] = value
     return value

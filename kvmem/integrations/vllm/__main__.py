@@ -6,7 +6,8 @@ on kvmem's, compares them step by step, then times a decode-heavy stream at batc
 lockstep (:func:`~kvmem.integrations.vllm.bench.lockstep`, the synchronous scheduler) and prints
 one JSON object. A stream that differs is printed to stderr as a replayable test. Exit status:
 0 when every stream agrees, 1 otherwise, 2 when vLLM is not importable (one line says how to
-get it).
+get it) or an option is bad (one line names it; checked before any work: ``--streams`` at
+least 1, ``--batch`` 1 to 8192, ``--decode-steps`` at least 0).
 """
 
 from __future__ import annotations
@@ -19,19 +20,25 @@ import sys
 import time
 from typing import Any
 
+from kvmem.cli import _number, _Parser
 from kvmem.integrations.vllm import vllm_import_error
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvmem.integrations.vllm",
-                                description="vLLM's scheduler on kvmem: conformance and speed")
+    # kvmem's parser: a bad option is one line on stderr and exit status 2, before any work.
+    p = _Parser(prog="python -m kvmem.integrations.vllm",
+                description="vLLM's scheduler on kvmem: conformance and speed")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("conformance", help="differential conformance against vLLM's own manager")
-    c.add_argument("--streams", type=int, default=200, help="random streams to compare")
-    c.add_argument("--seed", type=int, default=0, help="first stream's seed")
+    c.add_argument("--streams", type=_number(int, 1), default=200,
+                   help="random streams to compare (at least 1)")
+    c.add_argument("--seed", type=_number(int), default=0, help="first stream's seed")
     c.add_argument("--json", action="store_true", help="print one JSON object")
-    c.add_argument("--batch", type=int, default=256, help="decode batch of the timed stream")
-    c.add_argument("--decode-steps", type=int, default=100,
+    # The timed stream's scheduler batches 8192 tokens a step, and vLLM needs max_num_seqs
+    # (the batch) at most that.
+    c.add_argument("--batch", type=_number(int, 1, maximum=8192), default=256,
+                   help="decode batch of the timed stream (1 to 8192)")
+    c.add_argument("--decode-steps", type=_number(int, 0), default=100,
                    help="decode steps timed in lockstep (0: no timing)")
     return p
 
@@ -61,13 +68,16 @@ def conformance(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         "table_mismatches": table_mismatches,
         "conformance_seconds": round(time.perf_counter() - t0, 1),
     }
+    timed = ("vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
+             "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup")
+    # The timing keys are always there (null when --decode-steps 0 timed nothing).
+    result.update(dict.fromkeys(timed))
+    result["timed_stream"] = None
     if args.decode_steps > 0:
         from kvmem.integrations.vllm.bench import lockstep
 
         timing = lockstep(num_requests=args.batch, decode_steps=args.decode_steps)
-        result.update({k: timing[k] for k in (
-            "vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
-            "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup")})
+        result.update({k: timing[k] for k in timed})
         result["timed_stream"] = {"batch": args.batch, "decode_steps": args.decode_steps,
                                   "scheduler": timing["scheduler"],
                                   "mismatched_steps": timing["mismatched_steps"]}
@@ -77,7 +87,11 @@ def conformance(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the command; returns the exit status (0, 1, or 2: see the module doc)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad option (its one line already printed)
+        return int(exc.code or 0)
     # vLLM logs to stdout; the JSON object must be all there is.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     error = vllm_import_error()

@@ -41,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from kvmem._validate import INT32_MAX, flag, integer, is_integer_like, real
 from kvmem.allocator import PAD
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, KVMemError
 from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState
 from kvmem.integrations.vllm._flush import QueueFlush
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
@@ -55,6 +56,27 @@ __all__ = ["VllmKVCacheAdapter"]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _check_args(num_blocks: Any, block_size: Any, max_model_len: Any, max_num_seqs: Any,
+                watermark: Any, seed: Any, **flags: Any) -> None:
+    """The adapter's arguments, checked by their own names before anything is built (the
+    manager's checks would name its ``num_pages`` / ``page_size``, or fail on arithmetic)."""
+    if is_integer_like(num_blocks) and num_blocks < 2:
+        raise ArgumentError(f"num_blocks={int(num_blocks)}: vLLM asked for fewer than 2 KV cache "
+                            "blocks; kvmem needs at least 2 (block 0 is vLLM's null block)")
+    integer(num_blocks, "num_blocks", minimum=2, maximum=INT32_MAX)
+    integer(block_size, "block_size", minimum=1, maximum=1 << 16)  # the manager's page_size
+    integer(max_model_len, "max_model_len", minimum=1)
+    integer(max_num_seqs, "max_num_seqs", minimum=1, maximum=1 << 24)  # its max_seqs
+    real(watermark, "watermark", minimum=0.0)
+    if watermark >= 1.0:  # vLLM's SchedulerConfig: 0.0 <= watermark < 1.0
+        raise ArgumentError(f"watermark={float(watermark)!r}: expected a fraction in [0.0, 1.0) "
+                            "of the blocks kept free when admitting (vLLM's range)")
+    if seed is not None:  # (checked even when prefix caching is off and nothing uses it)
+        integer(seed, "seed", minimum=0)
+    for name, value in flags.items():
+        flag(value, name)
 
 
 class VllmKVCacheAdapter(QueueFlush):
@@ -85,12 +107,18 @@ class VllmKVCacheAdapter(QueueFlush):
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
                  tracker: Any = "checking", seed: int | None = None,
                  async_scheduling: bool = False, verify_block_tables: bool = False) -> None:
-        from vllm.v1.metrics.stats import PrefixCacheStats
-        from vllm.v1.request import RequestStatus
+        _check_args(num_blocks, block_size, max_model_len, max_num_seqs, watermark, seed,
+                    enable_caching=enable_caching, log_stats=log_stats,
+                    enable_kv_cache_events=enable_kv_cache_events,
+                    async_scheduling=async_scheduling, verify_block_tables=verify_block_tables)
+        try:
+            from vllm.v1.metrics.stats import PrefixCacheStats
+            from vllm.v1.request import RequestStatus
+        except ImportError as e:  # this module loads without vLLM; the adapter needs it
+            from kvmem.integrations.vllm import vllm_import_error
 
-        if num_blocks < 2:
-            raise KVMemError(f"vLLM asked for {num_blocks} KV cache blocks; kvmem needs at least 2 "
-                             "(block 0 is vLLM's null block)")
+            raise ImportError(f"VllmKVCacheAdapter needs vLLM. {vllm_import_error()}") from e
+
         self._PrefixCacheStats = PrefixCacheStats
         self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.block_size = block_size
@@ -151,8 +179,9 @@ class VllmKVCacheAdapter(QueueFlush):
 
     @staticmethod
     def namespace_of(request: Any) -> Any:
-        """vLLM's ``cache_salt`` is kvmem's namespace."""
-        return request.cache_salt
+        """vLLM's ``cache_salt`` is kvmem's namespace (an empty salt is none: vLLM adds a salt
+        to a block's keys only when it is non-empty)."""
+        return request.cache_salt or None
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
@@ -244,8 +273,10 @@ class VllmKVCacheAdapter(QueueFlush):
                num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
                has_scheduled_reqs: bool) -> KVMemBlocks | None:
         if num_new_tokens == 0 and num_hit_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
-                             "tokens to adopt")
+            # vLLM's ValueError, as kvmem's (a ValueError too): nothing was admitted.
+            raise ArgumentError(
+                f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
+                "there are no computed tokens to adopt (got 0 new and 0 prefix-hit tokens)")
         if self._q or self._q_commits:
             self.flush()
         p = self.block_size

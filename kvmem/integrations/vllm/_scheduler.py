@@ -41,29 +41,38 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["KVMemAsyncScheduler", "KVMemScheduler", "check_supported"]
 
+_VERIFY_ENV = "KVMEM_VLLM_VERIFY_BLOCK_TABLES"
+
+
+def _env_verify_block_tables() -> bool:
+    return os.environ.get(_VERIFY_ENV, "") == "1"
+
+
 _SUPPORTED = ("one full-attention KV cache group, prefix caching on or off, chunked prefill, "
               "preemption by recompute, aborts, cache_salt, KV events")
+_OWN_SCHEDULER = "vLLM's own Scheduler (drop --scheduler-cls)"
 
 
-def _refuse(option: str, found: Any) -> KVMemError:
+def _refuse(option: str, found: str, fix: str | None = None) -> KVMemError:
+    """``option``: what is not supported; ``found``: what was found, as text; ``fix``: what to
+    do (by default: unset the option)."""
+    if fix is None:
+        fix = f"Unset {option.split(' (')[0]} or use {_OWN_SCHEDULER}."
     return KVMemError(
-        f"kvmem's vLLM scheduler does not support {option} (found {found!r}); it supports "
-        f"{_SUPPORTED}. Unset {option} or use vLLM's own Scheduler.")
+        f"kvmem's vLLM scheduler does not support {option} (found {found}); it supports "
+        f"{_SUPPORTED}. {fix}")
+
+
+def _refuse_model(what: str, found: str) -> KVMemError:
+    return _refuse(what, found, f"Serve this model with {_OWN_SCHEDULER}.")
 
 
 def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size: int,
                     hash_block_size: int | None) -> None:
-    """Raise :class:`KVMemError` naming the first option outside the supported set."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise _refuse("several KV cache groups (hybrid models, Mamba)",
-                      [type(g.kv_cache_spec).__name__ for g in groups])
-    spec = groups[0].kv_cache_spec
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise _refuse("a KV cache spec other than full attention", type(spec).__name__)
-    if spec.block_size != block_size or (hash_block_size not in (None, block_size)):
-        raise _refuse("hash_block_size different from block_size (partial prefix hits)",
-                      (block_size, hash_block_size))
+    """Raise :class:`KVMemError` naming the first option outside the supported set.
+
+    The engine's options come first (a DCP run also changes the scheduler's block size: the
+    refusal names DCP, not the block size), then the model's KV cache groups and block sizes."""
     checks = (
         ("kv_transfer_config (KV connectors)", vllm_config.kv_transfer_config),
         ("ec_transfer_config (encoder cache connectors)", vllm_config.ec_transfer_config),
@@ -76,19 +85,50 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     par = vllm_config.parallel_config
     for option in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(par, option, 1) != 1:
-            raise _refuse(f"parallel_config.{option} (DCP/PCP)", getattr(par, option))
+            raise _refuse(f"parallel_config.{option} (DCP/PCP)",
+                          f"{option}={getattr(par, option)!r}",
+                          f"Set {option}=1 or use {_OWN_SCHEDULER}.")
     mc = vllm_config.model_config
     if mc.is_encoder_decoder:
-        raise _refuse("encoder-decoder models (cross-attention)", mc.model)
+        raise _refuse_model("encoder-decoder models (cross-attention)", repr(mc.model))
     if mc.supports_multimodal_inputs:
-        raise _refuse("multimodal models (image hashes in block keys)", mc.model)
+        raise _refuse_model("multimodal models (image hashes in block keys)", repr(mc.model))
+    if getattr(mc, "enable_prompt_embeds", False):
+        raise _refuse("model_config.enable_prompt_embeds (prompt embeddings: their hashes are "
+                      "in vLLM's block keys, not in kvmem's page keys)", "True",
+                      f"Unset enable_prompt_embeds or use {_OWN_SCHEDULER}.")
     if getattr(vllm_config.observability_config, "kv_cache_metrics", False):
-        raise _refuse("observability_config.kv_cache_metrics", True)
+        raise _refuse("observability_config.kv_cache_metrics", "True")
     aux = getattr(vllm_config, "aux_output_config", None)
     if aux is not None and aux.enabled:
         raise _refuse("aux_output_config", "enabled")
     if vllm_config.num_hash_lookahead_tokens:
-        raise _refuse("hash lookahead tokens", vllm_config.num_hash_lookahead_tokens)
+        raise _refuse("hash lookahead tokens", repr(vllm_config.num_hash_lookahead_tokens))
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise _refuse_model("a model without a KV cache (no KV cache group)", "0 groups")
+    if len(groups) != 1:
+        raise _refuse_model("several KV cache groups (hybrid models, Mamba)",
+                            f"{len(groups)} groups: "
+                            f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise _refuse_model("a KV cache spec other than full attention",
+                            repr(type(spec).__name__))
+    if spec.block_size != block_size:
+        raise _refuse_model("a KV cache group whose block size is not the scheduler's",
+                            f"kv_cache_spec.block_size={spec.block_size!r}, "
+                            f"block_size={block_size!r}")
+    if hash_block_size not in (None, block_size):
+        raise _refuse("hash_block_size different from block_size (partial prefix hits)",
+                      f"hash_block_size={hash_block_size!r}, block_size={block_size!r}",
+                      f"Pass hash_block_size=None (or block_size) or use {_OWN_SCHEDULER}.")
+    num_blocks = kv_cache_config.num_blocks
+    if num_blocks < 2:
+        raise KVMemError(
+            f"kv_cache_config.num_blocks={num_blocks!r}: kvmem's vLLM scheduler needs at least 2 "
+            "KV cache blocks (block 0 is vLLM's null block); give the KV cache more memory "
+            "(gpu_memory_utilization, num_gpu_blocks_override).")
 
 
 class _KVMemMixin(_SchedulerBase):
@@ -98,12 +138,15 @@ class _KVMemMixin(_SchedulerBase):
     #: The paranoid check: verify, every step, the block table the workers build from the ids
     #: handed out (every entry) instead of the step's CSR they are sliced from (incremental).
     #: Subclass to set it, or set KVMEM_VLLM_VERIFY_BLOCK_TABLES=1.
-    verify_block_tables: bool = os.environ.get("KVMEM_VLLM_VERIFY_BLOCK_TABLES", "") == "1"
+    verify_block_tables: bool = os.environ.get(_VERIFY_ENV, "") == "1"
 
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
                  structured_output_manager: Any, block_size: int,
                  hash_block_size: int | None = None, *args: Any, **kwargs: Any) -> None:
         check_supported(vllm_config, kv_cache_config, block_size, hash_block_size)
+        # The environment is read here too (not only when this module was imported), so a
+        # process that sets it before building the scheduler gets the paranoid check.
+        self.verify_block_tables = bool(self.verify_block_tables) or _env_verify_block_tables()
         super().__init__(vllm_config, kv_cache_config, structured_output_manager, block_size,
                          hash_block_size, *args, **kwargs)
         self._install_kvmem(vllm_config, kv_cache_config, block_size, self.log_stats,
@@ -145,12 +188,16 @@ class _KVMemMixin(_SchedulerBase):
         return self.kv_cache_manager.manager
 
     def _check_request(self, request: Request) -> None:
-        if request.mm_features:
-            raise _refuse("multimodal inputs", request.request_id)
-        if request.lora_request is not None:
-            raise _refuse("LoRA requests", request.request_id)
-        if request.resumable:
-            raise _refuse("resumable (streaming input) requests", request.request_id)
+        """Refuse (before the scheduler sees it) a request whose KV this scheduler cannot key."""
+        rid = request.request_id
+        for what, has in (
+                ("multimodal inputs", bool(request.mm_features)),
+                ("LoRA requests", request.lora_request is not None),
+                ("resumable (streaming input) requests", bool(request.resumable)),
+                ("prompt embeddings (prompt_embeds)", request.prompt_embeds is not None)):
+            if has:
+                raise _refuse(what, f"request {rid!r} has them",
+                              f"Send request {rid!r} without them, or use {_OWN_SCHEDULER}.")
         # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
         # (kvmem keys its pages itself, when they fill): stop hashing every output token.
         request._block_hasher = None

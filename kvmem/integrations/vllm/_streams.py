@@ -7,14 +7,49 @@ from __future__ import annotations
 import random
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from kvmem._validate import INT32_MAX, choice, flag, integer, is_integer_like, real, show
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 
 __all__ = ["STOP_TOKEN", "VOCAB", "RequestSpec", "SchedulerSpec", "StepRecord", "StreamResult",
            "StreamSpec", "random_stream", "token_at"]
 
 STOP_TOKEN = 7
 VOCAB = 997
+MAX_MODEL_LEN = 1 << 20  # the synthetic model's max_position_embeddings
+
+
+def _check(spec: str, checks: list[Callable[[], object]]) -> None:
+    """Run every field check of ``spec``; raise one error naming every bad field
+    (``ArgumentTypeError`` if a field has the wrong type, else ``ConfigError``), as kvmem's
+    specs do. A spec is checked when built, before vLLM sees it."""
+    problems: list[str] = []
+    wrong_type = False
+    for check in checks:
+        try:
+            check()
+        except ArgumentError as e:
+            problems.append(str(e))
+        except ArgumentTypeError as e:
+            problems.append(str(e))
+            wrong_type = True
+    if problems:
+        kind = ArgumentTypeError if wrong_type else ConfigError
+        raise kind(f"invalid {spec}: {' '.join(problems)}")
+
+
+def _at_least(value: Any, name: str, minimum: int, why: str) -> None:
+    if is_integer_like(value) and 1 <= value < minimum:  # (below 1: the range check says it)
+        raise ArgumentError(f"{name}={int(value)}: expected at least {minimum} ({why}).")
+
+
+def _below_one(value: Any, name: str) -> None:
+    real(value, name, minimum=0.0)
+    if value >= 1.0:
+        raise ArgumentError(f"{name}={float(value)!r}: expected a fraction in [0.0, 1.0).")
 
 
 @dataclass(frozen=True)
@@ -34,6 +69,25 @@ class SchedulerSpec:
     policy: Literal["fcfs", "priority"] = "fcfs"
     paranoid: bool = False  # kvmem: verify the workers' block tables (every entry) each step
 
+    def __post_init__(self) -> None:
+        _check("SchedulerSpec", [
+            lambda: integer(self.num_blocks, "num_blocks", minimum=2, maximum=INT32_MAX),
+            lambda: integer(self.block_size, "block_size", minimum=1, maximum=1 << 16),
+            lambda: integer(self.max_num_seqs, "max_num_seqs", minimum=1, maximum=1 << 24),
+            lambda: integer(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1),
+            lambda: _at_least(self.max_num_batched_tokens, "max_num_batched_tokens",
+                              self.max_num_seqs if is_integer_like(self.max_num_seqs) else 1,
+                              "vLLM: at least max_num_seqs"),
+            lambda: integer(self.max_model_len, "max_model_len", minimum=1,
+                            maximum=MAX_MODEL_LEN),
+            lambda: integer(self.long_prefill_token_threshold, "long_prefill_token_threshold",
+                            minimum=0),
+            lambda: _below_one(self.watermark, "watermark"),
+            lambda: choice(self.policy, "policy", ("fcfs", "priority")),
+            *(lambda name=name: flag(getattr(self, name), name) for name in (
+                "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid")),
+        ])
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -48,6 +102,33 @@ class RequestSpec:
     abort_at: int | None = None
     priority: int = 0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, list):  # a replay typed by hand: the tuple it stands for
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+        _check(f"RequestSpec {self.rid!r}", [
+            lambda: _of_type(self.rid, "rid", str, "a str"),
+            self._check_prompt,
+            lambda: integer(self.max_tokens, "max_tokens", minimum=1),
+            lambda: integer(self.arrival, "arrival", minimum=0),
+            lambda: _of_type(self.salt, "salt", (str, type(None)), "None or a str"),
+            self._check_abort_at,
+            lambda: integer(self.priority, "priority"),
+        ])
+
+    def _check_abort_at(self) -> None:
+        if self.abort_at is not None:  # an abort before the arrival would never happen
+            integer(self.abort_at, "abort_at",
+                    minimum=self.arrival if is_integer_like(self.arrival) else 0)
+
+    def _check_prompt(self) -> None:
+        prompt = self.prompt
+        if not isinstance(prompt, tuple) or not all(map(is_integer_like, prompt)):
+            raise ArgumentTypeError(f"prompt={show(prompt)}: expected a tuple of token ids "
+                                    "(ints).")
+        if not prompt or min(prompt) < 0 or max(prompt) > INT32_MAX:
+            raise ArgumentError(f"prompt={show(prompt)}: expected at least one token id, each "
+                                f"in 0..{INT32_MAX}.")
+
 
 @dataclass(frozen=True)
 class StreamSpec:
@@ -58,6 +139,38 @@ class StreamSpec:
     max_steps: int = 400
     seed: int = 0
     pipeline: int = 1  # steps scheduled before the oldest one's output is handed back
+
+    def __post_init__(self) -> None:
+        if isinstance(self.requests, list):
+            object.__setattr__(self, "requests", tuple(self.requests))
+        _check("StreamSpec", [
+            lambda: _of_type(self.sched, "sched", SchedulerSpec, "a SchedulerSpec"),
+            self._check_requests,
+            lambda: integer(self.max_steps, "max_steps", minimum=1),
+            lambda: integer(self.seed, "seed"),
+            lambda: integer(self.pipeline, "pipeline", minimum=1),
+        ])
+
+    def _check_requests(self) -> None:
+        reqs = self.requests
+        if not isinstance(reqs, tuple) or not all(isinstance(r, RequestSpec) for r in reqs):
+            raise ArgumentTypeError(f"requests={show(reqs)}: expected a tuple of RequestSpec.")
+        rids = [r.rid for r in reqs]
+        twice = sorted({rid for rid in rids if rids.count(rid) > 1})
+        if twice:
+            raise ArgumentError(f"requests: ids {twice} are given twice; a request id names one "
+                                "request (vLLM refuses a duplicate)")
+        if isinstance(self.sched, SchedulerSpec):
+            long = [r.rid for r in reqs if len(r.prompt) > self.sched.max_model_len]
+            if long:
+                raise ArgumentError(
+                    f"requests {long[:4]}: a prompt longer than max_model_len="
+                    f"{self.sched.max_model_len} (vLLM's engine refuses it before its scheduler)")
+
+
+def _of_type(value: Any, name: str, kind: type | tuple[type, ...], want: str) -> None:
+    if not isinstance(value, kind):
+        raise ArgumentTypeError(f"{name}={show(value)}: expected {want}.")
 
 
 @dataclass
@@ -99,7 +212,12 @@ def token_at(rid: str, position: int, seed: int = 0) -> int:
 
 def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
-    prefill, aborts, and (often) a pool small enough to preempt. Same rng state, same stream."""
+    prefill, aborts, and (often) a pool small enough to preempt. Same rng state, same stream.
+    ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
+    if not isinstance(rng, random.Random):
+        raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
+                                "random.Random(seed)).")
+    integer(max_requests, "max_requests", minimum=1)
     block_size = rng.choice((2, 4, 8, 16))
     num_requests = rng.randint(1, max_requests)
     salts = [None, "tenant-a", "tenant-b"]

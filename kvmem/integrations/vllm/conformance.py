@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmem._validate import flag, integer, show
+from kvmem.errors import ArgumentTypeError
 from kvmem.integrations.vllm._streams import (
     STOP_TOKEN,
     RequestSpec,
@@ -139,6 +141,11 @@ class Driver:
 
     def __init__(self, spec: SchedulerSpec, kvmem: bool, seed: int = 0,
                  check_tables: bool = True) -> None:
+        if not isinstance(spec, SchedulerSpec):
+            raise ArgumentTypeError(f"spec={show(spec)}: expected a SchedulerSpec.")
+        flag(kvmem, "kvmem")
+        flag(check_tables, "check_tables")
+        integer(seed, "seed")
         self.spec = spec
         self.kvmem = kvmem
         self.seed = seed
@@ -221,6 +228,8 @@ class Driver:
 def run_stream(stream: StreamSpec, kvmem: bool, check_tables: bool = True) -> StreamResult:
     """Drive one scheduler over the stream (schedule, synthetic model, update_from_output per
     step) until every request finished or ``max_steps``."""
+    if not isinstance(stream, StreamSpec):
+        raise ArgumentTypeError(f"stream={show(stream)}: expected a StreamSpec.")
     d = Driver(stream.sched, kvmem, stream.seed, check_tables)
     arrivals: dict[int, list[RequestSpec]] = {}
     aborts: dict[int, list[str]] = {}
@@ -293,6 +302,8 @@ def _describe(a: StepRecord, b: StepRecord) -> str:
 
 def compare(stream: StreamSpec) -> Comparison:
     """Run the stream on vLLM's manager and on kvmem's; list every difference."""
+    if not isinstance(stream, StreamSpec):
+        raise ArgumentTypeError(f"stream={show(stream)}: expected a StreamSpec.")
     v = run_stream(stream, kvmem=False)
     k = run_stream(stream, kvmem=True)
     n = max(len(v.steps), len(k.steps))
