@@ -342,6 +342,22 @@ def test_an_admission_of_no_tokens_is_a_kvmem_value_error_and_admits_nothing() -
     adapter.check()
 
 
+def test_a_running_request_given_no_tokens_is_a_kvmem_value_error_and_nothing_queues() -> None:
+    """vLLM's manager refuses 0 new tokens for a running request too (ValueError)."""
+    from kvmem.integrations.vllm.conformance import make_request
+
+    adapter = VllmKVCacheAdapter(**_ADAPTER)
+    req = make_request(RequestSpec("z", (11, 12, 13), 2), 4)
+    assert adapter.allocate_slots(req, 3) is not None
+    adapter.flush()
+    req.num_computed_tokens = 3
+    with pytest.raises(KVMemError, match=r"'z'.*num_new_tokens") as info:
+        adapter.allocate_slots(req, 0)
+    assert isinstance(info.value, ValueError)
+    assert not adapter._q and adapter.manager.num_tokens("z") == 3
+    adapter.check()
+
+
 # -- python -m kvmem.integrations.vllm conformance: bad options ---------------------------------
 
 

@@ -228,7 +228,8 @@ class VllmKVCacheAdapter(QueueFlush):
         lookup and an append: the slots are reserved at the flush, for the whole batch."""
         st = self._reqs.get(request.request_id)
         if st is not None and not num_new_computed_tokens:
-            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= st.cap:
+            if num_new_tokens and (request.num_computed_tokens + num_new_tokens
+                                   + num_lookahead_tokens <= st.cap):
                 self._q.append((request, st, num_new_tokens, None))
                 return self._empty
             return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
@@ -250,9 +251,10 @@ class VllmKVCacheAdapter(QueueFlush):
     def _grow(self, request: Any, st: RequestState, num_new_tokens: int, num_lookahead_tokens: int,
               reserved_blocks: int) -> KVMemBlocks | None:
         """A running request that needs new pages: decided now, allocated at the flush."""
-        if num_new_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0 when there are no computed "
-                             "tokens to adopt")
+        if num_new_tokens == 0:  # vLLM's ValueError, as kvmem's (a ValueError too)
+            raise ArgumentError(
+                f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
+                "there are no computed tokens to adopt (got 0 new tokens; nothing changed)")
         p = self.block_size
         need_tokens = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
                           self.max_model_len)
