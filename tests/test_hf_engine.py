@@ -234,3 +234,41 @@ def test_a_request_id_already_in_the_engine_is_refused(tiny: Any) -> None:
     assert [r.prompt_ids for r in engine.waiting] == [[1, 2]]
     done = engine.run()
     assert [r.request_id for r in done] == ["x"] and len(done[0].output_ids) == 2
+
+
+def test_bad_engine_and_model_arguments_are_kvmem_type_errors(tiny: Any) -> None:
+    lm = PagedCausalLM.build(tiny, 16, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(16, page_size=4, pool=lm.pool)
+    for call, named in ((lambda: PagedCausalLM.build(None, 4, "fp32"), "model=None"),
+                        (lambda: PagedCausalLM.build(tiny, 4, None), "dtype=None"),
+                        (lambda: Engine(None, mgr), "lm=None"),
+                        (lambda: Engine(lm, None), "manager=None"),
+                        (lambda: lm.forward(torch.tensor([1, 2]), None), "batch=None")):
+        with pytest.raises(KVMemError, match=named) as info:
+            call()
+        assert isinstance(info.value, TypeError)
+
+
+def _r(rid: str, prompt: list[int], max_new_tokens: int = 2) -> Request:
+    return Request(rid, prompt, max_new_tokens=max_new_tokens)
+
+
+@pytest.mark.parametrize(("arrivals", "message"), [
+    ([_r("a", [1, 2])], "expected a dict of step -> requests"),
+    ({"x": [_r("a", [1, 2])]}, "arrival step='x'"),
+    ({0: _r("a", [1, 2])}, "expected a list of Requests"),
+    ({0: [_r("a", [1, 2])], 3: [_r("a", [3])]}, "a request id twice"),
+    ({0: [_r("a", [1, 2])], 3: [_r("b", [-3])]}, "prompt_ids holds ids from -3"),
+    ({0: [_r("big", list(range(60)), 8)]}, "pages, more than a request"),
+])
+def test_run_refuses_bad_arrivals_before_any_step(tiny: Any, arrivals: Any, message: str
+                                                  ) -> None:
+    """Every arrival is checked before the first step: a bad one at step 3 is refused with
+    nothing run, queued or allocated."""
+    lm = PagedCausalLM.build(tiny, 16, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(16, page_size=4, pool=lm.pool)
+    engine = Engine(lm, mgr)
+    with pytest.raises(KVMemError, match=message):
+        engine.run(arrivals)
+    assert not engine.has_work() and not engine.done and not engine.timings
+    assert mgr.allocator.num_free == 16 and not mgr.running

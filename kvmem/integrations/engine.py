@@ -32,9 +32,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -178,6 +178,13 @@ class Engine:
         max_num_batched_tokens: int = 512,
         chunk_size: int = 256,
     ) -> None:
+        if not (hasattr(lm, "pool") and hasattr(lm, "forward")):
+            raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedModel (.pool and .forward), "
+                                    "e.g. PagedCausalLM.build(model, num_pages)")
+        from kvmem.manager import KVCacheManager
+
+        if not isinstance(manager, KVCacheManager):
+            raise ArgumentTypeError(f"manager={show(manager)}: expected a kvmem.KVCacheManager")
         spec = lm.pool.spec
         if manager.page_size != spec.page_size or manager.num_pages > spec.num_pages:
             raise ConfigError(
@@ -204,6 +211,12 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; it is admitted at the start of a later step."""
+        self._check_request(request)
+        request.status = "waiting"
+        self.waiting.append(request)
+
+    def _check_request(self, request: Any) -> None:
+        """Refuse (a KVMemError naming what is wrong) a request this engine cannot queue."""
         if not isinstance(request, Request):
             raise ArgumentTypeError(f"request={show(request)}: expected an engine Request.")
         if not is_hashable(request.request_id):
@@ -219,11 +232,19 @@ class Engine:
             )
         for token in request.stop_token_ids:
             integer(token, "stop_token_ids", minimum=0)
+        mgr = self.manager
+        total = prompt.size + request.max_new_tokens
+        most = min(mgr.max_pages_per_seq, mgr.num_pages) * mgr.page_size
+        if total > most:
+            raise ArgumentError(
+                f"request {request.request_id!r}: {prompt.size} prompt + "
+                f"{request.max_new_tokens} new tokens may need {-(-total // mgr.page_size)} "
+                f"pages, more than a request can map here (max_pages_per_seq="
+                f"{mgr.max_pages_per_seq}, num_pages={mgr.num_pages}); shorten it, lower "
+                "max_new_tokens or give the manager more pages")
         if any(r.request_id == request.request_id for r in (*self.waiting, *self.running)):
             raise ArgumentError(f"request_id={show(request.request_id)} is already waiting or "
                                 "running in this engine; give each request its own id.")
-        request.status = "waiting"
-        self.waiting.append(request)
 
     def abort(self, request_id: Hashable, reason: str = "aborted by the caller") -> None:
         """Abort a request: a waiting one leaves the queue now; a running one is aborted at the
@@ -324,9 +345,23 @@ class Engine:
         list[Request]
             Every request that ended, in the order it ended.
         """
+        if arrivals is not None and not isinstance(arrivals, Mapping):
+            raise ArgumentTypeError(f"arrivals={show(arrivals)}: expected a dict of step -> "
+                                    "requests, e.g. {0: [Request(...)], 5: [...]}")
         pending = dict(arrivals or {})
+        for step, requests in pending.items():
+            integer(step, "arrival step")
+            if isinstance(requests, Request) or not isinstance(requests, Sequence):
+                raise ArgumentTypeError(f"arrivals[{step!r}]={show(requests)}: expected a list "
+                                        "of Requests")
+            for r in requests:
+                self._check_request(r)
         if any(k < 0 for k in pending):
             raise ConfigError(f"arrival steps must be >= 0, got {sorted(pending)[:8]}")
+        ids = [r.request_id for rs in pending.values() for r in rs]
+        if len(set(ids)) != len(ids):
+            raise ArgumentError(f"arrivals list a request id twice ({ids[:8]}...); give each "
+                                "request its own id")
         s = 0
         while self.has_work() or pending:
             for r in pending.pop(s, ()):

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmem._validate import integer
-from kvmem.errors import ArgumentError, ConfigError
+from kvmem._validate import integer, show
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 from kvmem.integrations._kvbatch import KVBatch
 
 try:
@@ -210,6 +210,14 @@ def register_kvmem_attention() -> str:
     return KVMEM_ATTENTION
 
 
+def _require_causal_lm(model: Any) -> None:
+    """Refuse (ArgumentTypeError) what is not a transformers model with a config."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "num_hidden_layers") or not hasattr(model, "parameters"):
+        raise ArgumentTypeError(f"model={show(model)}: expected a transformers causal LM (e.g. "
+                                "the model load_smollm2() returns)")
+
+
 class PagedCausalLM:
     """A transformers causal LM whose KV cache is a kvmem :class:`~kvmem.cuda.PagePool`.
 
@@ -230,6 +238,9 @@ class PagedCausalLM:
     """
 
     def __init__(self, model: PreTrainedModel, pool: PagePool) -> None:
+        _require_causal_lm(model)
+        if not hasattr(pool, "spec"):
+            raise ArgumentTypeError(f"pool={show(pool)}: expected a kvmem.cuda.PagePool")
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         want = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
@@ -254,6 +265,7 @@ class PagedCausalLM:
         dict
             ``num_layers``, ``attention`` (``"gqa"``), ``num_kv_heads``, ``head_dim``.
         """
+        _require_causal_lm(model)
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return {
@@ -295,6 +307,9 @@ class PagedCausalLM:
         """
         from kvmem.cuda import PagePool, PoolSpec
 
+        _require_causal_lm(model)
+        if not isinstance(dtype, str):
+            raise ArgumentTypeError(f"dtype={show(dtype)}: expected a page dtype name, e.g. 'bf16'")
         if scales is None and dtype.startswith("fp8"):
             scales = DEFAULT_FP8_SCALES
         if scales is not None:
@@ -332,6 +347,12 @@ class PagedCausalLM:
         torch.Tensor
             ``[n, vocab_size]`` (``[T, vocab_size]`` when ``logits_indices`` is None), float32.
         """
+        if not isinstance(batch, KVBatch):
+            raise ArgumentTypeError(f"batch={show(batch)}: expected the step's KVBatch "
+                                    "(KVBatch.from_arrays(pool, ...) of a reserved step)")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise ArgumentTypeError(f"input_ids={show(input_ids)}: expected a 1-D tensor of "
+                                    "token ids, [T]")
         if self.model.config._attn_implementation != KVMEM_ATTENTION:
             self.model.set_attn_implementation(KVMEM_ATTENTION)
         positions = batch.positions().to(self.device)
