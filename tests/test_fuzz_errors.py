@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvmem.testing as t
+from kvmem import KVCacheManager
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
 
@@ -67,6 +68,11 @@ def test_a_schedule_of_numpy_ints_replays_as_one_of_ints() -> None:
     (lambda: t.schedules(-1), "max_size=-1"),
     (lambda: t.schedules(10, engine="nope"), "no fuzz engine 'nope'"),
     (lambda: t.subset_step(None, np.ones(2, bool)), "expected the StepMetadata"),
+    (lambda: t.Run("manager", None, None, "x"), "seed='x'"),
+    (lambda: t.Timeline(None, 4, 16), "expected the engine's KVCacheManager"),
+    (lambda: t.Timeline(KVCacheManager(16, page_size=4, max_seqs=4), 0, 16), "max_requests=0"),
+    (lambda: t.Timeline(KVCacheManager(16, page_size=4, max_seqs=4), 4, -1), "max_len=-1"),
+    (lambda: t.kv_value_array("x", [1, 2]), "ns_key='x'"),
 ])
 def test_bad_counts_seeds_and_engines_are_refused(call: Any, message: str) -> None:
     with pytest.raises(KVMemError) as info:
@@ -76,8 +82,6 @@ def test_bad_counts_seeds_and_engines_are_refused(call: Any, message: str) -> No
 
 
 def test_subset_step_refuses_a_mask_of_the_wrong_shape() -> None:
-    from kvmem import KVCacheManager
-
     mgr = KVCacheManager(16, page_size=4, max_seqs=4)
     for rid in ("a", "b"):
         mgr.admit(rid, np.arange(5))

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer
+
 __all__ = ["kv_value_array", "namespace_key"]
 
 Int64Array = npt.NDArray[np.int64]
@@ -51,6 +53,7 @@ def kv_value_array(ns_key: int, tokens: npt.ArrayLike) -> Int64Array:
     ``0 .. i`` (computed for all positions at once: ``h(i) = B**i * sum_j (t_j + 1) B**-j``), so
     two streams agree at ``i`` only if they agree on the namespace and the whole prefix.
     """
+    integer(ns_key, "ns_key")  # (namespace_key's: an int)
     t = np.asarray(tokens, dtype=np.int64).view(np.uint64)  # (the same bits as astype)
     n = t.size
     if n == 0:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import integer
 from kvmem.errors import KVMemError
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, stable_pick
 from kvmem.testing._engines import make_engine
@@ -90,6 +91,7 @@ class Run:
     def __init__(self, engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
                  config: FuzzConfig | dict[str, Any] | str | None = None, fault: Any = None,
                  seed: int = 0) -> None:
+        integer(seed, "seed")
         self.config = c = to_config(config)
         self.engine = make_engine(engine, c) if isinstance(engine, str) else engine(c)
         self.fault = to_fault(fault)

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import KVMemError
+from kvmem._validate import integer, show
+from kvmem.errors import ArgumentTypeError, KVMemError
 from kvmem.testing._kv_values import kv_value_array, namespace_key
 from kvmem.testing._launch import EMPTY64, Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure, Oracles
@@ -75,6 +76,13 @@ class Timeline(Oracles):
     def __init__(self, manager: Any, max_requests: int, max_len: int,
                  check_every: int = 64, strict_commits: bool = True,
                  stream_ordered: bool = False) -> None:
+        if not all(hasattr(manager, a) for a in ("page_size", "num_pages", "allocator",
+                                                 "add_hook")):
+            raise ArgumentTypeError(f"manager={show(manager)}: expected the engine's "
+                                    "KVCacheManager")
+        integer(max_requests, "max_requests", minimum=1)
+        integer(max_len, "max_len", minimum=1)
+        integer(check_every, "check_every", minimum=1)
         self.mgr = manager
         self.strict_commits = strict_commits
         self.stream_ordered = stream_ordered
