@@ -44,15 +44,15 @@ _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 # microseconds a row, a rebuild about one per thousand entries: at most
 # ``8 + entries // 1024`` rows are spliced, never more than MAX_SPLICES.
 MAX_SPLICES = 64
+# Records kept for commit_batch's decode path: an engine with steps in flight, each reserved in
+# a few calls (prefill chunks, decodes), commits a step several reserves later.
+RECENT = 8
 
 
 def max_splices(num_entries: int) -> int:
     """Changed rows up to which patching a CSR of ``num_entries`` entries beats rebuilding it
     (the verifier's proof follows the same rule)."""
     return min(MAX_SPLICES, 8 + num_entries // 1024)
-# Records kept for commit_batch's decode path: an engine with steps in flight, each reserved in
-# a few calls (prefill chunks, decodes), commits a step several reserves later.
-RECENT = 8
 
 
 @dataclass(frozen=True)
