@@ -272,3 +272,30 @@ def test_run_refuses_bad_arrivals_before_any_step(tiny: Any, arrivals: Any, mess
         engine.run(arrivals)
     assert not engine.has_work() and not engine.done and not engine.timings
     assert mgr.allocator.num_free == 16 and not mgr.running
+
+
+def test_paged_paths_and_kvbatch_refuse_bad_arguments_with_kvmem_errors(tiny: Any) -> None:
+    from kvmem.integrations.hf import hf_perplexity, load_smollm2, paged_perplexity
+
+    lm = PagedCausalLM.build(tiny, 16, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(16, page_size=4, pool=lm.pool, prefix_cache=None)
+    i32 = np.zeros(1, dtype=np.int32)
+    two = np.array([0, 1], dtype=np.int32)
+    for call, named, kind in (
+            (lambda: paged_perplexity(lm, mgr, "abc", window=8), "token_ids", ArgumentError),
+            (lambda: paged_perplexity(lm, mgr, [1, -5, 3], window=8), "token_ids holds ids",
+             ArgumentError),
+            (lambda: paged_perplexity(lm, None, [1, 2, 3], window=8), "manager=None",
+             KVMemError),
+            (lambda: hf_perplexity(tiny, [1.5, 2.5], window=8), "token_ids has dtype",
+             KVMemError),
+            (lambda: KVBatch.from_arrays(None, i32, two, two, i32, i32), "pool=None",
+             KVMemError),
+            (lambda: KVBatch.from_arrays(lm.pool, i32, two, two, np.array([16], np.int32), i32),
+             "this pool has pages 0..15", ArgumentError),
+            (lambda: KVBatch.from_arrays(lm.pool, None, two, two, i32, i32),
+             "1-D integer numpy arrays", KVMemError),
+            (lambda: load_smollm2("/nonexistent/smollm2.gguf"), "no such file", ArgumentError)):
+        with pytest.raises(kind, match=named):
+            call()
+    assert mgr.allocator.num_free == 16 and not mgr.running  # nothing was admitted

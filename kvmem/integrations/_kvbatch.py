@@ -51,7 +51,23 @@ class KVBatch(NamedTuple):
         kv_last_page_len: np.ndarray,
     ) -> KVBatch:
         """Wrap a step's numpy metadata (e.g. from ``KVCacheManager.reserve``) as tensors on
-        the pool's device (zero-copy on the CPU)."""
+        the pool's device (zero-copy on the CPU). A page id outside the pool is refused
+        (ArgumentError): the kernels would index past it."""
+        from kvmem._validate import show
+        from kvmem.errors import ArgumentError, ArgumentTypeError
+
+        if not hasattr(pool, "spec") or not hasattr(pool, "device"):
+            raise ArgumentTypeError(f"pool={show(pool)}: expected a kvmem.cuda.PagePool")
+        arrays = (slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        if not all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu"
+                   for a in arrays):
+            raise ArgumentTypeError("KVBatch.from_arrays takes 1-D integer numpy arrays (a "
+                                    "reserved step's slot_mapping, qo_indptr, kv_indptr, "
+                                    "kv_indices, kv_last_page_len)")
+        num_pages = pool.spec.num_pages
+        if kv_indices.size and (int(kv_indices.min()) < 0 or int(kv_indices.max()) >= num_pages):
+            raise ArgumentError(f"kv_indices holds page ids from {int(kv_indices.min())} to "
+                                f"{int(kv_indices.max())}; this pool has pages 0..{num_pages - 1}")
         device = pool.device
 
         def dev(a: np.ndarray) -> torch.Tensor:

