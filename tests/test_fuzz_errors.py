@@ -101,3 +101,29 @@ def test_a_reproducer_folder_that_cannot_be_created_is_a_kvmem_error(tmp_path: P
     with pytest.raises(KVMemError, match="cannot create the reproducer folder"):
         t.save_reproducer(blocker / "sub", found.schedule, t.FuzzFailure("fences", "x"),
                           "manager", "retire_at_launch", found.seed, t.FuzzConfig())
+
+
+def test_the_toy_engine_refuses_what_is_not_its_own_and_changes_nothing() -> None:
+    with pytest.raises(ArgumentTypeError, match="manager=None"):
+        t.ToyEngine(None)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="vocab=0"):
+        t.ToyEngine(KVCacheManager(16, page_size=4, max_seqs=4), vocab=0)
+    eng = t.ToyEngine(KVCacheManager(16, page_size=4, max_seqs=4))
+    eng.admit("a", [1, 2, 3])
+    step = eng.step(["a"], 3)
+    with pytest.raises(ArgumentError, match="request 'zz' is not in this engine"):
+        eng.commit(["a", "zz"])
+    assert eng.mgr.num_committed("a") == 0  # "a" was not committed either
+    with pytest.raises(ArgumentTypeError, match="request_ids='a'"):
+        eng.commit("a")  # type: ignore[arg-type]
+    for call in (lambda: eng.read("zz"), lambda: eng.resume("zz"),
+                 lambda: eng.check_kv(["zz"])):
+        with pytest.raises(ArgumentError, match="not in this engine"):
+            call()
+    for call in (lambda: eng.check_step(None), lambda: eng.apply_copies(None)):
+        with pytest.raises(ArgumentTypeError, match="expected the StepMetadata"):
+            call()  # type: ignore[arg-type]
+    eng.check_step(step)
+    eng.commit(["a"])
+    assert eng.mgr.num_committed("a") == 3
+    eng.check_kv()

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvmem._validate import id_tuple, integer, is_hashable, show
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.manager import AdmitResult, KVCacheManager, StepMetadata
 
 __all__ = ["ToyEngine", "kv_values"]
@@ -66,6 +68,10 @@ class ToyEngine:
 
     def __init__(self, manager: KVCacheManager, vocab: int = 8, seed: int = 0,
                  sampler: Callable[[Any, int], int] | None = None) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise ArgumentTypeError(f"manager={show(manager)}: expected a KVCacheManager")
+        integer(vocab, "vocab", minimum=1)
+        integer(seed, "seed")
         self.mgr = manager
         self.sampler = sampler
         self.page_size = manager.page_size
@@ -108,9 +114,18 @@ class ToyEngine:
             seq.written += n
         return step
 
+    def _seq(self, request_id: Any) -> _Seq:
+        """The engine's record of a request (ArgumentError naming it if there is none)."""
+        seq = self.seqs.get(request_id) if is_hashable(request_id) else None
+        if seq is None:
+            raise ArgumentError(f"request {request_id!r} is not in this engine (admit it first; "
+                                f"it holds {list(self.seqs)[:8]})")
+        return seq
+
     def check_step(self, step: StepMetadata) -> None:
         """Raise AssertionError unless the step's kernel metadata is exactly what the page table
         implies (the manager may build it incrementally; this rebuilds it from scratch)."""
+        _require_step(step)
         table = self.mgr.table
         rows = step.rows
         for b, rid in enumerate(step.request_ids):  # each row is its request's
@@ -131,6 +146,7 @@ class ToyEngine:
         assert np.array_equal(step.slot_mapping, table.token_slots(rows, start, n))
 
     def apply_copies(self, step: StepMetadata) -> None:
+        _require_step(step)
         p = self.page_size
         for src, dst in zip(step.copy_src.tolist(), step.copy_dst.tolist()):
             self.kv[dst * p : (dst + 1) * p] = self.kv[src * p : (src + 1) * p]
@@ -138,7 +154,10 @@ class ToyEngine:
 
     def commit(self, request_ids: list[Any]) -> None:
         """Commit every written, uncommitted token of these requests."""
-        for rid in request_ids:
+        ids = id_tuple(request_ids, "request_ids")
+        for rid in ids:
+            self._seq(rid)  # (every id known before anything is committed)
+        for rid in ids:
             seq = self.seqs[rid]
             if seq.written > seq.committed:
                 self.mgr.commit(rid, np.asarray(seq.tokens[seq.committed : seq.written]))
@@ -160,7 +179,7 @@ class ToyEngine:
         seq.values, seq.written, seq.committed = [], 0, 0
 
     def resume(self, request_id: Any) -> AdmitResult:
-        seq = self.seqs[request_id]
+        seq = self._seq(request_id)
         res = self.mgr.resume(request_id)
         assert res.num_prompt_tokens == len(seq.tokens), (res, len(seq.tokens))
         seq.prompt_len = len(seq.tokens)  # everything known is now prompt to recompute
@@ -180,7 +199,7 @@ class ToyEngine:
 
     def read(self, request_id: Any) -> npt.NDArray[np.int64]:
         """The values a kernel would read for a running request's written tokens."""
-        seq = self.seqs[request_id]
+        seq = self._seq(request_id)
         pages = self.mgr.pages_of(request_id).astype(np.int64)
         pos = np.arange(seq.written)
         return self.kv[pages[pos // self.page_size] * self.page_size + pos % self.page_size]
@@ -188,7 +207,8 @@ class ToyEngine:
     def check_kv(self, request_ids: list[Any] | None = None) -> None:
         """Raise AssertionError if any running request would read a value its tokens do not
         imply (wrong hit, missing copy, page reused or shared across namespaces)."""
-        ids = list(self.mgr.running) if request_ids is None else request_ids
+        ids = list(self.mgr.running) if request_ids is None else id_tuple(request_ids,
+                                                                          "request_ids")
         for rid in ids:
             got = self.read(rid)
             want = np.array(self.seqs[rid].values, dtype=np.int64)
@@ -199,3 +219,8 @@ class ToyEngine:
                     f"request {rid!r} reads wrong KV at token positions {bad[:8]} "
                     f"(pages {self.mgr.pages_of(rid).tolist()[:16]})"
                 )
+
+
+def _require_step(step: Any) -> None:
+    if not isinstance(step, StepMetadata):
+        raise ArgumentTypeError(f"step={show(step)}: expected the StepMetadata reserve returned")
