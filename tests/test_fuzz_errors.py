@@ -127,3 +127,17 @@ def test_the_toy_engine_refuses_what_is_not_its_own_and_changes_nothing() -> Non
     eng.commit(["a"])
     assert eng.mgr.num_committed("a") == 3
     eng.check_kv()
+
+
+def test_one_shot_faults_refuse_a_position_the_request_does_not_map() -> None:
+    mgr = KVCacheManager(16, page_size=4, max_seqs=4)
+    mgr.admit("a", np.arange(1, 6))
+    mgr.reserve(["a"], 5)  # two pages
+    for call in (lambda: t.faults.free_behind_back(mgr, "a", 2),
+                 lambda: t.faults.reallocate_behind_back(mgr, "a", 99),
+                 lambda: t.faults.overwrite_page_entry(mgr, "a", 2, 0),
+                 lambda: t.faults.overwrite_page_entry(mgr, "a", 0, 16)):
+        with pytest.raises(ArgumentError):
+            call()
+    mgr.check()  # nothing was done
+    assert t.faults.overwrite_page_entry(mgr, "a", 1, int(mgr.pages_of("a")[0])) >= 0

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvmem._validate import integer
+from kvmem.errors import ArgumentError
+
 if TYPE_CHECKING:
     from kvmem.manager import KVCacheManager
 
@@ -25,10 +28,20 @@ def row_of(mgr: KVCacheManager, request_id: Any) -> int:
     return mgr.row_of(request_id)
 
 
+def _mapped_page(mgr: KVCacheManager, request_id: Any, position: int) -> int:
+    """The page at ``position`` of a running request's pages (ArgumentError if it maps none
+    there)."""
+    pages = mgr.pages_of(request_id)
+    integer(position, "position", minimum=0, maximum=max(pages.size - 1, 0))
+    if not pages.size:
+        raise ArgumentError(f"request {request_id!r} maps no page yet")
+    return int(pages[position])
+
+
 def free_behind_back(mgr: KVCacheManager, request_id: Any, position: int) -> int:
     """Free the page at ``position`` of a running request while it still maps it (BUGS 5, 9:
     a second release path, or a prefix page freed under a running request). Returns the page."""
-    page = int(mgr.pages_of(request_id)[position])
+    page = _mapped_page(mgr, request_id, position)
     holders = int(mgr.allocator.refcounts[page])
     mgr.allocator.free(np.full(holders, page, dtype=np.int32))
     return page
@@ -55,7 +68,8 @@ def overwrite_page_entry(mgr: KVCacheManager, request_id: Any, position: int, pa
     """Write another page id into a request's row (BUGS 12, 13: the kernel is handed the wrong
     slice of the page table, or stale columns). Returns the page that was there."""
     row = row_of(mgr, request_id)
-    old = int(mgr.table.pages[row, position])
+    old = _mapped_page(mgr, request_id, position)
+    integer(page, "page", minimum=0, maximum=mgr.num_pages - 1)
     mgr.table.pages[row, position] = page
     return old
 
