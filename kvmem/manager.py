@@ -480,11 +480,6 @@ class KVCacheManager:
         tokens = token_array(token_ids, "token_ids")
         self._committer.commit(np.array([row], dtype=np.intp),
                                np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
-        self._uncommitted_done()
-
-    def _uncommitted_done(self) -> None:
-        if self.steps.latest is not None:
-            self.steps.latest.uncommitted = False
 
     @_public
     def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:
@@ -504,7 +499,6 @@ class KVCacheManager:
                 self._committer.commit_decode(b, flat)
                 return
         self._committer.commit(rows, counts, flat, ids)
-        self._uncommitted_done()
 
     # -- integrity ---------------------------------------------------------------------------------
 
@@ -543,8 +537,7 @@ class KVCacheManager:
         ids, rows, b = self._batch(request_ids, "verified")
         md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
                               None if b is None else b.step, lambda: self.table.csr(rows)[:2])
-        if b is not None and not b.uncommitted and np.count_nonzero(
-                self.table.num_committed[rows] != b.start):
+        if b is not None and np.count_nonzero(self.table.num_committed[rows] != b.start):
             b = None  # some of its slots were committed since: the write set is not the step's
         verdict = self.verifier.check(ids, rows, md, b)
         aborted: dict[Any, str] = {}

@@ -93,7 +93,6 @@ class Committer:
         assert b.slots is not None and b.offsets is not None and b.cols is not None
         self.pages.write_tokens(b.slots, tokens)
         self.table.num_committed[b.rows] = b.end
-        b.uncommitted = False
         if self.pages.cache is not None:
             full = (b.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
             if full.size:

@@ -29,10 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import INT32_MAX, integer, show
-from kvmem.allocator._page_allocator import as_page_ids
+from kvmem.allocator._page_allocator import _ONE, as_page_ids
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
-
-_ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
 __all__ = ["StepFences", "StepHandle"]
 

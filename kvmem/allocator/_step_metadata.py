@@ -30,7 +30,7 @@ import numpy.typing as npt
 from kvmem._validate import show
 from kvmem.allocator._page_table import CSRMetadata, PageTable
 from kvmem.errors import ArgumentError
-from kvmem.integrity import PAD
+from kvmem.integrity import PAD, max_spliced_rows
 
 __all__ = ["Splice", "StepBuilder", "StepMetadata", "StepRecord"]
 
@@ -39,20 +39,9 @@ Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
 _EMPTY_TAGS = np.empty(0, dtype=np.int64)
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
-# Rows that changed since the previous step (grew a page, or hold another request) up to which
-# the CSR is patched by splicing slices (more: one vectorized rebuild). A splice costs a few
-# microseconds a row, a rebuild about one per thousand entries: at most
-# ``8 + entries // 1024`` rows are spliced, never more than MAX_SPLICES.
-MAX_SPLICES = 64
 # Records kept for commit_batch's decode path: an engine with steps in flight, each reserved in
 # a few calls (prefill chunks, decodes), commits a step several reserves later.
 RECENT = 8
-
-
-def max_splices(num_entries: int) -> int:
-    """Changed rows up to which patching a CSR of ``num_entries`` entries beats rebuilding it
-    (the verifier's proof follows the same rule)."""
-    return min(MAX_SPLICES, 8 + num_entries // 1024)
 
 
 @dataclass(frozen=True)
@@ -173,7 +162,6 @@ class StepRecord:
     token_pages: Int32Array | None = None  # ... its page ...
     offsets: Int64Array | None = None  # ... its slot within the page ...
     cols: Int64Array | None = None  # ... and the page's position in the row
-    uncommitted: bool = True  # no commit since: the write set is the step's
     splice: Splice | None = None
     step: StepMetadata | None = field(default=None, repr=False)
 
@@ -278,7 +266,7 @@ class StepBuilder:
         changed = ((counts != first) | ~kept).nonzero()[0]
         first = first[changed]
         fresh = counts[changed] - first
-        if changed.size > max_splices(c.indices.size) or np.count_nonzero(fresh < 0):
+        if changed.size > max_spliced_rows(c.indices.size) or np.count_nonzero(fresh < 0):
             return None
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
         if not changed.size:

@@ -41,7 +41,7 @@ from kvmem.integrity._tags import (
     qualify_live,
 )
 from kvmem.integrity._tracker import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
-from kvmem.integrity._verifier import Verifier, VerifierStats
+from kvmem.integrity._verifier import Verifier, VerifierStats, max_spliced_rows
 
 __all__ = [
     "MAX_NAMESPACES",
@@ -64,6 +64,7 @@ __all__ = [
     "check_csr",
     "check_csr_torch",
     "lifetime_of",
+    "max_spliced_rows",
     "namespace_id_of",
     "owned_pages",
     "qualify",

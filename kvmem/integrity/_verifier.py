@@ -43,14 +43,20 @@ from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, val
 from kvmem.integrity._tags import TagMirror, qualify_live
 from kvmem.integrity._tracker import Tracker
 
-__all__ = ["Verifier", "VerifierStats"]
+__all__ = ["Verifier", "VerifierStats", "max_spliced_rows"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
 _EMPTY = np.empty(0, dtype=np.int64)
-# More changed rows than this: the proof starts over (one full gather is cheaper).
-MAX_CHANGED_ROWS = 64
+
+
+def max_spliced_rows(num_entries: int) -> int:
+    """Changed rows up to which patching a CSR of ``num_entries`` entries (reserve's
+    ``kv_indices``, the verifier's proof) beats rebuilding it: a splice costs a few
+    microseconds of Python a row, a rebuild about one per thousand entries."""
+    return min(64, 8 + num_entries // 1024)
+
 _ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
 
@@ -279,10 +285,9 @@ class Verifier(FullCheck):
             if kept is not None:
                 first = np.where(kept, p.counts, 0)  # entries each row keeps from the proof
                 changed = ((counts != first) | ~kept).nonzero()[0]
-            if kept is None or changed.size > min(MAX_CHANGED_ROWS, 8 + indices.size // 1024):
+            if kept is None or changed.size > max_spliced_rows(indices.size):
                 # another batch, or so many changed rows that checking every entry afresh
-                # costs less than splicing them into the proof (reserve's CSR follows the
-                # same rule: allocator._step_metadata.max_splices): start over
+                # costs less than splicing them into the proof: start over
                 self.forget()
                 p = None
         if p is None or first is None:  # nothing proven: every entry is new
