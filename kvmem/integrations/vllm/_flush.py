@@ -102,7 +102,7 @@ class QueueFlush:
         reqs = list(map(_REQUEST, q))
         computed = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=n)
         known = np.fromiter(map(len, map(_TOKENS, reqs)), dtype=np.int64, count=n)
-        return self._commit_one_each(q, np.minimum(computed + 1, known), ids)
+        return self._commit_one_each(q, np.minimum(computed + 1, known), _committed(q), ids)
 
     def _commit_arrived(self, commits: list[tuple[Any, RequestState, int]]) -> bool:
         """Async scheduling's ``cache_blocks`` targets, as ``_commit_general`` would commit
@@ -112,22 +112,20 @@ class QueueFlush:
             return False
         n = len(commits)
         upto = np.fromiter(map(_NUM, commits), dtype=np.int64, count=n)
-        if not np.count_nonzero(upto > np.fromiter(
-                map(_COMMITTED, map(_STATE, commits)), dtype=np.int64, count=n)):
+        committed = _committed(commits)
+        if not np.count_nonzero(upto > committed):
             return True  # (the usual case: they were committed when their step was scheduled)
         states = list(map(_STATE, commits))
         if len(set(states)) != n or not all(map(self._reqs.__contains__, map(_RID, states))):
             return False
-        return self._commit_one_each(commits, upto)
+        return self._commit_one_each(commits, upto, committed)
 
-    def _commit_one_each(self, entries: list[Any], upto: Any,
+    def _commit_one_each(self, entries: list[Any], upto: Any, committed: Any,
                          ids: tuple[str, ...] | None = None) -> bool:
         """Commit, for each ``(request, state, ...)`` entry, the request's tokens from its
-        committed ones up to ``upto`` (``[n]`` int64) when that is at most one token each (one
-        ``commit_batch``); False, nothing done, otherwise. ``ids``: the entries' request ids
-        (the batch's tuple, which the manager recognizes), if at hand."""
-        committed = np.fromiter(map(_COMMITTED, map(_STATE, entries)), dtype=np.int64,
-                                count=len(entries))
+        ``committed`` ones up to ``upto`` (both ``[n]`` int64) when that is at most one token
+        each (one ``commit_batch``); False, nothing done, otherwise. ``ids``: the entries'
+        request ids (the batch's tuple, which the manager recognizes), if at hand."""
         gain = upto - committed
         if np.count_nonzero(gain > 1):
             return False
@@ -229,3 +227,8 @@ class QueueFlush:
         self.manager.commit_batch(ids, tokens)
         for e in entries:
             e[1].committed = e[3]
+
+
+def _committed(entries: list[Any]) -> Any:
+    """The committed tokens of each ``(request, state, ...)`` entry's request: ``[n]`` int64."""
+    return np.fromiter(map(_COMMITTED, map(_STATE, entries)), dtype=np.int64, count=len(entries))
