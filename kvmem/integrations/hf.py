@@ -419,22 +419,26 @@ def _check_window(token_ids: list[int], window: int) -> int:
     return window
 
 
-def _prefill_chunks(
-    lm: PagedCausalLM, manager: KVCacheManager, token_ids: list[int], chunk_size: int
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Prefill ``token_ids`` as one request, chunk by chunk; yield (start, logits [n, V])."""
+def _check_paged(lm: Any, manager: Any) -> None:
+    """Refuse what the teacher-forced paged paths cannot run on (before any admission)."""
     from kvmem.manager import KVCacheManager
 
     if not isinstance(lm, PagedCausalLM):
         raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedCausalLM")
     if not isinstance(manager, KVCacheManager):
         raise ArgumentTypeError(f"manager={show(manager)}: expected a kvmem.KVCacheManager")
-    token_array(token_ids, "token_ids")
     if manager.cache is not None:
         raise ConfigError(
             "teacher forcing needs the logits of every position, but this manager reuses "
             "cached prefixes (which skips their prefill); build it with prefix_cache=None"
         )
+
+
+def _prefill_chunks(
+    lm: PagedCausalLM, manager: KVCacheManager, token_ids: list[int], chunk_size: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Prefill ``token_ids`` as one request, chunk by chunk; yield (start, logits [n, V])
+    (the caller checked its arguments: :func:`_check_paged`)."""
     rid = ("teacher-forced", id(token_ids))
     manager.admit(rid, token_ids)
     try:
@@ -469,6 +473,8 @@ def paged_logits(
     torch.Tensor
         ``[len(token_ids), vocab_size]``, float32: row i predicts token i + 1.
     """
+    _check_paged(lm, manager)
+    token_array(token_ids, "token_ids")
     return torch.cat([lg for _, lg in _prefill_chunks(lm, manager, list(token_ids), chunk_size)])
 
 
@@ -501,6 +507,7 @@ def paged_perplexity(
     -------
     (perplexity, num_scored)
     """
+    _check_paged(lm, manager)
     window = _check_window(token_ids, window)
     chunk_size = integer(chunk_size, "chunk_size", minimum=1)
     total, count = 0.0, 0
