@@ -173,6 +173,8 @@ def _check_args(args: argparse.Namespace) -> None:
     args.engine = "manager" if args.engine is None else args.engine
     args.config = "small" if args.config is None else args.config
     args.seed = 0 if args.seed is None else args.seed
+    if args.seed < 0:
+        raise ArgumentError(f"--seed {args.seed}: expected a seed >= 0")
 
 
 def _names(args: argparse.Namespace, engine: str) -> list[str]:

@@ -90,6 +90,7 @@ def test_list_json_is_the_catalog_as_one_json_list(capsys: pytest.CaptureFixture
     (["fuzz", "--profile", "ci", "--engine", "toy"], "it takes no --engine"),
     (["fuzz", "--profile", "ci", "--seed", "3", "--minutes", "1"], "it takes no --minutes, --seed"),
     (["fuzz", "--moves", "10", "--save", "/proc/kvmem-no-such-dir"], "--save /proc/kvmem-no-such"),
+    (["fuzz", "--moves", "10", "--seed", "-1"], "--seed -1: expected a seed >= 0"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                             message: str) -> None:

@@ -14,7 +14,7 @@ from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"num_pages": 0}, ArgumentError, "num_pages=0: expected an integer >= 1"),
+    ({"num_pages": 0}, ArgumentError, "num_pages=0: expected an integer in 1..2147483647"),
     ({"page_size": 2.5}, ArgumentTypeError, "page_size=2.5"),
     ({"check_every": 0}, ArgumentError, "check_every=0"),
     ({"max_in_flight": True}, ArgumentTypeError, "max_in_flight=True"),
@@ -73,6 +73,11 @@ def test_a_schedule_of_numpy_ints_replays_as_one_of_ints() -> None:
     (lambda: t.Timeline(KVCacheManager(16, page_size=4, max_seqs=4), 0, 16), "max_requests=0"),
     (lambda: t.Timeline(KVCacheManager(16, page_size=4, max_seqs=4), 4, -1), "max_len=-1"),
     (lambda: t.kv_value_array("x", [1, 2]), "ns_key='x'"),
+    (lambda: t.campaign("manager", None, None, -1, 10), "seed=-1"),
+    (lambda: t.hunt("retire_at_launch", seed=-1), "seed=-1"),
+    (lambda: t.replay([], seed=-1), "seed=-1"),
+    (lambda: t.ToyEngine(KVCacheManager(16, page_size=4, max_seqs=4), seed=-1), "seed=-1"),
+    (lambda: t.FuzzConfig(num_pages=10**30), "num_pages=1000000000000000000000000000000"),
 ])
 def test_bad_counts_seeds_and_engines_are_refused(call: Any, message: str) -> None:
     with pytest.raises(KVMemError) as info:
@@ -141,3 +146,10 @@ def test_one_shot_faults_refuse_a_position_the_request_does_not_map() -> None:
             call()
     mgr.check()  # nothing was done
     assert t.faults.overwrite_page_entry(mgr, "a", 1, int(mgr.pages_of("a")[0])) >= 0
+
+
+def test_numpy_int_seeds_run_as_the_same_ints() -> None:
+    a = t.campaign("manager", None, None, np.int64(3), 200)
+    b = t.campaign("manager", None, None, 3, 200)
+    assert a.schedule == b.schedule and a.moves == b.moves > 0
+    assert t.hunt("retire_at_launch", seed=np.int64(2), shrink_replays=0).detected

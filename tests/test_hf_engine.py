@@ -275,7 +275,12 @@ def test_run_refuses_bad_arrivals_before_any_step(tiny: Any, arrivals: Any, mess
 
 
 def test_paged_paths_and_kvbatch_refuse_bad_arguments_with_kvmem_errors(tiny: Any) -> None:
-    from kvmem.integrations.hf import hf_perplexity, load_smollm2, paged_perplexity
+    from kvmem.integrations.hf import (
+        hf_perplexity,
+        load_smollm2,
+        paged_logits,
+        paged_perplexity,
+    )
 
     lm = PagedCausalLM.build(tiny, 16, "fp32", page_size=4, device="cpu")
     mgr = KVCacheManager(16, page_size=4, pool=lm.pool, prefix_cache=None)
@@ -295,7 +300,9 @@ def test_paged_paths_and_kvbatch_refuse_bad_arguments_with_kvmem_errors(tiny: An
              "this pool has pages 0..15", ArgumentError),
             (lambda: KVBatch.from_arrays(lm.pool, None, two, two, i32, i32),
              "1-D integer numpy arrays", KVMemError),
-            (lambda: load_smollm2("/nonexistent/smollm2.gguf"), "no such file", ArgumentError)):
+            (lambda: load_smollm2("/nonexistent/smollm2.gguf"), "no such file", ArgumentError),
+            (lambda: paged_logits(lm, mgr, [1, 2, 3], chunk_size=0), "chunk_size=0",
+             ArgumentError)):
         with pytest.raises(kind, match=named):
             call()
     assert mgr.allocator.num_free == 16 and not mgr.running  # nothing was admitted

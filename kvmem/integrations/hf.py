@@ -475,6 +475,7 @@ def paged_logits(
     """
     _check_paged(lm, manager)
     token_array(token_ids, "token_ids")
+    chunk_size = integer(chunk_size, "chunk_size", minimum=1)
     return torch.cat([lg for _, lg in _prefill_chunks(lm, manager, list(token_ids), chunk_size)])
 
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import integer
+from kvmem._validate import INT32_MAX, integer
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.testing._launch import Launch, RequestSpec
 
@@ -85,7 +85,7 @@ class FuzzConfig:
                             ("target_running", target_running), ("max_in_flight", max_in_flight),
                             ("chunk", chunk), ("max_batch_tokens", max_batch_tokens),
                             ("check_every", check_every)):
-            integer(value, name, minimum=1)
+            integer(value, name, minimum=1, maximum=INT32_MAX)
         for name, pair in (("prompt_len", prompt_len), ("max_new", max_new)):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
                 raise ArgumentTypeError(f"{name}={pair!r}: expected a (lo, hi) pair of ints")

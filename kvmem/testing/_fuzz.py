@@ -61,7 +61,8 @@ def campaign(engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
     weights (merged with the fault's) from a ``random.Random(seed)``."""
     t0 = time.perf_counter()
     integer(max_moves, "max_moves", minimum=0)
-    run = Run(engine, config, fault, integer(seed, "seed"))
+    seed = integer(seed, "seed", minimum=0)
+    run = Run(engine, config, fault, seed)
     weights = dict(run.config.weights)
     if run.fault is not None:
         weights.update(run.fault.weights)
@@ -110,7 +111,7 @@ def replay(schedule: Sequence[Sequence[Any]],
     """Run a schedule exactly, then the final check; raises :class:`FuzzFailure` if an oracle
     fires. Returns the run (its manager, timeline and engine) when nothing fired."""
     moves = _checked_schedule(schedule)
-    run = Run(engine, config, fault, integer(seed, "seed"))
+    run = Run(engine, config, fault, seed)
     for name, a, b in moves:
         run.step(name, a, b)
     run.final_check()
@@ -291,7 +292,7 @@ def hunt(fault: Any, engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager
     integer(max_campaigns, "max_campaigns", minimum=1)
     integer(moves_per_campaign, "moves_per_campaign", minimum=1)
     integer(shrink_replays, "shrink_replays", minimum=0)
-    integer(seed, "seed")
+    seed = integer(seed, "seed", minimum=0)
     f = to_fault(fault)
     cfg = to_config(config)
     moves = 0

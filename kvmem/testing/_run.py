@@ -91,7 +91,7 @@ class Run:
     def __init__(self, engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
                  config: FuzzConfig | dict[str, Any] | str | None = None, fault: Any = None,
                  seed: int = 0) -> None:
-        integer(seed, "seed")
+        seed = integer(seed, "seed", minimum=0)
         self.config = c = to_config(config)
         self.engine = make_engine(engine, c) if isinstance(engine, str) else engine(c)
         self.fault = to_fault(fault)

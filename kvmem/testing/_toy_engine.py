@@ -71,7 +71,7 @@ class ToyEngine:
         if not isinstance(manager, KVCacheManager):
             raise ArgumentTypeError(f"manager={show(manager)}: expected a KVCacheManager")
         integer(vocab, "vocab", minimum=1)
-        integer(seed, "seed")
+        seed = integer(seed, "seed", minimum=0)
         self.mgr = manager
         self.sampler = sampler
         self.page_size = manager.page_size
