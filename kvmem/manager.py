@@ -537,7 +537,7 @@ class KVCacheManager:
         ids, rows, b = self._batch(request_ids, "verified")
         md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
                               None if b is None else b.step, lambda: self.table.csr(rows)[:2])
-        if b is not None and np.count_nonzero(self.table.num_committed[rows] != b.start):
+        if b is not None and np.count_nonzero(self.table.num_committed[rows] > b.start):
             b = None  # some of its slots were committed since: the write set is not the step's
         verdict = self.verifier.check(ids, rows, md, b)
         aborted: dict[Any, str] = {}

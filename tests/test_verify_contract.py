@@ -402,6 +402,40 @@ def test_step_n_committed_after_step_n_plus_1_was_reserved() -> None:
     slow.check()
 
 
+def test_two_steps_in_flight_are_verified_on_the_fast_path_and_faults_still_caught() -> None:
+    """Async scheduling reserves and verifies step n + 1 before step n's tokens are committed:
+    the rows' committed counts lag the record's start, which leaves the step's write set as
+    reserve made it, so verify answers from the record (paranoid mode checks every answer
+    against the full check). A commit into the step's own slots before its verify sends it to
+    the general path; a page freed behind the manager's back is still caught."""
+    mgr = make(num_pages=64)
+    ids = ["a", "b", "c"]
+    for i, rid in enumerate(ids):
+        prompt = np.arange(5 + 3 * i) + 10 * i
+        mgr.admit(rid, prompt)
+        mgr.reserve([rid], prompt.size)
+        mgr.commit(rid, prompt)
+    step_n = mgr.reserve(ids, 1)
+    assert mgr.verify(ids, step_n).ok
+    for n in range(6):  # step n + 1 reserved and verified, then step n committed
+        before = mgr.verifier.stats
+        step = mgr.reserve(ids, 1)
+        assert mgr.verify(ids, step).ok
+        after = mgr.verifier.stats
+        assert after.full_checks == before.full_checks
+        assert after.paranoid_checks == before.paranoid_checks + 1  # a fast path answered
+        assert after.spliced_proved == before.spliced_proved + 1  # ... from reserve's record
+        mgr.commit_batch(ids, np.full(3, 100 + n))
+    # Committed into its own slots before its verify: the write set shrank; still proved.
+    mgr.commit_batch(ids, np.full(3, 7))
+    step = mgr.reserve(ids, 1)
+    mgr.commit_batch(ids, np.full(3, 8))
+    assert mgr.verify(ids, step).ok
+    step = mgr.reserve(ids, 1)
+    faults.free_behind_back(mgr, "b", 0)
+    assert list(mgr.verify(ids, step).aborted) == ["b"]
+
+
 def test_a_raising_hook_hands_back_the_operations_result() -> None:
     from kvmem.manager import HookError
 
