@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import INT32_MAX, integer
-from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.testing._launch import Launch, RequestSpec
 
 __all__ = ["FuzzConfig", "FuzzEngine", "stable_bit", "stable_pick", "subset_step"]
@@ -100,12 +100,21 @@ class FuzzConfig:
         if any(not (isinstance(w, (int, float)) and 0 <= w < float("inf"))
                for w in (weights or {}).values()):
             raise ArgumentError(f"weights={weights!r}: expected finite numbers >= 0")
+        if isinstance(namespaces, (str, bytes)) or not isinstance(namespaces, Sequence) \
+                or not namespaces:
+            raise ArgumentError(f"namespaces={namespaces!r}: expected a non-empty sequence of "
+                                "tenants (None: no tenant), e.g. (None, 'tenant-a')")
+        if not isinstance(strict_commits, (bool, np.bool_)):
+            raise ArgumentTypeError(f"strict_commits={strict_commits!r}: expected True or False")
+        if not any(w > 0 for w in {**self.DEFAULT_WEIGHTS, **(weights or {})}.values()):
+            raise ArgumentError(f"weights={weights!r}: every move has weight 0; give at least "
+                                "one move a weight > 0")
         if prompt_len[0] < 1 or prompt_len[1] < prompt_len[0] or max_new[1] < max_new[0]:
-            raise KVMemError(f"prompt_len {prompt_len} and max_new {max_new} must be (lo, hi) "
-                             "ranges with lo <= hi and prompts of at least one token")
+            raise ArgumentError(f"prompt_len {prompt_len} and max_new {max_new} must be (lo, hi) "
+                                "ranges with lo <= hi and prompts of at least one token")
         if prompt_len[1] + max_new[1] > max_len:
-            raise KVMemError(f"prompt_len[1] + max_new[1] = {prompt_len[1] + max_new[1]} "
-                             f"exceeds max_len={max_len}; raise max_len")
+            raise ArgumentError(f"prompt_len[1] + max_new[1] = {prompt_len[1] + max_new[1]} "
+                                f"exceeds max_len={max_len}; raise max_len")
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_seqs = max_seqs
@@ -142,15 +151,20 @@ class FuzzConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FuzzConfig:
+        """The config :meth:`to_dict` gave (lists for tuples, as JSON has them); fields left out
+        take their defaults."""
+        if not isinstance(d, dict):
+            raise ArgumentTypeError(f"from_dict({d!r}): expected a dict of FuzzConfig fields, "
+                                    "as to_dict() gives")
         d = dict(d)
         fields = list(inspect.signature(cls).parameters)
         unknown = sorted(set(d) - set(fields), key=str)
         if unknown:
             raise ArgumentError(f"no FuzzConfig field {unknown}; the fields are {fields}")
         for key in ("prompt_len", "max_new"):
-            if key in d:
+            if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
-        if "namespaces" in d:
+        if isinstance(d.get("namespaces"), list):
             d["namespaces"] = tuple(tuple(n) if isinstance(n, list) else n
                                     for n in d["namespaces"])
         return cls(**d)
@@ -170,7 +184,7 @@ class FuzzConfig:
                                 "copy": 4, "transfer": 4, "abort": 0.4, "fork": 0.3,
                                 "preempt": 0.2, "resume": 1, "receive": 0.3, "clear": 0.01,
                                 "hook": 0.5})
-        raise KVMemError(f"no fuzz config preset {name!r}; use 'small' or 'bench'")
+        raise ArgumentError(f"no fuzz config preset {name!r}; use 'small' or 'bench'")
 
 
 class FuzzEngine:
@@ -186,7 +200,8 @@ class FuzzEngine:
     max_in_flight: steps launched and not yet completed at most (0: a synchronous engine, whose
         every step completes, and is finished, within the move that launched it)
     capabilities: optional moves the engine supports: ``"fork"``, ``"preempt"``, ``"resume"``,
-        ``"receive"``, ``"clear"``
+        ``"receive"``, ``"clear"`` (:meth:`clear_cache`), ``"hooks"`` (the ``hook`` move: the
+        next manager hook of some kind raises)
     bugs: engine-side fault switches the adapter honours (see :mod:`kvmem.testing.faults`)
     stream_ordered: the engine runs its steps in launch order on one stream and relies on that
         order instead of step fences (vLLM): it frees and reuses pages while a step runs and

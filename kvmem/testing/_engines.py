@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._manager_engine import ManagerEngine
 from kvmem.testing._toy_adapter import ToyEngineAdapter
@@ -23,6 +23,6 @@ def make_engine(name: str, config: FuzzConfig) -> FuzzEngine:
     """An engine adapter by name (``kvmem.testing.ENGINES`` lists them; add yours there)."""
     factory = ENGINES.get(name)
     if factory is None:
-        raise KVMemError(f"no fuzz engine {name!r}; choose one of {sorted(ENGINES)} (register "
+        raise ArgumentError(f"no fuzz engine {name!r}; choose one of {sorted(ENGINES)} (register "
                          "yours in kvmem.testing.ENGINES)")
     return factory(config)

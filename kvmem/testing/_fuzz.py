@@ -23,7 +23,7 @@ from kvmem._validate import integer
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._engines import ENGINES
-from kvmem.testing._oracles import FuzzFailure
+from kvmem.testing._oracles import ORACLES, FuzzFailure
 from kvmem.testing._run import MOVES, OPTIONAL_MOVES, Move, Run, to_config, to_fault
 
 __all__ = [
@@ -52,13 +52,17 @@ class CampaignResult:
     seed: int
 
 
+_IDLE_DRAWS = 10_000  # a campaign whose weights leave no move that applies ends (no hang)
+
+
 def campaign(engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
              config: FuzzConfig | dict[str, Any] | str | None = None, fault: Any = None,
              seed: int = 0, max_moves: int = 2000, deadline: float | None = None
              ) -> CampaignResult:
     """One random campaign of up to ``max_moves`` moves (or until ``deadline``, a
     ``time.perf_counter()`` value), then the final check. Moves are drawn with the config's
-    weights (merged with the fault's) from a ``random.Random(seed)``."""
+    weights (merged with the fault's) from a ``random.Random(seed)``; it also ends when 10,000
+    draws in a row apply nothing (weights that leave no move that can apply)."""
     t0 = time.perf_counter()
     integer(max_moves, "max_moves", minimum=0)
     seed = integer(seed, "seed", minimum=0)
@@ -67,6 +71,10 @@ def campaign(engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
     if run.fault is not None:
         weights.update(run.fault.weights)
     names = [m for m in run.moves_enabled if weights.get(m, 0) > 0]
+    if not names:
+        raise ArgumentError(f"no move the {run.engine.name!r} engine offers "
+                            f"({list(run.moves_enabled)}) has a weight > 0 in the config; give "
+                            "one of them a weight")
     cum: list[float] = []
     total = 0.0
     for m in names:
@@ -80,15 +88,19 @@ def campaign(engine: str | Callable[[FuzzConfig], FuzzEngine] = "manager",
     bits = rnd.getrandbits
     try:
         tries = 0
-        while run.num_moves < max_moves:
+        idle = 0  # draws in a row that applied nothing
+        while run.num_moves < max_moves and idle < _IDLE_DRAWS:
             tries += 1
             if deadline is not None and not tries & 255 and time.perf_counter() > deadline:
                 break
             name = names[bisect.bisect(cum, rand() * total)]
             move = (name, bits(20), bits(20))
             schedule.append(move)
-            if not step(*move):
+            if step(*move):
+                idle = 0
+            else:
                 schedule.pop()
+                idle += 1
         while True:  # drain the device with recorded moves, then the final check
             moves = run.drain_moves()
             if not moves:
@@ -151,14 +163,21 @@ def shrink(schedule: Sequence[Move], oracle: str, *, max_replays: int = 400,
 
     Tries deleting chunks of moves (halves, quarters, ... down to single moves), then zeroing
     each move's arguments; stops after ``max_replays`` replays or at ``deadline``. ``kwargs``
-    go to :func:`replay` (engine, fault, seed, config). Raises KVMemError if the schedule does
-    not fail with ``oracle`` to begin with.
+    go to :func:`replay` (engine, fault, seed, config). Raises ArgumentError (a KVMemError) if
+    the schedule does not fail with ``oracle`` to begin with.
     """
-    ok, failure = _fails(schedule, oracle, kwargs)
+    integer(max_replays, "max_replays", minimum=0)
+    if oracle not in ORACLES:
+        raise ArgumentError(f"oracle={oracle!r}: expected one of {list(ORACLES)}")
+    unknown = sorted(set(kwargs) - {"engine", "fault", "seed", "config"})
+    if unknown:
+        raise ArgumentError(f"shrink got {unknown}: expected replay's engine, fault, seed, "
+                            "config")
+    ok, failure = _fails(_checked_schedule(schedule), oracle, kwargs)
     if not ok or failure is None:
-        raise KVMemError(f"the schedule does not make {oracle!r} fire (it gave {failure!r}); "
-                         "nothing to shrink")
-    s = list(schedule)
+        raise ArgumentError(f"the schedule does not make {oracle!r} fire (it gave "
+                            f"{failure!r}); nothing to shrink")
+    s = _checked_schedule(schedule)
     replays = 1
 
     def cut(sched: list[Move], f: FuzzFailure) -> list[Move]:
@@ -226,9 +245,24 @@ def test_{name}() -> None:
 
 
 def save_reproducer(directory: str | Path, schedule: Sequence[Move], failure: FuzzFailure,
-                    engine: str, fault: str | None, seed: int, config: FuzzConfig,
+                    engine: str, fault: str | None, seed: int,
+                    config: FuzzConfig | dict[str, Any] | str | None,
                     name: str | None = None) -> Path:
-    """Write a runnable pytest file that replays ``schedule`` exactly; returns its path."""
+    """Write a runnable pytest file that replays ``schedule`` exactly; returns its path.
+    ``config`` may be anything :func:`replay` takes (a FuzzConfig, a dict, a preset name)."""
+    moves_ = _checked_schedule(schedule)
+    if not isinstance(failure, FuzzFailure):
+        raise ArgumentTypeError(f"failure={failure!r}: expected the FuzzFailure replay raised")
+    if not isinstance(engine, str):
+        raise ArgumentTypeError(f"engine={engine!r}: expected an ENGINES name (the reproducer "
+                                "replays by name)")
+    seed = integer(seed, "seed", minimum=0)
+    if fault is not None and not isinstance(fault, str):
+        raise ArgumentTypeError(f"fault={fault!r}: expected a catalog name or None")
+    to_fault(fault)  # an unknown name is refused
+    if name is not None and not isinstance(name, str):
+        raise ArgumentTypeError(f"name={name!r}: expected a str (the test's name) or None")
+    cfg = to_config(config)
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -238,12 +272,12 @@ def save_reproducer(directory: str | Path, schedule: Sequence[Move], failure: Fu
     stem = name or f"{fault or 'none'}_{engine}_{seed}_{failure.oracle}"
     stem = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in stem)
     path = directory / f"test_fuzz_{stem}.py"
-    moves = "\n".join(f"    ({m[0]!r}, {m[1]}, {m[2]})," for m in schedule)
+    moves = "\n".join(f"    ({m[0]!r}, {m[1]}, {m[2]})," for m in moves_)
     message = " ".join(str(failure.detail).split()).replace('"""', "'''")
     path.write_text(_REPRODUCER.format(
-        n=len(schedule), oracle=failure.oracle, message=message[:400], engine=engine,
+        n=len(moves_), oracle=failure.oracle, message=message[:400], engine=engine,
         fault=fault, seed=seed, filename=path.name, name=stem,
-        config=pprint.pformat(config.to_dict(), indent=4, sort_dicts=False), moves=moves,
+        config=pprint.pformat(cfg.to_dict(), indent=4, sort_dicts=False), moves=moves,
     ))
     return path
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError
 
 __all__ = ["EMPTY64", "Launch", "RequestSpec"]
 
@@ -92,7 +92,7 @@ class Launch:
                  kind: str = "step", held_sources: npt.ArrayLike | None = None,
                  writes_first: bool = False) -> None:
         if kind not in ("step", "transfer"):
-            raise KVMemError(f"Launch kind must be 'step' or 'transfer', got {kind!r}")
+            raise ArgumentError(f"Launch kind must be 'step' or 'transfer', got {kind!r}")
         self.request_ids = tuple(request_ids)
         self.starts = np.asarray(starts, dtype=np.int64)
         self.num_new = np.asarray(num_new, dtype=np.int64)
@@ -109,7 +109,7 @@ class Launch:
         b = len(self.request_ids)
         if (self.starts.shape != (b,) or self.num_new.shape != (b,)
                 or self.kv_indptr.shape != (b + 1,) or self.copy_src.shape != self.copy_dst.shape):
-            raise KVMemError(
+            raise ArgumentError(
                 f"a Launch of {b} requests needs starts/num_new [{b}], kv_indptr [{b + 1}] and "
                 f"copy_src/copy_dst of one shape; got {self.starts.shape}, "
                 f"{self.num_new.shape}, {self.kv_indptr.shape}, {self.copy_src.shape}/"

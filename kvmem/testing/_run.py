@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import integer
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, stable_pick
 from kvmem.testing._engines import make_engine
 from kvmem.testing._launch import Launch, RequestSpec
@@ -71,9 +71,14 @@ def to_fault(fault: Any) -> Any:
         from kvmem.testing.faults import CATALOG
 
         if fault not in CATALOG:
-            raise KVMemError(f"no fault {fault!r} in the catalog; choose one of "
-                             f"{sorted(CATALOG)}")
+            raise ArgumentError(f"no fault {fault!r} in the catalog; choose one of "
+                                f"{sorted(CATALOG)}")
         return CATALOG[fault]
+    from kvmem.testing.faults import Fault
+
+    if not isinstance(fault, Fault):
+        raise ArgumentTypeError(f"fault={fault!r}: expected None, a catalog name or a Fault "
+                                "(kvmem.testing.faults.CATALOG lists them)")
     return fault
 
 
@@ -93,6 +98,9 @@ class Run:
                  seed: int = 0) -> None:
         seed = integer(seed, "seed", minimum=0)
         self.config = c = to_config(config)
+        if not (isinstance(engine, str) or callable(engine)):
+            raise ArgumentTypeError(f"engine={engine!r}: expected an ENGINES name or a factory "
+                                    "config -> FuzzEngine (a FuzzEngine subclass)")
         self.engine = make_engine(engine, c) if isinstance(engine, str) else engine(c)
         self.fault = to_fault(fault)
         self.seed = seed
@@ -123,8 +131,8 @@ class Run:
                 mgr.add_hook(kind, self._failing_hook(kind))
         if self.fault is not None:
             if self.fault.engines is not None and self.engine.name not in self.fault.engines:
-                raise KVMemError(f"fault {self.fault.name!r} applies to engines "
-                                 f"{self.fault.engines}, not {self.engine.name!r}")
+                raise ArgumentError(f"fault {self.fault.name!r} applies to engines "
+                                    f"{self.fault.engines}, not {self.engine.name!r}")
             self.fault.install(self)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -223,7 +231,7 @@ class Run:
         except (AttributeError, AssertionError, IndexError, KeyError, ValueError,
                 TypeError, RuntimeError) as e:
             if isinstance(e, AttributeError) and not hasattr(self, "_m_" + name):
-                raise KVMemError(f"no move {name!r}; moves are {MOVES}") from None
+                raise ArgumentError(f"no move {name!r}; moves are {MOVES}") from None
             raise FuzzFailure("engine", f"{name}({a}, {b}) raised {type(e).__name__}: {e}",
                               index) from e
         if applied:
@@ -397,4 +405,7 @@ def to_config(config: FuzzConfig | dict[str, Any] | str | None) -> FuzzConfig:
         return FuzzConfig.preset(config)
     if isinstance(config, dict):
         return FuzzConfig.from_dict(config)
+    if not isinstance(config, FuzzConfig):
+        raise ArgumentTypeError(f"config={config!r}: expected a FuzzConfig, a dict of its "
+                                "fields, a preset name ('small', 'bench') or None")
     return config
