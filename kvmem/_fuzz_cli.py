@@ -101,6 +101,12 @@ def run_fuzz(args: argparse.Namespace) -> int:
     # verify's "aborting request" warnings are what faults are for: keep the output readable.
     logging.getLogger("kvmem").setLevel(logging.ERROR)
     if args.list:
+        given = [f"--{name}" for name in ("engine", "faults", "minutes", "moves", "config",
+                                          "seed", "save", "profile")
+                 if getattr(args, name) is not None]
+        if given:
+            raise ArgumentError(f"--list prints the catalog and runs nothing; it takes no "
+                                f"{', '.join(given)} (only --json)")
         if args.json:
             print(json.dumps([{"fault": name, "bugs": list(f.bugs), "side": f.side,
                                "timeline": f.timeline,
@@ -120,8 +126,11 @@ def run_fuzz(args: argparse.Namespace) -> int:
             from kvmem.integrations.vllm import SETUP_HINT
 
             raise KVMemError(f"the {engine!r} fuzz engine needs vLLM: {SETUP_HINT}")
-        raise KVMemError(f"no fuzz engine {engine!r}; choose one of {sorted(ENGINES)}")
+        raise ArgumentError(f"no fuzz engine {engine!r}; choose one of {sorted(ENGINES)}")
     config = FuzzConfig.preset(args.config)
+    if args.faults is not None and args.profile is None:
+        _names(args, args.engine)
+    _save_folder(args)  # last: a refused command creates no folder
     progress = _Progress()
     if args.profile is not None:
         results, ok = _ci_profile(progress, _VLLM_ENGINES if args.profile == "ci-vllm"
@@ -161,6 +170,15 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ArgumentError("--faults hunts each fault for a share of --minutes and then "
                                 f"runs {_CLEAN_MOVES:,} fault-free moves; it takes no --moves "
                                 "(use --minutes)")
+    args.engine = "manager" if args.engine is None else args.engine
+    args.config = "small" if args.config is None else args.config
+    args.seed = 0 if args.seed is None else args.seed
+    if args.seed < 0:
+        raise ArgumentError(f"--seed {args.seed}: expected a seed >= 0")
+
+
+def _save_folder(args: argparse.Namespace) -> None:
+    """Create the --save folder (ArgumentError when it cannot be created or written)."""
     if args.save is not None:
         try:
             Path(args.save).mkdir(parents=True, exist_ok=True)
@@ -170,11 +188,6 @@ def _check_args(args: argparse.Namespace) -> None:
         if not os.access(args.save, os.W_OK):
             raise ArgumentError(f"--save {args.save}: the folder is not writable; name a "
                                 "folder you can write")
-    args.engine = "manager" if args.engine is None else args.engine
-    args.config = "small" if args.config is None else args.config
-    args.seed = 0 if args.seed is None else args.seed
-    if args.seed < 0:
-        raise ArgumentError(f"--seed {args.seed}: expected a seed >= 0")
 
 
 def _names(args: argparse.Namespace, engine: str) -> list[str]:
@@ -184,7 +197,12 @@ def _names(args: argparse.Namespace, engine: str) -> list[str]:
                             if f.engines is None or engine in f.engines]
     unknown = [n for n in names if n not in CATALOG]
     if unknown:
-        raise KVMemError(f"unknown faults {unknown}; `kvmem fuzz --list` shows the catalog")
+        raise ArgumentError(f"unknown faults {unknown}; `kvmem fuzz --list` shows the catalog")
+    elsewhere = [n for n in names if engine not in (CATALOG[n].engines or (engine,))]
+    if elsewhere:  # refused before any work, not after the faults named before them
+        raise ArgumentError(f"faults {elsewhere} do not apply to the {engine!r} engine (`kvmem "
+                            "fuzz --list` shows where each applies); drop them or pick another "
+                            "--engine")
     return names
 
 
