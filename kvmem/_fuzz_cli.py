@@ -13,8 +13,8 @@ failure is shrunk and, with ``--save``, written as a pytest file that replays it
 an oracle fires, the failing interleaving is shrunk, and a fault-free campaign of at least
 10,000 moves follows (``fault: "none"``). ``--json`` prints one JSON list, one entry per fault
 (``fault``, ``detected``, ``detected_by``, ``schedule_len``, ``seconds``, ...). ``--profile ci``
-is the derandomized CI run (fixed seeds and move budgets, both shipped engines, a couple of
-minutes on two cores): it exits 1 if a fault goes undetected or a fault-free run trips a check.
+is the derandomized CI run (fixed seeds and move budgets, both shipped engines, about 30 s
+on two cores): it exits 1 if a fault goes undetected or a fault-free run trips a check.
 ``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
 A progress line goes to stderr. Exit status: 0, or 1 when the outcome is not the expected one.
 """

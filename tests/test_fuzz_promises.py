@@ -317,6 +317,20 @@ def test_the_engine_protocol_is_what_the_doc_draws() -> None:
     assert "writes_first" in t.Launch.__slots__
 
 
+def test_max_in_flight_0_runs_an_adapter_synchronously() -> None:
+    # MiniServe's planted race needs a step in flight; run synchronously it cannot happen.
+    tutorial = _tutorial()
+
+    class Synchronous(tutorial.MiniServeAdapter):  # type: ignore[name-defined,misc]
+        def __init__(self, config: t.FuzzConfig) -> None:
+            super().__init__(config)
+            self.max_in_flight = 0
+
+    r = t.campaign(Synchronous, "small", None, 0, 1500)
+    assert r.failure is None and r.moves >= 1500
+    assert t.campaign(tutorial.MiniServeAdapter, "small", None, 0, 1500).failure is not None
+
+
 def test_importing_kvmem_testing_never_imports_vllm() -> None:
     code = "import sys, kvmem.testing; print(any(m.split('.')[0] == 'vllm' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
