@@ -331,6 +331,17 @@ def test_max_in_flight_0_runs_an_adapter_synchronously() -> None:
     assert t.campaign(tutorial.MiniServeAdapter, "small", None, 0, 1500).failure is not None
 
 
+def test_the_vllm_engines_without_vllm_say_what_is_missing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    if "vllm" in t.ENGINES:
+        pytest.skip("vLLM is installed")
+    for argv in (["--engine", "vllm-async", "--moves", "10"], ["--profile", "ci-vllm"]):
+        status, out, err = cli(capsys, *argv)
+        assert status == 2 and out == "" and "needs vLLM" in err
+    with pytest.raises(ArgumentError, match="registered only where vLLM is installed"):
+        t.campaign("vllm")
+
+
 def test_importing_kvmem_testing_never_imports_vllm() -> None:
     code = "import sys, kvmem.testing; print(any(m.split('.')[0] == 'vllm' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -23,6 +23,10 @@ def make_engine(name: str, config: FuzzConfig) -> FuzzEngine:
     """An engine adapter by name (``kvmem.testing.ENGINES`` lists them; add yours there)."""
     factory = ENGINES.get(name)
     if factory is None:
+        if name in ("vllm", "vllm-async"):
+            raise ArgumentError(f"no fuzz engine {name!r}: it is registered only where vLLM is "
+                                "installed (docs/vllm.md); here ENGINES has "
+                                f"{sorted(ENGINES)}")
         raise ArgumentError(f"no fuzz engine {name!r}; choose one of {sorted(ENGINES)} (register "
                          "yours in kvmem.testing.ENGINES)")
     return factory(config)
