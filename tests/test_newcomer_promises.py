@@ -236,6 +236,49 @@ def test_run_refuses_a_before_step_that_cannot_be_called(tiny: Any) -> None:
     _untouched(lm, mgr)
 
 
+# -- examples/perplexity.py --table: the README's columns ---------------------------------
+
+
+def _readme_ppl_rows() -> dict[tuple[str, str], int]:
+    """(KV pages, scales) -> bytes/token of the README's perplexity table."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| KV pages"):].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip().strip("*") for c in line.strip("|").split("|")]
+        if cells[2] != "-":
+            rows[(cells[0], cells[1].split("*")[0].strip())] = int(cells[2].replace(",", ""))
+    return rows
+
+
+def test_the_readme_bytes_per_token_column_is_smollm2s_pool_spec() -> None:
+    from kvmem.cuda import PoolSpec
+
+    rows = _readme_ppl_rows()
+    assert len(rows) == 8
+    for (dtype, scales), size in rows.items():
+        spec = PoolSpec(num_layers=30, num_pages=1, attention="gqa", num_kv_heads=3, head_dim=64,
+                        dtype=dtype, scales=None if scales == "-" else scales, device="cpu")
+        assert spec.bytes_per_token == size, (dtype, scales)
+
+
+def test_perplexity_table_reports_bytes_per_token(tiny: Any) -> None:
+    """The README's table (`python examples/perplexity.py --table`) has a bytes/token column;
+    the script measured it nowhere (its rows had no such field)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import perplexity
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    ids = list(range(1, 21))
+    rows = {d: perplexity.measure(tiny, ids, d, None, 8, 4) for d in ("hf", "bf16", "fp8_e4m3")}
+    assert rows["hf"]["bytes_per_token"] is None
+    assert rows["bf16"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # layers, K/V, heads, dim, B
+    assert rows["fp8_e4m3"]["bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # + a scale per head
+    assert rows["fp8_e4m3"]["scales"] == "token_head" and rows["fp8_e4m3"]["tokens"] == 17
+    tiny.set_attn_implementation("sdpa")
+
+
 # -- the real model: the doc's code block, the tour, the perplexity claims -------------------
 
 
