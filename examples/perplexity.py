@@ -51,7 +51,7 @@ def measure(
     from kvmem.manager import KVCacheManager
 
     start = time.perf_counter()
-    saturated = None
+    saturated = bytes_per_token = None
     label = f"{kv_dtype}{'/' + scales if scales else ''}"
     show = _progress(label) if progress else None
     if kv_dtype == "hf":
@@ -64,12 +64,14 @@ def measure(
                                  pool=lm.pool)
         ppl, n = paged_perplexity(lm, manager, token_ids, window, chunk, progress=show)
         saturated = lm.pool.stats().num_saturated
+        bytes_per_token = lm.pool.spec.bytes_per_token
         scales = scales or getattr(lm.pool.codec, "granularity", None)
     return {
         "kv_dtype": kv_dtype,
         "scales": scales,
         "perplexity": ppl,
         "tokens": n,
+        "bytes_per_token": bytes_per_token,
         "num_saturated": saturated,
         "seconds": round(time.perf_counter() - start, 1),
     }
@@ -184,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"python": sys.version.split()[0], "rows": rows}, indent=1))
         return 0
-    print(f"{'KV pages':<10} {'scales':<11} {'perplexity':>10} {'vs bf16':>8} {'saturated':>9}")
+    print(f"{'KV pages':<10} {'scales':<11} {'bytes/token':>11} {'perplexity':>10} "
+          f"{'vs bf16':>8} {'values clamped':>14}")
     for r in rows:
-        sat = "" if r["num_saturated"] is None else str(r["num_saturated"])
-        print(f"{r['kv_dtype']:<10} {r['scales'] or '-':<11} {r['perplexity']:>10.4f} "
-              f"{r['vs_bf16_pct']:>+7.2f}% {sat:>9}")
+        sat = "-" if r["num_saturated"] is None else f"{r['num_saturated']:,}"
+        size = "-" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:,}"
+        print(f"{r['kv_dtype']:<10} {r['scales'] or '-':<11} {size:>11} "
+              f"{r['perplexity']:>10.4f} {r['vs_bf16_pct']:>+7.2f}% {sat:>14}")
     print(f"{rows[0]['tokens']} tokens scored, windows of {args.window}, chunks of {args.chunk}")
     return 0
 

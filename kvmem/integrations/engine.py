@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kvmem._validate import integer, is_hashable, show, token_array
+from kvmem.allocator import namespace_bytes
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.integrations._kvbatch import KVBatch, PagedModel
 
@@ -210,7 +211,16 @@ class Engine:
     # -- the public loop ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; it is admitted at the start of a later step."""
+        """Queue a request; it is admitted at the start of a later step.
+
+        Raises
+        ------
+        ArgumentTypeError, ArgumentError, ConfigError
+            The request is malformed (its id, prompt, ``max_new_tokens``, ``stop_token_ids``
+            or ``namespace``), holds token ids outside the model's vocabulary, cannot fit in
+            the manager's pages, has already run, or its id is waiting or running here.
+            Nothing is queued.
+        """
         self._check_request(request)
         request.status = "waiting"
         self.waiting.append(request)
@@ -230,8 +240,23 @@ class Engine:
                 f">= 1, got {prompt.size} prompt tokens and max_new_tokens="
                 f"{request.max_new_tokens}"
             )
+        if request.status != "waiting" or request.output_ids or request.num_computed:
+            raise ArgumentError(
+                f"request {request.request_id!r} has already run (status {request.status!r}, "
+                f"{len(request.output_ids)} tokens generated); queue a new Request")
+        vocab_size = getattr(self.lm, "vocab_size", None)  # PagedCausalLM's; None: unknown
+        if isinstance(vocab_size, int) and int(prompt.max()) >= vocab_size:
+            raise ArgumentError(
+                f"request {request.request_id!r}: prompt_ids holds ids up to {int(prompt.max())}"
+                f", but the model's vocabulary has ids 0..{vocab_size - 1}; tokenize with the "
+                "model's own tokenizer")
+        if isinstance(request.stop_token_ids, (str, bytes)) or not isinstance(
+                request.stop_token_ids, Iterable):
+            raise ArgumentTypeError(f"stop_token_ids={show(request.stop_token_ids)}: expected "
+                                    "a tuple of token ids, e.g. (tokenizer.eos_token_id,)")
         for token in request.stop_token_ids:
             integer(token, "stop_token_ids", minimum=0)
+        namespace_bytes(request.namespace)  # None, str, int, bytes or a tuple, or raises
         mgr = self.manager
         total = prompt.size + request.max_new_tokens
         most = min(mgr.max_pages_per_seq, mgr.num_pages) * mgr.page_size
@@ -345,6 +370,9 @@ class Engine:
         list[Request]
             Every request that ended, in the order it ended.
         """
+        if before_step is not None and not callable(before_step):
+            raise ArgumentTypeError(f"before_step={show(before_step)}: expected a callable "
+                                    "before_step(step, engine), or None")
         if arrivals is not None and not isinstance(arrivals, Mapping):
             raise ArgumentTypeError(f"arrivals={show(arrivals)}: expected a dict of step -> "
                                     "requests, e.g. {0: [Request(...)], 5: [...]}")

@@ -221,6 +221,33 @@ def _require_causal_lm(model: Any) -> None:
                                 "the model load_smollm2() returns)")
 
 
+def _vocab_size(model: Any) -> int | None:
+    """The model's vocabulary size (its input embedding's rows), or None if it has none."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, TypeError, NotImplementedError):
+        size = getattr(model.config, "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+
+def _check_vocab(lowest: int, highest: int, vocab_size: int | None, name: str) -> None:
+    """Refuse (ArgumentError) token ids the model's embedding has no row for: they would fail
+    deep inside the forward (an IndexError), after pages were reserved."""
+    if lowest < 0 or (vocab_size is not None and highest >= vocab_size):
+        top = "" if vocab_size is None else f"..{vocab_size - 1}"
+        raise ArgumentError(f"{name} holds ids from {lowest} to {highest}, but the model's "
+                            f"vocabulary has ids 0{top}; tokenize with the model's own "
+                            "tokenizer")
+
+
+def _check_token_ids(token_ids: Any, vocab_size: int | None) -> list[int]:
+    """``token_ids`` as a list of ints, after checking that the model has a row for each."""
+    tokens = token_array(token_ids, "token_ids")  # 1-D ints in 0..INT32_MAX, or raises
+    if tokens.size:
+        _check_vocab(int(tokens.min()), int(tokens.max()), vocab_size, "token_ids")
+    return tokens.tolist()
+
+
 class PagedCausalLM:
     """A transformers causal LM whose KV cache is a kvmem :class:`~kvmem.cuda.PagePool`.
 
@@ -258,6 +285,8 @@ class PagedCausalLM:
         self.model = model
         self.pool = pool
         self.device = next(model.parameters()).device
+        # Token ids must be below this (None: unknown); Engine refuses other prompts up front.
+        self.vocab_size = _vocab_size(model)
 
     @staticmethod
     def pool_spec_kwargs(model: PreTrainedModel) -> dict[str, Any]:
@@ -349,13 +378,43 @@ class PagedCausalLM:
         -------
         torch.Tensor
             ``[n, vocab_size]`` (``[T, vocab_size]`` when ``logits_indices`` is None), float32.
+
+        Raises
+        ------
+        ArgumentTypeError
+            ``batch`` is no KVBatch, or ``input_ids`` / ``logits_indices`` is no 1-D integer
+            tensor.
+        ArgumentError
+            ``input_ids`` holds other than the batch's T tokens, or an id outside the model's
+            vocabulary; ``logits_indices`` points outside the T tokens. Nothing is written.
         """
         if not isinstance(batch, KVBatch):
             raise ArgumentTypeError(f"batch={show(batch)}: expected the step's KVBatch "
                                     "(KVBatch.from_arrays(pool, ...) of a reserved step)")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1
+                or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex
+                or input_ids.dtype == torch.bool):
             raise ArgumentTypeError(f"input_ids={show(input_ids)}: expected a 1-D tensor of "
-                                    "token ids, [T]")
+                                    "integer token ids, [T]")
+        num_tokens = int(batch.qo_indptr[-1])
+        if input_ids.numel() != num_tokens:
+            raise ArgumentError(f"input_ids has {input_ids.numel()} tokens but the batch's "
+                                f"qo_indptr packs {num_tokens}; feed exactly the step's tokens")
+        if num_tokens:
+            _check_vocab(int(input_ids.min()), int(input_ids.max()), self.vocab_size,
+                         "input_ids")
+        if logits_indices is not None:
+            if (not isinstance(logits_indices, torch.Tensor) or logits_indices.dim() != 1
+                    or logits_indices.dtype.is_floating_point or logits_indices.dtype.is_complex
+                    or logits_indices.dtype == torch.bool):
+                raise ArgumentTypeError(f"logits_indices={show(logits_indices)}: expected a "
+                                        "1-D integer tensor of indices into the T tokens, or "
+                                        "None")
+            if logits_indices.numel() and (int(logits_indices.min()) < 0
+                                           or int(logits_indices.max()) >= num_tokens):
+                raise ArgumentError(
+                    f"logits_indices holds {int(logits_indices.min())}.."
+                    f"{int(logits_indices.max())}; the step has tokens 0..{num_tokens - 1}")
         if self.model.config._attn_implementation != KVMEM_ATTENTION:
             self.model.set_attn_implementation(KVMEM_ATTENTION)
         positions = batch.positions().to(self.device)
@@ -386,37 +445,56 @@ def hf_perplexity(
 
     Each window of ``window`` tokens is scored on its own (tokens 1..window-1 given the ones
     before them in the window); a trailing partial window shorter than 2 tokens is dropped.
-    ``progress(windows_done, num_windows)`` is called after each window.
+    ``progress(windows_done, num_windows)`` is called after each scored window (the last call
+    has ``windows_done == num_windows``).
+
+    A model that a :class:`PagedCausalLM` has switched to the ``"kvmem"`` attention runs with
+    ``"sdpa"`` for this call and is switched back afterwards.
 
     Returns
     -------
     (perplexity, num_scored)
         ``exp(mean NLL)`` over the scored tokens, and how many were scored.
     """
-    window = _check_window(token_ids, window)
-    total, count = 0.0, 0
-    num_windows = -(-len(token_ids) // window)
-    for w, start in enumerate(range(0, len(token_ids), window)):
-        ids = torch.tensor(token_ids[start : start + window])[None]
-        if ids.shape[1] < 2:
-            break
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
-        total += float(nll)
-        count += ids.shape[1] - 1
-        if progress is not None:
-            progress(w + 1, num_windows)
+    _require_causal_lm(model)
+    token_ids, window = _check_window(token_ids, window, _vocab_size(model))
+    before = model.config._attn_implementation
+    if before == KVMEM_ATTENTION:  # kvmem attention needs a KVBatch; this is the reference
+        model.set_attn_implementation("sdpa")
+    try:
+        total, count = 0.0, 0
+        num_windows = _num_windows(len(token_ids), window)
+        for w, start in enumerate(range(0, len(token_ids), window)):
+            ids = torch.tensor(token_ids[start : start + window])[None]
+            if ids.shape[1] < 2:
+                break
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+            total += float(nll)
+            count += ids.shape[1] - 1
+            if progress is not None:
+                progress(w + 1, num_windows)
+    finally:
+        if before == KVMEM_ATTENTION:
+            model.set_attn_implementation(KVMEM_ATTENTION)
     return float(torch.exp(torch.tensor(total / count))), count
 
 
-def _check_window(token_ids: list[int], window: int) -> int:
-    """``window`` (>= 2) after checking that ``token_ids`` has a window's worth to score."""
+def _num_windows(num_tokens: int, window: int) -> int:
+    """How many windows score a token: the full ones, and a last one of at least 2 tokens."""
+    return num_tokens // window + (num_tokens % window >= 2)
+
+
+def _check_window(token_ids: Any, window: int, vocab_size: int | None) -> tuple[list[int], int]:
+    """``token_ids`` as a list and ``window`` (>= 2), after checking that there is a window's
+    worth to score and that the model has a row for every id."""
     window = integer(window, "window", minimum=2)
-    if token_array(token_ids, "token_ids").size < 2:  # (1-D ints in 0..INT32_MAX, or raises)
+    tokens = _check_token_ids(token_ids, vocab_size)
+    if len(tokens) < 2:
         raise ArgumentError(
-            f"token_ids has {len(token_ids)} entries; perplexity needs at least 2 token ids."
+            f"token_ids has {len(tokens)} entries; perplexity needs at least 2 token ids."
         )
-    return window
+    return tokens, window
 
 
 def _check_paged(lm: Any, manager: Any) -> None:
@@ -431,6 +509,14 @@ def _check_paged(lm: Any, manager: Any) -> None:
         raise ConfigError(
             "teacher forcing needs the logits of every position, but this manager reuses "
             "cached prefixes (which skips their prefill); build it with prefix_cache=None"
+        )
+    spec = lm.pool.spec
+    if manager.page_size != spec.page_size or manager.num_pages > spec.num_pages:
+        raise ConfigError(
+            f"manager (num_pages={manager.num_pages}, page_size={manager.page_size}) does not "
+            f"fit lm.pool (num_pages={spec.num_pages}, page_size={spec.page_size}); build the "
+            "manager over the same pages, e.g. KVCacheManager(num_pages, page_size=..., "
+            "prefix_cache=None, pool=lm.pool)"
         )
 
 
@@ -474,9 +560,9 @@ def paged_logits(
         ``[len(token_ids), vocab_size]``, float32: row i predicts token i + 1.
     """
     _check_paged(lm, manager)
-    token_array(token_ids, "token_ids")
+    tokens = _check_token_ids(token_ids, lm.vocab_size)
     chunk_size = integer(chunk_size, "chunk_size", minimum=1)
-    return torch.cat([lg for _, lg in _prefill_chunks(lm, manager, list(token_ids), chunk_size)])
+    return torch.cat([lg for _, lg in _prefill_chunks(lm, manager, tokens, chunk_size)])
 
 
 @torch.inference_mode()
@@ -509,16 +595,19 @@ def paged_perplexity(
     (perplexity, num_scored)
     """
     _check_paged(lm, manager)
-    window = _check_window(token_ids, window)
+    token_ids, window = _check_window(token_ids, window, lm.vocab_size)
     chunk_size = integer(chunk_size, "chunk_size", minimum=1)
     total, count = 0.0, 0
-    num_windows = -(-len(token_ids) // window)
+    num_windows = _num_windows(len(token_ids), window)
     for w, start in enumerate(range(0, len(token_ids), window)):
         ids = list(token_ids[start : start + window])
         if len(ids) < 2:
             break
         for c, logits in _prefill_chunks(lm, manager, ids, chunk_size):
-            targets = torch.tensor(ids[c + 1 : c + 1 + logits.shape[0]])
+            # The window's last token predicts nothing: a last chunk of one token has no target.
+            targets = torch.tensor(ids[c + 1 : c + 1 + logits.shape[0]], dtype=torch.int64)
+            if not targets.numel():
+                continue
             nll = torch.nn.functional.cross_entropy(
                 logits[: targets.numel()], targets, reduction="sum"
             )
