@@ -6,6 +6,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +25,8 @@ def test_the_tutorial_code_in_the_docs_is_the_example_verbatim() -> None:
     assert len([ln for ln in adapter.splitlines() if ln.strip()]) < 100
 
 
-def test_the_tutorial_finds_the_planted_race_and_its_fix_runs_clean(
-        capsys: pytest.CaptureFixture[str]) -> None:
+def load_tutorial() -> Any:
+    """examples/fuzz_tutorial.py as a module (also used by test_fuzz_promises.py)."""
     spec = importlib.util.spec_from_file_location("fuzz_tutorial",
                                                   ROOT / "examples" / "fuzz_tutorial.py")
     assert spec is not None and spec.loader is not None
@@ -33,8 +34,13 @@ def test_the_tutorial_finds_the_planted_race_and_its_fix_runs_clean(
     sys.modules["fuzz_tutorial"] = module  # (its dataclass looks its module up)
     try:
         spec.loader.exec_module(module)
-        module.main()
     finally:
         del sys.modules["fuzz_tutorial"]
+    return module
+
+
+def test_the_tutorial_finds_the_planted_race_and_its_fix_runs_clean(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    load_tutorial().main()
     out = capsys.readouterr().out
     assert "MiniServe: happens_before" in out and "no oracle fired" in out

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_fuzz_docs import load_tutorial
 
 import kvmem.testing as t
 from kvmem.cli import main
@@ -126,7 +127,7 @@ def test_a_seed_gives_the_same_run_and_json_goes_to_stdout_progress_to_stderr(
 def test_a_registered_engine_runs_from_the_cli_exits_1_on_a_failure_and_saves_it(
         capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    tutorial = _tutorial()
+    tutorial = load_tutorial()
     monkeypatch.setitem(t.ENGINES, "miniserve", tutorial.MiniServeAdapter)
     status, out, err = cli(capsys, "--engine", "miniserve", "--moves", "3000", "--save",
                            str(tmp_path), "--json")
@@ -319,7 +320,7 @@ def test_the_engine_protocol_is_what_the_doc_draws() -> None:
 
 def test_max_in_flight_0_runs_an_adapter_synchronously() -> None:
     # MiniServe's planted race needs a step in flight; run synchronously it cannot happen.
-    tutorial = _tutorial()
+    tutorial = load_tutorial()
 
     class Synchronous(tutorial.MiniServeAdapter):  # type: ignore[name-defined,misc]
         def __init__(self, config: t.FuzzConfig) -> None:
@@ -352,22 +353,9 @@ def test_importing_kvmem_testing_never_imports_vllm() -> None:
 # -- the tutorial ------------------------------------------------------------------------------
 
 
-def _tutorial() -> Any:
-    spec = importlib.util.spec_from_file_location("fuzz_tutorial",
-                                                  ROOT / "examples" / "fuzz_tutorial.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_tutorial"] = module  # (its dataclass looks its module up)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["fuzz_tutorial"]
-    return module
-
-
 def test_the_tutorial_prints_what_the_doc_shows_and_the_adapter_is_under_40_lines(
         capsys: pytest.CaptureFixture[str]) -> None:
-    _tutorial().main()
+    load_tutorial().main()
     out = capsys.readouterr().out.splitlines()
     tutorial = DOC[DOC.index("## Tutorial") :]
     shown = re.findall(r"```\n(MiniServe:.*?)```", tutorial, flags=re.S)[0].splitlines()

@@ -7,10 +7,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from kvmem.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvmem.cuda import PagePool
+    from kvmem.manager import KVCacheManager
 
-__all__ = ["KVBatch", "PagedModel"]
+__all__ = ["KVBatch", "PagedModel", "require_manager_fits"]
 
 
 class KVBatch(NamedTuple):
@@ -106,3 +109,15 @@ class PagedModel(Protocol):
     ) -> torch.Tensor:
         """``input_ids [T]`` int64 -> logits ``[n, vocab]`` float32 at ``logits_indices``."""
         ...
+
+
+def require_manager_fits(manager: KVCacheManager, lm: PagedModel, hint: str) -> None:
+    """Raise ConfigError unless ``manager`` hands out pages of ``lm.pool`` (the same page size,
+    at most its pages); ``hint`` says how to build a manager that fits."""
+    spec = lm.pool.spec
+    if manager.page_size != spec.page_size or manager.num_pages > spec.num_pages:
+        raise ConfigError(
+            f"manager (num_pages={manager.num_pages}, page_size={manager.page_size}) does not "
+            f"fit the model's pool (num_pages={spec.num_pages}, page_size={spec.page_size}); "
+            f"{hint}"
+        )

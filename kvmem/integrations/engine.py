@@ -42,7 +42,7 @@ import torch
 from kvmem._validate import integer, is_hashable, show, token_array
 from kvmem.allocator import namespace_bytes
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
-from kvmem.integrations._kvbatch import KVBatch, PagedModel
+from kvmem.integrations._kvbatch import KVBatch, PagedModel, require_manager_fits
 
 if TYPE_CHECKING:
     from kvmem.manager import KVCacheManager, StepMetadata, VerifyReport
@@ -186,13 +186,7 @@ class Engine:
 
         if not isinstance(manager, KVCacheManager):
             raise ArgumentTypeError(f"manager={show(manager)}: expected a kvmem.KVCacheManager")
-        spec = lm.pool.spec
-        if manager.page_size != spec.page_size or manager.num_pages > spec.num_pages:
-            raise ConfigError(
-                f"manager (num_pages={manager.num_pages}, page_size={manager.page_size}) does "
-                f"not fit the pool (num_pages={spec.num_pages}, page_size={spec.page_size}); "
-                "build both from the same numbers"
-            )
+        require_manager_fits(manager, lm, "build both from the same numbers")
         max_num_seqs = integer(max_num_seqs, "max_num_seqs", minimum=1)
         max_num_batched_tokens = integer(max_num_batched_tokens, "max_num_batched_tokens",
                                          minimum=1)

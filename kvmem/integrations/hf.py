@@ -34,7 +34,7 @@ import torch
 
 from kvmem._validate import integer, show, token_array
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
-from kvmem.integrations._kvbatch import KVBatch
+from kvmem.integrations._kvbatch import KVBatch, require_manager_fits
 
 try:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -510,14 +510,9 @@ def _check_paged(lm: Any, manager: Any) -> None:
             "teacher forcing needs the logits of every position, but this manager reuses "
             "cached prefixes (which skips their prefill); build it with prefix_cache=None"
         )
-    spec = lm.pool.spec
-    if manager.page_size != spec.page_size or manager.num_pages > spec.num_pages:
-        raise ConfigError(
-            f"manager (num_pages={manager.num_pages}, page_size={manager.page_size}) does not "
-            f"fit lm.pool (num_pages={spec.num_pages}, page_size={spec.page_size}); build the "
-            "manager over the same pages, e.g. KVCacheManager(num_pages, page_size=..., "
-            "prefix_cache=None, pool=lm.pool)"
-        )
+    require_manager_fits(manager, lm, "build the manager over the same pages, e.g. "
+                         "KVCacheManager(num_pages, page_size=..., prefix_cache=None, "
+                         "pool=lm.pool)")
 
 
 def _prefill_chunks(
