@@ -401,7 +401,8 @@ class KVCacheManager:
         # The counter moved once since a can_admit of this prompt: for this admit.
         plan = self._admission.recall(self._mutations - 1, token_ids, namespace)
         if plan is None:
-            plan = self._admission.plan(token_array(token_ids, "token_ids"), namespace, True)
+            plan = self._admission.plan(token_array(token_ids, "token_ids"), namespace, True,
+                                        f"request {request_id!r}")
         return self._admit(request_id, plan, namespace)
 
     def _admit(self, request_id: Any, plan: Plan, namespace: Any) -> AdmitResult:
@@ -684,7 +685,7 @@ class KVCacheManager:
         req = self._requests.get(request_id) if is_hashable(request_id) else None
         if req is None or req.saved is None:
             raise ArgumentError(f"request {request_id!r} is not preempted")
-        plan = self._admission.plan(req.saved, req.namespace, False)
+        plan = self._admission.plan(req.saved, req.namespace, False, f"request {request_id!r}")
         return self._admission.fits(plan, self.watermark_pages)
 
     @_public
@@ -701,7 +702,8 @@ class KVCacheManager:
         # What must be recomputed is the request's prompt from now on. (_admit replaces the
         # registry entry in place, so the request keeps its place; if it raises, nothing
         # changed.)
-        return self._admit(request_id, self._admission.plan(tokens, req.namespace, True),
+        return self._admit(request_id, self._admission.plan(tokens, req.namespace, True,
+                                                            f"request {request_id!r}"),
                            req.namespace)
 
     @_public

@@ -90,17 +90,21 @@ class Admission:
         self.namespaces = namespaces
         self._memo: tuple[int, Plan] | None = None  # (stamp, plan) of the latest can_admit
 
-    def plan(self, tokens: Int64Array, namespace: Any, register: bool) -> Plan:
-        """The prompt's plan; raises if it can never fit (empty, longer than a row)."""
+    def plan(self, tokens: Int64Array, namespace: Any, register: bool,
+             who: str = "a request") -> Plan:
+        """The prompt's plan; raises if it can never fit (empty, longer than a row), naming
+        the request as ``who`` (e.g. ``"request 'r1'"``)."""
         t = self.table
         n = tokens.size
         if n == 0:
-            raise ArgumentError("a request needs at least one prompt token; got none")
+            raise ArgumentError(f"{who} needs at least one prompt token; got none (nothing "
+                                "changed)")
         num_pages = -(-n // t.page_size)
         if num_pages > t.max_pages_per_seq:
             raise ArgumentError(
-                f"a prompt of {n} tokens needs {num_pages} pages but a request may map at most "
-                f"max_pages_per_seq={t.max_pages_per_seq}; shorten it or raise the limit"
+                f"{who}: a prompt of {n} tokens needs {num_pages} pages but a request may map "
+                f"at most max_pages_per_seq={t.max_pages_per_seq}; shorten it or raise the "
+                "limit (nothing changed)"
             )
         data = namespace_bytes(namespace)
         ns = self.namespaces.id_of(namespace, register, data)
@@ -127,8 +131,9 @@ class Admission:
         if memo is None or memo[0] != stamp:
             return None
         plan = memo[1]
-        same = plan.tokens is tokens or (
-            type(tokens) is np.ndarray and plan.tokens.shape == tokens.shape
+        same = plan.tokens is tokens or (  # (an array of floats or bools is refused by admit)
+            type(tokens) is np.ndarray and tokens.dtype.kind in "iu"
+            and plan.tokens.shape == tokens.shape
             and not np.count_nonzero(plan.tokens != tokens))
         if not same or (plan.namespace is not namespace
                          and plan.encoding != namespace_bytes(namespace)):

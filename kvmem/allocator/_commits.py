@@ -125,8 +125,12 @@ class Committer:
         inserted = cache.insert(keys, pages, t.namespace_ids[rep])
         t.prefix_keys[rows] = keys if last is None else keys[last]
         if self.on_stored is not None and inserted.size:
-            self._stored(rows, starts, counts, cols, keys, parent, tokens,
-                         np.isin(pages, inserted))
+            # A page listed by two rows (a fork's shared page, committed by both in one batch)
+            # is cached once: one event, at its first listing.
+            _, first_at = np.unique(pages, return_index=True)
+            is_new = np.zeros(pages.size, dtype=bool)
+            is_new[first_at[np.isin(pages[first_at], inserted)]] = True
+            self._stored(rows, starts, counts, cols, keys, parent, tokens, is_new)
 
     def _stored(self, rows: IntpArray, starts: Int64Array, counts: Int64Array,
                 cols: Int64Array, keys: KeyArray, parent: KeyArray, tokens: Int32Array,
