@@ -299,13 +299,16 @@ class KVCacheManager:
         namespace = self._requests[self._row_ids[row]].namespace
         self._hooks.kv_event(PagesStored(keys, parent, tokens, self.page_size, namespace))
 
+    @_public
     def add_hook(self, kind: str, fn: Callable[[ManagerEvent], Any]) -> None:
         """Call ``fn(event)`` after every operation that produces an event of ``kind``."""
         self._hooks.add(kind, fn)
 
+    @_public
     def remove_hook(self, kind: str, fn: Callable[[ManagerEvent], Any]) -> None:
         self._hooks.remove(kind, fn)
 
+    @_public
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call (only recorded with ``kv_events=True``)."""
         return self._hooks.take_events()

@@ -139,3 +139,34 @@ def test_kv_events_replay_to_exactly_what_the_cache_holds() -> None:
         assert min(held.values(), default=0) >= 0
         assert +held == _cached_hashes(m)
     m.check()
+
+
+# -- errors.md, Threads: "every operation that changes the manager ... takes the guard" ---------
+
+
+def test_hooks_and_kv_events_are_changed_by_one_thread_at_a_time() -> None:
+    import threading
+
+    m = make(kv_events=True)
+    inside, leave = threading.Event(), threading.Event()
+
+    def blocking_hook(event: Any) -> None:
+        inside.set()
+        assert leave.wait(10)
+
+    prefill(m, "warm", list(range(5)))  # one PagesStored waiting in take_events
+    m.add_hook("admit", blocking_hook)
+    worker = threading.Thread(target=m.admit, args=("b", [7, 8, 9]))
+    worker.start()
+    try:
+        assert inside.wait(10)
+        for call in (m.take_events, lambda: m.add_hook("free", print),
+                     lambda: m.remove_hook("admit", blocking_hook)):
+            with pytest.raises(KVMemError, match="thread"):
+                call()
+    finally:
+        leave.set()
+        worker.join(10)
+    assert len(m.take_events()) == 1  # the refused take_events took nothing
+    m.remove_hook("admit", blocking_hook)
+    m.check()
