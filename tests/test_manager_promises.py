@@ -170,3 +170,94 @@ def test_hooks_and_kv_events_are_changed_by_one_thread_at_a_time() -> None:
     assert len(m.take_events()) == 1  # the refused take_events took nothing
     m.remove_hook("admit", blocking_hook)
     m.check()
+
+
+# -- manager.md, Hooks and KV events: what each kind carries ------------------------------------
+
+
+def test_each_hook_kind_carries_what_the_table_says() -> None:
+    from kvmem.manager import HOOK_KINDS
+    from kvmem.testing import faults
+
+    m = make(num_pages=10, max_seqs=4, kv_events=True)
+    seen: list[Any] = []
+    for kind in HOOK_KINDS:
+        m.add_hook(kind, seen.append)
+
+    def take() -> list[tuple[str, Any, Any, Any]]:
+        out = [(e.kind, e.request_id, None if e.pages is None else e.pages.tolist(),
+                e.detail if e.kind != "kv_event" else type(e.detail).__name__) for e in seen]
+        assert all(e.pages is None or e.pages.dtype == np.int32 for e in seen)
+        seen.clear()
+        return out
+
+    m.admit("a", list(range(9)))
+    assert take() == [("allocate", "a", [0, 1, 2], None), ("admit", "a", [0, 1, 2], 0)]
+    m.reserve(["a"], 9)
+    m.commit("a", list(range(9)))
+    m.reserve(["a"], 4)
+    assert take() == [("kv_event", None, None, "PagesStored"), ("allocate", None, [3], None)]
+    m.commit("a", [1, 2, 3, 4])
+    take()
+    m.fork("a", "b")
+    assert take() == [("fork", "b", [0, 1, 2, 3], "a")]
+    h = m.begin_step()
+    m.preempt("b")
+    m.retire(h)  # the fence's references dropped; "a" still holds the pages: nothing freed
+    assert take() == [("step_begin", None, None, h.step_id), ("preempt", "b", [0, 1, 2, 3], None),
+                      ("step_end", None, [0, 1, 2, 3], h.step_id)]
+    m.release("b")
+    assert take() == [("release", "b", None, None)]
+    m.admit("c", [3] * 24)
+    m.reserve(["c"], 24)
+    m.commit("c", [3] * 24)
+    take()
+    faults.free_behind_back(m, "c", 1)
+    report = m.verify(["c"])
+    got = take()
+    assert report.aborted.keys() == {"c"}
+    assert [k for k, *_ in got if k != "kv_event"] == ["integrity_failure", "free"]  # no release
+    assert ("free", None, [6, 7, 8, 9], None) in got and got[-2][1:3] == ("c", None)
+    m.release("a")
+    assert take() == [("free", None, [3], None), ("release", "a", [0, 1, 2, 3], None)]
+    m.clear_prefix_cache()
+    assert take() == [("free", None, [0, 1, 2, 4], None), ("kv_event", None, None,
+                                                          "AllPagesCleared")]
+    m.check()
+
+
+def test_allocate_and_free_events_alone_follow_which_pages_are_in_use() -> None:
+    rng = np.random.default_rng(11)
+    m = make(num_pages=20, max_seqs=5, max_pages_per_seq=6)
+    live: Counter[int] = Counter()
+    m.add_hook("allocate", lambda e: live.update(np.asarray(e.pages).tolist()))
+    m.add_hook("free", lambda e: live.subtract(np.asarray(e.pages).tolist()))
+    handles: list[Any] = []
+    n = 0
+    for _ in range(300):
+        op, running = int(rng.integers(8)), list(m.running)
+        pick = running[int(rng.integers(len(running)))] if running else None
+        try:
+            if op == 0:
+                m.admit(n, [1, 2, 3, 4, 5, *rng.integers(0, 3, int(rng.integers(6))).tolist()])
+                n += 1
+            elif op == 1 and running:
+                m.reserve(running, int(rng.integers(1, 4)))
+            elif op == 2 and pick is not None:
+                m.commit(pick, [1] * (m.num_tokens(pick) - m.num_committed(pick)))
+            elif op == 3 and pick is not None:
+                m.fork(pick, n)
+                n += 1
+            elif op == 4 and pick is not None:
+                m.release(pick) if rng.random() < 0.7 else m.preempt(pick)
+            elif op == 5 and m.preempted:
+                m.resume(m.preempted[0])
+            elif op == 6:
+                handles.append(m.begin_step())
+            elif op == 7 and handles:
+                m.retire(handles.pop(int(rng.integers(len(handles)))))
+        except KVMemError:
+            pass  # out of pages, rows or row length: refused, nothing changed
+        assert set(+live) == set(np.flatnonzero(m.allocator.refcounts).tolist())
+        assert max(live.values(), default=0) <= 1
+    m.check()
