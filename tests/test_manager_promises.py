@@ -261,3 +261,28 @@ def test_allocate_and_free_events_alone_follow_which_pages_are_in_use() -> None:
         assert set(+live) == set(np.flatnonzero(m.allocator.refcounts).tolist())
         assert max(live.values(), default=0) <= 1
     m.check()
+
+
+# -- manager.md, Step fences: held pages "cannot be evicted or reallocated" --------------------
+
+
+def test_a_cached_page_a_fence_holds_counts_as_cached_and_is_not_evictable() -> None:
+    m = make(num_pages=8)
+    prefill(m, "a", list(range(9)))  # pages 0, 1 full and cached, page 2 holds one token
+    h = m.begin_step()
+    m.release("a")
+    s = m.stats()
+    assert (s.num_free, s.num_cached, s.num_fenced, s.num_used) == (5, 2, 1, 0)
+    seven_pages = list(range(100, 128))
+    assert not m.can_admit(seven_pages)
+    before = state(m)
+    with pytest.raises(KVMemError):
+        m.admit("b", seven_pages)
+    assert state(m) == before
+    m.retire(h)
+    s = m.stats()
+    assert (s.num_free, s.num_cached, s.num_fenced) == (6, 2, 0)
+    assert m.can_admit(seven_pages)
+    m.admit("b", seven_pages)  # evicts one cached page now
+    assert m.stats().num_evictions == 1
+    m.check()
