@@ -286,3 +286,40 @@ def test_a_cached_page_a_fence_holds_counts_as_cached_and_is_not_evictable() -> 
     m.admit("b", seven_pages)  # evicts one cached page now
     assert m.stats().num_evictions == 1
     m.check()
+
+
+# -- errors.md: "No numpy, torch, pydantic or Python error escapes from bad input" --------------
+
+
+@pytest.mark.parametrize("call", ["reserve", "can_reserve"])
+def test_ragged_token_counts_are_an_argument_error(call: str) -> None:
+    m = make()
+    m.admit("a", [1, 2, 3])
+    before = state(m)
+    with pytest.raises(KVMemError, match="num_tokens") as info:
+        getattr(m, call)(["a"], [[1, 2], [3]])
+    assert isinstance(info.value, (ArgumentError, ArgumentTypeError))
+    assert state(m) == before
+
+
+# -- manager.md, Prefix reuse: "seed= makes them reproducible for a router" ---------------------
+
+
+@pytest.mark.parametrize("ns", [None, "tenant", ("lora", 3)])
+def test_a_router_with_the_seed_recomputes_every_stored_hash(ns: Any) -> None:
+    from kvmem.allocator import HashedPrefixCache, PrefixKeys, keys_as_ints
+
+    m = make(prefix_cache=HashedPrefixCache(seed=7), kv_events=True)
+    prompt = list(range(20, 33))
+    m.admit("r", prompt, namespace=ns)
+    m.reserve(["r"], 13)
+    m.commit("r", prompt)
+    m.reserve(["r"], 3)
+    m.commit("r", [1, 2, 3])  # fills a fourth page, chained from the third
+    first, second = m.take_events()
+    assert isinstance(first, PagesStored) and isinstance(second, PagesStored)
+    router = PrefixKeys(7, P)
+    keys = keys_as_ints(router.prompt_keys(np.array([*prompt, 1, 2, 3]), router.root(ns)))
+    assert [*first.page_hashes, *second.page_hashes] == keys
+    assert first.parent_page_hash is None and second.parent_page_hash == keys[2]
+    assert second.token_ids == (32, 1, 2, 3) and second.namespace == ns

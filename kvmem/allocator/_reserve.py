@@ -283,7 +283,13 @@ def token_counts(num_tokens: Any, size: int, most: int) -> Int64Array | int:
     """``num_tokens`` as an int (one count for the whole batch) or ``[size]`` int64, each in
     ``0 .. most`` (a request's most tokens); raises ArgumentError / ArgumentTypeError naming
     what was wrong."""
-    if isinstance(num_tokens, (int, np.integer)) or np.ndim(num_tokens) == 0:
+    if isinstance(num_tokens, (int, np.integer)):
+        return integer(num_tokens, "num_tokens", minimum=0, maximum=most)
+    try:
+        scalar = np.ndim(num_tokens) == 0
+    except ValueError:  # a ragged nesting: integers() names it
+        scalar = False
+    if scalar:
         return integer(num_tokens, "num_tokens", minimum=0, maximum=most)
     return integers(num_tokens, "num_tokens", minimum=0, maximum=most, size=size)
 
