@@ -323,3 +323,57 @@ def test_a_router_with_the_seed_recomputes_every_stored_hash(ns: Any) -> None:
     assert [*first.page_hashes, *second.page_hashes] == keys
     assert first.parent_page_hash is None and second.parent_page_hash == keys[2]
     assert second.token_ids == (32, 1, 2, 3) and second.namespace == ns
+
+
+# -- manager.md, One verdict: "Malformed metadata ... is refused before anything changes" -------
+
+
+def _malformed_metadata(step: Any) -> list[dict[str, Any]]:
+    import torch
+
+    t = step.tensors("cpu")
+    return [
+        {"kv_indptr": t["kv_indptr"], "kv_indices": step.kv_indices},
+        {"kv_indptr": step.kv_indptr, "kv_indices": t["kv_indices"]},
+        {"kv_indptr": step.kv_indptr.astype(np.uint64), "kv_indices": step.kv_indices},
+        {"metadata": {**step.fields(), "seq_lens": torch.as_tensor(step.seq_lens)}},
+        {"metadata": {"slot_mapping": t["slot_mapping"], "block_table": step.block_table}},
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_metadata_of_mixed_kinds_or_uint64_is_a_metadata_error(case: int) -> None:
+    from kvmem.errors import MetadataError
+
+    m = make()
+    for rid in ("a", "b"):
+        prefill(m, rid, [rid == "a", 2, 3, 4, 5, 6])
+    step = m.reserve(["a", "b"], 1)
+    before = state(m)
+    kwargs = _malformed_metadata(step)[case]
+    with pytest.raises(MetadataError, match=r"kv_indptr|kv_indices|seq_lens|slot_mapping"):
+        m.verify(["a", "b"], **kwargs)
+    assert state(m) == before
+    assert m.verify(["a", "b"], step).ok
+
+
+@pytest.mark.parametrize("form", ["host-tags", "device-tags"])
+def test_tracker_verify_of_metadata_not_of_the_tags_kind_is_a_metadata_error(form: str) -> None:
+    import torch
+
+    from kvmem import CheckingTracker, PageAllocator
+    from kvmem.errors import MetadataError
+
+    tracker, alloc = CheckingTracker(4, 6), PageAllocator(8)
+    pages = alloc.allocate(3)
+    tracker.record(np.zeros(3, dtype=np.int64), np.arange(3), alloc.tags[pages])
+    tags = alloc.tags if form == "host-tags" else torch.as_tensor(alloc.tags.copy())
+    indptr, indices = np.array([0, 3], dtype=np.int32), pages.astype(np.int32)
+    other = torch.as_tensor if form == "host-tags" else np.asarray
+    same = (lambda a: a) if form == "host-tags" else torch.as_tensor
+    assert tracker.verify([0], [3], tags, kv_indptr=same(indptr), kv_indices=same(indices)).ok
+    for kw in ({"kv_indptr": other(indptr), "kv_indices": same(indices)},
+               {"kv_indptr": same(indptr), "kv_indices": other(indices)},
+               {"block_table": other(indices[None, :])}):
+        with pytest.raises(MetadataError, match="tags"):
+            tracker.verify([0], [3], tags, **kw)
