@@ -377,3 +377,16 @@ def test_tracker_verify_of_metadata_not_of_the_tags_kind_is_a_metadata_error(for
                {"block_table": other(indices[None, :])}):
         with pytest.raises(MetadataError, match="tags"):
             tracker.verify([0], [3], tags, **kw)
+
+
+# -- manager.md: can_admit "leave mgr.watermark_pages pages free" (int(watermark * num_pages)) --
+
+
+def test_can_admit_keeps_exactly_the_watermark_pages_free() -> None:
+    m = KVCacheManager(num_pages=100, page_size=P, max_seqs=4, max_pages_per_seq=100,
+                       watermark=0.29)
+    assert m.watermark_pages == int(0.29 * 100) == 28
+    assert m.can_admit(list(range(72 * P)))  # leaves 28
+    assert not m.can_admit(list(range(72 * P + 1)))  # would leave 27
+    m.admit("a", list(range(72 * P)))
+    assert m.stats().num_free == 28
