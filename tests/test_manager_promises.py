@@ -390,3 +390,20 @@ def test_can_admit_keeps_exactly_the_watermark_pages_free() -> None:
     assert not m.can_admit(list(range(72 * P + 1)))  # would leave 27
     m.admit("a", list(range(72 * P)))
     assert m.stats().num_free == 28
+
+
+# -- manager.md, Integrity in the loop: the slot mapping's padding ------------------------------
+
+
+@pytest.mark.parametrize("pad", [-1, 5])
+def test_slot_mapping_padding_must_be_minus_one_or_every_request_aborts(pad: int) -> None:
+    m = make()
+    prefill(m, "a", [1, 2, 3, 4, 5, 6])
+    prefill(m, "b", [9, 8, 7, 6, 5])
+    step = m.reserve(["a", "b"], 1)
+    md = {"slot_mapping": np.concatenate([step.slot_mapping, [-1, pad]]),
+          "kv_indptr": step.kv_indptr, "kv_indices": step.kv_indices}
+    report = m.verify(["a", "b"], metadata=md)
+    assert report.ok_ids == (("a", "b") if pad == -1 else ())
+    assert report.keep.tolist() == [pad == -1] * 2
+    m.check()
