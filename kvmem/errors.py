@@ -44,12 +44,14 @@ class KVMemError(Exception):
 class OutOfPagesError(KVMemError):
     """An allocation asked for more pages than are free; nothing was allocated."""
 
-    def __init__(self, num_requested: int, num_free: int) -> None:
+    def __init__(self, num_requested: int, num_free: int, what_to_do: str | None = None) -> None:
         self.num_requested = num_requested
         self.num_free = num_free
+        if what_to_do is None:
+            what_to_do = "Free or evict pages first, or check can_allocate() before allocating."
         super().__init__(
             f"asked for {num_requested} pages but only {num_free} are free; nothing was "
-            "allocated. Free or evict pages first, or check can_allocate() before allocating."
+            f"allocated. {what_to_do}"
         )
 
 

@@ -407,3 +407,25 @@ def test_slot_mapping_padding_must_be_minus_one_or_every_request_aborts(pad: int
     assert report.ok_ids == (("a", "b") if pad == -1 else ())
     assert report.keep.tolist() == [pad == -1] * 2
     m.check()
+
+
+# -- errors.md: the message says "what to do"; the manager's is can_admit/can_reserve, not the
+# allocator's can_allocate -----------------------------------------------------------------------
+
+
+def test_the_managers_out_of_pages_error_says_what_an_engine_does() -> None:
+    from kvmem.errors import OutOfPagesError
+
+    m = make(num_pages=6, prefix_cache=None)
+    prefill(m, "a", list(range(10)))  # 3 pages
+    m.admit("b", [1, 2, 3, 4, 5])  # 2 pages: 1 free
+    m.reserve(["b"], 5)
+    m.commit("b", [1, 2, 3, 4, 5])
+    m.fork("b", "f")  # promises the shared tail's copy: nothing left
+    before = state(m)
+    for call in (lambda: m.admit("c", list(range(9))), lambda: m.reserve(["a", "b"], 4),
+                 lambda: m.fork("a", "g")):
+        with pytest.raises(OutOfPagesError, match=r"can_admit\(\), can_reserve\(\)") as info:
+            call()
+        assert "can_allocate" not in str(info.value)
+        assert state(m) == before

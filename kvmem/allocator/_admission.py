@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.allocator._page_table import PageTable
-from kvmem.allocator._pages import Pages
+from kvmem.allocator._pages import MANAGER_OUT_OF_PAGES, Pages
 from kvmem.allocator._prefix_cache import PrefixMatch
 from kvmem.allocator._prefix_keys import namespace_bytes
 from kvmem.errors import ArgumentError, KVMemError, OutOfPagesError
@@ -152,7 +152,8 @@ class Admission:
                              "request before admitting another")
         if not self.fits(plan, 0):
             raise OutOfPagesError(plan.num_pages - plan.hits,
-                                  self.pages.available() - plan.evictable_hits)
+                                  self.pages.available() - plan.evictable_hits,
+                                  MANAGER_OUT_OF_PAGES)
         hit_pages = _EMPTY_PAGES if plan.match is None else plan.match.pages
         self.pages.share_hits(hit_pages)
         new = self.pages.allocate(plan.num_pages - hit_pages.size, plan.namespace_id)

@@ -27,7 +27,11 @@ from kvmem.allocator._page_allocator import PageAllocator
 from kvmem.allocator._prefix_cache import PrefixCache
 from kvmem.errors import OutOfPagesError
 
-__all__ = ["FaultHooks", "Pages"]
+__all__ = ["MANAGER_OUT_OF_PAGES", "FaultHooks", "Pages"]
+
+# What an engine does when the manager is out of pages (OutOfPagesError's advice).
+MANAGER_OUT_OF_PAGES = ("Preempt or release a request (or retire a step in flight) and retry; "
+                        "can_admit(), can_reserve() and can_fork() ask first.")
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -110,7 +114,7 @@ class Pages:
         """Raise OutOfPagesError (nothing changed) unless ``num`` pages can be obtained, of
         which ``keeping`` are promised ones the caller is about to use."""
         if num > self.available() + keeping:
-            raise OutOfPagesError(num, self.available() + keeping)
+            raise OutOfPagesError(num, self.available() + keeping, MANAGER_OUT_OF_PAGES)
 
     def writers(self, pages: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
         """Holders that may read or write these pages' future slots: requests and the cache.
