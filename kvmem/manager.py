@@ -826,7 +826,8 @@ class KVCacheManager:
 
     @_public
     def clear_prefix_cache(self) -> int:
-        """Forget every cached prefix (pages no request maps return to the free list)."""
+        """Forget every cached prefix; return how many pages the cache forgot (those no request
+        or step fence holds return to the free list; the others stay with their holders)."""
         if self.cache is None:
             return 0
         pages = self.cache.clear()

@@ -429,3 +429,20 @@ def test_the_managers_out_of_pages_error_says_what_an_engine_does() -> None:
             call()
         assert "can_allocate" not in str(info.value)
         assert state(m) == before
+
+
+def test_clear_prefix_cache_counts_what_it_forgot_and_frees_only_unheld_pages() -> None:
+    m = make(num_pages=16, kv_events=True)
+    prefill(m, "a", list(range(9)))  # pages 0, 1 cached
+    m.admit("b", list(range(9)))  # shares them
+    h = m.begin_step()
+    m.release("a")
+    free = m.stats().num_free
+    assert m.clear_prefix_cache() == 2
+    s = m.stats()
+    assert (s.num_free, s.num_cached) == (free, 0) and m.take_events()[-1] == AllPagesCleared()
+    assert m.match_prefix(list(range(9))).pages.size == 0
+    m.retire(h)
+    m.release("b")
+    assert m.stats().num_free == 16
+    m.check()
