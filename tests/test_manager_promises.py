@@ -446,3 +446,23 @@ def test_clear_prefix_cache_counts_what_it_forgot_and_frees_only_unheld_pages() 
     m.release("b")
     assert m.stats().num_free == 16
     m.check()
+
+
+# -- integrity.md, "What the allocator checks about itself": free() ----------------------------
+
+
+@pytest.mark.parametrize(("pages", "error"), [([8], "InvalidFreeError"), ([-1], "InvalidFreeError"),
+                                              ([5], "InvalidFreeError"), ([0, 0], "InvalidFreeError"),
+                                              ([2**32 + 1], "ArgumentError"),
+                                              ([1.0], "ArgumentTypeError")])
+def test_free_refuses_the_whole_call_naming_why(pages: list[Any], error: str) -> None:
+    from kvmem import PageAllocator
+
+    a = PageAllocator(8)
+    a.allocate(3)
+    before = (a.refcounts.tolist(), a.tags.tolist(), a.num_free)
+    with pytest.raises(KVMemError) as info:
+        a.free([0, *pages])  # page 0 is fine: the call is refused whole
+    assert type(info.value).__name__ == error
+    assert (a.refcounts.tolist(), a.tags.tolist(), a.num_free) == before
+    a.check()
