@@ -451,10 +451,9 @@ def test_clear_prefix_cache_counts_what_it_forgot_and_frees_only_unheld_pages() 
 # -- integrity.md, "What the allocator checks about itself": free() ----------------------------
 
 
-@pytest.mark.parametrize(("pages", "error"), [([8], "InvalidFreeError"), ([-1], "InvalidFreeError"),
-                                              ([5], "InvalidFreeError"), ([0, 0], "InvalidFreeError"),
-                                              ([2**32 + 1], "ArgumentError"),
-                                              ([1.0], "ArgumentTypeError")])
+@pytest.mark.parametrize(("pages", "error"), [
+    ([8], "InvalidFreeError"), ([-1], "InvalidFreeError"), ([5], "InvalidFreeError"),
+    ([0, 0], "InvalidFreeError"), ([2**32 + 1], "ArgumentError"), ([1.0], "ArgumentTypeError")])
 def test_free_refuses_the_whole_call_naming_why(pages: list[Any], error: str) -> None:
     from kvmem import PageAllocator
 
