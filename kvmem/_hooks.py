@@ -52,10 +52,13 @@ class HookBus:
 
     def emit(self, kind: str, request_id: Any = None, pages: npt.NDArray[np.int32] | None = None,
              detail: Any = None) -> None:
-        """Queue ``kind``'s hooks (the event carries a copy of ``pages``)."""
+        """Queue ``kind``'s hooks (the event carries a read-only copy of ``pages``)."""
         hooks = self._hooks[kind]
         if hooks:
-            event = ManagerEvent(kind, request_id, None if pages is None else pages.copy(), detail)
+            if pages is not None:  # one read-only copy: every hook of the event sees the same
+                pages = pages.copy()
+                pages.flags.writeable = False
+            event = ManagerEvent(kind, request_id, pages, detail)
             self._queued.extend((fn, event) for fn in hooks)
 
     def kv_event(self, event: KVEvent) -> None:
