@@ -466,3 +466,18 @@ def test_free_refuses_the_whole_call_naming_why(pages: list[Any], error: str) ->
     assert type(info.value).__name__ == error
     assert (a.refcounts.tolist(), a.tags.tolist(), a.num_free) == before
     a.check()
+
+
+@pytest.mark.parametrize("tracker", [None, "checking"])
+def test_verify_refuses_unknown_or_repeated_ids_unless_its_tracker_checks_nothing(
+        tracker: Any) -> None:
+    m = make(tracker=tracker)
+    prefill(m, "a", [1, 2, 3, 4, 5])
+    for ids in (["a", "ghost"], ["a", "a"]):
+        before = state(m)
+        if tracker is None:
+            assert m.verify(ids).ok_ids == tuple(ids)
+        else:
+            with pytest.raises(ArgumentError, match="ghost|'a' twice"):
+                m.verify(ids)
+        assert state(m) == before
