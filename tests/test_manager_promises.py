@@ -478,6 +478,6 @@ def test_verify_refuses_unknown_or_repeated_ids_unless_its_tracker_checks_nothin
         if tracker is None:
             assert m.verify(ids).ok_ids == tuple(ids)
         else:
-            with pytest.raises(ArgumentError, match="ghost|'a' twice"):
+            with pytest.raises(ArgumentError, match=r"ghost|'a' twice"):
                 m.verify(ids)
         assert state(m) == before
