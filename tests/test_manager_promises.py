@@ -26,17 +26,10 @@ def make(num_pages: int = 32, **kw: Any) -> KVCacheManager:
 
 def state(m: KVCacheManager) -> dict[str, Any]:
     """What a refused call must leave as it was (errors.md, "Nothing changed")."""
-    s = m.stats()
-    return {
-        "running": m.running, "preempted": m.preempted,
-        "tokens": {r: m.num_tokens(r) for r in m.running},
-        "committed": {r: m.num_committed(r) for r in m.running},
-        "pages": {r: m.pages_of(r).tolist() for r in m.running},
-        "refcounts": m.allocator.refcounts.tolist(), "tags": m.allocator.tags.tolist(),
-        "table": m.table.pages.tolist(),
-        "stats": (s.num_free, s.num_used, s.num_cached, s.num_fenced, s.num_prefix_queries,
-                  s.prefix_query_tokens, s.num_integrity_failures, s.num_evictions),
-    }
+    rows = {r: (m.num_tokens(r), m.num_committed(r), m.pages_of(r).tolist()) for r in m.running}
+    return {"running": m.running, "preempted": m.preempted, "rows": rows, "stats": m.stats(),
+            "refcounts": m.allocator.refcounts.tolist(), "tags": m.allocator.tags.tolist(),
+            "table": m.table.pages.tolist()}
 
 
 def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:
@@ -481,3 +474,20 @@ def test_verify_refuses_unknown_or_repeated_ids_unless_its_tracker_checks_nothin
             with pytest.raises(ArgumentError, match=r"ghost|'a' twice"):
                 m.verify(ids)
         assert state(m) == before
+
+
+def test_a_checking_tracker_wider_than_the_table_serves_the_decode_loop() -> None:
+    # manager.py: tracker "a CheckingTracker shaped [>= max_seqs, >= max_pages_per_seq]".
+    from kvmem import CheckingTracker
+    from kvmem.testing import faults
+
+    m = make(num_pages=64, tracker=CheckingTracker(16, 32, paranoid=True))
+    ids = ["a", "b", "c"]
+    for i, rid in enumerate(ids):
+        prefill(m, rid, [i, 2, 3, 4, 5])
+    for k in range(6):
+        assert m.verify(ids, m.reserve(ids, 1 + k % 3)).ok
+        m.commit_batch(ids, [[k] * (1 + k % 3)] * 3)
+    faults.free_behind_back(m, "b", 1)
+    assert m.verify(ids, m.reserve(ids, 1)).aborted.keys() == {"b"}
+    m.check()

@@ -58,6 +58,10 @@ class Reserver:
         self.steps = steps
         self.tracker = tracker
         self.checking = type(tracker) is CheckingTracker
+        # A checking tracker may be wider than the table (shaped [>= max_seqs,
+        # >= max_pages_per_seq]): its flat positions are row * its own width + column.
+        self._tracker_width = (tracker.expected_tags.shape[1] if isinstance(
+            tracker, CheckingTracker) else table.max_pages_per_seq)
         self.copy_pages = copy_pages
         self.on_allocate = on_allocate
         self.num_cow_copies = 0
@@ -146,6 +150,8 @@ class Reserver:
         """Record pages rows gained past the ones they had."""
         if self.checking:
             assert isinstance(self.tracker, CheckingTracker)
+            if self._tracker_width != self.table.max_pages_per_seq:
+                flat_at = rows * self._tracker_width + cols
             self.tracker.append(flat_at, self.expected(pages, ns))
         elif self.tracker.enabled:
             self.tracker.record(rows, cols, self.expected(pages, ns))
