@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ def add_fuzz_parser(sub: Any) -> None:
     p = sub.add_parser(
         "fuzz",
         help="property-based fuzzing of allocation races (device timeline, fault catalog)",
-        description=(__doc__ or "").split("\n\n")[2].replace("\n", " "),
+        description=textwrap.dedent((__doc__ or "").split("\n\n")[2]),  # the usage forms
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine",
                    help="engine adapter: manager (kvmem's, async), toy (synchronous), vllm and "

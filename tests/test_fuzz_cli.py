@@ -97,3 +97,12 @@ def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], 
     status, _, err = run(capsys, *argv)
     assert status == 2
     assert message in err and err.count("\n") == 1
+
+
+def test_help_shows_each_usage_form_on_its_own_line(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "fuzz", "--help")
+    assert status == 0
+    lines = out.splitlines()
+    for form in ("kvmem fuzz [--engine manager] [--minutes 1 | --moves N] [--save DIR] [--json]",
+                 "kvmem fuzz --profile ci [--json]"):
+        assert form in lines
