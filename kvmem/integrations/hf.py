@@ -240,6 +240,12 @@ def _check_vocab(lowest: int, highest: int, vocab_size: int | None, name: str) -
                             "tokenizer")
 
 
+def _is_int_vector(t: Any) -> bool:
+    """Whether ``t`` is a 1-D tensor of integers (not floats, complex numbers or bools)."""
+    return (isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point
+            and not t.dtype.is_complex and t.dtype != torch.bool)
+
+
 def _check_token_ids(token_ids: Any, vocab_size: int | None) -> list[int]:
     """``token_ids`` as a list of ints, after checking that the model has a row for each."""
     tokens = token_array(token_ids, "token_ids")  # 1-D ints in 0..INT32_MAX, or raises
@@ -391,9 +397,7 @@ class PagedCausalLM:
         if not isinstance(batch, KVBatch):
             raise ArgumentTypeError(f"batch={show(batch)}: expected the step's KVBatch "
                                     "(KVBatch.from_arrays(pool, ...) of a reserved step)")
-        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1
-                or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex
-                or input_ids.dtype == torch.bool):
+        if not _is_int_vector(input_ids):
             raise ArgumentTypeError(f"input_ids={show(input_ids)}: expected a 1-D tensor of "
                                     "integer token ids, [T]")
         num_tokens = int(batch.qo_indptr[-1])
@@ -404,9 +408,7 @@ class PagedCausalLM:
             _check_vocab(int(input_ids.min()), int(input_ids.max()), self.vocab_size,
                          "input_ids")
         if logits_indices is not None:
-            if (not isinstance(logits_indices, torch.Tensor) or logits_indices.dim() != 1
-                    or logits_indices.dtype.is_floating_point or logits_indices.dtype.is_complex
-                    or logits_indices.dtype == torch.bool):
+            if not _is_int_vector(logits_indices):
                 raise ArgumentTypeError(f"logits_indices={show(logits_indices)}: expected a "
                                         "1-D integer tensor of indices into the T tokens, or "
                                         "None")
