@@ -353,6 +353,111 @@ def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int)
         eng.check_kv(ok)
 
 
+@pytest.mark.parametrize("seed", range(int(os.environ.get("KVMEM_DIFF_SEEDS", "30"))))
+def test_requests_leaving_and_joining_give_the_full_checks_verdict_under_random_faults(
+        seed: int) -> None:
+    """The differential test of a continuous batch: requests finish anywhere in it and join at
+    its end (each prefilled alone, checked beside the decode batch), so rows change position
+    between steps; now and then a step skips some rows or reorders them. Reserve splices
+    from the proven batch by page-table row, and paranoid mode checks every fast answer
+    against the full check; a faulted victim is aborted, no healthy request ever is, and most
+    decode steps are proved on the spliced path."""
+    rng = np.random.default_rng(seed)
+    mgr = make(num_pages=96)
+    eng = ToyEngine(mgr, seed=seed)
+    order: list[str] = []
+    decode_steps = 0
+    for n in range(80):
+        if order and rng.random() < 0.2:
+            eng.release(order.pop(int(rng.integers(len(order)))))
+        prompt = rng.integers(0, 4, int(rng.integers(1, 14))).tolist()
+        if len(order) < 6 and rng.random() < 0.4 and mgr.can_admit(np.array(prompt)):
+            rid = f"j{n}"
+            res = eng.admit(rid, prompt)
+            step = eng.step([rid], len(prompt) - res.num_cached_tokens)
+            assert mgr.verify([rid], step).ok
+            eng.commit([rid])
+            order.append(rid)
+        ids = [r for r in order if rng.random() < 0.9] if rng.random() < 0.3 else list(order)
+        if len(ids) > 2 and rng.random() < 0.1:
+            ids[0], ids[1] = ids[1], ids[0]
+        if not ids:
+            continue
+        if not mgr.can_reserve(ids, 1):
+            eng.release(order.pop(0))
+            continue
+        victim = None
+        if rng.random() < 0.15 and len(ids) > 1:
+            victim = ids[int(rng.integers(len(ids)))]
+            fault = list(FAULTS)[int(rng.integers(len(FAULTS)))]
+            if fault == "overwrite" and victim == order[0]:
+                victim = None  # (the fault points the victim at order[0]'s page: not a fault)
+        step = eng.step(ids, 1)
+        decode_steps += 1
+        allowed: set[str] = set()
+        if victim is not None:
+            mapped = {r: set(mgr.pages_of(r).tolist()) for r in ids}
+            page = (faults.overwrite_page_entry(mgr, victim, 0, int(mgr.pages_of(order[0])[0]))
+                    if fault == "overwrite" else FAULTS[fault](mgr, victim))
+            allowed = {victim} | ({r for r in ids if page in mapped[r]}
+                                  if fault != "overwrite" else set())
+        form = "step" if rng.random() < 0.7 else list(forms(step))[int(rng.integers(6))]
+        report = mgr.verify(ids, **forms(step)[form])
+        assert set(report.aborted) <= allowed, (form, victim, report.aborted)
+        for rid in report.aborted:
+            eng.seqs.pop(rid)
+            order.remove(rid)
+        ok = [r for r in ids if r not in report.aborted]
+        if victim is not None:
+            if fault != "overwrite" or form == "ids":
+                assert victim in report.aborted, (form, fault)
+            break
+        eng.commit(ok)
+        eng.check_kv(ok)
+    stats = mgr.verifier.stats
+    assert stats.paranoid_checks >= stats.spliced_proved + stats.incremental_proved
+    if decode_steps >= 20:
+        assert stats.spliced_proved >= decode_steps // 10, (stats, decode_steps)
+
+
+def test_requests_that_finish_or_join_keep_the_spliced_path_and_faults_still_caught() -> None:
+    """A request that finishes moves every later one up a position (vLLM's running list), and
+    one that joins comes at the end: rows are matched by page-table row, so each next decode
+    step still splices from the proven batch and is proved checking only its new pages. A
+    page freed behind the manager's back in a row that moved is still caught, and only its
+    request is aborted."""
+    mgr, eng, _ = decoding()
+
+    def decode(batch: list[str]) -> Any:
+        before = mgr.verifier.stats
+        report = mgr.verify(batch, eng.step(batch, 1))
+        after = mgr.verifier.stats
+        return report, after.spliced_proved - before.spliced_proved, (
+            after.full_checks - before.full_checks)
+
+    eng.release("c")
+    batch = ["a", "b", "d", "e"]  # "d", "e" moved up
+    report, spliced, full = decode(batch)
+    assert report.ok and spliced == 1 and full == 0
+    eng.commit(batch)
+    eng.admit("f", [9] * 6)
+    assert mgr.verify(["f"], eng.step(["f"], 6)).ok  # a prefill beside the decode batch
+    eng.commit(["f"])
+    batch = ["a", "b", "d", "e", "f"]
+    report, spliced, full = decode(batch)
+    assert report.ok and spliced == 1 and full == 0
+    eng.commit(batch)
+    eng.release("a")
+    batch = ["b", "d", "e", "f"]
+    report, spliced, full = decode(batch)
+    assert report.ok and spliced == 1 and full == 0
+    eng.commit(batch)
+    eng.check_kv(batch)
+    faults.free_behind_back(mgr, "e", 0)
+    report, spliced, _ = decode(batch)
+    assert list(report.aborted) == ["e"] and spliced == 0
+
+
 # -- the fast paths under an asynchronous engine's order ---------------------------------------
 
 

@@ -4,12 +4,15 @@
 and (built on first use) vLLM's block table. :class:`StepBuilder` makes it from the page table,
 and remembers each batch it built (:class:`StepRecord`, private copies) so that:
 
-* the next step of a batch of the same size keeps the CSR entries of the rows that did not
-  change and splices in only the new ones (a decode step changes a few rows: a copy, not a
-  gather; :meth:`StepBuilder.csr`)::
+* the next step keeps the CSR entries of the rows that did not change and splices in only the
+  new ones (a decode step changes a few rows: a copy, not a gather; :meth:`StepBuilder.csr`)::
 
       previous kv_indices   | r0 r0 r0 | r1 r1 | r2 r2 r2 r2 |
       r1 grew a page        | r0 r0 r0 | r1 r1 +new | r2 r2 r2 r2 |     one concatenation
+      r0 finished, r3 came  | r1 r1 +new | r2 r2 r2 r2 | +r3 +r3 |
+
+  Rows are matched by page-table row, so requests that finish or join (the batch shrinks,
+  grows, its rows move) keep the spliced path as long as the others keep their order.
 
 * ``verify`` of the very step just reserved compares the arrays it is given with the record's
   private copies and checks in full only what was spliced in (``kvmem.integrity``).
@@ -30,7 +33,7 @@ import numpy.typing as npt
 from kvmem._validate import show
 from kvmem.allocator._page_table import CSRMetadata, PageTable
 from kvmem.errors import ArgumentError
-from kvmem.integrity import PAD, max_spliced_rows
+from kvmem.integrity import PAD, checked_beside, max_spliced_rows
 
 __all__ = ["Splice", "StepBuilder", "StepMetadata", "StepRecord"]
 
@@ -181,8 +184,12 @@ class StepBuilder:
         self.table = table
         self.expected_flat = expected_flat
         self.latest: StepRecord | None = None
-        self._bases: dict[int, StepRecord] = {}  # recent batches by size (a few)
+        # What the next batch splices from: the latest record that a verifier's proof would
+        # cover: a spliced one (proved spliced), or one not checked beside the base (a
+        # prefill chunk between decode steps is; kvmem.integrity.checked_beside).
+        self._base: StepRecord | None = None
         self._recent: list[StepRecord] = []  # the latest RECENT records, newest last
+        self._position = np.full(table.max_seqs, -1, dtype=np.intp)  # scratch: row -> base index
         self._serial = 0
         self._counts: dict[tuple[int, int], tuple[Int32Array, Int32Array]] = {}
         self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs) + 1, dtype=np.int64)
@@ -238,10 +245,10 @@ class StepBuilder:
             ) -> tuple[Int32Array, Int32Array, Splice | None]:
         """FlashInfer ``kv_indptr``, ``kv_indices`` over each row's first ``counts`` pages.
 
-        When the previous batch of this size had, at the same position, the same row with
-        nothing but appends since (same generation), the row keeps its entries: the new
-        ``kv_indices`` is the old one cut at the rows that changed, their new pages spliced
-        in, in one concatenation (and a :class:`Splice`). Otherwise one masked gather.
+        A row that the base batch (the latest one a proof would cover) listed, with nothing
+        but appends since (same generation), keeps its entries: the new ``kv_indices`` is the
+        base's, cut where rows changed, left or joined, the new pages spliced in, in one
+        concatenation (and a :class:`Splice`). Otherwise one masked gather.
         """
         size = rows.size
         indptr = np.zeros(size + 1, dtype=np.int32)
@@ -249,9 +256,11 @@ class StepBuilder:
         if size == 1:  # one request (a prefill chunk): a slice of its row
             at = int(rows_w[0])
             return indptr, self.table.pages.reshape(-1)[at : at + int(counts[0])].copy(), None
-        c = self._bases.get(size)
+        c = self._base
         if c is not None and size:
-            spliced = self._splice(c, rows_w, gens, counts)
+            spliced = self._splice(c, rows_w, gens, counts) if c.rows.size == size else None
+            if spliced is None:  # rows left, joined or moved
+                spliced = self._splice_rows(c, rows, rows_w, gens, counts)
             if spliced is not None:
                 return indptr, *spliced
         width = int(counts.max()) if size else 0
@@ -266,7 +275,7 @@ class StepBuilder:
         changed = ((counts != first) | ~kept).nonzero()[0]
         first = first[changed]
         fresh = counts[changed] - first
-        if changed.size > max_spliced_rows(c.indices.size) or np.count_nonzero(fresh < 0):
+        if changed.size > self._max_spliced(c) or np.count_nonzero(fresh < 0):
             return None
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
         if not changed.size:
@@ -296,6 +305,63 @@ class StepBuilder:
             c.serial, changed, np.concatenate(pages),
             np.concatenate(wants) if wants else _EMPTY_TAGS, gone)
 
+    def _max_spliced(self, c: StepRecord) -> int:
+        """Changed rows up to which a splice from ``c`` beats a gather (with a checking tracker,
+        the gather also costs verify its proof)."""
+        return max_spliced_rows(c.indices.size, proved=self.expected_flat is not None)
+
+    def _splice_rows(self, c: StepRecord, rows: IntpArray, rows_w: Int64Array, gens: Int64Array,
+                     counts: Int64Array) -> tuple[Int32Array, Splice] | None:
+        """``kv_indices`` spliced from ``c``'s with rows matched by page-table row (they may
+        sit at other batch positions), or None when too much changed or the kept rows are not
+        in ``c``'s order."""
+        position = self._position
+        position[c.rows] = self._arange[: c.rows.size]
+        j = position[rows]  # each row's index in c, -1: not in c
+        position[c.rows] = -1
+        kept = j >= 0
+        kept[kept] = c.gens[j[kept]] == gens[kept]  # (generations are unique to a row's lifetime)
+        jk = j[kept]
+        first = np.zeros(rows.size, dtype=np.int64)
+        first[kept] = c.counts[jk]  # entries each row keeps
+        fresh = counts - first
+        if np.count_nonzero(fresh < 0) or np.count_nonzero(jk[1:] <= jk[:-1]):
+            return None
+        # A run of kept rows that sit next to each other in c, with no new entries but after
+        # the last, is one slice of c's entries.
+        joined = kept[1:] & kept[:-1] & (fresh[:-1] == 0)
+        joined[joined] = j[1:][joined] == j[:-1][joined] + 1
+        ends = [*(~joined).nonzero()[0].tolist(), rows.size - 1]
+        left = np.ones(c.rows.size, dtype=bool)
+        left[jk] = False  # c's rows whose entries are cut out
+        gone_rows = left.nonzero()[0]
+        if len(ends) + gone_rows.size > self._max_spliced(c):
+            return None
+        c.splice = None  # (a record keeps only its own splice, not a chain of them)
+        old, old_ptr = c.indices, c.indptr
+        flat = self.table.pages.reshape(-1)
+        expected = self.expected_flat
+        parts: list[Int32Array] = []
+        pages: list[Int32Array] = []  # the entries spliced in ...
+        wants: list[Int64Array] = []  # ... and the tags the tracker expects of them
+        begin = 0
+        for end, k, lo, num, src in zip(ends, kept[ends].tolist(), first[ends].tolist(),
+                                        fresh[ends].tolist(), rows_w[ends].tolist()):
+            if k:  # rows begin..end: c's entries of its rows j[begin]..j[end]
+                parts.append(old[old_ptr[j[begin]] : old_ptr[j[end] + 1]])
+            if num:
+                piece = flat[src + lo : src + lo + num]
+                parts.append(piece)
+                pages.append(piece)
+                if expected is not None:
+                    wants.append(expected[src + lo : src + lo + num])
+            begin = end + 1
+        gone = [old[old_ptr[g] : old_ptr[g + 1]] for g in gone_rows.tolist()]
+        changed = (~kept | (fresh > 0)).nonzero()[0]
+        return np.concatenate(parts) if parts else _EMPTY_PAGES, Splice(
+            c.serial, changed, np.concatenate(pages) if pages else _EMPTY_PAGES,
+            np.concatenate(wants) if wants else _EMPTY_TAGS, gone)
+
     def record(self, b: StepRecord) -> StepRecord:
         """Remember a built batch (the latest, and the base of the next batch its size)."""
         self._serial += 1
@@ -304,14 +370,14 @@ class StepBuilder:
         self._recent.append(b)
         if len(self._recent) > RECENT:
             del self._recent[0]
-        self._bases.pop(b.rows.size, None)
-        self._bases[b.rows.size] = b
-        if len(self._bases) > 4:
-            del self._bases[next(iter(self._bases))]  # the least recently reserved size
+        base = self._base
+        if base is None or b.splice is not None or not checked_beside(b.rows.size,
+                                                                      base.rows.size):
+            self._base = b
         return b
 
     def forget(self) -> None:
         """Forget every record (the next steps build their CSR by a gather)."""
         self.latest = None
-        self._bases.clear()
+        self._base = None
         self._recent.clear()

@@ -41,7 +41,7 @@ from kvmem.integrity._tags import (
     qualify_live,
 )
 from kvmem.integrity._tracker import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
-from kvmem.integrity._verifier import Verifier, VerifierStats, max_spliced_rows
+from kvmem.integrity._verifier import Verifier, VerifierStats, checked_beside, max_spliced_rows
 
 __all__ = [
     "MAX_NAMESPACES",
@@ -63,6 +63,7 @@ __all__ = [
     "check_block_table_torch",
     "check_csr",
     "check_csr_torch",
+    "checked_beside",
     "lifetime_of",
     "max_spliced_rows",
     "namespace_id_of",

@@ -43,7 +43,7 @@ from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, val
 from kvmem.integrity._tags import TagMirror, qualify_live
 from kvmem.integrity._tracker import Tracker
 
-__all__ = ["Verifier", "VerifierStats", "max_spliced_rows"]
+__all__ = ["Verifier", "VerifierStats", "checked_beside", "max_spliced_rows"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -51,11 +51,19 @@ IntpArray = npt.NDArray[np.intp]
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def max_spliced_rows(num_entries: int) -> int:
+def max_spliced_rows(num_entries: int, proved: bool = False) -> int:
     """Changed rows up to which patching a CSR of ``num_entries`` entries (reserve's
     ``kv_indices``, the verifier's proof) beats rebuilding it: a splice costs a few
-    microseconds of Python a row, a rebuild about one per thousand entries."""
-    return min(64, 8 + num_entries // 1024)
+    microseconds of Python a row, a rebuild about one per thousand entries; ``proved``: the
+    rebuild also restarts a proof, whose full check of every entry costs 15-30 ns each."""
+    return min(64, 8 + num_entries // (256 if proved else 1024))
+
+
+def checked_beside(size: int, proven_size: int) -> bool:
+    """Whether a batch of ``size`` rows is checked beside the proven batch of ``proven_size``
+    (alone, in full, the proof kept: a prefill chunk between decode steps) rather than taking
+    the proof's place."""
+    return size < proven_size and size <= max(8, proven_size // 8)
 
 _ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
@@ -266,7 +274,7 @@ class Verifier(FullCheck):
             return False
         serial = -1 if latest is None else latest.serial
         p = self._proof
-        if p is not None and rows.size < p.rows.size and rows.size <= max(8, p.rows.size // 8):
+        if p is not None and checked_beside(rows.size, p.rows.size):
             # A small batch beside the proven one (a prefill chunk between decode steps):
             # checked alone, in full, and the proof (and its change-log cursor) kept.
             want = self._expected[np.repeat(rows, counts),
@@ -285,7 +293,7 @@ class Verifier(FullCheck):
             if kept is not None:
                 first = np.where(kept, p.counts, 0)  # entries each row keeps from the proof
                 changed = ((counts != first) | ~kept).nonzero()[0]
-            if kept is None or changed.size > max_spliced_rows(indices.size):
+            if kept is None or changed.size > max_spliced_rows(indices.size, proved=True):
                 # another batch, or so many changed rows that checking every entry afresh
                 # costs less than splicing them into the proof: start over
                 self.forget()

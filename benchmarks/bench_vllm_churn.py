@@ -1,0 +1,106 @@
+"""vLLM 0.33's ``Scheduler`` on kvmem under churn: requests finish and join every step (JSON).
+
+The decode benchmark (``bench_vllm_scheduler.py``) keeps its 256 requests for 300 steps; a
+serving batch does not. Here 256 requests run, each with ``max_tokens`` drawn from 50..400, and
+each one that finishes is replaced at once by a new ~600-token prompt (a quarter share a
+256-token prefix), so every step or two a request leaves the middle of vLLM's running list and
+one joins at its end (prefilled in the scheduler's chunks beside the decodes). vLLM's own
+manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts steps whose
+``num_scheduled_tokens`` differ. After ``--warmup`` steps, ``--steps`` are measured:
+
+* ``vllm_step_us_median`` / ``kvmem_step_us_median`` / ``step_speedup``: ``schedule()`` +
+  ``update_from_output()``;
+* ``kvmem_flush_us_median``: the adapter's flush (reserve, verify, commit), per call;
+* ``verify_paths``: which path of kvmem's verifier answered (``VerifierStats``): a decode step
+  proved spliced checks only its new pages, one restarted checks every entry.
+
+    PYTHONPATH=/tmp/vllm_env/site:/tmp/vllm_env/deps taskset -c 1 \\
+        python benchmarks/bench_vllm_churn.py [--steps 400] [--requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    try:
+        from kvmem.integrations.vllm import bench
+        from kvmem.integrations.vllm.conformance import SchedulerSpec, make_scheduler
+    except ImportError as e:
+        print(f"vLLM is not importable ({e}); run benchmarks/setup_vllm_cpu.sh", file=sys.stderr)
+        return 1
+    n, block = args.requests, 16
+    spec = SchedulerSpec(num_blocks=n * 80 + 64, block_size=block, max_num_seqs=n,
+                         max_num_batched_tokens=8192, max_model_len=2048,
+                         enable_prefix_caching=True, kv_events=False)
+    scheds = {w: make_scheduler(spec, kvmem=w == "kvmem", log_stats=True)
+              for w in ("vllm", "kvmem")}
+    total = args.warmup + args.steps
+    prompts = bench._requests(n + 2 * total, 600, 256, 0, block, args.seed)
+    rng = random.Random(args.seed)
+    arrivals = [(rid, prompt, rng.randint(50, 400)) for rid, prompt in prompts]
+    added = {w: 0 for w in scheds}
+
+    def top_up(name: str, s: Any) -> None:
+        while len(s.running) + len(s.waiting) < n:
+            rid, prompt, max_tokens = arrivals[added[name]]
+            s.add_request(bench._make(rid, prompt, max_tokens, block))
+            added[name] += 1
+
+    adapter = scheds["kvmem"].kv_cache_manager
+    flushes: list[float] = []
+    flush = adapter.flush
+
+    def timed_flush() -> None:
+        t = time.perf_counter()
+        flush()
+        flushes.append(time.perf_counter() - t)
+
+    adapter.flush = timed_flush
+    steps: dict[str, list[float]] = {w: [] for w in scheds}
+    mismatched = 0
+    before = adapter.manager.verifier.stats
+    for i in range(total):
+        if i == args.warmup:
+            before = adapter.manager.verifier.stats
+            flushes.clear()
+            for v in steps.values():
+                v.clear()
+        outs = {}
+        for name, s in scheds.items():
+            top_up(name, s)
+            t = time.perf_counter()
+            outs[name] = bench._step(s)
+            steps[name].append(time.perf_counter() - t)
+        mismatched += outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens
+    after = adapter.manager.verifier.stats
+    vllm_us = statistics.median(steps["vllm"]) * 1e6
+    kvmem_us = statistics.median(steps["kvmem"]) * 1e6
+    print(json.dumps({
+        "requests": n, "steps": args.steps, "requests_added": added["kvmem"],
+        "mismatched_steps": mismatched,
+        "vllm_step_us_median": round(vllm_us, 1), "kvmem_step_us_median": round(kvmem_us, 1),
+        "step_speedup": round(vllm_us / kvmem_us, 3),
+        "kvmem_flush_us_median": round(statistics.median(flushes) * 1e6, 1),
+        "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
+        "load_average": round(os.getloadavg()[0], 2),
+    }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
