@@ -78,3 +78,74 @@ def test_plot_without_matplotlib_is_refused_before_the_table(tmp_path: Path) -> 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "pip install" in proc.stderr, proc.stderr
+
+
+# -- no traceback, no OverflowError/ZeroDivisionError: numbers beyond a float are refused --------
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [("--gpu-memory-gib", "memory_mib"), ("--gpu-bandwidth-gbs", "bandwidth_gbs")],
+)
+def test_plan_with_an_absurd_custom_gpu_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], option: str, named: str
+) -> None:
+    """`--gpu-memory-gib 1e300` raised OverflowError and `--gpu-bandwidth-gbs 1e300` (with a
+    decode bound) ZeroDivisionError: tracebacks, status 1."""
+    argv = ["plan", "llama-3.1-8b", "--gpu", "custom", "--gpu-memory-gib", "96",
+            "--gpu-bandwidth-gbs", "4000", "--context", "100", "--concurrency", "2"]
+    argv[argv.index(option) + 1] = "1e300"
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and named in err and "Traceback" not in err
+
+
+def test_gpu_spec_bounds_keep_plans_finite() -> None:
+    from kvmem.errors import ConfigError
+    from kvmem.planning import GPUSpec, plan_capacity
+
+    with pytest.raises(ConfigError, match="memory_mib"):
+        GPUSpec(name="g", memory_mib=10**300, bandwidth_gbs=1000)
+    with pytest.raises(ConfigError, match="bandwidth_gbs"):
+        GPUSpec(name="g", memory_mib=1024, bandwidth_gbs=1e300)
+    biggest = GPUSpec(name="g", memory_mib=1 << 33, bandwidth_gbs=1e9)
+    plan = plan_capacity("llama-3.1-8b", biggest, context_len=1, concurrency=1 << 40)
+    assert plan.decode_tokens_per_s_bound is not None and plan.decode_tokens_per_s_bound > 0
+    assert plan.kv_tokens_per_gpu > 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "plan_capacity('llama-3.1-8b', 'h200', context_len=10**200, concurrency=10**200)",
+        "plan_capacity('llama-3.1-8b', 'h200', context_len=10**400, concurrency=1)",
+        "decode_bytes_per_step(plan, 1, 10**400)",
+        "fit_throughput(plan, [(10**300, 1000.0), (8, 100.0)], context_len=100)",
+        "fit_throughput(plan, [(10**400, 1000.0), (8, 100.0)], context_len=100)",
+        "fit_throughput(plan, [(1, 137.0), (8, 731.0)], context_len=10**300)",
+        "fit_throughput(plan, [(1, 1e-308), (8, 1e-308)], context_len=100)",
+    ],
+)
+def test_counts_beyond_a_float_are_a_config_error(call: str) -> None:
+    """These raised OverflowError (not a kvmem error) or, for tiny tokens/s, a ConfigError that
+    blamed a NaN field of ThroughputModel."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import decode_bytes_per_step, fit_throughput, plan_capacity
+
+    plan = plan_capacity("kimi-k2.6", "h200", 8)
+    names = {"plan": plan, "plan_capacity": plan_capacity,
+             "decode_bytes_per_step": decode_bytes_per_step, "fit_throughput": fit_throughput}
+    with pytest.raises(ConfigError) as info:
+        eval(call, names)
+    assert "nan" not in str(info.value)
+
+
+def test_expected_active_experts_refuses_a_negative_batch_and_saturates() -> None:
+    """A batch of -5 tokens used to be 0 active experts; 10**400 tokens raised OverflowError."""
+    from kvmem.errors import ArgumentError
+    from kvmem.planning import expected_active_experts
+
+    with pytest.raises(ArgumentError, match="num_tokens=-5"):
+        expected_active_experts(384, 8, -5)
+    assert expected_active_experts(384, 8, 0) == 0
+    assert expected_active_experts(384, 8, 10**400) == 384
