@@ -149,3 +149,101 @@ def test_expected_active_experts_refuses_a_negative_batch_and_saturates() -> Non
         expected_active_experts(384, 8, -5)
     assert expected_active_experts(384, 8, 0) == 0
     assert expected_active_experts(384, 8, 10**400) == 384
+
+
+# -- kvmem.simulate: lengths are token counts, the clock stays finite, ~200 samples -------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"kind": "fixed", "a": 5_000_000}, "a=5000000"),  # was silently clipped to 1,048,576
+        ({"kind": "uniform", "a": 10, "b": 2_000_000}, "b=2000000"),
+        ({"kind": "fixed", "a": 2.5}, "a=2.5"),  # was silently truncated to 2
+        ({"kind": "uniform", "a": 2, "b": 3.7}, "b=3.7"),
+        ({"kind": "fixed", "a": 2, "b": 7}, "b=7"),  # b was ignored
+    ],
+)
+def test_a_length_that_is_no_token_count_is_refused_not_clipped(
+    kwargs: dict[str, object], named: str
+) -> None:
+    from kvmem.errors import ConfigError
+    from kvmem.simulate import LengthDist
+
+    with pytest.raises(ConfigError, match=named):
+        LengthDist(**kwargs)
+
+
+def test_cli_prompt_longer_than_max_len_is_refused_not_clipped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--prompt-len 10000000` used to run (or fail to fit) as 1,048,576-token prompts."""
+    status, out, err = run(capsys, "simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1",
+                           "--requests", "2", "--prompt-len", "10000000", "--no-progress")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "10000000" in err and "1,048,576" in err
+    assert "1048576 prompt" not in err
+
+
+def test_lengths_at_max_len_and_lognormal_bounds_still_work() -> None:
+    import numpy as np
+
+    from kvmem.simulate import LengthDist
+
+    rng = np.random.default_rng(0)
+    assert LengthDist.parse("1048576").sample(rng, 2).tolist() == [1 << 20, 1 << 20]
+    assert LengthDist(kind="fixed", a=2.0).sample(rng, 1).tolist() == [2]
+    wide = LengthDist(kind="lognormal", a=2, b=1000)  # high() raised OverflowError
+    assert wide.high() == wide.max_len
+    assert LengthDist(kind="lognormal", a=1000, b=0.6).high() == pytest.approx(1000 * np.exp(3))
+
+
+_HANGS = """
+import sys
+from kvmem.errors import ConfigError
+from kvmem.planning import ThroughputModel, plan_capacity
+from kvmem.simulate import LengthDist, Workload, simulate
+
+plan = plan_capacity("llama-3.1-8b", "h100-80g", 1)
+lengths = dict(prompt_len=LengthDist.parse("100-200"), output_len=LengthDist.parse("1000-2000"))
+cases = [
+    (Workload(num_requests=5, concurrency=4, **lengths),
+     ThroughputModel(t0_s=1e305, efficiency=1, context_len=1)),
+    (Workload(num_requests=5, concurrency=4, **lengths),
+     ThroughputModel(t0_s=0, efficiency=1e-320, context_len=1)),
+    (Workload(num_requests=50, rate=5e-324, **lengths), None),
+]
+for workload, step_model in cases:
+    try:
+        simulate(workload, plan, step_model=step_model)
+    except ConfigError as exc:
+        assert "float" in str(exc), exc
+    else:
+        sys.exit("no error")
+"""
+
+
+def test_a_simulated_clock_past_a_float_is_a_config_error_not_a_hang() -> None:
+    """An absurd step model or arrival rate made simulated time inf, and the timeline's
+    sampling loop (`while next_sample <= inf`) never ended."""
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", _HANGS],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("workload", "max_running"),
+    [({"num_requests": 200, "concurrency": 64}, 1), ({"num_requests": 3, "concurrency": 64}, 256)],
+)
+def test_the_default_timeline_has_about_200_samples(
+    workload: dict[str, int], max_running: int
+) -> None:
+    """simulate(sample_every=None) promises "about 200 samples"; with max_running=1 (the
+    estimate assumed all 64 clients run at once) it took about 12,800."""
+    from kvmem.planning import plan_capacity
+    from kvmem.simulate import LengthDist, Workload, simulate
+
+    w = Workload(prompt_len=LengthDist.parse("100-200"), output_len=LengthDist.parse("10-20"),
+                 **workload)
+    report = simulate(w, plan_capacity("llama-3.1-8b", "h100-80g", 1), max_running=max_running)
+    assert 100 <= len(report.timeline) <= 400, len(report.timeline)
