@@ -247,3 +247,35 @@ def test_the_default_timeline_has_about_200_samples(
                  **workload)
     report = simulate(w, plan_capacity("llama-3.1-8b", "h100-80g", 1), max_running=max_running)
     assert 100 <= len(report.timeline) <= 400, len(report.timeline)
+
+
+# -- load_hf_config: counts are integers, "refused, not truncated" (docs/errors.md) -------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", 32.5), ("num_key_value_heads", True), ("hidden_size", "4096"),
+     ("intermediate_size", 14336.7)],
+)
+def test_an_hf_count_that_is_no_integer_is_refused_not_truncated(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """32.5 layers used to plan as 32, True KV heads as 1, "4096" as 4096."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import load_hf_config
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 128256}
+    assert load_hf_config_ok(tmp_path, cfg).num_layers == 32
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=field):
+        load_hf_config(tmp_path)
+
+
+def load_hf_config_ok(folder: Path, cfg: dict[str, object]) -> object:
+    from kvmem.planning import load_hf_config
+
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return load_hf_config(folder)
