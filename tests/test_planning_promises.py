@@ -279,3 +279,14 @@ def load_hf_config_ok(folder: Path, cfg: dict[str, object]) -> object:
 
     (folder / "config.json").write_text(json.dumps(cfg))
     return load_hf_config(folder)
+
+
+def test_a_page_larger_than_the_budget_names_the_page_size() -> None:
+    """The message said "leaves 112.39 GiB, not even one KV page" and advised more GPUs, not
+    naming the page, which was the cause."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import plan_capacity
+
+    with pytest.raises(ConfigError, match="page_size") as info:
+        plan_capacity("llama-3.1-8b", "h200", page_size=10**9)
+    assert "1000000000 tokens" in str(info.value)

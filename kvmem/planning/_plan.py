@@ -354,8 +354,9 @@ def _kv_budget(
         raise ConfigError(
             f"{spec.name} at TP {tp} on {card.name}: weights take {wb.per_gpu / GIB:.1f} GiB of "
             f"{card.memory_gib:.1f} GiB and {policy.describe()} leaves "
-            f"{max(budget, 0) / GIB:.2f} GiB, not even one KV page; use more GPUs per replica, "
-            "smaller weights or a smaller reserve."
+            f"{max(budget, 0) / GIB:.2f} GiB, not even one KV page of {page_size} tokens "
+            f"({layout.bytes_per_token * page_size / GIB:.3g} GiB); use more GPUs per replica, "
+            "smaller weights, a smaller reserve or a smaller page_size."
         )
     return int(budget), fraction
 
