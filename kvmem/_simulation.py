@@ -3,6 +3,7 @@ loop (the module docstring of :mod:`kvmem.simulate` draws it), and what a run re
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -117,7 +118,8 @@ class StepClock:
             nbytes += self.routed * frac
         if self.sliding:
             nbytes += self.sliding * active * min(self.window, int(ctx.mean()) if ctx.size else 0)
-        return float(np.sum(self.t0 + nbytes / self.rate))
+        with np.errstate(over="ignore"):  # an absurd step model: Simulation._record refuses inf
+            return float(np.sum(self.t0 + nbytes / self.rate))
 
     def tokens(self, num_tokens: int, rate: float | None) -> float:
         return 0.0 if rate is None else num_tokens / rate
@@ -319,6 +321,13 @@ class Simulation:
 
     def _record(self, num_running: int, spent: float) -> None:
         """Statistics over a chunk of ``spent`` seconds (before its releases)."""
+        if not math.isfinite(self.now + spent):  # the sampling loop below would never end
+            raise ConfigError(
+                f"simulated time passed a float's range ({self.now + spent}): the step model "
+                f"(t0_s={self.clock.t0:g}, {self.clock.rate:g} bytes/s) or the arrival rate "
+                f"(rate={self.workload.rate}) is out of scale; use a realistic t0, efficiency "
+                "and rate."
+            )
         # Pages requests map: neither free nor merely cached (evictable) by the prefix cache.
         used_pages = self.mgr.num_pages - _available(self.mgr)
         self.peak_used = max(self.peak_used, used_pages)

@@ -20,7 +20,10 @@ __all__ = ["Arrivals", "LengthDist", "Workload"]
 
 class LengthDist(SpecModel):
     """A token-length distribution: ``fixed`` (``a``), ``uniform`` on ``[a, b]``, or
-    ``lognormal`` with median ``a`` and log-sigma ``b`` (clipped to ``[1, max_len]``)."""
+    ``lognormal`` with median ``a`` and log-sigma ``b`` (clipped to ``[1, max_len]``).
+
+    Fixed and uniform lengths are token counts: whole numbers up to ``max_len``, never
+    truncated or clipped (a fixed length takes no ``b``)."""
 
     kind: Literal["fixed", "uniform", "lognormal"] = "uniform"
     a: PositiveReal
@@ -29,6 +32,21 @@ class LengthDist(SpecModel):
 
     @model_validator(mode="after")
     def _check(self) -> LengthDist:
+        if self.kind == "lognormal":
+            return self
+        counts = {"a": self.a} if self.kind == "fixed" else {"a": self.a, "b": self.b}
+        for name, value in counts.items():
+            if value != int(value) or value > self.max_len:
+                raise ConfigError(
+                    f"a {self.kind} length's {name}={value:.15g} is not a token count in "
+                    f"1..{self.max_len:,} (max_len); give a whole number of tokens up to max_len "
+                    "(LengthDist(max_len=...) raises it)."
+                )
+        if self.kind == "fixed" and self.b:
+            raise ConfigError(
+                f"a fixed length takes only a (the length); got b={self.b:g} as well. Use "
+                "kind='uniform' for a range."
+            )
         if self.kind == "uniform" and self.b < self.a:
             raise ConfigError(f"a uniform length needs b >= a; got [{self.a}, {self.b}].")
         return self
@@ -48,8 +66,9 @@ class LengthDist(SpecModel):
                 return cls(kind="uniform", a=int(lo), b=int(hi))  # token counts: integers
             return cls(kind="fixed", a=int(t))
         except ValueError as exc:
+            why = f" ({exc})" if isinstance(exc, ConfigError) else ""
             raise ConfigError(
-                f"cannot read the length {text!r}; use N, LO-HI or lognormal:MEDIAN,SIGMA."
+                f"cannot read the length {text!r}{why}; use N, LO-HI or lognormal:MEDIAN,SIGMA."
             ) from exc
 
     def sample(self, rng: np.random.Generator, n: int) -> npt.NDArray[np.int64]:
@@ -67,7 +86,9 @@ class LengthDist(SpecModel):
             return self.a
         if self.kind == "uniform":
             return self.b
-        return min(self.max_len, self.a * math.exp(5 * self.b))
+        if 5 * self.b >= math.log(self.max_len / self.a):  # also where exp() would overflow
+            return self.max_len
+        return self.a * math.exp(5 * self.b)
 
 
 class Workload(SpecModel):
@@ -123,7 +144,8 @@ class Arrivals:
             self.prompt[use] = np.maximum(self.prompt[use], w.prefix_len + 1)
         self.namespace = self.rng.integers(0, w.namespaces, w.num_requests)
         if w.rate is not None:
-            self.times = np.cumsum(self.rng.exponential(1.0 / w.rate, w.num_requests))
+            with np.errstate(over="ignore"):  # a rate near 0: the simulation's clock refuses inf
+                self.times = np.cumsum(self.rng.exponential(1.0 / w.rate, w.num_requests))
         else:
             self.times = np.zeros(w.num_requests)
         prefix_rng = np.random.default_rng(w.seed + 1)

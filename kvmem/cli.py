@@ -158,8 +158,9 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
                        help="fixed reserve per GPU in GiB instead of SGLang's")
     group.add_argument("--mem-fraction", type=_FRACTION,
                        help="weights + KV fraction of GPU memory, in (0, 1]")
-    p.add_argument("--runtime-overhead-gib", type=_NONNEG, default=0.0,
-                   help="CUDA context etc. to take off the SGLang-like budget (default 0)")
+    p.add_argument("--runtime-overhead-gib", type=_NONNEG,
+                   help="CUDA context etc. to take off the SGLang-like budget (default 0; not "
+                        "with --reserve-gib or --mem-fraction)")
     p.add_argument("--use-mtp", action="store_true", help="load the MTP layers (speculative)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png",
@@ -194,13 +195,22 @@ def _resolve_gpu(args: argparse.Namespace) -> Any:
 
 
 def _policy(args: argparse.Namespace) -> Any:
+    from kvmem.errors import ConfigError
     from kvmem.planning import FixedReserve, MemoryFraction, SGLangPolicy
 
+    overhead = args.runtime_overhead_gib
+    chosen = "--reserve-gib" if args.reserve_gib is not None else (
+        "--mem-fraction" if args.mem_fraction is not None else None)
+    if chosen and overhead is not None:
+        raise ConfigError(
+            f"--runtime-overhead-gib {overhead:g} applies to the SGLang-like reserve only, and "
+            f"{chosen} replaces it; fold the overhead into {chosen}, or drop one of them."
+        )
     if args.reserve_gib is not None:
         return FixedReserve(reserve_gib=args.reserve_gib)
     if args.mem_fraction is not None:
         return MemoryFraction(fraction=args.mem_fraction)
-    return SGLangPolicy(runtime_overhead_gib=args.runtime_overhead_gib)
+    return SGLangPolicy(runtime_overhead_gib=overhead or 0.0)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -222,7 +232,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"--kv-scales {args.kv_scales} applies to fp8 KV only, and no fp8 dtype was asked "
             f"for ({', '.join(dtypes)}); drop --kv-scales or pick --kv-dtype fp8_e4m3."
         )
-    if args.plot:
+    if args.plot is not None:
         _check_plot_path(args.plot)
     model = _resolve_model(args.model)
     gpu = _resolve_gpu(args)
@@ -341,9 +351,12 @@ def _plans(
 
 
 def _check_plot_path(path: str) -> None:
-    """Refuse a --plot target whose folder is missing, before any work is done."""
+    """Refuse a --plot target that cannot be written (no matplotlib, an empty name, a missing
+    folder, a folder, a format matplotlib does not write), before any work is done."""
     from kvmem.errors import ConfigError
 
+    if not path:
+        raise ConfigError("--plot needs a file name such as conc.png; got ''.")
     target = Path(path)
     folder = target.parent
     if not folder.is_dir():
@@ -353,11 +366,20 @@ def _check_plot_path(path: str) -> None:
         )
     if target.is_dir():
         raise ConfigError(f"--plot {path} is a folder; give a file name such as conc.png.")
+    plt = _pyplot()
+    fig = plt.figure()
+    formats = fig.canvas.get_supported_filetypes()
+    plt.close(fig)
+    suffix = target.suffix.lstrip(".").lower()
+    if suffix and suffix not in formats:
+        raise ConfigError(
+            f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
+            f"{', '.join(sorted(formats))} (e.g. conc.png)."
+        )
 
 
-def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
-    """Draw max concurrency against context length, one line per plan (KV dtype), into
-    ``path``; returns the plotted series by dtype."""
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a one-line error saying how to install it."""
     from kvmem.errors import ConfigError
 
     try:
@@ -369,6 +391,15 @@ def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
         raise ConfigError(
             "--plot needs matplotlib: pip install 'kvmem[plot]' (or pip install matplotlib)."
         ) from exc
+    return plt
+
+
+def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
+    """Draw max concurrency against context length, one line per plan (KV dtype), into
+    ``path``; returns the plotted series by dtype."""
+    from kvmem.errors import ConfigError
+
+    plt = _pyplot()
     contexts = [2**k for k in range(10, 21)]  # 1K .. 1M tokens
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list[int]] = {}

@@ -161,7 +161,7 @@ def _simulation(
     _check_fits(arr, plan)
     clock = StepClock(plan, step_model or DEFAULT_STEP_MODEL)
     if sample_every is None:
-        sample_every = _default_sample_every(arr, workload, clock)
+        sample_every = _default_sample_every(arr, workload, clock, max_running)
     return Simulation(
         workload, plan, mgr, arr, clock, max_running, chunk, prefill_tokens_per_s, sample_every
     )
@@ -194,10 +194,10 @@ def _check_fits(arr: Arrivals, plan: CapacityPlan) -> None:
         )
 
 
-def _default_sample_every(arr: Arrivals, w: Workload, clock: StepClock) -> float:
+def _default_sample_every(arr: Arrivals, w: Workload, clock: StepClock, max_running: int) -> float:
     """About 200 samples over the expected run."""
     per_step = clock.t0 + clock.dense / clock.rate
-    batch = w.concurrency or 64
+    batch = min(w.concurrency or 64, max_running, w.num_requests)
     steps = float(arr.output.sum()) / batch
     horizon = max(steps * per_step, float(arr.times[-1]) if w.rate else 0.0)
     return max(horizon / 200, 1e-3)

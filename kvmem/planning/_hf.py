@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvmem._validate import show
+from kvmem._validate import is_integer_like, show
 from kvmem.errors import ArgumentTypeError, ConfigError, KVMemError
 from kvmem.planning._spec import (
     AttentionSpec,
@@ -87,6 +87,17 @@ class _Fields:
         value = self.cfg.get(key)
         return default if value is None else value
 
+    def count(self, key: str, default: int | None = None) -> int:
+        """``key`` as an integer (``default`` when absent, required without one): a float, a
+        bool or a string is refused, not truncated or parsed."""
+        value = self.need(key) if default is None else self.get(key, default)
+        if not is_integer_like(value):
+            raise ConfigError(
+                f"config.json (model_type {self.model_type!r}) has {key}={show(value)}: "
+                "expected an integer; fix the config or describe the model with ModelSpec."
+            )
+        return int(value)
+
 
 def model_from_hf_config(
     cfg: dict[str, Any], name: str = "hf-model", source: str = "config.json"
@@ -113,15 +124,15 @@ def model_from_hf_config(
 def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelSpec:
     model_type, body = _text_model(cfg)
     f = _Fields(body, model_type)
-    layers = int(f.need("num_hidden_layers"))
-    hidden = int(f.need("hidden_size"))
-    heads = int(f.need("num_attention_heads"))
+    layers = f.count("num_hidden_layers")
+    hidden = f.count("hidden_size")
+    heads = f.count("num_attention_heads")
     common: dict[str, Any] = dict(
         name=name,
         source=source,
         num_layers=layers,
         hidden_size=hidden,
-        vocab_size=int(f.need("vocab_size")),
+        vocab_size=f.count("vocab_size"),
         tie_word_embeddings=bool(
             f.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
         ),
@@ -134,8 +145,8 @@ def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelS
         types = body.get("indexer_types")
         own = sum(1 for t in types if t == "full") if isinstance(types, list) else layers
         indexer = IndexerSpec(
-            head_dim=int(f.need("index_head_dim")),
-            num_heads=int(f.need("index_n_heads")),
+            head_dim=f.count("index_head_dim"),
+            num_heads=f.count("index_n_heads"),
             num_cache_layers=own,
         )
     vision = _vision(cfg.get("vision_config"))
@@ -144,9 +155,9 @@ def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelS
         attention=attention,
         indexer=indexer,
         num_dense_layers=num_dense,
-        intermediate_size=int(f.get("intermediate_size", 0)) if num_dense else 0,
+        intermediate_size=f.count("intermediate_size", 0) if num_dense else 0,
         moe=moe,
-        num_mtp_layers=int(f.get("num_nextn_predict_layers", 0)),
+        num_mtp_layers=f.count("num_nextn_predict_layers", 0),
         vision=vision,
         weights=_weights(quant, moe is not None),
     )
@@ -180,20 +191,20 @@ def _attention(f: _Fields, model_type: str, heads: int, hidden: int) -> Attentio
         return AttentionSpec(
             kind="mla",
             num_heads=heads,
-            kv_lora_rank=int(f.need("kv_lora_rank")),
-            qk_rope_head_dim=int(f.need("qk_rope_head_dim")),
-            qk_nope_head_dim=int(f.need("qk_nope_head_dim")),
-            v_head_dim=int(f.need("v_head_dim")),
+            kv_lora_rank=f.count("kv_lora_rank"),
+            qk_rope_head_dim=f.count("qk_rope_head_dim"),
+            qk_nope_head_dim=f.count("qk_nope_head_dim"),
+            v_head_dim=f.count("v_head_dim"),
             q_lora_rank=f.get("q_lora_rank", None),
         )
-    kv_heads = int(f.get("num_key_value_heads", heads))
-    head_dim = int(f.get("head_dim", hidden // heads))
+    kv_heads = f.count("num_key_value_heads", heads)
+    head_dim = f.count("head_dim", hidden // heads)
     sliding, window = 0, None
     layer_types = f.cfg.get("layer_types")
     if isinstance(layer_types, list):
         sliding = sum(1 for t in layer_types if t == "sliding_attention")
         if sliding:
-            window = int(f.need("sliding_window"))
+            window = f.count("sliding_window")
     return AttentionSpec(
         kind="gqa" if kv_heads != heads else "mha",
         num_heads=heads,
@@ -209,24 +220,24 @@ def _moe(f: _Fields, model_type: str, layers: int) -> tuple[MoESpec | None, int]
     if model_type in _DENSE:
         return None, layers
     if model_type == "gpt_oss":
-        experts = int(f.get("num_local_experts", 0)) or int(f.need("num_experts"))
-        top_k = int(f.get("num_experts_per_tok", 0)) or int(f.need("experts_per_token"))
+        experts = f.count("num_local_experts", 0) or f.count("num_experts")
+        top_k = f.count("num_experts_per_tok", 0) or f.count("experts_per_token")
         return MoESpec(
             num_layers=layers,
             num_experts=experts,
             top_k=top_k,
-            intermediate_size=int(f.need("intermediate_size")),
+            intermediate_size=f.count("intermediate_size"),
         ), 0
     if model_type in ("qwen2_moe", "qwen3_moe"):
         dense_only = set(f.get("mlp_only_layers", []))
-        step = int(f.get("decoder_sparse_step", 1))
+        step = f.count("decoder_sparse_step", 1)
         moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-        shared_size = int(f.get("shared_expert_intermediate_size", 0))
+        shared_size = f.count("shared_expert_intermediate_size", 0)
         return MoESpec(
             num_layers=moe_layers,
-            num_experts=int(f.need("num_experts")),
-            top_k=int(f.need("num_experts_per_tok")),
-            intermediate_size=int(f.need("moe_intermediate_size")),
+            num_experts=f.count("num_experts"),
+            top_k=f.count("num_experts_per_tok"),
+            intermediate_size=f.count("moe_intermediate_size"),
             num_shared_experts=1 if shared_size else 0,
             shared_intermediate_size=shared_size or None,
         ), layers - moe_layers
@@ -235,13 +246,13 @@ def _moe(f: _Fields, model_type: str, layers: int) -> tuple[MoESpec | None, int]
     if isinstance(mlp_types, list):
         dense = sum(1 for t in mlp_types if t == "dense")
     else:
-        dense = int(f.get("first_k_dense_replace", 0))
+        dense = f.count("first_k_dense_replace", 0)
     return MoESpec(
         num_layers=layers - dense,
-        num_experts=int(f.need("n_routed_experts")),
-        top_k=int(f.need("num_experts_per_tok")),
-        intermediate_size=int(f.need("moe_intermediate_size")),
-        num_shared_experts=int(f.get("n_shared_experts", 0)),
+        num_experts=f.count("n_routed_experts"),
+        top_k=f.count("num_experts_per_tok"),
+        intermediate_size=f.count("moe_intermediate_size"),
+        num_shared_experts=f.count("n_shared_experts", 0),
     ), dense
 
 

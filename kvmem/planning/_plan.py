@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+_MAX_BYTES = 1 << 1000  # far below a float's largest (about 2**1024)
 
 
 class CapacityPlan(BaseModel):
@@ -127,10 +128,11 @@ def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> fl
     """
     num_experts = integer(num_experts, "num_experts", minimum=0)
     top_k = integer(top_k, "top_k", minimum=0, maximum=num_experts)
-    num_tokens = integer(num_tokens, "num_tokens")
+    num_tokens = integer(num_tokens, "num_tokens", minimum=0)
     if num_experts == 0:
         return 0.0
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(num_tokens, 0))
+    # Past 2**62 tokens every routed expert is hit; a larger int exponent overflows the float.
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** min(num_tokens, 1 << 62))
 
 
 def decode_bytes_per_step(plan: CapacityPlan, concurrency: int, context_len: int) -> float:
@@ -154,6 +156,11 @@ def decode_bytes_per_step(plan: CapacityPlan, concurrency: int, context_len: int
             concurrency
             * min(context_len, plan.sliding_window)
             * (plan.kv_sliding_bytes_per_token_per_gpu)
+        )
+    if kv > _MAX_BYTES:  # past a float's range: the sum would raise OverflowError
+        raise ConfigError(
+            f"concurrency={show(concurrency)} x context_len={show(context_len)} reads more KV "
+            "bytes than a float can count; use a realistic batch and context."
         )
     return plan.decode_dense_weight_bytes + routed + kv
 
@@ -347,8 +354,9 @@ def _kv_budget(
         raise ConfigError(
             f"{spec.name} at TP {tp} on {card.name}: weights take {wb.per_gpu / GIB:.1f} GiB of "
             f"{card.memory_gib:.1f} GiB and {policy.describe()} leaves "
-            f"{max(budget, 0) / GIB:.2f} GiB, not even one KV page; use more GPUs per replica, "
-            "smaller weights or a smaller reserve."
+            f"{max(budget, 0) / GIB:.2f} GiB, not even one KV page of {page_size} tokens "
+            f"({layout.bytes_per_token * page_size / GIB:.3g} GiB); use more GPUs per replica, "
+            "smaller weights, a smaller reserve or a smaller page_size."
         )
     return int(budget), fraction
 

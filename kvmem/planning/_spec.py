@@ -36,6 +36,9 @@ ScaleLayout = Literal["tensor", "head", "token_head"]
 KV_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 SCALE_LAYOUTS: tuple[str, ...] = ("tensor", "head", "token_head")
 
+MAX_GPU_MEMORY_MIB = 1 << 33  # 8 PiB: 2**53 bytes, the most a float counts exactly
+MAX_GPU_BANDWIDTH_GBS = 1e9
+
 WeightClass = Literal[
     "embeddings", "attention", "dense_mlp", "shared_experts", "routed_experts", "other"
 ]
@@ -269,12 +272,15 @@ class GPUSpec(SpecModel):
     """A GPU: memory as the driver reports it, and peak memory bandwidth.
 
     ``memory_mib`` is what ``nvidia-smi --query-gpu=memory.total`` (or ``rocm-smi``) prints, in
-    MiB; engines size their pools from that, not from the marketing "141 GB".
+    MiB; engines size their pools from that, not from the marketing "141 GB". Both are bounded
+    far beyond any GPU (8 PiB, 1e9 GB/s) so that a plan's byte counts stay exact in a float.
     """
 
     name: str
-    memory_mib: PositiveInt
-    bandwidth_gbs: PositiveReal = Field(description="peak HBM bandwidth, 1e9 bytes/s")
+    memory_mib: PositiveInt = Field(le=MAX_GPU_MEMORY_MIB)
+    bandwidth_gbs: PositiveReal = Field(
+        le=MAX_GPU_BANDWIDTH_GBS, description="peak HBM bandwidth, 1e9 bytes/s"
+    )
     source: str = ""
 
     @property

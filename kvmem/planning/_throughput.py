@@ -16,6 +16,7 @@ from expert reads (saturating in ``c``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvmem._models import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
@@ -61,7 +62,7 @@ def _fit_at(
     ys = [c / tok_s for c, tok_s in points]
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
+    sxx = sum((x - mx) * (x - mx) for x in xs)  # `** 2` raises OverflowError, `*` gives inf
     sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     slope = sxy / sxx if sxx > 0 else 0.0
     t0 = my - slope * mx
@@ -74,7 +75,13 @@ def _fit_at(
             "bandwidth model to them."
         )
     rel = [(t0 + slope * x) / y - 1.0 for x, y in zip(xs, ys, strict=True)]
-    rms = (sum(r * r for r in rel) / n) ** 0.5
+    rms = math.sqrt(sum(r * r for r in rel) / n)
+    if not all(map(math.isfinite, (t0, slope, rms))):
+        raise ConfigError(
+            f"measurements {list(points)} at context {context_len} give no finite fit: their "
+            "step times or bytes read are beyond a float; check the units (concurrency in "
+            "requests, decode tokens/s of one replica)."
+        )
     return ThroughputModel(
         t0_s=t0, efficiency=1.0 / slope, context_len=context_len, rms_relative_error=rms
     )
