@@ -53,3 +53,62 @@ def test_a_pool_on_an_indexed_cpu_device_takes_tensors_from_that_device(device: 
     pool.copy_pages(torch.tensor([0]), torch.tensor([3]))
     pool.update_tags(torch.tensor([2]), torch.tensor([7]))
     assert int(pool.tags[2]) == 7
+
+
+# -- static scales -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, 1e-50, float("nan")])
+def test_static_scales_a_float32_cannot_hold_are_refused(scale: float) -> None:
+    """The pool stores static scales as float32. 1e39 passed the spec's "finite and > 0" check
+    in float64 and became inf (every read then returned 0 * inf = NaN); 1e-50 became 0 (every
+    read returned 0)."""
+    with pytest.raises(ArgumentError, match="static_scales must be finite and > 0"):
+        PoolSpec(**GQA, dtype="fp8_e4m3", static_scales=scale)
+    with pytest.raises(ArgumentError, match="static_scales must be finite and > 0"):
+        PoolSpec(**GQA, dtype="fp8_e4m3", scales="head", static_scales=[[[1.0, scale]] * 2])
+
+
+def test_static_scales_at_the_float32_limits_read_back_finite() -> None:
+    for scale in (3e38, 1e-44):
+        pool = _pool(dtype="fp8_e4m3", static_scales=scale)
+        assert pool.static_scales is not None and bool((pool.static_scales > 0).all())
+        assert bool(torch.isfinite(pool.static_scales).all())
+        k = torch.randn(2, 2, 8)
+        pool.write(0, [0, 1], k, k)
+        keys, values = pool.read(0, [0], torch.float32)
+        assert bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
+
+
+# -- the fast fp8 decode -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("big", [2e36, 3e38])
+def test_fp8_decode_is_bit_identical_to_torch_for_scales_up_to_float32_max(
+    fmt: str, big: float
+) -> None:
+    """docs/data_types.md: the fast decode is bit-identical to
+    ``(data.view(fp8).float() * scale).to(out_dtype)`` for every byte but e4m3fn's NaNs. The
+    e4m3 trick multiplies the scale by 256 first: above 1.3e36 that overflowed to inf and a
+    zero byte decoded as NaN (0 * inf)."""
+    from kvmem.quant import fp8_to_float, page_format
+
+    fp8 = page_format(fmt).dtype
+    data = torch.arange(256, dtype=torch.uint8)
+    if fmt == "fp8_e4m3":
+        data = data[(data & 0x7F) != 0x7F]
+    data = data.reshape(1, -1)
+    for scale in (big, torch.tensor([[big]]), torch.tensor([[big]] * 1)):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = fp8_to_float(data, fmt, scale, out_dtype)
+            s = scale if isinstance(scale, float) else scale.float()
+            want = (data.view(fp8).float() * s).to(out_dtype)
+            same = (got == want) | (got.isnan() & want.isnan())
+            assert bool(same.all()), (scale, out_dtype)
+            assert not bool(got[0, 0].isnan())  # byte 0 is +0: it decodes to 0
+    rows = torch.tensor([[1.0], [big]])  # one row's multiplier overflows, the other's does not
+    two = torch.stack([data[0], data[0]])
+    got = fp8_to_float(two, fmt, rows, torch.float32)
+    want = two.view(fp8).float() * rows
+    assert bool(((got == want) | (got.isnan() & want.isnan())).all())
