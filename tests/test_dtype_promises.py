@@ -112,3 +112,42 @@ def test_fp8_decode_is_bit_identical_to_torch_for_scales_up_to_float32_max(
     got = fp8_to_float(two, fmt, rows, torch.float32)
     want = two.view(fp8).float() * rows
     assert bool(((got == want) | (got.isnan() & want.isnan())).all())
+
+
+# -- token_head scales ---------------------------------------------------------------------------
+
+_FP8_NAN_BYTES = {"fp8_e4m3": (0x7F, 0xFF), "fp8_e5m2": (0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF)}
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_a_token_whose_scale_underflows_is_stored_without_nan(dtype: str) -> None:
+    """A (token, head) row of fp32 values below ~6e-43 has ``amax / max_finite`` == 0 in fp32:
+    the row was divided by 0 and its zeros (0 / 0) were stored as fp8 NaN bytes, with scale 0.
+    e5m2 pages then read back NaN, silently. Such a row gets scale 1, as an all-zero row does."""
+    pool = _pool(dtype=dtype, scales="token_head")
+    k = torch.zeros(2, 2, 8)
+    k[0, 0, :3] = torch.tensor([1e-44, -3e-44, 0.0])  # head 0 of token 0: a tiny row
+    k[1] = torch.randn(2, 8)  # an ordinary token beside it
+    pool.write(0, [0, 1], k, k.clone())
+    stored = pool.data[0, 0].flatten().tolist()
+    assert not set(stored) & set(_FP8_NAN_BYTES[dtype])
+    assert pool.token_scales is not None
+    scales = pool.token_scales[0, 0]
+    assert bool((scales > 0).all()) and bool(torch.isfinite(scales).all())
+    keys, values = pool.read(0, [0], torch.float32)
+    assert bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())
+    assert torch.allclose(keys[0, 1], k[1], rtol=0.13, atol=1e-3)  # the neighbour is intact
+    assert pool.num_nonfinite == 0
+
+
+def test_token_head_scales_are_amax_over_max_finite_or_one() -> None:
+    """The codec's rule, at the edge: amax / 448 where that is > 0, else 1."""
+    from kvmem.quant import FP8Codec
+
+    x = torch.zeros(3, 1, 1, 4)
+    x[0, 0, 0, 0] = 1e-44  # amax / 448 underflows
+    x[1, 0, 0, 0] = 1e-30  # tiny, but its scale is a normal fp32
+    enc = FP8Codec("fp8_e4m3", "token_head").quantize(x.clone())
+    assert enc.token_scales is not None
+    assert enc.token_scales.flatten().tolist() == [1.0, float(torch.tensor(1e-30) / 448), 1.0]
+    assert not set(enc.data.flatten().tolist()) & {0x7F, 0xFF}

@@ -19,8 +19,8 @@ Policies every codec follows:
   an fp8 cast does with them) and counted when they lie beyond ordinary rounding
   (``PageFormat.saturation_threshold``).
 - ``token_head`` scales are ``amax / max_finite`` of each (token, K/V, head) row, computed once
-  from that token alone: a token's bytes never change as its page fills. An all-zero row gets
-  scale 1.
+  from that token alone: a token's bytes never change as its page fills. An all-zero row, or
+  one so small (below ~6e-43) that ``amax / max_finite`` is 0 in fp32, gets scale 1.
 - ``tensor`` and ``head`` scales are fixed per layer: given (e.g. a checkpoint's k_scale /
   v_scale) or, when not given, set from the first write that has a non-zero value for them
   (``amax / max_finite`` over that write) and never changed after. A scale of 0 means "not
@@ -205,8 +205,9 @@ class FP8Codec(KVCodec):
         num_nonfinite = _zero_nonfinite(xf)
         fmax = self.format.max_finite
         if self.token_scales:
-            amax = xf.abs().amax(dim=-1)  # [T, C, H]
-            scale = torch.where(amax > 0, amax / fmax, 1.0)
+            scale = xf.abs().amax(dim=-1) / fmax  # [T, C, H]
+            # 0 for an all-zero row, and for one so small the division underflows (0 / 0 = NaN)
+            scale = torch.where(scale > 0, scale, 1.0)
             xf.div_(scale.unsqueeze(-1))
             xf.clamp_(-fmax, fmax)  # amax/scale may round a hair above max: not a saturation
             data = xf.to(self.format.dtype).view(torch.uint8)
