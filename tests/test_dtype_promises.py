@@ -151,3 +151,95 @@ def test_token_head_scales_are_amax_over_max_finite_or_one() -> None:
     assert enc.token_scales is not None
     assert enc.token_scales.flatten().tolist() == [1.0, float(torch.tensor(1e-30) / 448), 1.0]
     assert not set(enc.data.flatten().tolist()) & {0x7F, 0xFF}
+
+
+# -- codec arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_a_static_scale_that_is_not_finite_and_non_negative_is_refused(
+    bad: float, granularity: str
+) -> None:
+    """``static_scale``: the layer's fixed scales, 0 = not calibrated. A NaN or negative scale was
+    silently used as 1 (the bytes decode to garbage with the scale the caller keeps), an inf one
+    stored every value as 0 (and 0 * inf decodes as NaN)."""
+    from kvmem.quant import FP8Codec
+
+    codec = FP8Codec("fp8_e4m3", granularity)  # type: ignore[arg-type]
+    x = torch.randn(3, 2, 2, 8)
+    scale = torch.full((2, 1 if granularity == "tensor" else 2), 0.01)
+    scale[1, 0] = bad
+    with pytest.raises(ArgumentError, match="finite and >= 0"):
+        codec.quantize(x.clone(), scale)
+    with pytest.raises(ArgumentError, match="finite and >= 0"):
+        codec.calibrate(x, scale)
+    scale[1, 0] = 0.0  # "not calibrated yet" is a value, not an error
+    assert codec.quantize(x.clone(), scale).data.shape == x.shape
+
+
+def test_calibrate_checks_the_static_scale_shape_as_quantize_does() -> None:
+    """calibrate([T, C, H, D], [5, 5]) raised torch's RuntimeError from a broadcast."""
+    from kvmem.quant import FP8Codec
+
+    x = torch.randn(3, 2, 2, 8)
+    for granularity in ("tensor", "head"):
+        codec = FP8Codec("fp8_e4m3", granularity)  # type: ignore[arg-type]
+        for shape in [(5, 5), (2, 3), (2,), (1, 2, 1)]:
+            with pytest.raises(ArgumentError, match=r"must be \[C, 1\] \(tensor\) or \[C, H\]"):
+                codec.calibrate(x, torch.zeros(shape))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token_head"])
+def test_codecs_take_no_tokens_and_refuse_rows_of_no_elements(granularity: str) -> None:
+    """calibrate of an empty write raised IndexError (an amax over no tokens): it has nothing
+    to calibrate from, so every scale stays as given. Rows of D = 0 elements raised IndexError
+    too; they are refused by name."""
+    from kvmem.quant import FP8Codec
+
+    codec = FP8Codec("fp8_e4m3", granularity)  # type: ignore[arg-type]
+    shape = codec.static_scale_shape(2, 2)
+    static = None if shape is None else torch.tensor([[0.5, 0.0][: shape[1]], [0.0] * shape[1]])
+    empty = torch.randn(0, 2, 2, 8)
+    calibrated = codec.calibrate(empty, static)
+    assert calibrated is static or (
+        calibrated is not None and static is not None and torch.equal(calibrated, static)
+    )
+    assert codec.quantize(empty, static).data.shape == (0, 2, 2, 8)
+    no_width = torch.randn(3, 2, 2, 0)
+    bad_static = None if shape is None else torch.zeros(shape)
+    with pytest.raises(ArgumentError, match="D >= 1"):
+        codec.calibrate(no_width, bad_static)
+    with pytest.raises(ArgumentError, match="D >= 1"):
+        codec.quantize(no_width, bad_static)
+
+
+def test_an_empty_scale_granularity_is_refused_not_read_as_tensor() -> None:
+    """make_codec("fp8_e4m3", "") gave a tensor-scale codec (``scales or "tensor"``)."""
+    from kvmem.errors import ArgumentTypeError
+    from kvmem.quant import FP8Codec, make_codec
+
+    with pytest.raises(ArgumentError, match="granularity"):
+        make_codec("fp8_e4m3", "")  # type: ignore[arg-type]
+    assert make_codec("fp8_e4m3").granularity == "tensor"  # None still means the default
+    with pytest.raises(ArgumentTypeError, match="granularity=5"):
+        FP8Codec("fp8_e4m3", 5)  # type: ignore[arg-type]
+
+
+def test_plain_dequantize_refuses_a_scale_that_does_not_fit_its_rows() -> None:
+    """KVCodec.dequantize: ``scale`` broadcastable to ``[..., 1]``. PlainCodec let torch's
+    RuntimeError through for [5, 5], and quietly changed the output's shape for a scale with
+    more dimensions; it also took an integer tensor."""
+    from kvmem.errors import ArgumentTypeError
+    from kvmem.quant import PlainCodec
+
+    codec = PlainCodec("bf16")
+    data = torch.randn(2, 3, 4).bfloat16()
+    for shape in [(5, 5), (2, 3, 4), (1, 2, 3, 1)]:
+        with pytest.raises(ArgumentError, match="does not broadcast"):
+            codec.dequantize(data, torch.ones(shape), torch.float32)
+    with pytest.raises(ArgumentTypeError, match="float32 tensor"):
+        codec.dequantize(data, torch.ones(2, 3, 1, dtype=torch.int64), torch.float32)
+    for shape in [(2, 3, 1), (3, 1), (1,), ()]:
+        out = codec.dequantize(data, torch.full(shape, 2.0), torch.float32)
+        assert out.shape == data.shape and torch.equal(out, data.float() * 2)
