@@ -243,3 +243,51 @@ def test_plain_dequantize_refuses_a_scale_that_does_not_fit_its_rows() -> None:
     for shape in [(2, 3, 1), (3, 1), (1,), ()]:
         out = codec.dequantize(data, torch.full(shape, 2.0), torch.float32)
         assert out.shape == data.shape and torch.equal(out, data.float() * 2)
+
+
+# -- int4 ----------------------------------------------------------------------------------------
+
+
+def test_int4_weights_whose_scale_overflows_the_scale_dtype_are_refused() -> None:
+    """A finite weight of 1e6 with float16 scales: max|w| / 7 overflows fp16 to inf, the values
+    became 0 and dequantize returned 0 * inf = NaN for the whole group, silently."""
+    from kvmem.quant.int4 import dequantize_int4, quantize_int4
+
+    w = torch.randn(4, 32)
+    w[2, 5] = 1e6
+    with pytest.raises(ArgumentError, match="does not fit float16 scales"):
+        quantize_int4(w, scale_dtype="float16")
+    for scale_dtype in ("bfloat16", "float32"):
+        back = dequantize_int4(quantize_int4(w, scale_dtype=scale_dtype))
+        assert bool(torch.isfinite(back).all())
+        assert abs(float(back[2, 5]) - 1e6) <= 1e6 / 7 / 2 * 1.01
+
+
+def test_int4_groups_whose_scale_underflows_dequantize_to_zero_not_garbage() -> None:
+    """max|w| / 7 below fp16's smallest subnormal rounds the scale to 0; the group was divided
+    by 0 (0 / 0 = NaN cast to int8). It now quantizes to 0 and dequantizes to 0."""
+    from kvmem.quant.int4 import dequantize_int4, quantize_int4, unpack_int4
+
+    w = torch.zeros(2, 32)
+    w[0, :8] = torch.linspace(-1e-8, 1e-8, 8)  # scale 1.4e-9: 0 in fp16
+    w[1] = torch.randn(32)
+    q = quantize_int4(w, scale_dtype="float16")
+    assert int(q.scales[0, 0]) == 0
+    assert bool((unpack_int4(q.packed)[0] == 0).all())
+    back = dequantize_int4(q)
+    assert torch.equal(back[0], torch.zeros(32))
+    assert float((back[1] - w[1]).abs().max()) <= float(q.scales[1, 0]) / 2 * 1.01
+
+
+def test_int4_scale_dtype_of_the_wrong_type_is_a_type_error_as_in_bytes_per_param() -> None:
+    """quantize_int4(scale_dtype=5) was a ValueError while int4_bytes_per_param(32, 5) is a
+    TypeError; an unknown name is a ConfigError in both."""
+    from kvmem.errors import ArgumentTypeError, ConfigError
+    from kvmem.quant.int4 import int4_bytes_per_param, quantize_int4
+
+    w = torch.randn(2, 32)
+    for call in (lambda d: quantize_int4(w, 32, d), lambda d: int4_bytes_per_param(32, d)):
+        with pytest.raises(ArgumentTypeError, match="scale_dtype=5"):
+            call(5)
+        with pytest.raises(ConfigError, match="'int8' is not supported"):
+            call("int8")
