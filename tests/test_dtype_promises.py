@@ -291,3 +291,25 @@ def test_int4_scale_dtype_of_the_wrong_type_is_a_type_error_as_in_bytes_per_para
             call(5)
         with pytest.raises(ConfigError, match="'int8' is not supported"):
             call("int8")
+
+
+# -- the tag mirror ------------------------------------------------------------------------------
+
+
+def test_the_tag_mirror_takes_every_non_negative_int64() -> None:
+    """Tags are non-negative int64; the largest, 2**63 - 1, was refused ("valid tags are
+    0..2**63 - 2")."""
+    import numpy as np
+
+    pool = _pool()
+    top = 2**63 - 1
+    pool.update_tags([1], [top])
+    assert int(pool.tags[1]) == top
+    pool.load_tags(np.full(4, top, dtype=np.int64))
+    assert pool.tags.tolist() == [top] * 4
+    before = pool.tags.clone()
+    with pytest.raises(ArgumentError):
+        pool.update_tags([0], np.array([2**63], dtype=np.uint64))
+    with pytest.raises(ArgumentError, match="tags from -1"):
+        pool.update_tags([0], [-1])
+    assert torch.equal(pool.tags, before)
