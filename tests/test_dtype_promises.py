@@ -313,3 +313,53 @@ def test_the_tag_mirror_takes_every_non_negative_int64() -> None:
     with pytest.raises(ArgumentError, match="tags from -1"):
         pool.update_tags([0], [-1])
     assert torch.equal(pool.tags, before)
+
+
+# -- byte accounting, as docs/data_types.md writes it --------------------------------------------
+
+
+def _doc_formulas() -> dict[str, str]:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "data_types.md").read_text()
+    block = text.split("## Byte accounting", 1)[1].split("```", 2)[1]
+    out = {}
+    for line in block.splitlines():
+        name, sep, rhs = line.partition("=")
+        if sep and name.strip() in ("bytes_per_page", "fixed_nbytes", "nbytes"):
+            out[name.strip()] = rhs.split("   ")[0].strip()  # drop the trailing note
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scales"),
+    [("bf16", None), ("fp32", None), ("fp8_e4m3", "tensor"), ("fp8_e5m2", "head"),
+     ("fp8_e4m3", "token_head")],
+)
+def test_the_byte_formulas_in_the_doc_evaluate_to_the_spec(dtype: str, scales: str | None) -> None:
+    """The doc's bytes_per_page read, as written, ``(D * itemsize + 4 if token_head else 0)``:
+    0 bytes for every page without token_head scales. Evaluated as written, each formula must
+    give the spec's figure."""
+    from kvmem.quant import page_format
+
+    formulas = _doc_formulas()
+    assert set(formulas) == {"bytes_per_page", "fixed_nbytes", "nbytes"}
+    spec = PoolSpec(**GQA, dtype=dtype, scales=scales)
+    names: dict[str, Any] = {
+        "num_layers": spec.num_layers,
+        "C": spec.num_components,
+        "page_size": spec.page_size,
+        "H": spec.num_heads,
+        "D": spec.width,
+        "itemsize": page_format(dtype).itemsize,
+        "token_head": scales == "token_head",
+        "head": scales == "head",
+        "num_pages": spec.num_pages,
+    }
+    bytes_per_page = eval(formulas["bytes_per_page"], {}, names)  # the doc's text, as written
+    assert bytes_per_page == spec.bytes_per_page
+    fixed = eval(formulas["fixed_nbytes"], {}, names) if scales in ("tensor", "head") else 0
+    assert fixed == spec.fixed_nbytes
+    names.update(bytes_per_page=bytes_per_page, fixed_nbytes=fixed)
+    nbytes = eval(formulas["nbytes"], {}, names)
+    assert nbytes == spec.nbytes == _pool(dtype=dtype, scales=scales).nbytes
