@@ -363,3 +363,22 @@ def test_the_byte_formulas_in_the_doc_evaluate_to_the_spec(dtype: str, scales: s
     names.update(bytes_per_page=bytes_per_page, fixed_nbytes=fixed)
     nbytes = eval(formulas["nbytes"], {}, names)
     assert nbytes == spec.nbytes == _pool(dtype=dtype, scales=scales).nbytes
+
+
+# -- tensors that require grad -------------------------------------------------------------------
+
+
+def test_codecs_and_the_fp8_decode_take_tensors_that_require_grad() -> None:
+    """Quantizing is storage, not math to differentiate: a leaf K/V or scale that requires grad
+    (a model run with grad enabled) made torch raise on the codec's in-place steps."""
+    from kvmem.quant import FP8Codec, PlainCodec, fp8_to_float
+
+    x = torch.randn(2, 2, 2, 8, requires_grad=True)
+    for codec in (FP8Codec("fp8_e4m3", "token_head"), PlainCodec("bf16")):
+        enc = codec.quantize(x)
+        assert enc.data.shape == x.shape and not enc.data.requires_grad
+    data = torch.randint(0, 120, (4, 8), dtype=torch.uint8)
+    scale = torch.rand(4, 1, requires_grad=True)
+    got = fp8_to_float(data, "fp8_e4m3", scale, torch.float32)
+    want = data.view(torch.float8_e4m3fn).float() * scale.detach()
+    assert torch.equal(got, want)

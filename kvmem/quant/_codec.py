@@ -137,6 +137,7 @@ class PlainCodec(KVCodec):
         self.format = fmt
         self.granularity = None
 
+    @torch.no_grad()
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         _check_rows(x)
         num_nonfinite = _zero_nonfinite(x)
@@ -193,6 +194,7 @@ class FP8Codec(KVCodec):
             amax = amax.amax(dim=1, keepdim=True)
         return torch.where(static_scale > 0, static_scale, amax / self.format.max_finite)
 
+    @torch.no_grad()
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         _check_rows(x)
         _check_scale(static_scale, x)

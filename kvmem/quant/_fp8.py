@@ -48,6 +48,7 @@ _WIDEN = {  # int8 -> int16 multiplier that places the byte, and the factor the 
 }
 
 
+@torch.no_grad()
 def fp8_to_float(
     data: torch.Tensor,
     fmt: str,
