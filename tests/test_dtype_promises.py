@@ -382,3 +382,34 @@ def test_codecs_and_the_fp8_decode_take_tensors_that_require_grad() -> None:
     got = fp8_to_float(data, "fp8_e4m3", scale, torch.float32)
     want = data.view(torch.float8_e4m3fn).float() * scale.detach()
     assert torch.equal(got, want)
+
+
+# -- a spec pydantic built without validating it -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("update", "match"),
+    [
+        ({"num_pages": 0}, "num_pages"),
+        ({"static_scales": 1e39}, "static_scales"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"head_dim": None}, "head_dim"),
+    ],
+)
+def test_a_pool_refuses_a_spec_that_model_copy_left_unvalidated(
+    update: dict[str, Any], match: str
+) -> None:
+    """``spec.model_copy(update=...)`` (pydantic's) skips validation; PagePool built a pool of 0
+    pages, or a bf16 pool with scales, from such a spec."""
+    spec = PoolSpec(**GQA, device="cpu").model_copy(update=update)
+    with pytest.raises(ArgumentError, match=match):
+        PagePool(spec)
+
+
+def test_a_pool_of_a_model_copied_fp8_spec_reports_the_bytes_it_allocates() -> None:
+    """An fp8 spec made by model_copy has no ``scales``; the pool stores tensor scales, and its
+    spec must say so, or ``spec.nbytes`` (documented to equal what the pool allocates) is off."""
+    spec = PoolSpec(**GQA, device="cpu").model_copy(update={"dtype": "fp8_e4m3"})
+    pool = PagePool(spec)
+    assert pool.spec.scales == "tensor"
+    assert pool.nbytes == pool.spec.nbytes
