@@ -171,7 +171,16 @@ def pool_device(spec: PoolSpec) -> torch.device:
             f"PoolSpec asks for device {spec.device!r} but CUDA is not available; use "
             "device='cpu' or leave device unset."
         )
-    return device
+    # The device torch really puts tensors on ("cuda" -> "cuda:0", "cpu:1" -> "cpu"): inputs are
+    # compared with it, and a tensor's device never equals "cuda" without an index.
+    try:
+        return torch.empty(0, device=device).device
+    except RuntimeError as e:
+        raise ConfigError(
+            f"PoolSpec device={spec.device!r}: torch cannot place a tensor there "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); use 'cpu', 'cuda' or "
+            "a 'cuda:N' this machine has."
+        ) from None
 
 
 def check_fits(spec: PoolSpec, device: torch.device, nbytes: int) -> None:

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _CHUNK_ELEMS = 1 << 19  # elements per CPU write chunk: 2 MiB of fp32 temporaries
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_TAG_BOUND = 2**63 - 1  # tags are non-negative int64 (0: free)
+_TAG_BOUND = 2**63  # tags are non-negative int64, up to 2**63 - 1 (0: free)
 
 
 class _TagSource(Protocol):
@@ -95,6 +95,8 @@ class PagePool:
                 f"spec={show(spec)}: expected a PoolSpec, e.g. PagePool(PoolSpec(num_layers=2, "
                 "num_pages=64, num_kv_heads=2, head_dim=64))."
             )
+        # Validated again: pydantic's model_copy(update=...) builds a spec without checking it.
+        spec = PoolSpec(**spec.model_dump())
         device = pool_device(spec)
         nbytes = spec.nbytes + spec.tag_nbytes
         check_fits(spec, device, nbytes)

@@ -180,8 +180,14 @@ class PoolSpec(SpecModel):
                 f"static_scales of shape {arr.shape} do not fit {self.scales!r} scales for "
                 f"{self.num_layers} layers: give one float or a nested list of shape {wanted}."
             )
-        if not np.all(np.isfinite(arr)) or not np.all(arr > 0):
-            raise ValueError("static_scales must be finite and > 0.")
+        # The pool keeps them as float32: 1e39 would become inf (reads 0 * inf = NaN), 1e-50 zero.
+        with np.errstate(over="ignore"):
+            as_f32 = arr.astype(np.float32)
+        if not np.all(np.isfinite(as_f32)) or not np.all(as_f32 > 0):
+            raise ValueError(
+                "static_scales must be finite and > 0 as float32 (about 1.4e-45 to 3.4e38); got "
+                f"values from {arr.min():g} to {arr.max():g}."
+            )
         full = np.broadcast_to(arr.reshape(arr.shape + (1,) * (3 - arr.ndim)), target)
         return [[[float(s) for s in row] for row in comp] for comp in full]
 

@@ -19,8 +19,8 @@ Policies every codec follows:
   an fp8 cast does with them) and counted when they lie beyond ordinary rounding
   (``PageFormat.saturation_threshold``).
 - ``token_head`` scales are ``amax / max_finite`` of each (token, K/V, head) row, computed once
-  from that token alone: a token's bytes never change as its page fills. An all-zero row gets
-  scale 1.
+  from that token alone: a token's bytes never change as its page fills. An all-zero row, or
+  one so small (below ~6e-43) that ``amax / max_finite`` is 0 in fp32, gets scale 1.
 - ``tensor`` and ``head`` scales are fixed per layer: given (e.g. a checkpoint's k_scale /
   v_scale) or, when not given, set from the first write that has a non-zero value for them
   (``amax / max_finite`` over that write) and never changed after. A scale of 0 means "not
@@ -73,7 +73,7 @@ class KVCodec(ABC):
         Codecs without per-layer scales return ``static_scale`` unchanged.
         """
         _check_rows(x)
-        _check_scale(static_scale, x.device)
+        _check_scale(static_scale, x)
         return static_scale
 
     @abstractmethod
@@ -137,6 +137,7 @@ class PlainCodec(KVCodec):
         self.format = fmt
         self.granularity = None
 
+    @torch.no_grad()
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         _check_rows(x)
         num_nonfinite = _zero_nonfinite(x)
@@ -169,7 +170,11 @@ class FP8Codec(KVCodec):
         fmt = page_format(dtype)
         if not fmt.quantized:
             raise ConfigError(f"FP8Codec stores fp8_e4m3/fp8_e5m2; got {dtype!r}.")
-        if not isinstance(granularity, str) or granularity not in ("tensor", "head", "token_head"):
+        if not isinstance(granularity, str):
+            raise ArgumentTypeError(
+                f"granularity={show(granularity)}: expected 'tensor', 'head' or 'token_head'."
+            )
+        if granularity not in ("tensor", "head", "token_head"):
             raise ConfigError(
                 f"unknown scale granularity {granularity!r}; use tensor, head or token_head."
             )
@@ -179,8 +184,8 @@ class FP8Codec(KVCodec):
 
     def calibrate(self, x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor | None:
         _check_rows(x)
-        _check_scale(static_scale, x.device)
-        if self.token_scales or static_scale is None:
+        _check_scale(static_scale, x)
+        if self.token_scales or static_scale is None or x.numel() == 0:
             return static_scale
         magnitude = x.abs()
         magnitude.masked_fill_(~torch.isfinite(magnitude), 0)  # NaN/inf are not data
@@ -189,24 +194,17 @@ class FP8Codec(KVCodec):
             amax = amax.amax(dim=1, keepdim=True)
         return torch.where(static_scale > 0, static_scale, amax / self.format.max_finite)
 
+    @torch.no_grad()
     def quantize(self, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Encoded:
         _check_rows(x)
-        _check_scale(static_scale, x.device)
-        if static_scale is not None and (
-            static_scale.dim() != 2 or static_scale.shape[0] != x.shape[1]
-            or static_scale.shape[1] not in (1, x.shape[2])
-        ):
-            raise ArgumentError(
-                f"static_scale has shape {tuple(static_scale.shape)}; for x of shape "
-                f"{tuple(x.shape)} it must be [C, 1] (tensor) or [C, H] (head) = "
-                f"[{x.shape[1]}, 1] or [{x.shape[1]}, {x.shape[2]}]."
-            )
+        _check_scale(static_scale, x)
         xf = x if x.dtype == torch.float32 else x.float()
         num_nonfinite = _zero_nonfinite(xf)
         fmax = self.format.max_finite
         if self.token_scales:
-            amax = xf.abs().amax(dim=-1)  # [T, C, H]
-            scale = torch.where(amax > 0, amax / fmax, 1.0)
+            scale = xf.abs().amax(dim=-1) / fmax  # [T, C, H]
+            # 0 for an all-zero row, and for one so small the division underflows (0 / 0 = NaN)
+            scale = torch.where(scale > 0, scale, 1.0)
             xf.div_(scale.unsqueeze(-1))
             xf.clamp_(-fmax, fmax)  # amax/scale may round a hair above max: not a saturation
             data = xf.to(self.format.dtype).view(torch.uint8)
@@ -240,7 +238,7 @@ def make_codec(dtype: str, scales: ScaleGranularity | None = None) -> KVCodec:
             f"scales={show(scales)}: expected None, 'tensor', 'head' or 'token_head'."
         )
     if page_format(dtype).quantized:
-        return FP8Codec(dtype, scales or "tensor")
+        return FP8Codec(dtype, "tensor" if scales is None else scales)
     if scales is not None:
         raise ConfigError(
             f"scales={scales!r} apply to fp8 pages only; {dtype!r} pages are stored as is. "
@@ -259,20 +257,33 @@ def _check_rows(x: torch.Tensor) -> None:
         raise ArgumentTypeError(f"x={show(x)}: expected a [T, C, H, D] float tensor.")
     if x.dtype not in _FLOATS:
         raise ArgumentTypeError(f"x has dtype {x.dtype}; pass float32, bfloat16 or float16.")
-    if x.dim() != 4:
-        raise ArgumentError(f"x has shape {tuple(x.shape)}; expected [T, C, H, D].")
+    if x.dim() != 4 or x.shape[3] == 0:
+        raise ArgumentError(f"x has shape {tuple(x.shape)}; expected [T, C, H, D] with D >= 1.")
 
 
-def _check_scale(scale: torch.Tensor | None, device: torch.device) -> None:
-    """``scale`` must be None or a float32 tensor on ``device``."""
+def _check_scale(scale: torch.Tensor | None, x: torch.Tensor) -> None:
+    """``scale`` must be None or a float32 [C, 1] / [C, H] tensor on ``x``'s device whose
+    entries are finite and >= 0 (0: not calibrated yet)."""
     if scale is None:
         return
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         raise ArgumentTypeError(
             f"static_scale={show(scale)}: expected None or a float32 tensor of shape [C, Hs]."
         )
-    if scale.device != device:
-        raise ArgumentError(f"static_scale is on {scale.device} but x is on {device}.")
+    if scale.device != x.device:
+        raise ArgumentError(f"static_scale is on {scale.device} but x is on {x.device}.")
+    if scale.dim() != 2 or scale.shape[0] != x.shape[1] or scale.shape[1] not in (1, x.shape[2]):
+        raise ArgumentError(
+            f"static_scale has shape {tuple(scale.shape)}; for x of shape "
+            f"{tuple(x.shape)} it must be [C, 1] (tensor) or [C, H] (head) = "
+            f"[{x.shape[1]}, 1] or [{x.shape[1]}, {x.shape[2]}]."
+        )
+    # A NaN, inf or negative scale would be stored as if it were 1 (or as 0) and decode wrong.
+    if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+        raise ArgumentError(
+            f"static_scale holds {scale.flatten().tolist()[:8]}: every entry must be finite and "
+            ">= 0 (0 marks a scale not calibrated yet)."
+        )
 
 
 def _check_decode(
@@ -285,8 +296,17 @@ def _check_decode(
     if not isinstance(data, torch.Tensor) or data.dtype != dtype:
         got = data.dtype if isinstance(data, torch.Tensor) else show(data)
         raise ArgumentTypeError(f"data={got}: expected a {dtype} tensor.")
-    if scale is not None and not isinstance(scale, torch.Tensor):
-        raise ArgumentTypeError(f"scale={show(scale)}: expected None or a float32 tensor.")
+    if scale is not None and (
+        not isinstance(scale, torch.Tensor) or not scale.dtype.is_floating_point
+    ):
+        got = scale.dtype if isinstance(scale, torch.Tensor) else show(scale)
+        raise ArgumentTypeError(f"scale={got}: expected None or a float32 tensor.")
+    rows = (*data.shape[:-1], 1)
+    if scale is not None and not _broadcasts(scale.shape, rows):
+        raise ArgumentError(
+            f"scale of shape {tuple(scale.shape)} does not broadcast to the rows {rows} of the "
+            "data; give one scale per row or fewer."
+        )
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in _OUT_FLOATS:
         raise ArgumentTypeError(
             f"out_dtype={show(out_dtype)}: expected torch.float32, bfloat16, float16 or float64."
@@ -297,3 +317,11 @@ def _check_decode(
         raise ArgumentError(
             f"out must be a {out_dtype} tensor of shape {tuple(data.shape)}; got {show(out)}."
         )
+
+
+def _broadcasts(shape: torch.Size, target: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without changing it."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == target
+    except RuntimeError:
+        return False

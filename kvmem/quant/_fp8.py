@@ -48,6 +48,7 @@ _WIDEN = {  # int8 -> int16 multiplier that places the byte, and the factor the 
 }
 
 
+@torch.no_grad()
 def fp8_to_float(
     data: torch.Tensor,
     fmt: str,
@@ -88,6 +89,12 @@ def fp8_to_float(
     rows = data.numel() // width
     src = data.view(torch.int8).reshape(rows, width)
     mult = _row_multipliers(scale, data.shape[:-1], rows, undo)
+    if undo != 1 and not bool(torch.isfinite(mult).all()):
+        # scale * 256 overflowed fp32 (a scale above 1.3e36), and 0 * inf would decode a zero
+        # byte as NaN: such scales take torch's cast.
+        per_row = _row_multipliers(scale, data.shape[:-1], rows, 1.0)
+        out.view(rows, width).copy_(src.view(page_format(fmt).dtype).float() * per_row)
+        return out
     _decode_rows(src, out.view(rows, width), mult, multiplier, fmt == "fp8_e4m3")
     return out
 

@@ -204,7 +204,14 @@ def quantize_int4(
     -------
     Int4Weight
         Packed values and scales. The scale is rounded to ``scale_dtype`` before the values are
-        computed, so ``dequantize_int4`` reproduces exactly what a kernel would.
+        computed, so ``dequantize_int4`` reproduces exactly what a kernel would. A group whose
+        scale rounds to 0 there (fp16 below ~6e-8) is stored as 0.
+
+    Raises
+    ------
+    ArgumentError
+        NaN/inf in the weight, or a scale ``max|w| / 7`` beyond ``scale_dtype``'s range
+        (float16: 65504, so ``|w|`` above 458,528).
     """
     import torch
 
@@ -235,7 +242,15 @@ def quantize_int4(
     scales = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax)).to(
         _torch_dtype(scale_dtype)
     )
-    q = torch.round(groups / scales.to(torch.float32).unsqueeze(-1)).clamp_(-8, 7)
+    if not bool(torch.isfinite(scales).all()):  # fp16 scales end at 65504: inf, and 0 * inf = NaN
+        raise ArgumentError(
+            f"a group's scale max|w| / 7 = {float(amax.max()) / _QMAX:g} does not fit "
+            f"{scale_dtype} scales; use bfloat16 or float32 scales. Nothing was quantized."
+        )
+    # A scale that underflowed to 0 dequantizes its group to 0: divide by 1 (no 0 / 0 = NaN).
+    divisor = scales.to(torch.float32)
+    divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+    q = torch.round(groups / divisor.unsqueeze(-1)).clamp_(-8, 7)
     values = q.to(torch.int8).reshape(out_features, in_features)
     return Int4Weight(pack_int4(values), scales, (out_features, in_features), group_size)
 
@@ -300,8 +315,10 @@ def _torch_dtype(name: str) -> torch.dtype:
         "float32": torch.float32,
         "fp32": torch.float32,
     }
-    if not isinstance(name, str) or name not in table:
-        raise ArgumentError(
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"scale_dtype={show(name)}: expected one of {sorted(table)}.")
+    if name not in table:
+        raise ConfigError(
             f"INT4 scale dtype {name!r} is not supported; use one of {sorted(table)}."
         )
     return table[name]
