@@ -10,6 +10,10 @@ manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts
 
 * ``vllm_step_us_median`` / ``kvmem_step_us_median`` / ``step_speedup``: ``schedule()`` +
   ``update_from_output()``;
+* ``vllm_kv_us_median`` / ``kvmem_kv_us_median`` / ``kv_speedup``: the time inside the KV cache
+  manager per step (its methods and the block objects' ``get_block_ids``, outermost calls, as
+  ``bench_vllm_scheduler.py`` times them; the timers run in this same pass, so the step
+  figures include their cost, a fraction of a microsecond a call, on both sides);
 * ``kvmem_flush_us_median``: the adapter's flush (reserve, verify, commit), per call;
 * ``verify_paths``: which path of kvmem's verifier answered (``VerifierStats``): a decode step
   proved spliced checks only its new pages, one restarted checks every entry.
@@ -61,6 +65,9 @@ def main() -> int:
             s.add_request(bench._make(rid, prompt, max_tokens, block))
             added[name] += 1
 
+    timers = {w: bench._KVTimer() for w in scheds}
+    undo = [bench._instrument(s, timers[w], w == "kvmem") for w, s in scheds.items()]
+    kv: dict[str, list[int]] = {w: [] for w in scheds}
     adapter = scheds["kvmem"].kv_cache_manager
     flushes: list[float] = []
     flush = adapter.flush
@@ -78,16 +85,21 @@ def main() -> int:
         if i == args.warmup:
             before = adapter.manager.verifier.stats
             flushes.clear()
-            for v in steps.values():
+            for v in (*steps.values(), *kv.values()):
                 v.clear()
         outs = {}
         for name, s in scheds.items():
             top_up(name, s)
+            timers[name].total_ns = 0
             t = time.perf_counter()
             outs[name] = bench._step(s)
             steps[name].append(time.perf_counter() - t)
+            kv[name].append(timers[name].total_ns)
         mismatched += outs["vllm"].num_scheduled_tokens != outs["kvmem"].num_scheduled_tokens
     after = adapter.manager.verifier.stats
+    for u in undo:
+        u()
+    vllm_kv, kvmem_kv = (statistics.median(kv[w]) / 1e3 for w in ("vllm", "kvmem"))
     vllm_us = statistics.median(steps["vllm"]) * 1e6
     kvmem_us = statistics.median(steps["kvmem"]) * 1e6
     print(json.dumps({
@@ -95,6 +107,8 @@ def main() -> int:
         "mismatched_steps": mismatched,
         "vllm_step_us_median": round(vllm_us, 1), "kvmem_step_us_median": round(kvmem_us, 1),
         "step_speedup": round(vllm_us / kvmem_us, 3),
+        "vllm_kv_us_median": round(vllm_kv, 1), "kvmem_kv_us_median": round(kvmem_kv, 1),
+        "kv_speedup": round(vllm_kv / kvmem_kv, 3),
         "kvmem_flush_us_median": round(statistics.median(flushes) * 1e6, 1),
         "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
         "load_average": round(os.getloadavg()[0], 2),

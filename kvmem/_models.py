@@ -6,6 +6,7 @@ JSON, so they are checked once, at the boundary, under the error contract of doc
 - integer fields take an ``int`` or a numpy integer, never a ``bool``, a float or a string
   (pydantic's lax mode would turn ``True`` into 1 and ``"2"`` or ``2.0`` into 2);
 - number fields take ints and floats (Python or numpy), finite, never a ``bool`` or a string;
+- a copy made with ``model_copy(update=...)`` is checked like a new spec;
 - a bad spec raises :class:`~kvmem.errors.ConfigError` (a ``ValueError``), or
   :class:`~kvmem.errors.ArgumentTypeError` (a ``TypeError``) when a field has the wrong type,
   never pydantic's ``ValidationError``; the message names each bad field and its value.
@@ -14,6 +15,7 @@ JSON, so they are checked once, at the boundary, under the error contract of doc
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
@@ -136,6 +138,17 @@ class SpecModel(BaseModel):
             f"{type(self).__name__} is frozen: cannot set {name}={show(value)}; build a new one, "
             f"e.g. {type(self).__name__}(**{{**spec.model_dump(), {name!r}: value}})."
         )
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Any:
+        """A copy, with ``update``'s fields changed and checked like a new spec's (pydantic's
+        own ``model_copy(update=...)`` checks nothing: ``num_pages=0`` would pass)."""
+        if not update:
+            return super().model_copy(deep=deep)
+        if not isinstance(update, Mapping):
+            raise ArgumentTypeError(f"update={show(update)}: expected a dict of "
+                                    f"{type(self).__name__} fields.")
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields},
+                             **update})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Any:

@@ -396,14 +396,18 @@ def test_codecs_and_the_fp8_decode_take_tensors_that_require_grad() -> None:
         ({"head_dim": None}, "head_dim"),
     ],
 )
-def test_a_pool_refuses_a_spec_that_model_copy_left_unvalidated(
+def test_model_copy_checks_the_updated_spec_as_a_new_one(
     update: dict[str, Any], match: str
 ) -> None:
-    """``spec.model_copy(update=...)`` (pydantic's) skips validation; PagePool built a pool of 0
-    pages, or a bf16 pool with scales, from such a spec."""
-    spec = PoolSpec(**GQA, device="cpu").model_copy(update=update)
+    """pydantic's ``spec.model_copy(update=...)`` skips validation (PagePool built a pool of 0
+    pages, or a bf16 pool with scales, from such a spec); a spec's own checks its fields."""
+    spec = PoolSpec(**GQA, device="cpu")
     with pytest.raises(ArgumentError, match=match):
-        PagePool(spec)
+        spec.model_copy(update=update)
+    with pytest.raises(ArgumentError, match="not a field"):
+        spec.model_copy(update={"pages": 3})
+    assert spec.model_copy(update={"num_pages": 8}).num_pages == 8
+    assert spec.model_copy() == spec
 
 
 def test_a_pool_of_a_model_copied_fp8_spec_reports_the_bytes_it_allocates() -> None:

@@ -95,8 +95,6 @@ class PagePool:
                 f"spec={show(spec)}: expected a PoolSpec, e.g. PagePool(PoolSpec(num_layers=2, "
                 "num_pages=64, num_kv_heads=2, head_dim=64))."
             )
-        # Validated again: pydantic's model_copy(update=...) builds a spec without checking it.
-        spec = PoolSpec(**spec.model_dump())
         device = pool_device(spec)
         nbytes = spec.nbytes + spec.tag_nbytes
         check_fits(spec, device, nbytes)
