@@ -326,7 +326,7 @@ def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int)
         if not mgr.can_reserve(ids, k):
             eng.release(running[0])
             continue
-        victim = None
+        victim, fault = None, ""
         if rng.random() < 0.25 and "x0" in mgr.running and ids[0] != "x0":
             victim = ids[0]
             fault = list(FAULTS)[int(rng.integers(len(FAULTS)))]
@@ -338,19 +338,28 @@ def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int)
             allowed = {victim} | ({r for r in ids if page in mapped[r]}
                                   if fault != "overwrite" else set())
         form = list(forms(step))[int(rng.integers(6))]
-        report = mgr.verify(ids, **forms(step)[form])
-        assert set(report.aborted) <= allowed, (form, fault, report.aborted)
-        for rid in report.aborted:
-            eng.seqs.pop(rid)
-        ok = [r for r in ids if r not in report.aborted and r in mgr.running]
-        if victim is not None:
-            # The victim is aborted, except when only the page table was overwritten after the
-            # step's metadata was built: that metadata is still right (release copes later).
-            if fault != "overwrite" or form == "ids":
-                assert victim in report.aborted, (form, fault)
+        if verified(mgr, eng, ids, step, form, victim, fault, allowed) is None:
             break
-        eng.commit(ok)
-        eng.check_kv(ok)
+
+
+def verified(mgr: KVCacheManager, eng: ToyEngine, ids: list[str], step: StepMetadata, form: str,
+             victim: str | None, fault: str, allowed: set[str]) -> Any:
+    """verify ``step`` in ``form``: what it aborts is within ``allowed`` and includes the
+    victim (except when only the page table was overwritten after the step's metadata was
+    built: that metadata is still right, release copes later). Without a victim the batch
+    commits and reads back its own K/V. The report, or None after a fault."""
+    report = mgr.verify(ids, **forms(step)[form])
+    assert set(report.aborted) <= allowed, (form, fault, report.aborted)
+    for rid in report.aborted:
+        eng.seqs.pop(rid)
+    if victim is not None:
+        if fault != "overwrite" or form == "ids":
+            assert victim in report.aborted, (form, fault)
+        return None
+    ok = [r for r in ids if r not in report.aborted and r in mgr.running]
+    eng.commit(ok)
+    eng.check_kv(ok)
+    return report
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("KVMEM_DIFF_SEEDS", "30"))))
@@ -386,7 +395,7 @@ def test_requests_leaving_and_joining_give_the_full_checks_verdict_under_random_
         if not mgr.can_reserve(ids, 1):
             eng.release(order.pop(0))
             continue
-        victim = None
+        victim, fault = None, ""
         if rng.random() < 0.15 and len(ids) > 1:
             victim = ids[int(rng.integers(len(ids)))]
             fault = list(FAULTS)[int(rng.integers(len(FAULTS)))]
@@ -402,18 +411,10 @@ def test_requests_leaving_and_joining_give_the_full_checks_verdict_under_random_
             allowed = {victim} | ({r for r in ids if page in mapped[r]}
                                   if fault != "overwrite" else set())
         form = "step" if rng.random() < 0.7 else list(forms(step))[int(rng.integers(6))]
-        report = mgr.verify(ids, **forms(step)[form])
-        assert set(report.aborted) <= allowed, (form, victim, report.aborted)
-        for rid in report.aborted:
-            eng.seqs.pop(rid)
-            order.remove(rid)
-        ok = [r for r in ids if r not in report.aborted]
-        if victim is not None:
-            if fault != "overwrite" or form == "ids":
-                assert victim in report.aborted, (form, fault)
+        report = verified(mgr, eng, ids, step, form, victim, fault, allowed)
+        if report is None:
             break
-        eng.commit(ok)
-        eng.check_kv(ok)
+        order = [r for r in order if r not in report.aborted]
     stats = mgr.verifier.stats
     assert stats.paranoid_checks >= stats.spliced_proved + stats.incremental_proved
     if decode_steps >= 20:
