@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmem.errors import ArgumentError, MetadataError
+from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
 from kvmem.integrity import (
     BadEntries,
     CheckingTracker,
@@ -174,3 +174,62 @@ def test_tracker_verify_refuses_counts_and_labels_it_cannot_use() -> None:
     assert tracker.verify([0], [1], TAGS, **csr).ok
     assert tracker.verify([], [], TAGS, kv_indptr=np.array([0]),
                           kv_indices=np.array([], np.int32)).ok
+
+
+# -- kvmem.testing: ToyEngine, kv_value_array ---------------------------------------------------
+
+
+def _manager() -> Any:
+    from kvmem import KVCacheManager
+
+    return KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8,
+                          tracker="checking")
+
+
+@pytest.mark.parametrize("prompt, kind", [
+    ([1.5, 2.0], ArgumentTypeError), ("abc", ArgumentError), ([[1, 2]], ArgumentError),
+    ([-1, 2], ArgumentError),
+])
+def test_the_toy_engine_refuses_a_prompt_the_manager_would_and_changes_nothing(
+        prompt: Any, kind: type) -> None:
+    """np.asarray(prompt, dtype=int64) turned [1.5, 2.0] into [1, 2] and admitted it (the
+    manager refuses float token ids), keeping 1.5 as the engine's token; "abc" raised numpy's
+    ValueError."""
+    from kvmem.testing import ToyEngine
+
+    mgr = _manager()
+    engine = ToyEngine(mgr)
+    with pytest.raises(kind):
+        engine.admit("a", prompt)
+    assert engine.seqs == {} and not mgr.running and mgr.stats().num_free == 16
+    engine.admit("a", np.array([1, 2, 3], dtype=np.int32))
+    engine.step(["a"], 3)
+    engine.check_kv()
+    assert engine.seqs["a"].tokens == [1, 2, 3]
+
+
+def test_the_toy_engine_refuses_a_sampler_it_cannot_call() -> None:
+    """sampler=5 was accepted and raised "'int' object is not callable" at the first step past
+    a prompt."""
+    from kvmem.testing import ToyEngine
+
+    with pytest.raises(ArgumentTypeError, match="sampler"):
+        ToyEngine(_manager(), sampler=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ns_key, tokens, kind", [
+    (-1, [1], ArgumentError), (1 << 64, [1], ArgumentError),
+    (1, [1.5], ArgumentTypeError), (1, [[1, 2], [3, 4]], ArgumentError),
+    (1, "abc", ArgumentError), (1, [2**63], ArgumentError), (1, None, ArgumentError),
+])
+def test_kv_value_array_refuses_what_is_no_namespace_key_or_token_stream(
+        ns_key: Any, tokens: Any, kind: type) -> None:
+    """It raised OverflowError (a negative key, a key of 2**64, a token past int64), numpy's
+    ValueError (2-D, a str) or TypeError (None), and gave [1.5] the values of [1]."""
+    from kvmem.testing import kv_value_array
+
+    with pytest.raises(kind):
+        kv_value_array(ns_key, tokens)
+    top = kv_value_array((1 << 64) - 1, np.array([0, 3], dtype=np.uint8))
+    assert top.dtype == np.int64 and top.shape == (2,) and top.all()
+    assert np.array_equal(kv_value_array(7, torch.tensor([1, 2])), kv_value_array(7, [1, 2]))
