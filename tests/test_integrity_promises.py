@@ -233,3 +233,48 @@ def test_kv_value_array_refuses_what_is_no_namespace_key_or_token_stream(
     top = kv_value_array((1 << 64) - 1, np.array([0, 3], dtype=np.uint8))
     assert top.dtype == np.int64 and top.shape == (2,) and top.all()
     assert np.array_equal(kv_value_array(7, torch.tensor([1, 2])), kv_value_array(7, [1, 2]))
+
+
+# -- helpers the doc names: owned_pages, validate_step_fields, prompts ----------------------------
+
+
+def test_owned_pages_refuses_recorded_tags_that_do_not_fit_the_row() -> None:
+    """Three pages with two recorded tags raised numpy's IndexError (row_is_own said False)."""
+    from kvmem.integrity import owned_pages
+
+    q = (np.array([5, 6], dtype=np.int64) << 20) | 1
+    refcounts = np.array([0, 1, 1, 1])
+    with pytest.raises(ArgumentError, match="recorded"):
+        owned_pages(np.array([1, 2, 3]), q, TAGS, refcounts)
+    assert owned_pages(np.array([1, 3]), q, TAGS, refcounts).tolist() == [[0, 1], [1, 2]]
+
+
+@pytest.mark.parametrize("meta", [None, [("slot_mapping", np.arange(3))]])
+def test_validate_step_fields_refuses_what_is_no_mapping(meta: Any) -> None:
+    """It raised AttributeError ('NoneType' object has no attribute 'get')."""
+    from kvmem.integrity import validate_step_fields
+
+    with pytest.raises(ArgumentTypeError, match="mapping"):
+        validate_step_fields(meta, 1)
+    validate_step_fields({"slot_mapping": np.arange(3), "seq_lens": np.array([3])}, 1, 3)
+
+
+def test_prompts_keep_to_max_len() -> None:
+    """prompts(max_len=3) drew the stem's head whole: prompts of up to 12 tokens."""
+    from hypothesis import given, settings
+
+    from kvmem.testing import prompts
+
+    @settings(max_examples=200, database=None)
+    @given(prompts(max_len=3))
+    def short(prompt: list[int]) -> None:
+        assert 1 <= len(prompt) <= 3, prompt
+
+    @settings(max_examples=1, database=None)
+    @given(prompts(max_len=0))
+    def empty(prompt: list[int]) -> None:
+        pass
+
+    short()
+    with pytest.raises(ArgumentError, match="max_len"):
+        empty()
