@@ -50,7 +50,8 @@ class Reason:
     REALLOCATED = 3  # page is live with another tag: freed and handed to someone else
     UNMAPPED = 4  # the request never recorded a page at this position
     PADDING = 5  # block-table entry past the request's pages is not the pad value
-    LENGTH = 6  # CSR lists a different number of pages than the request maps
+    LENGTH = 6  # CSR lists a different number of pages than the request maps, or a block
+    # table is narrower than them
 
     NAMES: ClassVar[dict[int, str]] = {
         1: "page id out of range",
@@ -138,6 +139,47 @@ def validate_block_table(block_table: Any, batch_size: int) -> None:
     require_int_array("block_table", block_table, (batch_size, None))
 
 
+def _require_inputs(torch_form: bool, metadata: dict[str, Any], num_pages: Any,
+                    expected_tags: Any, tags: Any) -> None:
+    """Refuse (MetadataError, nothing checked) what a check cannot compare: malformed metadata
+    (:func:`validate_csr`, :func:`validate_block_table`), ``num_pages`` not ``[B]`` integers,
+    ``expected_tags`` not ``[B, *]`` integers, ``tags`` not ``[*]`` integers, or an argument of
+    the other form's kind (numpy arrays for the numpy form; tensors on one device for the
+    torch form)."""
+    require_int_array("num_pages", num_pages, (None,))
+    batch = int(num_pages.shape[0])
+    csr = "block_table" not in metadata
+    if csr:
+        require_int_array("kv_indptr", metadata["kv_indptr"], (batch + 1,))
+        require_int_array("kv_indices", metadata["kv_indices"], (None,))
+    else:
+        validate_block_table(metadata["block_table"], batch)
+    require_int_array("expected_tags", expected_tags, (batch, None))
+    require_int_array("tags", tags, (None,))
+    given = {**metadata, "num_pages": num_pages, "expected_tags": expected_tags, "tags": tags}
+    if torch_form or not all(type(v) is np.ndarray for v in given.values()):
+        _require_one_kind(torch_form, given)
+    if csr:
+        validate_csr(metadata["kv_indptr"], metadata["kv_indices"], batch)
+
+
+def _require_one_kind(torch_form: bool, given: dict[str, Any]) -> None:
+    """Refuse numpy arrays given to a torch form, tensors to a numpy form, and tensors on
+    different devices (MetadataError naming them)."""
+    other = sorted(k for k, v in given.items() if isinstance(v, np.ndarray) == torch_form)
+    if other:
+        got = "numpy arrays" if torch_form else "tensors"
+        raise MetadataError(
+            f"{', '.join(other)}: got {got}, but check_csr and check_block_table take numpy "
+            "arrays only, and their _torch forms tensors on one device only. Nothing was "
+            "checked")
+    devices = {k: str(v.device) for k, v in given.items()}
+    if len(set(devices.values())) > 1:
+        raise MetadataError(
+            f"the tensors are on different devices ({devices}); pass them all on the device "
+            "the tags are on. Nothing was checked")
+
+
 def _reasons(xp: Any, page: Any, in_range: Any, found: Any, expected: Any) -> Any:
     """Reason code per entry (0 = good); works for numpy and torch alike."""
     reason = xp.where(found != expected, Reason.REALLOCATED, 0)
@@ -150,7 +192,8 @@ def _lookup_np(
     page: npt.NDArray[Any], tags: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
     in_range = (page >= 0) & (page < tags.shape[0])
-    found = np.where(in_range, tags[np.clip(page, 0, tags.shape[0] - 1)], -1)
+    safe = tags if tags.shape[0] else np.zeros(1, dtype=np.int64)  # (no page: none in range)
+    found = np.where(in_range, safe[np.clip(page, 0, safe.shape[0] - 1)], -1)
     return in_range, found
 
 
@@ -190,28 +233,45 @@ def check_block_table(
     expected_tags: ``[B, >= W]``, int64 — tag recorded per (request, position); 0 = none
     tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
 
-    Entries past ``expected_tags``' width are checked as padding. Raises MetadataError for a
-    block table that is not ``[B, W]`` integers.
+    Positions past ``expected_tags``' width count as recorded nothing (0); a row with more
+    pages than ``W`` columns fails with LENGTH. Raises MetadataError for a block table that is
+    not ``[B, W]`` integers, for other arguments not shaped as above, and for tensors (the
+    torch form's).
     """
-    validate_block_table(block_table, len(num_pages))
+    _require_inputs(False, {"block_table": block_table}, num_pages, expected_tags, tags)
     expected_tags = _widen(expected_tags, block_table.shape[1])
     width = block_table.shape[1]
-    inside = np.arange(width) < np.asarray(num_pages)[:, None]
-    if _all_good_np(block_table[inside], expected_tags[:, :width][inside], tags) and (
-        block_table[~inside] == PAD
-    ).all():
+    inside = np.arange(width) < num_pages[:, None]
+    too_few = np.flatnonzero(num_pages > width)  # the kernel would read past the table
+    if not too_few.size and _all_good_np(
+        block_table[inside], expected_tags[:, :width][inside], tags
+    ) and (block_table[~inside] == PAD).all():
         return _NO_BAD_ENTRIES
     in_range, found = _lookup_np(block_table, tags)
     reason = _reasons(np, block_table, in_range, found, expected_tags[:, :width])
     reason = np.where(inside, reason, np.where(block_table != PAD, Reason.PADDING, 0))
     b, j = np.nonzero(reason)
-    return BadEntries(
+    return _with_length_failures(BadEntries(
         b.astype(np.int64),
         j.astype(np.int64),
         block_table[b, j].astype(np.int64),
         np.where(inside[b, j], expected_tags[b, j], 0).astype(np.int64),
         found[b, j].astype(np.int64),
         reason[b, j].astype(np.int64),
+    ), too_few)
+
+
+def _with_length_failures(entries: BadEntries, batch_index: npt.NDArray[Any]) -> BadEntries:
+    """``entries`` followed by a LENGTH failure (position, page and found tag -1, expected tag
+    0) for each of ``batch_index``."""
+    minus = np.full(batch_index.size, -1, dtype=np.int64)
+    return BadEntries(
+        np.concatenate([entries.batch_index, batch_index.astype(np.int64)]),
+        np.concatenate([entries.position, minus]),
+        np.concatenate([entries.page, minus]),
+        np.concatenate([entries.expected_tag, np.zeros_like(minus)]),
+        np.concatenate([entries.found_tag, minus]),
+        np.concatenate([entries.reason, np.full_like(minus, Reason.LENGTH)]),
     )
 
 
@@ -242,9 +302,12 @@ def check_csr(
     expected_tags: ``[B, max_pages]``, int64 — tag recorded per (request, position); 0 = none
     tags: ``[num_physical_pages]``, int64 — current tag of every page (0 = free)
 
-    Raises MetadataError (see :func:`validate_csr`) for a malformed CSR.
+    Raises MetadataError for a malformed CSR (see :func:`validate_csr`), for other arguments
+    not shaped as above, and for tensors (the torch form's).
     """
-    validate_csr(kv_indptr, kv_indices, len(num_pages))
+    _require_inputs(False, {"kv_indptr": kv_indptr, "kv_indices": kv_indices}, num_pages,
+                    expected_tags, tags)
+    expected_tags = _widen(expected_tags, 1)  # (nothing recorded: one column of zeros)
     indptr = kv_indptr.astype(np.int64)
     counts = indptr[1:] - indptr[:-1]
     width = int(counts.max()) if counts.size else 0
@@ -261,16 +324,14 @@ def check_csr(
     in_range, found = _lookup_np(kv_indices, tags)
     reason = _reasons(np, kv_indices, in_range, found, expected)
     bad = np.flatnonzero(reason)
-    wrong_len = np.flatnonzero(counts != np.asarray(num_pages))
-    minus = np.full(wrong_len.size, -1, dtype=np.int64)
-    return BadEntries(
-        np.concatenate([b[bad], wrong_len]).astype(np.int64),
-        np.concatenate([j[bad], minus]).astype(np.int64),
-        np.concatenate([kv_indices[bad].astype(np.int64), minus]),
-        np.concatenate([expected[bad], np.zeros_like(minus)]).astype(np.int64),
-        np.concatenate([found[bad], minus]).astype(np.int64),
-        np.concatenate([reason[bad], np.full_like(minus, Reason.LENGTH)]).astype(np.int64),
-    )
+    return _with_length_failures(BadEntries(
+        b[bad].astype(np.int64),
+        j[bad].astype(np.int64),
+        kv_indices[bad].astype(np.int64),
+        expected[bad].astype(np.int64),
+        found[bad].astype(np.int64),
+        reason[bad].astype(np.int64),
+    ), np.flatnonzero(counts != num_pages))
 
 
 # -- torch forms: same logic on tensors of any device ------------------------------------------
@@ -284,7 +345,8 @@ def _lookup_torch(page: torch.Tensor, tags: torch.Tensor) -> tuple[torch.Tensor,
     import torch
 
     in_range = (page >= 0) & (page < tags.shape[0])
-    found = torch.where(in_range, tags[page.long().clamp(0, tags.shape[0] - 1)], -1)
+    safe = tags if tags.shape[0] else tags.new_zeros(1)  # (no page: none in range)
+    found = torch.where(in_range, safe[page.long().clamp(0, safe.shape[0] - 1)], -1)
     return in_range, found
 
 
@@ -297,7 +359,8 @@ def check_block_table_torch(
     """:func:`check_block_table` on torch tensors (all on one device); one host sync at the end."""
     import torch
 
-    validate_block_table(block_table, int(num_pages.shape[0]))
+    _require_inputs(True, {"block_table": block_table}, num_pages, expected_tags, tags)
+    block_table = block_table.long()  # (a uint8 255 is no PAD: compared as numpy compares it)
     expected_tags = _widen(expected_tags, block_table.shape[1])
     width = block_table.shape[1]
     inside = torch.arange(width, device=block_table.device) < num_pages[:, None]
@@ -308,9 +371,9 @@ def check_block_table_torch(
     b, j = torch.nonzero(reason, as_tuple=True)
     arrays = _to_numpy(
         b, j, block_table[b, j], torch.where(inside[b, j], expected[b, j], 0), found[b, j],
-        reason[b, j],
+        reason[b, j], torch.nonzero(num_pages > width, as_tuple=True)[0],
     )
-    return BadEntries(*arrays)
+    return _with_length_failures(BadEntries(*arrays[:6]), arrays[6])
 
 
 def check_csr_torch(
@@ -323,7 +386,9 @@ def check_csr_torch(
     """:func:`check_csr` on torch tensors (all on one device); one host sync at the end."""
     import torch
 
-    validate_csr(kv_indptr, kv_indices, int(num_pages.shape[0]))
+    _require_inputs(True, {"kv_indptr": kv_indptr, "kv_indices": kv_indices}, num_pages,
+                    expected_tags, tags)
+    expected_tags = _widen(expected_tags, 1)  # (nothing recorded: one column of zeros)
     counts = kv_indptr[1:].long() - kv_indptr[:-1].long()
     b = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
     j = torch.arange(kv_indices.numel(), device=counts.device) - kv_indptr[:-1].long()[b]
@@ -335,12 +400,4 @@ def check_csr_torch(
     wrong_len = torch.nonzero(counts != num_pages.long(), as_tuple=True)[0]
     parts = _to_numpy(b[bad], j[bad], kv_indices[bad], expected[bad], found[bad], reason[bad],
                       wrong_len)
-    minus = np.full(parts[6].size, -1, dtype=np.int64)
-    return BadEntries(
-        np.concatenate([parts[0], parts[6]]),
-        np.concatenate([parts[1], minus]),
-        np.concatenate([parts[2], minus]),
-        np.concatenate([parts[3], np.zeros_like(minus)]),
-        np.concatenate([parts[4], minus]),
-        np.concatenate([parts[5], np.full_like(minus, Reason.LENGTH)]),
-    )
+    return _with_length_failures(BadEntries(*parts[:6]), parts[6])

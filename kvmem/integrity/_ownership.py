@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from kvmem.errors import ArgumentError
 from kvmem.integrity._tags import raw_lifetime_of as lifetime_of
 
 __all__ = ["owned_pages", "row_is_own"]
@@ -42,6 +43,9 @@ def owned_pages(pages: npt.NDArray[np.integer], recorded: Int64Array | None,
     it (lifetimes are unique) is, when it is live. Without (no checking tracker): the row's
     live pages are trusted.
     """
+    if recorded is not None and recorded.shape != pages.shape:
+        raise ArgumentError(f"owned_pages got {pages.size} pages and recorded tags shaped "
+                            f"{recorded.shape}: give one recorded tag per page of the row")
     pages = pages.astype(np.int64)
     positions = np.arange(pages.size)
     ok = (pages >= 0) & (pages < tags.size)

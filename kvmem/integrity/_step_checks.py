@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.errors import MetadataError
+from kvmem._validate import show
+from kvmem.errors import ArgumentTypeError, MetadataError
 from kvmem.integrity._check import PAD, require_int_array
 
 __all__ = ["LENGTH_FIELDS", "length_mismatches", "ranges", "slot_mismatches",
@@ -61,7 +62,11 @@ def validate_step_fields(meta: Mapping[str, Any], batch_size: int,
     """Refuse a step's slot mapping and lengths (those given) unless they are integer arrays
     or tensors shaped for a batch of ``batch_size`` requests (with ``num_new`` new tokens, when
     given): ``slot_mapping [>= num_new]``, ``seq_lens`` / ``kv_last_page_len`` /
-    ``num_new_tokens`` ``[B]``, ``qo_indptr [B + 1]``. Raises MetadataError naming the field."""
+    ``num_new_tokens`` ``[B]``, ``qo_indptr [B + 1]``. Raises MetadataError naming the field
+    (ArgumentTypeError for a ``meta`` that is no mapping)."""
+    if not isinstance(meta, Mapping):
+        raise ArgumentTypeError(f"meta={show(meta)}: expected a mapping of field names to "
+                                "arrays, as step.fields() or step.tensors(device) give")
     slots = meta.get("slot_mapping")
     if slots is not None:
         require_int_array("slot_mapping", slots, (None,))

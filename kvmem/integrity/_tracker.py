@@ -31,6 +31,7 @@ from kvmem.integrity._check import (
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    require_int_array,
     validate_block_table,
     validate_csr,
 )
@@ -234,9 +235,18 @@ class CheckingTracker:
         if not isinstance(tags, np.ndarray) and not hasattr(tags, "device"):
             raise ArgumentTypeError(f"tags={show(tags)}: expected the live tags as an int64 "
                                     "numpy array or torch tensor (allocator.tags, pool.tags)")
-        if np.shape(num_pages) != rows.shape:
-            raise ArgumentError(f"num_pages has shape {tuple(np.shape(num_pages))}: expected "
+        tensor_counts = not isinstance(num_pages, np.ndarray) and hasattr(num_pages, "device")
+        if not tensor_counts:
+            num_pages = np.asarray(num_pages)
+            if num_pages.size == 0:  # (np.asarray([]) is float64)
+                num_pages = num_pages.astype(np.int64)
+        if tuple(num_pages.shape) != rows.shape:
+            raise ArgumentError(f"num_pages has shape {tuple(num_pages.shape)}: expected "
                                 f"{rows.shape}, one count per row. Nothing was checked.")
+        require_int_array("num_pages", num_pages, rows.shape)
+        if ids is not None and len(ids) != rows.size:
+            raise ArgumentError(f"ids lists {len(ids)} labels for {rows.size} rows: give one "
+                                "per row, in batch order. Nothing was checked.")
         if block_table is not None:
             validate_block_table(block_table, rows.size)
         else:
@@ -259,10 +269,11 @@ class CheckingTracker:
             width = int(counts.max()) if counts.shape[0] else 0
         expected = self.expected_tags[rows, : min(width, self.expected_tags.shape[1])]
         if isinstance(tags, np.ndarray):
+            num_pages = num_pages.cpu().numpy() if tensor_counts else num_pages
             if block_table is not None:
-                entries = check_block_table(block_table, np.asarray(num_pages), expected, tags)
+                entries = check_block_table(block_table, num_pages, expected, tags)
             else:
-                entries = check_csr(kv_indptr, kv_indices, np.asarray(num_pages), expected, tags)
+                entries = check_csr(kv_indptr, kv_indices, num_pages, expected, tags)
         else:
             import torch
 

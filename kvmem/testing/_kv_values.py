@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import integer
+from kvmem._validate import integer, token_array
 
 __all__ = ["kv_value_array", "namespace_key"]
 
@@ -49,12 +49,16 @@ def namespace_key(namespace: Any) -> int:
 def kv_value_array(ns_key: int, tokens: npt.ArrayLike) -> Int64Array:
     """The K/V value of every position of a token stream: ``[n]``, int64, never 0.
 
+    ``ns_key``: an integer in ``0 .. 2**64 - 1`` (:func:`namespace_key`); ``tokens``: ``[n]``
+    token ids (a 1-D sequence, array or tensor of ints in ``0 .. 2**31 - 1``; floats are
+    refused, not truncated).
+
     Position ``i``'s value mixes the namespace key, ``i`` and a polynomial hash of tokens
     ``0 .. i`` (computed for all positions at once: ``h(i) = B**i * sum_j (t_j + 1) B**-j``), so
     two streams agree at ``i`` only if they agree on the namespace and the whole prefix.
     """
-    integer(ns_key, "ns_key")  # (namespace_key's: an int)
-    t = np.asarray(tokens, dtype=np.int64).view(np.uint64)  # (the same bits as astype)
+    integer(ns_key, "ns_key", minimum=0, maximum=(1 << 64) - 1)  # (namespace_key's)
+    t = token_array(tokens, "tokens").view(np.uint64)  # (the same bits as astype)
     n = t.size
     if n == 0:
         return np.empty(0, dtype=np.int64)

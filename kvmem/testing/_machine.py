@@ -28,6 +28,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvmem._validate import integer
 from kvmem.errors import KVMemError, OutOfPagesError
 from kvmem.manager import KVCacheManager, StepMetadata
 from kvmem.testing._toy_engine import ToyEngine
@@ -41,9 +42,10 @@ _STEMS = ((1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0), (1, 2, 3, 0, 3, 3, 3, 3), (2,) *
 
 @st.composite
 def prompts(draw: st.DrawFn, max_len: int = 20) -> list[int]:
-    """A prompt: a prefix of a shared stem, then its own tokens."""
+    """A prompt of 1 .. ``max_len`` tokens: a prefix of a shared stem, then its own tokens."""
+    integer(max_len, "max_len", minimum=1)
     stem = draw(st.sampled_from(_STEMS))
-    head = list(stem[: draw(st.integers(0, len(stem)))])
+    head = list(stem[: draw(st.integers(0, min(len(stem), max_len)))])
     tail = draw(st.lists(st.integers(0, 3), max_size=max(0, max_len - len(head))))
     return (head + tail) or [0]
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import id_tuple, integer, is_hashable, show
+from kvmem._validate import id_tuple, integer, is_hashable, show, token_array
 from kvmem.errors import ArgumentError, ArgumentTypeError
 from kvmem.manager import AdmitResult, KVCacheManager, StepMetadata
 
@@ -71,6 +71,9 @@ class ToyEngine:
         if not isinstance(manager, KVCacheManager):
             raise ArgumentTypeError(f"manager={show(manager)}: expected a KVCacheManager")
         integer(vocab, "vocab", minimum=1)
+        if sampler is not None and not callable(sampler):
+            raise ArgumentTypeError(f"sampler={show(sampler)}: expected a function "
+                                    "sampler(request_id, position) -> token, or None")
         seed = integer(seed, "seed", minimum=0)
         self.mgr = manager
         self.sampler = sampler
@@ -84,8 +87,9 @@ class ToyEngine:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def admit(self, request_id: Any, prompt: list[int], namespace: Any = None) -> AdmitResult:
-        res = self.mgr.admit(request_id, np.asarray(prompt, dtype=np.int64), namespace)
-        seq = _Seq(namespace, list(prompt), len(prompt))
+        tokens = token_array(prompt, "prompt")  # (np.asarray(..., int64) truncated 1.5 to 1)
+        res = self.mgr.admit(request_id, tokens, namespace)
+        seq = _Seq(namespace, tokens.tolist(), tokens.size)
         seq.values = kv_values(namespace, seq.tokens[: res.num_cached_tokens])
         seq.written = seq.committed = res.num_cached_tokens
         self.seqs[request_id] = seq
