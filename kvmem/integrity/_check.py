@@ -356,7 +356,8 @@ def check_block_table_torch(
     expected_tags: torch.Tensor,
     tags: torch.Tensor,
 ) -> BadEntries:
-    """:func:`check_block_table` on torch tensors (all on one device); one host sync at the end."""
+    """:func:`check_block_table` on torch tensors (all on one device); the host waits for the
+    device a few times (nonzero, the copies back), never once per entry."""
     import torch
 
     _require_inputs(True, {"block_table": block_table}, num_pages, expected_tags, tags)
@@ -383,7 +384,8 @@ def check_csr_torch(
     expected_tags: torch.Tensor,
     tags: torch.Tensor,
 ) -> BadEntries:
-    """:func:`check_csr` on torch tensors (all on one device); one host sync at the end."""
+    """:func:`check_csr` on torch tensors (all on one device); the host waits for the device a
+    few times (repeat_interleave, nonzero, the copies back), never once per entry."""
     import torch
 
     _require_inputs(True, {"kv_indptr": kv_indptr, "kv_indices": kv_indices}, num_pages,
