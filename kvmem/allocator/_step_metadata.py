@@ -363,7 +363,8 @@ class StepBuilder:
             np.concatenate(wants) if wants else _EMPTY_TAGS, gone)
 
     def record(self, b: StepRecord) -> StepRecord:
-        """Remember a built batch (the latest, and the base of the next batch its size)."""
+        """Remember a built batch (the latest; the base of the next one unless it is a small
+        batch checked beside the base, kvmem.integrity.checked_beside)."""
         self._serial += 1
         b.serial = self._serial
         self.latest = b
