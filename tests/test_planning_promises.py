@@ -255,12 +255,14 @@ def test_the_default_timeline_has_about_200_samples(
 @pytest.mark.parametrize(
     ("field", "value"),
     [("num_hidden_layers", 32.5), ("num_key_value_heads", True), ("hidden_size", "4096"),
-     ("intermediate_size", 14336.7)],
+     ("intermediate_size", 14336.7), ("tie_word_embeddings", "false"),
+     ("tie_word_embeddings", 1)],
 )
 def test_an_hf_count_that_is_no_integer_is_refused_not_truncated(
     tmp_path: Path, field: str, value: object
 ) -> None:
-    """32.5 layers used to plan as 32, True KV heads as 1, "4096" as 4096."""
+    """32.5 layers used to plan as 32, True KV heads as 1, "4096" as 4096; a tie_word_embeddings
+    of "false" as tied (bool("false") is True)."""
     from kvmem.errors import ConfigError
     from kvmem.planning import load_hf_config
 

@@ -127,15 +127,17 @@ def _model_from_hf_config(cfg: dict[str, Any], name: str, source: str) -> ModelS
     layers = f.count("num_hidden_layers")
     hidden = f.count("hidden_size")
     heads = f.count("num_attention_heads")
+    tied = f.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    if not isinstance(tied, bool):  # (bool("false") is True)
+        raise ConfigError(f"{source}: tie_word_embeddings={show(tied)} is not a JSON true or "
+                          "false; fix the config, or describe the model with ModelSpec.")
     common: dict[str, Any] = dict(
         name=name,
         source=source,
         num_layers=layers,
         hidden_size=hidden,
         vocab_size=f.count("vocab_size"),
-        tie_word_embeddings=bool(
-            f.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-        ),
+        tie_word_embeddings=tied,
     )
     quant = body.get("quantization_config") or cfg.get("quantization_config")
     attention = _attention(f, model_type, heads, hidden)
