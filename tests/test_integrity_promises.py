@@ -278,3 +278,17 @@ def test_prompts_keep_to_max_len() -> None:
     short()
     with pytest.raises(ArgumentError, match="max_len"):
         empty()
+
+
+def test_qualify_refuses_a_namespace_id_that_would_spill_into_the_lifetime() -> None:
+    """A namespace id of 2**20 or more was OR-ed into the lifetime bits: page 5 of namespace
+    2**20 qualified as page 6 of namespace 0."""
+    from kvmem.integrity import MAX_NAMESPACES, lifetime_of, namespace_id_of, qualify
+
+    tags = np.array([5, 0, 7], dtype=np.int64)
+    for bad in (MAX_NAMESPACES, np.array([1, 2, MAX_NAMESPACES + 3])):
+        with pytest.raises(ArgumentError, match="MAX_NAMESPACES"):
+            qualify(tags, bad)
+    good = qualify(tags, np.array([MAX_NAMESPACES - 1, -1, 3]))
+    assert lifetime_of(good).tolist() == [5, 0, 7]
+    assert namespace_id_of(good).tolist() == [MAX_NAMESPACES - 1, 0, 3]

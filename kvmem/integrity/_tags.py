@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import integer
-from kvmem.errors import ArgumentTypeError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
     "MAX_NAMESPACES",
@@ -47,9 +47,17 @@ def qualify(tags: npt.NDArray[np.int64], namespace_ids: npt.ArrayLike) -> Int64A
     """Qualified tags of pages: ``tag << NS_BITS | namespace_id``, 0 where ``tag`` is 0.
 
     ``tags``: ``[k]``, int64 (the allocator's); ``namespace_ids``: ``[k]`` or a scalar (a free
-    page's -1 is ignored) -> ``[k]``, int64.
+    page's -1 is ignored), each below :data:`MAX_NAMESPACES` -> ``[k]``, int64. Raises
+    ArgumentError for a namespace id of ``MAX_NAMESPACES`` or more (it would spill into the
+    lifetime bits).
     """
-    out = (tags << NS_BITS) | np.maximum(namespace_ids, 0)
+    ns = np.asarray(namespace_ids)
+    if ns.size and int(np.max(ns)) >= MAX_NAMESPACES:
+        raise ArgumentError(
+            f"namespace id {int(np.max(ns))} is not below MAX_NAMESPACES = {MAX_NAMESPACES} "
+            f"(2**{NS_BITS}): it would spill into the tag's lifetime bits; nothing was "
+            "qualified")
+    out = (tags << NS_BITS) | np.maximum(ns, 0)
     out[tags == 0] = 0
     return out
 
