@@ -156,7 +156,7 @@ def test_tensors_on_different_devices_are_a_metadata_error() -> None:
 def test_tracker_verify_refuses_counts_and_labels_it_cannot_use() -> None:
     """num_pages ``["1"]`` or ``[1.5]`` failed the request with LENGTH; float tags were
     compared as floats; ids shorter than the batch raised IndexError when ``failed`` was
-    read."""
+    read; ids ``"ab"`` labelled two rows."""
     tracker = CheckingTracker(2, 3)
     tracker.record([0], [0], [5])
     csr = {"kv_indptr": np.array([0, 1]), "kv_indices": np.array([1], np.int32)}
@@ -169,6 +169,9 @@ def test_tracker_verify_refuses_counts_and_labels_it_cannot_use() -> None:
     with pytest.raises(ArgumentError, match="ids"):
         tracker.verify([0, 1], [1, 0], TAGS, kv_indptr=np.array([0, 1, 1]),
                        kv_indices=np.array([9], np.int32), ids=("a",))
+    with pytest.raises(ArgumentTypeError, match="ids"):  # one label, not two
+        tracker.verify([0, 1], [1, 0], TAGS, kv_indptr=np.array([0, 1, 1]),
+                       kv_indices=np.array([9], np.int32), ids="ab")
     assert np.array_equal(tracker.expected_tags, before[0])
     assert tracker.num_changes == before[1]
     assert tracker.verify([0], [1], TAGS, **csr).ok

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import flag, index_array, integer, show
+from kvmem._validate import flag, id_tuple, index_array, integer, show
 from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
 from kvmem.integrity._check import (
     BadEntries,
@@ -244,6 +244,8 @@ class CheckingTracker:
             raise ArgumentError(f"num_pages has shape {tuple(num_pages.shape)}: expected "
                                 f"{rows.shape}, one count per row. Nothing was checked.")
         require_int_array("num_pages", num_pages, rows.shape)
+        if ids is not None:
+            ids = id_tuple(ids, "ids")  # ("ab" is one label, not two: refused)
         if ids is not None and len(ids) != rows.size:
             raise ArgumentError(f"ids lists {len(ids)} labels for {rows.size} rows: give one "
                                 "per row, in batch order. Nothing was checked.")
