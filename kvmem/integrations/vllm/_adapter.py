@@ -158,6 +158,10 @@ class VllmKVCacheAdapter(QueueFlush):
         self.num_integrity_aborts = 0  # requests the check aborted, in all
         self.num_verified_steps = 0
         self.num_verified_requests = 0
+        # Resets since take_events() last ran with no prefix cache to report them (vLLM's block
+        # pool reports AllBlocksCleared whether or not prefix caching is on; kvmem's manager
+        # has no cache to clear then, and no event).
+        self._uncached_resets = 0
 
     # -- capacity ------------------------------------------------------------------------------
 
@@ -437,6 +441,9 @@ class VllmKVCacheAdapter(QueueFlush):
                     out.append(BlockRemoved(block_hashes=[h], medium=ev.medium, group_idx=0))
             elif isinstance(ev, AllPagesCleared):
                 out.append(AllBlocksCleared())
+        if self._uncached_resets:
+            out.extend(AllBlocksCleared() for _ in range(self._uncached_resets))
+            self._uncached_resets = 0
         return out
 
     def reset_prefix_cache(self) -> bool:
@@ -448,6 +455,8 @@ class VllmKVCacheAdapter(QueueFlush):
                            len(self.manager.running))
             return False
         self.manager.clear_prefix_cache()
+        if self.manager.cache is None and self.enable_kv_cache_events:
+            self._uncached_resets += 1
         if self.log_stats:
             assert self.prefix_cache_stats is not None
             self.prefix_cache_stats.reset = True
