@@ -59,3 +59,45 @@ def test_a_reset_reports_all_blocks_cleared_as_vllm_does_with_caching_on_or_off(
     nothing without a prefix cache."""
     assert _events_of_a_reset(False, caching) == ["AllBlocksCleared"]
     assert _events_of_a_reset(True, caching) == ["AllBlocksCleared"]
+
+
+# -- add_request: what the scheduler cannot serve is refused there, changing nothing ------------
+
+
+def test_an_empty_prompt_is_refused_in_add_request_and_changes_nothing() -> None:
+    """vLLM's engine refuses an empty prompt before its scheduler; given to kvmem's scheduler
+    directly it was queued, then every ``schedule()`` raised the manager's ``max_pages=-1``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    d = Driver(SPEC, kvmem=True)
+    empty = Request(request_id="e", prompt_token_ids=[], sampling_params=SamplingParams(
+        max_tokens=2), pooling_params=None)
+    with pytest.raises(KVMemError, match=r"'e'.*empty prompt") as info:
+        d.sched.add_request(empty)
+    assert isinstance(info.value, ValueError)
+    assert not d.sched.requests and not d.sched.has_requests()
+    d.add(RequestSpec("a", (11, 12, 13), 2))
+    d.run()
+    assert d.requests["a"].is_finished()
+
+
+def test_a_salt_past_the_namespace_limit_is_refused_in_add_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvmem's manager tells apart ``MAX_NAMESPACES`` namespaces in its life (2**20; 3 here).
+    The request with one salt too many was queued and its admission inside ``schedule()``
+    raised, every step after (it stayed at the head of the queue): the scheduler served no
+    one. Now ``add_request`` refuses it, naming the request and the salt, and the rest run."""
+    import kvmem.allocator._admission as admission
+
+    monkeypatch.setattr(admission, "MAX_NAMESPACES", 3)  # None and two salts
+    d = Driver(SPEC, kvmem=True)
+    d.add(RequestSpec("a", (11, 12, 13), 2, salt="t1"))
+    d.add(RequestSpec("b", (11, 12, 13), 2, salt="t2"))
+    with pytest.raises(KVMemError, match=r"'c'.*cache_salt='t3'"):
+        d.add(RequestSpec("c", (11, 12, 13), 2, salt="t3"))
+    assert "c" not in d.sched.requests
+    d.add(RequestSpec("d", (11, 12, 13), 2, salt="t1"))  # a salt it knows is still served
+    d.run()
+    assert all(d.requests[rid].is_finished() for rid in "abd")
+    d.sched.kv_cache_manager.check()

@@ -28,7 +28,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MLAAttentionSpec
 from vllm.v1.request import Request, RequestStatus
 
-from kvmem.errors import KVMemError
+from kvmem.errors import ArgumentError, KVMemError
 from kvmem.integrations.vllm._adapter import VllmKVCacheAdapter
 
 # The mixin's super() calls reach vLLM's Scheduler or AsyncScheduler, whichever it is mixed into.
@@ -198,6 +198,20 @@ class _KVMemMixin(_SchedulerBase):
             if has:
                 raise _refuse(what, f"request {rid!r} has them",
                               f"Send request {rid!r} without them, or use {_OWN_SCHEDULER}.")
+        if not request.num_prompt_tokens:
+            # vLLM's engine refuses it before the scheduler; admitted, every schedule() failed.
+            raise ArgumentError(f"request {rid!r} has an empty prompt (0 tokens): a request "
+                                "needs at least one prompt token; nothing was added")
+        namespace = self.kv_cache_manager.namespace_of(request)
+        if namespace is not None:
+            # A new salt is registered now: past the manager's namespace limit the request is
+            # refused here, not in the admission inside schedule() (which then failed every
+            # step, the request staying at the head of the queue).
+            try:
+                self.kvmem.namespaces.id_of(namespace, register=True)
+            except KVMemError as e:
+                raise KVMemError(f"request {rid!r}: cache_salt={namespace!r} is refused: {e}; "
+                                 "nothing was added") from e
         # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
         # (kvmem keys its pages itself, when they fill): stop hashing every output token.
         request._block_hasher = None
