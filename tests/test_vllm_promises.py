@@ -101,3 +101,28 @@ def test_a_salt_past_the_namespace_limit_is_refused_in_add_request(
     d.run()
     assert all(d.requests[rid].is_finished() for rid in "abd")
     d.sched.kv_cache_manager.check()
+
+
+# -- argument checks by their own names ----------------------------------------------------------
+
+
+def test_a_max_model_len_too_long_for_the_page_table_is_named_as_max_model_len() -> None:
+    """docs/vllm.md: the adapter's arguments are checked by their own names. A context whose
+    blocks overflow int32 was refused as the manager's ``max_pages_per_seq``, which the caller
+    never passed."""
+    args = {"num_blocks": 16, "block_size": 4, "max_num_seqs": 4}
+    with pytest.raises(KVMemError, match=r"^max_model_len=1099511627776: .*block_size=4") as info:
+        VllmKVCacheAdapter(max_model_len=1 << 40, **args)
+    assert isinstance(info.value, ValueError)
+    assert "max_pages_per_seq" not in str(info.value)
+
+
+def test_a_long_prefill_threshold_past_max_model_len_is_refused_when_the_spec_is_built() -> None:
+    """docs/vllm.md: the specs are checked when built, before vLLM sees them, with vLLM's own
+    limits; this one reached vLLM as a pydantic ValidationError when the scheduler was built."""
+    with pytest.raises(KVMemError, match="long_prefill_token_threshold=100.*max_model_len=64"
+                       ) as info:
+        SchedulerSpec(max_model_len=64, long_prefill_token_threshold=100)
+    assert isinstance(info.value, ValueError)
+    spec = SchedulerSpec(max_model_len=64, long_prefill_token_threshold=64)  # vLLM's bound
+    Driver(spec, kvmem=True)

@@ -68,6 +68,11 @@ def _check_args(num_blocks: Any, block_size: Any, max_model_len: Any, max_num_se
     integer(num_blocks, "num_blocks", minimum=2, maximum=INT32_MAX)
     integer(block_size, "block_size", minimum=1, maximum=1 << 16)  # the manager's page_size
     integer(max_model_len, "max_model_len", minimum=1)
+    limit = (INT32_MAX - 1) * int(block_size)  # (block_size is checked above)
+    if max_model_len > limit:  # the manager's max_pages_per_seq (its pages + 1) is an int32
+        raise ArgumentError(f"max_model_len={int(max_model_len)}: expected at most {limit} "
+                            f"tokens at block_size={int(block_size)} (a request's blocks + 1 "
+                            "must fit in int32)")
     integer(max_num_seqs, "max_num_seqs", minimum=1, maximum=1 << 24)  # its max_seqs
     real(watermark, "watermark", minimum=0.0)
     if watermark >= 1.0:  # vLLM's SchedulerConfig: 0.0 <= watermark < 1.0

@@ -82,11 +82,18 @@ class SchedulerSpec:
                             maximum=MAX_MODEL_LEN),
             lambda: integer(self.long_prefill_token_threshold, "long_prefill_token_threshold",
                             minimum=0),
+            self._check_threshold,
             lambda: _below_one(self.watermark, "watermark"),
             lambda: choice(self.policy, "policy", ("fcfs", "priority")),
             *(lambda name=name: flag(getattr(self, name), name) for name in (
                 "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid")),
         ])
+
+    def _check_threshold(self) -> None:
+        threshold, length = self.long_prefill_token_threshold, self.max_model_len
+        if is_integer_like(threshold) and is_integer_like(length) and threshold > length >= 1:
+            raise ArgumentError(f"long_prefill_token_threshold={int(threshold)}: expected at most "
+                                f"max_model_len={int(length)} (vLLM's limit).")
 
 
 @dataclass(frozen=True)
