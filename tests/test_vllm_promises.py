@@ -126,3 +126,18 @@ def test_a_long_prefill_threshold_past_max_model_len_is_refused_when_the_spec_is
     assert isinstance(info.value, ValueError)
     spec = SchedulerSpec(max_model_len=64, long_prefill_token_threshold=64)  # vLLM's bound
     Driver(spec, kvmem=True)
+
+
+# -- the docs agree with each other ------------------------------------------------------------
+
+
+def test_the_readme_says_what_the_scenario_table_says() -> None:
+    """The README said one of vLLM's scenarios re-created differs; docs/vllm.md's table (and
+    tests/test_vllm_conformance.py) has every one agree."""
+    doc = (ROOT / "docs" / "vllm.md").read_text()
+    table = doc.split("### vLLM's own scenarios", 1)[1].split("\n\n")[2]
+    results = [row.rsplit("|", 2)[1].strip() for row in table.splitlines()[2:]]
+    assert len(results) >= 10 and all(r.startswith("agree") for r in results), results
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "scenarios re-created (all agree)" in readme
+    assert "one differs" not in readme
