@@ -24,7 +24,6 @@ manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -34,13 +33,23 @@ import time
 from typing import Any
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    from kvmem.cli import _number, _Parser
+
+    # kvmem's parser: a bad option is one line on stderr and exit status 2, before any work.
+    p = _Parser(prog="bench_vllm_churn.py", description=__doc__.split("\n")[0])
+    # The scheduler batches 8192 tokens a step, and vLLM needs max_num_seqs at most that.
+    p.add_argument("--requests", type=_number(int, 1, maximum=8192), default=256,
+                   help="running requests (1 to 8192)")
+    p.add_argument("--steps", type=_number(int, 1), default=400,
+                   help="steps measured (at least 1)")
+    p.add_argument("--warmup", type=_number(int, 0), default=200,
+                   help="steps run before measuring (at least 0)")
+    p.add_argument("--seed", type=_number(int), default=0)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad option (its one line already printed)
+        return int(exc.code or 0)
     try:
         from kvmem.integrations.vllm import bench
         from kvmem.integrations.vllm.conformance import SchedulerSpec, make_scheduler
@@ -54,7 +63,10 @@ def main() -> int:
     scheds = {w: make_scheduler(spec, kvmem=w == "kvmem", log_stats=True)
               for w in ("vllm", "kvmem")}
     total = args.warmup + args.steps
-    prompts = bench._requests(n + 2 * total, 600, 256, 0, block, args.seed)
+    # Enough prompts for every replacement: a request lives at least 50 steps (max_tokens), so
+    # at most n per 50 steps finish (2 a step ran out past ~450 requests). The first prompts
+    # are the same whatever the count.
+    prompts = bench._requests(n + total * max(2, -(-n // 50)), 600, 256, 0, block, args.seed)
     rng = random.Random(args.seed)
     arrivals = [(rid, prompt, rng.randint(50, 400)) for rid, prompt in prompts]
     added = {w: 0 for w in scheds}

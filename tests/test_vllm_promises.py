@@ -120,7 +120,7 @@ def test_a_max_model_len_too_long_for_the_page_table_is_named_as_max_model_len()
 def test_a_long_prefill_threshold_past_max_model_len_is_refused_when_the_spec_is_built() -> None:
     """docs/vllm.md: the specs are checked when built, before vLLM sees them, with vLLM's own
     limits; this one reached vLLM as a pydantic ValidationError when the scheduler was built."""
-    with pytest.raises(KVMemError, match="long_prefill_token_threshold=100.*max_model_len=64"
+    with pytest.raises(KVMemError, match=r"long_prefill_token_threshold=100.*max_model_len=64"
                        ) as info:
         SchedulerSpec(max_model_len=64, long_prefill_token_threshold=100)
     assert isinstance(info.value, ValueError)
@@ -141,3 +141,43 @@ def test_the_readme_says_what_the_scenario_table_says() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "scenarios re-created (all agree)" in readme
     assert "one differs" not in readme
+
+
+# -- benchmarks/bench_vllm_churn.py --------------------------------------------------------------
+
+
+def _churn() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_vllm_churn",
+                                                  ROOT / "benchmarks" / "bench_vllm_churn.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_churn_benchmark_prints_the_documented_keys(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    import json
+
+    assert _churn().main(["--requests", "8", "--steps", "3", "--warmup", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("mismatched_steps", "vllm_step_us_median", "kvmem_step_us_median",
+                "step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
+                "kvmem_flush_us_median", "verify_paths"):
+        assert key in result, key
+    assert result["steps"] == 3 and result["mismatched_steps"] == 0
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--steps", "0"], "--steps"),  # was statistics.StatisticsError after the whole run
+    (["--requests", "0"], "--requests"),  # was the SchedulerSpec's ConfigError, a traceback
+    (["--requests", "9000"], "--requests"),  # past the 8192-token step vLLM's config needs
+    (["--warmup", "-1"], "--warmup"),
+])
+def test_a_bad_churn_benchmark_option_is_one_line_and_status_2(
+        capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
+    assert _churn().main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and named in err
