@@ -139,6 +139,17 @@ def test_a_mix_of_numpy_and_tensors_is_a_metadata_error(fn: Any, meta: tuple[Any
     numpy_fn = check_block_table if fn is check_block_table_torch else check_csr
     with pytest.raises(MetadataError, match="tags"):
         numpy_fn(*meta, NUM, EXPECTED, torch.from_numpy(TAGS))
+    # Through a tracker: metadata of the other kind than the tags, refused, nothing changed.
+    tracker = CheckingTracker(1, 3)
+    tracker.record([0, 0], [0, 1], EXPECTED[0, :2])
+    before = tracker.expected_tags.copy(), tracker.num_changes
+    names = ("block_table",) if fn is check_block_table_torch else ("kv_indptr", "kv_indices")
+    for tags, given in ((TAGS, _t(*meta)), (torch.from_numpy(TAGS), meta)):
+        with pytest.raises(MetadataError, match="where the tags are"):
+            tracker.verify([0], NUM, tags, **dict(zip(names, given)))
+    assert np.array_equal(tracker.expected_tags, before[0])
+    assert tracker.num_changes == before[1]
+    assert tracker.verify([0], NUM, TAGS, **dict(zip(names, meta))).ok
 
 
 def test_tensors_on_different_devices_are_a_metadata_error() -> None:

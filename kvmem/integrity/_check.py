@@ -168,11 +168,11 @@ def _require_one_kind(torch_form: bool, given: dict[str, Any]) -> None:
     different devices (MetadataError naming them)."""
     other = sorted(k for k, v in given.items() if isinstance(v, np.ndarray) == torch_form)
     if other:
-        got = "numpy arrays" if torch_form else "tensors"
+        got, want = ("numpy arrays", "tensors") if torch_form else ("tensors", "numpy arrays")
         raise MetadataError(
-            f"{', '.join(other)}: got {got}, but check_csr and check_block_table take numpy "
-            "arrays only, and their _torch forms tensors on one device only. Nothing was "
-            "checked")
+            f"{', '.join(other)}: got {got} where the others are {want}: the check runs where "
+            "the tags are; pass numpy metadata with numpy tags (allocator.tags), tensors on "
+            "one device with a device mirror (pool.tags). Nothing was checked")
     devices = {k: str(v.device) for k, v in given.items()}
     if len(set(devices.values())) > 1:
         raise MetadataError(

@@ -253,16 +253,6 @@ class CheckingTracker:
             validate_block_table(block_table, rows.size)
         else:
             validate_csr(kv_indptr, kv_indices, rows.size)
-        host = isinstance(tags, np.ndarray)
-        given = {"block_table": block_table} if block_table is not None else {
-            "kv_indptr": kv_indptr, "kv_indices": kv_indices}
-        for name, value in given.items():
-            if isinstance(value, np.ndarray) != host:
-                kinds = ("a tensor", "a numpy array") if host else ("a numpy array", "a tensor")
-                raise MetadataError(
-                    f"{name} is {kinds[0]} but tags is {kinds[1]}: the check runs where the "
-                    "tags are; pass numpy metadata with numpy tags (allocator.tags), tensors "
-                    "with a device mirror (pool.tags). Nothing was checked")
         # Gather only the columns the metadata can reach (CSR: the longest row it lists).
         if block_table is not None:
             width = block_table.shape[1]
