@@ -16,6 +16,7 @@ no request's fault: :func:`validate_csr` and :func:`validate_block_table` refuse
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -35,6 +36,7 @@ __all__ = [
     "check_csr",
     "check_csr_torch",
     "require_int_array",
+    "require_one_kind",
     "validate_block_table",
     "validate_csr",
 ]
@@ -158,21 +160,25 @@ def _require_inputs(torch_form: bool, metadata: dict[str, Any], num_pages: Any,
     require_int_array("tags", tags, (None,))
     given = {**metadata, "num_pages": num_pages, "expected_tags": expected_tags, "tags": tags}
     if torch_form or not all(type(v) is np.ndarray for v in given.values()):
-        _require_one_kind(torch_form, given)
+        require_one_kind(given, torch_form)
     if csr:
         validate_csr(metadata["kv_indptr"], metadata["kv_indices"], batch)
 
 
-def _require_one_kind(torch_form: bool, given: dict[str, Any]) -> None:
-    """Refuse numpy arrays given to a torch form, tensors to a numpy form, and tensors on
-    different devices (MetadataError naming them)."""
+def require_one_kind(given: Mapping[str, Any], torch_form: bool | None = None) -> None:
+    """Refuse (MetadataError naming them, nothing checked) arguments that mix numpy arrays with
+    tensors, or tensors on different devices. ``torch_form``: which kind they must all be
+    (a check's form); None: the kind of the first."""
+    if torch_form is None:
+        torch_form = not isinstance(next(iter(given.values())), np.ndarray)
     other = sorted(k for k, v in given.items() if isinstance(v, np.ndarray) == torch_form)
     if other:
         got, want = ("numpy arrays", "tensors") if torch_form else ("tensors", "numpy arrays")
         raise MetadataError(
             f"{', '.join(other)}: got {got} where the others are {want}: the check runs where "
-            "the tags are; pass numpy metadata with numpy tags (allocator.tags), tensors on "
-            "one device with a device mirror (pool.tags). Nothing was checked")
+            "the tags are; pass numpy metadata with numpy tags (allocator.tags, a step's "
+            "arrays), tensors on one device with a device mirror (pool.tags, "
+            "step.tensors(device)). Nothing was checked")
     devices = {k: str(v.device) for k, v in given.items()}
     if len(set(devices.values())) > 1:
         raise MetadataError(

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvmem._validate import show
 from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
-from kvmem.integrity._check import require_int_array, validate_block_table
+from kvmem.integrity._check import require_int_array, require_one_kind, validate_block_table
 from kvmem.integrity._step_checks import validate_step_fields
 
 __all__ = ["Metadata", "resolve_metadata"]
@@ -110,22 +110,9 @@ def _require_one_kind(fields: Mapping[str, Any]) -> None:
     tensors on different devices, or a uint64 array (no page id or slot lies beyond int64):
     the kernels of one step read one kind of metadata, and the check reads it as they do."""
     given = {k: fields[k] for k in _FIELDS if fields.get(k) is not None}
-    host = sorted(k for k, v in given.items() if isinstance(v, np.ndarray))
-    if host and len(host) < len(given):
-        device = sorted(set(given) - set(host))
-        raise MetadataError(
-            f"{', '.join(host)} {'is a numpy array' if len(host) == 1 else 'are numpy arrays'} "
-            f"but {', '.join(device)} {'is a tensor' if len(device) == 1 else 'are tensors'}; "
-            "pass every field as the kernels read them, all numpy (the step's arrays) or all "
-            "tensors on one device (step.tensors(device)). Nothing was checked or changed")
-    if not host:
-        devices = {k: str(getattr(v, "device", None)) for k, v in given.items()}
-        if len(set(devices.values())) > 1:
-            raise MetadataError(
-                f"the metadata tensors are on different devices ({devices}); pass them all on "
-                "the device the kernels run on. Nothing was checked or changed")
-    for k in host:
-        if given[k].dtype == np.uint64:
+    require_one_kind(given)
+    for k, v in given.items():
+        if isinstance(v, np.ndarray) and v.dtype == np.uint64:
             raise MetadataError(
                 f"{k} has dtype uint64: expected int32 or int64 (the dtypes kernels read). "
                 "Nothing was checked or changed")
