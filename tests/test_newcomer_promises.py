@@ -186,7 +186,8 @@ def test_forward_refuses_malformed_inputs_and_writes_no_page(
 
 
 @pytest.mark.parametrize(("request_", "kind", "message"), [
-    (Request("x", [1, VOCAB + 5], max_new_tokens=2), ArgumentError, "ids up to 102"),
+    (Request("x", [1, VOCAB + 5], max_new_tokens=2), ArgumentError,
+     "prompt_ids holds ids from 1 to 102"),
     (Request("x", [1, 2], max_new_tokens=2, stop_token_ids=5), ArgumentTypeError,  # type: ignore[arg-type]
      "stop_token_ids=5"),
     (Request("x", [1, 2], max_new_tokens=2, stop_token_ids=None), ArgumentTypeError,  # type: ignore[arg-type]

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvmem.errors import ConfigError
+from kvmem.errors import ArgumentError, ConfigError
 
 if TYPE_CHECKING:
     from kvmem.cuda import PagePool
     from kvmem.manager import KVCacheManager
 
-__all__ = ["KVBatch", "PagedModel", "require_manager_fits"]
+__all__ = ["KVBatch", "PagedModel", "check_vocab", "require_manager_fits"]
 
 
 class KVBatch(NamedTuple):
@@ -121,3 +121,14 @@ def require_manager_fits(manager: KVCacheManager, lm: PagedModel, hint: str) -> 
             f"fit the model's pool (num_pages={spec.num_pages}, page_size={spec.page_size}); "
             f"{hint}"
         )
+
+
+def check_vocab(lowest: int, highest: int, vocab_size: int | None, name: str) -> None:
+    """Refuse (ArgumentError) token ids the model's embedding has no row for (``vocab_size``
+    None: any id >= 0): they would fail deep inside the forward (an IndexError), after pages
+    were reserved. ``name`` says whose ids they are."""
+    if lowest < 0 or (vocab_size is not None and highest >= vocab_size):
+        top = "" if vocab_size is None else f"..{vocab_size - 1}"
+        raise ArgumentError(f"{name} holds ids from {lowest} to {highest}, but the model's "
+                            f"vocabulary has ids 0{top}; tokenize with the model's own "
+                            "tokenizer")

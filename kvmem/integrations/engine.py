@@ -42,7 +42,7 @@ import torch
 from kvmem._validate import integer, is_hashable, show, token_array
 from kvmem.allocator import namespace_bytes
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
-from kvmem.integrations._kvbatch import KVBatch, PagedModel, require_manager_fits
+from kvmem.integrations._kvbatch import KVBatch, PagedModel, check_vocab, require_manager_fits
 
 if TYPE_CHECKING:
     from kvmem.manager import KVCacheManager, StepMetadata, VerifyReport
@@ -239,11 +239,9 @@ class Engine:
                 f"request {request.request_id!r} has already run (status {request.status!r}, "
                 f"{len(request.output_ids)} tokens generated); queue a new Request")
         vocab_size = getattr(self.lm, "vocab_size", None)  # PagedCausalLM's; None: unknown
-        if isinstance(vocab_size, int) and int(prompt.max()) >= vocab_size:
-            raise ArgumentError(
-                f"request {request.request_id!r}: prompt_ids holds ids up to {int(prompt.max())}"
-                f", but the model's vocabulary has ids 0..{vocab_size - 1}; tokenize with the "
-                "model's own tokenizer")
+        check_vocab(int(prompt.min()), int(prompt.max()),
+                    vocab_size if isinstance(vocab_size, int) else None,
+                    f"request {request.request_id!r}: prompt_ids")
         if isinstance(request.stop_token_ids, (str, bytes)) or not isinstance(
                 request.stop_token_ids, Iterable):
             raise ArgumentTypeError(f"stop_token_ids={show(request.stop_token_ids)}: expected "

@@ -34,7 +34,7 @@ import torch
 
 from kvmem._validate import integer, show, token_array
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
-from kvmem.integrations._kvbatch import KVBatch, require_manager_fits
+from kvmem.integrations._kvbatch import KVBatch, check_vocab, require_manager_fits
 
 try:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -230,16 +230,6 @@ def _vocab_size(model: Any) -> int | None:
         return size if isinstance(size, int) else None
 
 
-def _check_vocab(lowest: int, highest: int, vocab_size: int | None, name: str) -> None:
-    """Refuse (ArgumentError) token ids the model's embedding has no row for: they would fail
-    deep inside the forward (an IndexError), after pages were reserved."""
-    if lowest < 0 or (vocab_size is not None and highest >= vocab_size):
-        top = "" if vocab_size is None else f"..{vocab_size - 1}"
-        raise ArgumentError(f"{name} holds ids from {lowest} to {highest}, but the model's "
-                            f"vocabulary has ids 0{top}; tokenize with the model's own "
-                            "tokenizer")
-
-
 def _is_int_vector(t: Any) -> bool:
     """Whether ``t`` is a 1-D tensor of integers (not floats, complex numbers or bools)."""
     return (isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point
@@ -250,7 +240,7 @@ def _check_token_ids(token_ids: Any, vocab_size: int | None) -> list[int]:
     """``token_ids`` as a list of ints, after checking that the model has a row for each."""
     tokens = token_array(token_ids, "token_ids")  # 1-D ints in 0..INT32_MAX, or raises
     if tokens.size:
-        _check_vocab(int(tokens.min()), int(tokens.max()), vocab_size, "token_ids")
+        check_vocab(int(tokens.min()), int(tokens.max()), vocab_size, "token_ids")
     return tokens.tolist()
 
 
@@ -405,7 +395,7 @@ class PagedCausalLM:
             raise ArgumentError(f"input_ids has {input_ids.numel()} tokens but the batch's "
                                 f"qo_indptr packs {num_tokens}; feed exactly the step's tokens")
         if num_tokens:
-            _check_vocab(int(input_ids.min()), int(input_ids.max()), self.vocab_size,
+            check_vocab(int(input_ids.min()), int(input_ids.max()), self.vocab_size,
                          "input_ids")
         if logits_indices is not None:
             if not _is_int_vector(logits_indices):
