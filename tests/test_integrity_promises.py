@@ -296,13 +296,27 @@ def test_prompts_keep_to_max_len() -> None:
 
 def test_qualify_refuses_a_namespace_id_that_would_spill_into_the_lifetime() -> None:
     """A namespace id of 2**20 or more was OR-ed into the lifetime bits: page 5 of namespace
-    2**20 qualified as page 6 of namespace 0."""
+    2**20 qualified as page 6 of namespace 0; a bool id was taken as 1, a float one raised a
+    numpy error."""
     from kvmem.integrity import MAX_NAMESPACES, lifetime_of, namespace_id_of, qualify
 
     tags = np.array([5, 0, 7], dtype=np.int64)
-    for bad in (MAX_NAMESPACES, np.array([1, 2, MAX_NAMESPACES + 3])):
-        with pytest.raises(ArgumentError, match="MAX_NAMESPACES"):
+    for bad in (MAX_NAMESPACES, np.array([1, 2, MAX_NAMESPACES + 3]), -2, 2**70):
+        with pytest.raises(ArgumentError, match="namespace_ids"):
             qualify(tags, bad)
     good = qualify(tags, np.array([MAX_NAMESPACES - 1, -1, 3]))
     assert lifetime_of(good).tolist() == [5, 0, 7]
     assert namespace_id_of(good).tolist() == [MAX_NAMESPACES - 1, 0, 3]
+    assert qualify(tags, np.int32(3)).tolist() == qualify(tags, [3, 3, 3]).tolist()
+    # Arguments qualify cannot use are refused by name (numpy errors and silent bools before).
+    for bad_ns, kind in ((True, ArgumentTypeError), (1.5, ArgumentTypeError),
+                         ("a", ArgumentTypeError), (None, ArgumentTypeError),
+                         (np.array([1.0, 2.0, 3.0]), ArgumentTypeError),
+                         ([1, 2], ArgumentError), (np.array([[1]]), ArgumentError)):
+        with pytest.raises(kind, match="namespace_ids"):
+            qualify(tags, bad_ns)
+    for bad_tags, kind in ((np.array([5.0]), ArgumentTypeError), (np.array([-1]), ArgumentError),
+                           ("x", ArgumentTypeError)):
+        with pytest.raises(kind, match="tags"):
+            qualify(bad_tags, 0)
+    assert tags.tolist() == [5, 0, 7]

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import integer
+from kvmem._validate import index_array, integer
 from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
@@ -46,18 +46,27 @@ Int64Array = npt.NDArray[np.int64]
 def qualify(tags: npt.NDArray[np.int64], namespace_ids: npt.ArrayLike) -> Int64Array:
     """Qualified tags of pages: ``tag << NS_BITS | namespace_id``, 0 where ``tag`` is 0.
 
-    ``tags``: ``[k]``, int64 (the allocator's); ``namespace_ids``: ``[k]`` or a scalar (a free
-    page's -1 is ignored), each below :data:`MAX_NAMESPACES` -> ``[k]``, int64. Raises
-    ArgumentError for a namespace id of ``MAX_NAMESPACES`` or more (it would spill into the
-    lifetime bits).
+    ``tags``: ``[k]``, int64 (the allocator's); ``namespace_ids``: ``[k]`` or one int, each in
+    ``-1 .. MAX_NAMESPACES - 1`` (a free page's -1 is ignored) -> ``[k]``, int64. Raises
+    ArgumentTypeError / ArgumentError naming the argument for anything else (a namespace id of
+    ``MAX_NAMESPACES`` or more would spill into the lifetime bits), changing nothing.
     """
-    ns = np.asarray(namespace_ids)
-    if ns.size and int(np.max(ns)) >= MAX_NAMESPACES:
-        raise ArgumentError(
-            f"namespace id {int(np.max(ns))} is not below MAX_NAMESPACES = {MAX_NAMESPACES} "
-            f"(2**{NS_BITS}): it would spill into the tag's lifetime bits; nothing was "
-            "qualified")
-    out = (tags << NS_BITS) | np.maximum(ns, 0)
+    tags = index_array(tags, "tags", what="tag")
+    if isinstance(namespace_ids, (int, np.integer)) and not isinstance(namespace_ids, bool):
+        ns: Any = integer(namespace_ids, "namespace_ids", minimum=-1,
+                          maximum=MAX_NAMESPACES - 1)
+    else:
+        ns = index_array(namespace_ids, "namespace_ids", bound=MAX_NAMESPACES, minimum=-1,
+                         what="namespace id")
+        if ns.shape != tags.shape:
+            raise ArgumentError(f"namespace_ids has {ns.size} entries for {tags.size} tags: "
+                                "give one per tag, or one int for all")
+    return _qualify(tags, ns)
+
+
+def _qualify(tags: Int64Array, namespace_ids: Int64Array | int) -> Int64Array:
+    """:func:`qualify` of arguments known good (the tag mirror's own arrays)."""
+    out = (tags << NS_BITS) | np.maximum(namespace_ids, 0)
     out[tags == 0] = 0
     return out
 
@@ -133,7 +142,7 @@ class TagMirror:
         self._tags = tags
         self._namespace_ids = namespace_ids
         self._changes = changes
-        self.host = qualify(tags, namespace_ids)
+        self.host = _qualify(tags, namespace_ids)
         self._pool = pool
         if pool is not None and changes is None:
             raise ValueError("a mirror with a pool follows the allocator: give it a reader")
@@ -149,7 +158,7 @@ class TagMirror:
     def sync(self) -> Int64Array:
         """Bring both copies up to date; returns the host copy ``[num_pages]``, int64."""
         if self._changes is None:
-            self.host = qualify(self._tags, self._namespace_ids)
+            self.host = _qualify(self._tags, self._namespace_ids)
             return self.host
         log = self._changes.read()
         if log is None:  # fell behind: everything
@@ -158,7 +167,7 @@ class TagMirror:
             return self.host
         else:
             changed = np.unique(np.concatenate(log)) if len(log) > 1 else np.unique(log[0])
-        self.host[changed] = qualify(self._tags[changed], self._namespace_ids[changed])
+        self.host[changed] = _qualify(self._tags[changed], self._namespace_ids[changed])
         if self._pool is not None:
             self._write_pool(changed)
         return self.host
