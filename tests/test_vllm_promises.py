@@ -181,3 +181,42 @@ def test_a_bad_churn_benchmark_option_is_one_line_and_status_2(
     assert _churn().main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and named in err
+
+
+# -- benchmarks/bench_vllm_floor.py --------------------------------------------------------------
+
+
+def _floor_bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # (it imports bench_floor)
+    spec = importlib.util.spec_from_file_location("bench_vllm_floor",
+                                                  ROOT / "benchmarks" / "bench_vllm_floor.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_floor_benchmark_prints_the_documented_keys_and_its_bound(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert _floor_bench(monkeypatch).main(["--requests", "8", "--decode-steps", "20"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["batch"] == 8 and r["decode_steps"] == 20 and r["mismatched_steps"] == 0
+    assert 0 < r["kvmem_flush_us"] < r["kvmem_kv_us"]
+    assert 0 < r["kvmem_per_request_us"] < r["kvmem_kv_us"]  # (a median of the differences)
+    assert r["kv_speedup_bound"] == pytest.approx(
+        r["vllm_kv_us"] / (r["floor_step_us"] + r["kvmem_per_request_us"]), rel=0.01)
+    assert r["floor_step_us"] > 0 and r["floor_step_warm_us"] > 0
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["--decode-steps", "0"], "--decode-steps"),
+                                             (["--requests", "0"], "--requests")])
+def test_a_bad_floor_benchmark_option_is_one_line_and_status_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+        named: str) -> None:
+    assert _floor_bench(monkeypatch).main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and named in err
