@@ -315,6 +315,8 @@ class StepBuilder:
         """``kv_indices`` spliced from ``c``'s with rows matched by page-table row (they may
         sit at other batch positions), or None when too much changed or the kept rows are not
         in ``c``'s order."""
+        if abs(rows.size - c.rows.size) > self._max_spliced(c):  # (each row more or less: a piece)
+            return None
         position = self._position
         position[c.rows] = self._arange[: c.rows.size]
         j = position[rows]  # each row's index in c, -1: not in c
