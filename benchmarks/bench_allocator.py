@@ -12,7 +12,6 @@ for the batch. The same trace on a plain Python-list free stack is printed as a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -21,6 +20,7 @@ import time
 import numpy as np
 
 from kvmem import PageAllocator, PageTable
+from kvmem.cli import _number, _Parser
 
 PAGE_SIZE = 16
 
@@ -119,10 +119,10 @@ def churn(rng: np.random.Generator, num_ops: int = 20000) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = _Parser(prog="bench_allocator.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=_number(int, 1), default=2000)
+    parser.add_argument("--batch", type=_number(int, 1), default=256)
+    parser.add_argument("--seed", type=_number(int, 0), default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     prompts = initial_prompts(rng, args.batch)

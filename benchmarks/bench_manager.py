@@ -41,7 +41,6 @@ the machine was (other processes inflate every figure).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -52,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmem.cli import _number, _Parser
 from kvmem.manager import KVCacheManager
 
 PAGE_SIZE = 16
@@ -321,11 +321,12 @@ def vllm_imports() -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = _Parser(prog="bench_manager.py",
+                     description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--steps", type=_number(int, 1), default=2000)
+    parser.add_argument("--batch", type=_number(int, 1), default=256)
+    parser.add_argument("--requests", type=_number(int, 1), default=1000)
+    parser.add_argument("--seed", type=_number(int, 0), default=0)
     args = parser.parse_args()
     prompts, steps = decode_trace(args.seed, args.steps, args.batch)
     _system, shared = shared_prompt_trace(args.seed, args.requests)

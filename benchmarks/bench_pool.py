@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvmem.cli import _number, _Parser
 from kvmem.cuda import PagePool, PoolSpec
 
 CASES = [
@@ -53,16 +54,28 @@ def median_seconds(fn: Callable[[], object], repeat: int, device: torch.device) 
     return sorted(times)[repeat // 2]
 
 
+def _device(text: str) -> torch.device:
+    """An argparse ``type=``: a device torch can use here (one line when it is not)."""
+    try:
+        device = torch.device(text)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device torch can use here ({e})"
+                                         .splitlines()[0]) from None
+    return device
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=7)
+    ap = _Parser(prog="bench_pool.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", type=_device,
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=_number(int, 1), default=16384)
+    ap.add_argument("--heads", type=_number(int, 1), default=8)
+    ap.add_argument("--head-dim", type=_number(int, 1), default=128)
+    ap.add_argument("--page-size", type=_number(int, 1), default=16)
+    ap.add_argument("--repeat", type=_number(int, 1), default=7)
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = args.device
     num_pages = -(-args.tokens // args.page_size)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(args.tokens, args.heads, args.head_dim, generator=g).bfloat16().to(device)

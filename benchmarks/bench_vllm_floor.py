@@ -23,7 +23,6 @@ floor and whose per-request calls cost what kvmem's do now. ``kv_speedup`` is kv
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -34,17 +33,17 @@ import time
 import numpy as np
 from bench_floor import FloorDecode
 
+from kvmem.cli import _number, _Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--decode-steps", type=int, default=300)
-    p.add_argument("--requests", type=int, default=256)
-    args = p.parse_args(argv)
-    for name, value, most in (("--decode-steps", args.decode_steps, 100_000),
-                              ("--requests", args.requests, 4096)):
-        if not 1 <= value <= most:
-            print(f"bench_vllm_floor.py: {name} {value}: expected 1..{most}", file=sys.stderr)
-            return 2
+    p = _Parser(prog="bench_vllm_floor.py", description=__doc__.split("\n")[0])
+    p.add_argument("--decode-steps", type=_number(int, 1, maximum=100_000), default=300)
+    p.add_argument("--requests", type=_number(int, 1, maximum=4096), default=256)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad option (one line on stderr)
+        return int(exc.code or 0)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout
     from kvmem.integrations.vllm import vllm_import_error
 

@@ -22,21 +22,22 @@ kvmem: the adapter's methods, its batched flush with the integrity check, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import subprocess
 import sys
 
+from kvmem.cli import _number, _Parser
+
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=1000)
-    p.add_argument("--shared-len", type=int, default=512)
-    p.add_argument("--decode-steps", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
+    p = _Parser(prog="bench_vllm_scheduler.py", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=_number(int, 1, maximum=8192), default=256)
+    p.add_argument("--prompt-len", type=_number(int, 1), default=1000)
+    p.add_argument("--shared-len", type=_number(int, 0), default=512)
+    p.add_argument("--decode-steps", type=_number(int, 1), default=300)
+    p.add_argument("--seed", type=_number(int, 0), default=0)
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout
     from kvmem.integrations.vllm import vllm_import_error
