@@ -143,25 +143,27 @@ def test_the_readme_says_what_the_scenario_table_says() -> None:
     assert "one differs" not in readme
 
 
-# -- benchmarks/bench_vllm_churn.py --------------------------------------------------------------
+# -- benchmarks/bench_vllm_churn.py and bench_vllm_floor.py -------------------------------------
 
 
-def _churn() -> Any:
+def _benchmark(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/NAME.py as a module (the folder on the path: they import each other)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_vllm_churn",
-                                                  ROOT / "benchmarks" / "bench_vllm_churn.py")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_the_churn_benchmark_prints_the_documented_keys(capsys: pytest.CaptureFixture[str]
-                                                        ) -> None:
+def test_the_churn_benchmark_prints_the_documented_keys(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    assert _churn().main(["--requests", "8", "--steps", "3", "--warmup", "2"]) == 0
+    churn = _benchmark("bench_vllm_churn", monkeypatch)
+    assert churn.main(["--requests", "8", "--steps", "3", "--warmup", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
     for key in ("mismatched_steps", "vllm_step_us_median", "kvmem_step_us_median",
                 "step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
@@ -177,32 +179,19 @@ def test_the_churn_benchmark_prints_the_documented_keys(capsys: pytest.CaptureFi
     (["--warmup", "-1"], "--warmup"),
 ])
 def test_a_bad_churn_benchmark_option_is_one_line_and_status_2(
-        capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
-    assert _churn().main(argv) == 2
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+        named: str) -> None:
+    assert _benchmark("bench_vllm_churn", monkeypatch).main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and named in err
-
-
-# -- benchmarks/bench_vllm_floor.py --------------------------------------------------------------
-
-
-def _floor_bench(monkeypatch: pytest.MonkeyPatch) -> Any:
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # (it imports bench_floor)
-    spec = importlib.util.spec_from_file_location("bench_vllm_floor",
-                                                  ROOT / "benchmarks" / "bench_vllm_floor.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_floor_benchmark_prints_the_documented_keys_and_its_bound(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    assert _floor_bench(monkeypatch).main(["--requests", "8", "--decode-steps", "20"]) == 0
+    floor = _benchmark("bench_vllm_floor", monkeypatch)
+    assert floor.main(["--requests", "8", "--decode-steps", "20"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["batch"] == 8 and r["decode_steps"] == 20 and r["mismatched_steps"] == 0
     assert 0 < r["kvmem_flush_us"] < r["kvmem_kv_us"]
@@ -217,6 +206,6 @@ def test_the_floor_benchmark_prints_the_documented_keys_and_its_bound(
 def test_a_bad_floor_benchmark_option_is_one_line_and_status_2(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
         named: str) -> None:
-    assert _floor_bench(monkeypatch).main(argv) == 2
+    assert _benchmark("bench_vllm_floor", monkeypatch).main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and named in err
