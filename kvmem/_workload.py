@@ -12,10 +12,13 @@ import numpy.typing as npt
 from pydantic import Field, model_validator
 
 from kvmem._models import NonNegativeInt, NonNegativeReal, PositiveInt, PositiveReal, SpecModel
-from kvmem._validate import show
+from kvmem._validate import INT32_MAX, show
 from kvmem.errors import ArgumentTypeError, ConfigError
 
 __all__ = ["Arrivals", "LengthDist", "Workload"]
+
+# The most requests a Workload holds: each one's first token id is 100_000 + its index.
+MAX_REQUESTS = INT32_MAX - 100_000
 
 
 class LengthDist(SpecModel):
@@ -100,7 +103,7 @@ class Workload(SpecModel):
     ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (chosen uniformly).
     """
 
-    num_requests: PositiveInt
+    num_requests: PositiveInt = Field(le=MAX_REQUESTS)
     concurrency: PositiveInt | None = None
     rate: PositiveReal | None = None
     prompt_len: LengthDist

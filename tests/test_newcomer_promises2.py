@@ -1,0 +1,151 @@
+"""A second newcomer's audit: error paths and promises test_newcomer_promises.py left open.
+
+The integration tests run on a tiny random Llama (no weights); the CLI tests call
+``kvmem.cli.main`` in process, as tests/test_cli.py does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvmem.cli import main
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError, OutOfPagesError
+from kvmem.simulate import LengthDist, Workload, simulate
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+
+from kvmem.integrations.engine import Engine, Request  # noqa: E402
+from kvmem.integrations.hf import (  # noqa: E402
+    PagedCausalLM,
+    hf_perplexity,
+    paged_logits,
+    paged_perplexity,
+)
+from kvmem.manager import KVCacheManager  # noqa: E402
+
+VOCAB = 97
+SMALL_SIM = ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "3",
+             "--prompt-len", "10", "--output-len", "5", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _paged(model: Any, num_pages: int = 16, **manager_kw: Any) -> tuple[Any, KVCacheManager]:
+    lm = PagedCausalLM.build(model, num_pages, "fp32", page_size=4, device="cpu")
+    return lm, KVCacheManager(num_pages, page_size=4, pool=lm.pool, **manager_kw)
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 2, (status, err)
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# -- kvmem simulate: every bad number is one line, never a traceback or a hang ---------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--requests", "99999999999999999999", "num_requests"),  # was numpy's ValueError
+        ("--chunk", "99999999999999999999", "chunk"),  # was an OverflowError
+    ],
+)
+def test_simulate_refuses_counts_beyond_its_arrays_in_one_line(
+    capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    err = _one_line_error(capsys, [*SMALL_SIM, option, value])
+    assert err.startswith("kvmem simulate: error:") and message in err
+
+
+def test_workload_refuses_more_requests_than_token_ids_can_name() -> None:
+    # Request i's first token id is 100_000 + i, and token ids are int32.
+    with pytest.raises(KVMemError, match="num_requests"):
+        Workload(num_requests=2**31, concurrency=1, prompt_len=LengthDist.parse("10"),
+                 output_len=LengthDist.parse("5"))
+
+
+def test_a_slow_prefill_keeps_the_timeline_at_about_200_samples() -> None:
+    # simulate()'s default sampling is "about 200 samples over the expected run"; it ignored
+    # the prefill time, so a slow --prefill-tps ran for minutes appending millions of samples.
+    w = Workload(num_requests=3, concurrency=3, prompt_len=LengthDist.parse("10"),
+                 output_len=LengthDist.parse("5"))
+    report = simulate(w, model="llama-3.1-8b", gpu="h100-80g", tp=1, prefill_tokens_per_s=0.3)
+    assert report.simulated_seconds > 99  # 30 prompt tokens at 0.3 tokens/s
+    assert 100 <= len(report.timeline) <= 400
+
+
+# -- kvmem.integrations.hf ------------------------------------------------------------------
+
+
+def test_perplexity_refuses_a_progress_it_cannot_call_before_any_work(tiny: Any) -> None:
+    lm, mgr = _paged(tiny, prefix_cache=None)
+    tokens = list(range(1, 30))
+    with pytest.raises(ArgumentTypeError, match="progress"):
+        hf_perplexity(tiny, tokens, 8, progress=5)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="progress"):
+        paged_perplexity(lm, mgr, tokens, 8, 4, progress="yes")  # type: ignore[arg-type]
+    assert mgr.allocator.num_free == mgr.num_pages and not mgr.running
+    assert lm.pool.stats().num_saturated == 0
+
+
+def test_paged_logits_of_no_tokens_names_the_argument_not_an_internal_request(tiny: Any) -> None:
+    lm, mgr = _paged(tiny, prefix_cache=None)
+    with pytest.raises(ArgumentError, match="token_ids is empty") as info:
+        paged_logits(lm, mgr, [])
+    assert "teacher-forced" not in str(info.value)
+    assert mgr.allocator.num_free == mgr.num_pages and not mgr.running
+
+
+def test_build_refuses_spec_fields_that_the_model_decides(tiny: Any) -> None:
+    # "spec_fields: Any other PoolSpec field": the model's own fields gave a bare TypeError
+    # ("got multiple values for keyword argument").
+    with pytest.raises(ArgumentError, match="num_layers") as info:
+        PagedCausalLM.build(tiny, 4, "fp32", num_layers=3)
+    assert "model config" in str(info.value)
+    lm = PagedCausalLM.build(tiny, 4, "fp32", device="cpu", layout="HND")
+    assert lm.pool.spec.layout == "HND"
+
+
+# -- kvmem.integrations.engine -------------------------------------------------------------
+
+
+def test_stop_token_ids_that_checking_would_use_up_are_refused(tiny: Any) -> None:
+    lm, mgr = _paged(tiny)
+    engine = Engine(lm, mgr)
+    with pytest.raises(ArgumentTypeError, match="stop_token_ids"):
+        engine.add_request(Request("a", [1, 2], max_new_tokens=3, stop_token_ids=iter([5])))
+    assert not engine.waiting
+    engine.add_request(Request("b", [1, 2], max_new_tokens=3, stop_token_ids=[5]))  # a list
+    engine.add_request(Request("c", [1, 2], max_new_tokens=3, stop_token_ids={5}))  # a set
+    assert [r.request_id for r in engine.waiting] == ["b", "c"]
+
+
+def test_requests_that_outgrow_the_pool_raise_out_of_pages_saying_what_to_do(tiny: Any) -> None:
+    # Each request fits alone (4 + 20 tokens = 6 of 8 pages) but not both: the engine admits on
+    # the prompt and does not preempt (docs/transformers.md, "What is not here").
+    lm, mgr = _paged(tiny, num_pages=8, prefix_cache=None)
+    engine = Engine(lm, mgr)
+    reqs = [Request(r, [1, 2, 3, 4], max_new_tokens=20) for r in ("a", "b")]
+    with pytest.raises(OutOfPagesError, match="max_new_tokens") as info:
+        engine.run({0: reqs})
+    assert "does not preempt" in str(info.value)
+    # nothing was allocated for the refused step: both requests hold what they held
+    mgr.check()
+    assert [r.status for r in reqs] == ["running", "running"]
+    assert all(mgr.num_tokens(r.request_id) == r.num_computed for r in reqs)
+    assert mgr.allocator.num_free == 0
