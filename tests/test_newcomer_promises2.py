@@ -149,3 +149,31 @@ def test_requests_that_outgrow_the_pool_raise_out_of_pages_saying_what_to_do(tin
     assert [r.status for r in reqs] == ["running", "running"]
     assert all(mgr.num_tokens(r.request_id) == r.num_computed for r in reqs)
     assert mgr.allocator.num_free == 0
+
+
+# -- the examples ----------------------------------------------------------------------------
+
+
+def _example(name: str) -> Any:
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parent.parent / "examples")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
+
+
+def test_perplexity_window_longer_than_the_text_sizes_the_pool_for_the_text(tiny: Any) -> None:
+    # `perplexity.py --window 100000000` built a pool for the window, not for the text: the
+    # pool refused the terabytes (a traceback after the model load).
+    perplexity = _example("perplexity")
+    ids = list(range(1, 21))
+    whole = perplexity.measure(tiny, ids, "bf16", None, len(ids), 4)
+    huge = perplexity.measure(tiny, ids, "bf16", None, 10**9, 4)
+    assert huge["tokens"] == whole["tokens"] == 19
+    assert huge["perplexity"] == whole["perplexity"]
+    tiny.set_attn_implementation("sdpa")
