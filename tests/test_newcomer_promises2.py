@@ -177,3 +177,34 @@ def test_perplexity_window_longer_than_the_text_sizes_the_pool_for_the_text(tiny
     assert huge["tokens"] == whole["tokens"] == 19
     assert huge["perplexity"] == whole["perplexity"]
     tiny.set_attn_implementation("sdpa")
+
+
+@pytest.mark.model
+def test_serve_example_makes_room_for_its_max_new_tokens() -> None:
+    # `serve_smollm2.py --max-new-tokens 400` ran out of its fixed 64 pages mid-run (the
+    # engine does not preempt), a traceback after the model load. The real tokenizer (chat
+    # template), a tiny random Llama of its vocabulary for speed.
+    from model_fixtures import _require_model_packages
+
+    _require_model_packages()
+    from transformers import AutoTokenizer
+
+    from kvmem.integrations.hf import smollm2_gguf_path
+
+    serve = _example("serve_smollm2")
+    path = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              local_files_only=True)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    out = serve.serve(model, tokenizer, kv_dtype="bf16", max_new_tokens=400)
+    assert {r.status for r in out["requests"]} == {"finished"}
+    assert out["peak_pages"] > serve.NUM_PAGES  # the six at once needed more than 64 pages
+    assert out["stats"].num_pages >= out["peak_pages"]
+    assert serve.parse_args([]).max_new_tokens == 48
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--max-new-tokens", str(serve.MAX_NEW_TOKENS + 1)])
