@@ -208,3 +208,30 @@ def test_serve_example_makes_room_for_its_max_new_tokens() -> None:
     assert serve.parse_args([]).max_new_tokens == 48
     with pytest.raises(SystemExit):
         serve.parse_args(["--max-new-tokens", str(serve.MAX_NEW_TOKENS + 1)])
+
+
+# -- KVBatch: "slot_mapping [T], int64; qo_indptr, kv_indptr, kv_indices, kv_last_page_len int32"
+
+
+@pytest.mark.parametrize("dtype", ["uint32", "uint16", "int64"])
+def test_kvbatch_holds_its_documented_dtypes_whatever_integers_it_is_given(
+        tiny: Any, dtype: str) -> None:
+    # from_arrays took any integer arrays as they were; unsigned ones then failed inside the
+    # forward (NotImplementedError: torch has no arithmetic on uint32).
+    import numpy as np
+
+    from kvmem.integrations.hf import KVBatch
+
+    lm, mgr = _paged(tiny, prefix_cache=None)
+    mgr.admit("r", [1, 2, 3, 4, 5])
+    step = mgr.reserve(["r"], 5)
+    meta = [step.slot_mapping, step.qo_indptr, step.kv_indptr, step.kv_indices,
+            step.kv_last_page_len]
+    reserved = KVBatch.from_arrays(lm.pool, *meta)
+    assert np.shares_memory(reserved.kv_indices.numpy(), step.kv_indices)  # still zero-copy
+    batch = KVBatch.from_arrays(lm.pool, *(a.astype(dtype) for a in meta))
+    assert [t.dtype for t in batch[1:]] == [torch.int64] + [torch.int32] * 4
+    logits = lm.forward(torch.tensor([1, 2, 3, 4, 5]), batch)
+    assert logits.shape == (5, VOCAB) and logits.dtype == torch.float32
+    with pytest.raises(ArgumentError, match="qo_indptr"):
+        KVBatch.from_arrays(lm.pool, step.slot_mapping, np.array([0, 2**40]), *meta[2:])
