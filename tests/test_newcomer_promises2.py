@@ -235,3 +235,15 @@ def test_kvbatch_holds_its_documented_dtypes_whatever_integers_it_is_given(
     assert logits.shape == (5, VOCAB) and logits.dtype == torch.float32
     with pytest.raises(ArgumentError, match="qo_indptr"):
         KVBatch.from_arrays(lm.pool, step.slot_mapping, np.array([0, 2**40]), *meta[2:])
+
+
+def test_the_loops_size_in_the_transformers_doc_is_the_files() -> None:
+    # docs/transformers.md said "It is about 200 lines" of a 549-line engine.py.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    said = re.search(r"It is about (\d+) lines", (root / "docs/transformers.md").read_text())
+    assert said is not None
+    lines = len((root / "kvmem/integrations/engine.py").read_text().splitlines())
+    assert abs(lines - int(said.group(1))) <= 0.15 * lines, (said.group(0), lines)
