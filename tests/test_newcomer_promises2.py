@@ -63,12 +63,15 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     [
         ("--requests", "99999999999999999999", "num_requests"),  # was numpy's ValueError
         ("--chunk", "99999999999999999999", "chunk"),  # was an OverflowError
+        ("--prefixes", "99999999999999999999", "num_prefixes"),  # numpy's ValueError
+        ("--prefix-len", "99999999999999999999", "prefix_len"),  # an OverflowError
     ],
 )
 def test_simulate_refuses_counts_beyond_its_arrays_in_one_line(
     capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
 ) -> None:
-    err = _one_line_error(capsys, [*SMALL_SIM, option, value])
+    extra = {"--prefixes": ["--prefix-len", "5"], "--prefix-len": ["--prefixes", "1"]}
+    err = _one_line_error(capsys, [*SMALL_SIM, option, value, *extra.get(option, [])])
     assert err.startswith("kvmem simulate: error:") and message in err
 
 
