@@ -250,3 +250,22 @@ def test_the_loops_size_in_the_transformers_doc_is_the_files() -> None:
     assert said is not None
     lines = len((root / "kvmem/integrations/engine.py").read_text().splitlines())
     assert abs(lines - int(said.group(1))) <= 0.15 * lines, (said.group(0), lines)
+
+
+def test_forward_refuses_a_batch_over_another_pool_and_writes_nowhere(tiny: Any) -> None:
+    # It wrote layer 0 into the other pool, then failed at layer 1 ("layer=1: expected an
+    # integer in 0..0"): a message about layers, and a pool changed by a refused call.
+    from kvmem.cuda import PagePool, PoolSpec
+    from kvmem.integrations.hf import KVBatch
+
+    lm, _ = _paged(tiny, prefix_cache=None)
+    other = PagePool(PoolSpec(num_layers=1, num_pages=16, page_size=4, attention="gqa",
+                              num_kv_heads=2, head_dim=16, dtype="fp32", device="cpu"))
+    mgr = KVCacheManager(16, page_size=4, prefix_cache=None)
+    mgr.admit("r", [1, 2, 3, 4, 5])
+    step = mgr.reserve(["r"], 5)
+    batch = KVBatch.from_arrays(other, step.slot_mapping, step.qo_indptr, step.kv_indptr,
+                                step.kv_indices, step.kv_last_page_len)
+    with pytest.raises(ArgumentError, match="pool"):
+        lm.forward(torch.tensor([1, 2, 3, 4, 5]), batch)
+    assert not other.data.any() and not lm.pool.data.any()

@@ -389,12 +389,16 @@ class PagedCausalLM:
             ``batch`` is no KVBatch, or ``input_ids`` / ``logits_indices`` is no 1-D integer
             tensor.
         ArgumentError
-            ``input_ids`` holds other than the batch's T tokens, or an id outside the model's
-            vocabulary; ``logits_indices`` points outside the T tokens. Nothing is written.
+            ``batch`` is over another pool than :attr:`pool`, ``input_ids`` holds other than
+            the batch's T tokens, or an id outside the model's vocabulary; ``logits_indices``
+            points outside the T tokens. Nothing is written.
         """
         if not isinstance(batch, KVBatch):
             raise ArgumentTypeError(f"batch={show(batch)}: expected the step's KVBatch "
                                     "(KVBatch.from_arrays(pool, ...) of a reserved step)")
+        if batch.pool is not self.pool:  # every layer would write into the other pool
+            raise ArgumentError("batch.pool is not this model's pool; build the step's batch "
+                                "with KVBatch.from_arrays(lm.pool, ...)")
         if not _is_int_vector(input_ids):
             raise ArgumentTypeError(f"input_ids={show(input_ids)}: expected a 1-D tensor of "
                                     "integer token ids, [T]")
