@@ -269,3 +269,16 @@ def test_forward_refuses_a_batch_over_another_pool_and_writes_nowhere(tiny: Any)
     with pytest.raises(ArgumentError, match="pool"):
         lm.forward(torch.tensor([1, 2, 3, 4, 5]), batch)
     assert not other.data.any() and not lm.pool.data.any()
+
+
+def test_a_prompt_the_watermark_would_never_admit_is_refused_when_queued(tiny: Any) -> None:
+    # add_request refuses a request that "cannot fit in the manager's pages", but counted
+    # without the watermark that can_admit keeps free: run() accepted it, then raised mid-run.
+    lm, mgr = _paged(tiny, prefix_cache=None, watermark=0.1)  # 1 of 16 pages kept free
+    engine = Engine(lm, mgr)
+    big = Request("big", list(range(1, 62)), max_new_tokens=2)  # 16 pages: fits no watermark
+    with pytest.raises(ArgumentError, match="watermark"):
+        engine.run({0: [big]})
+    assert not engine.waiting and not engine.running and big.status == "waiting"
+    ok = Request("ok", list(range(1, 58)), max_new_tokens=2)  # 15 pages: admitted
+    assert [r.status for r in engine.run({0: [ok]})] == ["finished"]

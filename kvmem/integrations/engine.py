@@ -220,7 +220,8 @@ class Engine:
         ArgumentTypeError, ArgumentError, ConfigError
             The request is malformed (its id, prompt, ``max_new_tokens``, ``stop_token_ids``
             or ``namespace``), holds token ids outside the model's vocabulary, cannot fit in
-            the manager's pages, has already run, or its id is waiting or running here.
+            the manager's pages (a prompt, beside the watermark that admission keeps free),
+            has already run, or its id is waiting or running here.
             Nothing is queued.
         """
         self._check_request(request)
@@ -269,6 +270,13 @@ class Engine:
                 f"pages, more than a request can map here (max_pages_per_seq="
                 f"{mgr.max_pages_per_seq}, num_pages={mgr.num_pages}); shorten it, lower "
                 "max_new_tokens or give the manager more pages")
+        prompt_pages = -(-prompt.size // mgr.page_size)
+        if prompt_pages + mgr.watermark_pages > mgr.num_pages:  # can_admit would never pass
+            raise ArgumentError(
+                f"request {request.request_id!r}: its {prompt.size}-token prompt needs "
+                f"{prompt_pages} pages and admission keeps {mgr.watermark_pages} of the "
+                f"manager's {mgr.num_pages} pages free (its watermark), so it could never be "
+                "admitted; shorten it, or give the manager more pages or a lower watermark")
         if any(r.request_id == request.request_id for r in (*self.waiting, *self.running)):
             raise ArgumentError(f"request_id={show(request.request_id)} is already waiting or "
                                 "running in this engine; give each request its own id.")
