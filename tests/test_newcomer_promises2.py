@@ -282,3 +282,15 @@ def test_a_prompt_the_watermark_would_never_admit_is_refused_when_queued(tiny: A
     assert not engine.waiting and not engine.running and big.status == "waiting"
     ok = Request("ok", list(range(1, 58)), max_new_tokens=2)  # 15 pages: admitted
     assert [r.status for r in engine.run({0: [ok]})] == ["finished"]
+
+
+class _NotAPagedModel:
+    pool = None  # no PagePool: Engine read lm.pool.spec (an AttributeError)
+
+    def forward(self, *args: Any) -> None:
+        raise AssertionError("never called")
+
+
+def test_engine_refuses_a_model_whose_pool_is_no_page_pool() -> None:
+    with pytest.raises(ArgumentTypeError, match="PagePool"):
+        Engine(_NotAPagedModel(), KVCacheManager(16, page_size=4))  # type: ignore[arg-type]

@@ -187,9 +187,10 @@ class Engine:
         max_num_batched_tokens: int = 512,
         chunk_size: int = 256,
     ) -> None:
-        if not (hasattr(lm, "pool") and hasattr(lm, "forward")):
-            raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedModel (.pool and .forward), "
-                                    "e.g. PagedCausalLM.build(model, num_pages)")
+        if not (hasattr(getattr(lm, "pool", None), "spec") and callable(getattr(lm, "forward",
+                                                                             None))):
+            raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedModel (.pool, a PagePool, "
+                                    "and .forward), e.g. PagedCausalLM.build(model, num_pages)")
         from kvmem.manager import KVCacheManager
 
         if not isinstance(manager, KVCacheManager):
