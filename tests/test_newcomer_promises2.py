@@ -294,3 +294,17 @@ class _NotAPagedModel:
 def test_engine_refuses_a_model_whose_pool_is_no_page_pool() -> None:
     with pytest.raises(ArgumentTypeError, match="PagePool"):
         Engine(_NotAPagedModel(), KVCacheManager(16, page_size=4))  # type: ignore[arg-type]
+
+
+def test_attention_metadata_beyond_int64_says_so_in_words() -> None:
+    # The message read "kv_indices holds 9223372036854775808: too large for an value."
+    import numpy as np
+
+    from kvmem.attention import paged_attention
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=4, page_size=4, attention="gqa",
+                             num_kv_heads=1, head_dim=8, dtype="fp32", device="cpu"))
+    with pytest.raises(ArgumentError, match="kv_indices holds 9223372036854775808, beyond int64"):
+        paged_attention(torch.randn(1, 1, 8), [0, 1], pool, 0, [0, 1],
+                        np.array([2**63], dtype=np.uint64), [1])
