@@ -58,7 +58,7 @@ def measure(
         model.set_attn_implementation("sdpa")
         ppl, n = hf_perplexity(model, token_ids, window, progress=show)
     else:
-        num_pages = -(-window // 16)
+        num_pages = -(-min(window, len(token_ids)) // 16)  # a window longer than the text
         lm = PagedCausalLM.build(model, num_pages, kv_dtype, scales)
         manager = KVCacheManager(num_pages, page_size=16, max_seqs=1, prefix_cache=None,
                                  pool=lm.pool)

@@ -46,7 +46,8 @@ QUESTIONS = (
 )
 ARRIVAL_STEPS = (0, 0, 3, 6, 10, 14)  # request i joins before step ARRIVAL_STEPS[i]
 DRILL_VICTIM = 1  # its page is stolen by the request arriving last
-NUM_PAGES = 64
+NUM_PAGES = 64  # more when --max-new-tokens needs them
+MAX_NEW_TOKENS = 4096
 
 
 def chat_prompts(tokenizer: Any, questions: tuple[str, ...] = QUESTIONS) -> list[list[int]]:
@@ -91,16 +92,19 @@ def serve(
     from kvmem.manager import KVCacheManager
     from kvmem.testing import faults
 
-    lm = PagedCausalLM.build(model, NUM_PAGES, kv_dtype, scales)
+    prompts = chat_prompts(tokenizer)
+    # The engine does not preempt: give the pool room for all six requests at full length.
+    num_pages = max(NUM_PAGES, sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts))
+    lm = PagedCausalLM.build(model, num_pages, kv_dtype, scales)
     manager = KVCacheManager(
-        NUM_PAGES, page_size=16, max_seqs=8, pool=lm.pool,
+        num_pages, page_size=16, max_seqs=8, pool=lm.pool,
         tracker="checking" if tracker == "checking" else None,
     )
     engine = Engine(lm, manager, max_num_batched_tokens=64, chunk_size=32)
     stop = (tokenizer.eos_token_id,)
     requests = [
         Request(f"req-{i}", p, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-        for i, p in enumerate(chat_prompts(tokenizer))
+        for i, p in enumerate(prompts)
     ]
     arrivals: dict[int, list[Request]] = {}
     for r, s in zip(requests, ARRIVAL_STEPS):
@@ -187,7 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "check the others against a fault-free run (needs --tracker "
                              "checking)")
     parser.add_argument("--max-new-tokens", type=int, default=48,
-                        help="tokens to generate per request, at least 1 (default 48)")
+                        help=f"tokens to generate per request, 1..{MAX_NEW_TOKENS} "
+                             "(default 48)")
     parser.add_argument("--json", action="store_true",
                         help="print per-request results as JSON on stdout")
     args = parser.parse_args(argv)
@@ -197,8 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.drill and args.tracker != "checking":
         parser.error("--drill needs --tracker checking: with the NoOp tracker nothing notices "
                      "the fault and the victim reads another request's keys")
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        parser.error(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}, got "
+                     f"{args.max_new_tokens}")
     return args
 
 

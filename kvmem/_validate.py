@@ -166,7 +166,8 @@ def index_array(
     if arr.dtype.kind not in "iu":
         raise ArgumentTypeError(f"{name} has dtype {arr.dtype}: expected {want}.")
     if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
-        raise ArgumentError(f"{name} holds {int(arr.max())}: too large for an {what}.")
+        raise ArgumentError(f"{name} holds {int(arr.max())}, beyond int64: expected {what}s "
+                            "that fit in 64 bits.")
     out = arr.astype(np.int64)
     lo, hi = int(out.min()), int(out.max())
     if lo < minimum or (bound is not None and hi >= bound):

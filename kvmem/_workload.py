@@ -12,10 +12,13 @@ import numpy.typing as npt
 from pydantic import Field, model_validator
 
 from kvmem._models import NonNegativeInt, NonNegativeReal, PositiveInt, PositiveReal, SpecModel
-from kvmem._validate import show
+from kvmem._validate import INT32_MAX, show
 from kvmem.errors import ArgumentTypeError, ConfigError
 
 __all__ = ["Arrivals", "LengthDist", "Workload"]
+
+# The most requests a Workload holds: each one's first token id is 100_000 + its index.
+MAX_REQUESTS = INT32_MAX - 100_000
 
 
 class LengthDist(SpecModel):
@@ -100,7 +103,7 @@ class Workload(SpecModel):
     ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (chosen uniformly).
     """
 
-    num_requests: PositiveInt
+    num_requests: PositiveInt = Field(le=MAX_REQUESTS)
     concurrency: PositiveInt | None = None
     rate: PositiveReal | None = None
     prompt_len: LengthDist
@@ -119,6 +122,16 @@ class Workload(SpecModel):
             )
         if self.num_prefixes and not self.prefix_len:
             raise ConfigError("num_prefixes > 0 needs prefix_len > 0.")
+        if self.num_prefixes > self.num_requests:  # each prefix is built up front
+            raise ConfigError(
+                f"num_prefixes={self.num_prefixes} exceeds num_requests={self.num_requests}: "
+                "no more prefixes can be used than there are requests; give at most "
+                "num_requests.")
+        if self.prefix_len >= self.prompt_len.max_len:
+            raise ConfigError(
+                f"prefix_len={self.prefix_len}: a prompt holds its prefix and at least one "
+                f"token of its own, at most {self.prompt_len.max_len:,} tokens "
+                "(prompt_len.max_len); give a shorter prefix.")
         if not self.num_prefixes and (self.prefix_len or self.prefix_fraction != 1.0):
             raise ConfigError("prefix_len and prefix_fraction describe shared prefixes, and "
                               "num_prefixes is 0: set num_prefixes, or leave them unset.")

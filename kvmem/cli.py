@@ -437,6 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVMemError as exc:
         print(f"kvmem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return _EXIT_ERROR
+    except MemoryError as exc:  # e.g. `kvmem simulate --requests 2000000000`
+        print(f"kvmem {args.command}: error: out of memory ({_one_line(exc) or 'MemoryError'}); "
+              "ask for less (fewer --requests, a smaller --config)", file=sys.stderr)
+        return _EXIT_ERROR
     except BrokenPipeError:  # `kvmem plan ... | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvmem._simulation import Simulation, SimulationReport, StepClock, TimelinePoint
-from kvmem._validate import flag, integer, real, show
+from kvmem._validate import INT32_MAX, flag, integer, real, show
 from kvmem._workload import Arrivals, LengthDist, Workload
 from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.manager import KVCacheManager
@@ -85,7 +85,7 @@ def simulate(
     max_running : int
         Most requests decoding at once (the engine's max running requests).
     chunk : int
-        Decode steps per batched manager call.
+        Decode steps per batched manager call, 1 to 2**31 - 1.
     prefill_tokens_per_s : float, optional
         Prefill rate charged for uncached prompt tokens at admission and for recomputation at
         resume; ``None`` treats the pool as a disaggregated decode pool (prompt KV arrives
@@ -132,7 +132,7 @@ def _checked_arguments(
     if step_model is not None and not isinstance(step_model, ThroughputModel):
         raise ArgumentTypeError(f"step_model={show(step_model)}: expected a ThroughputModel.")
     max_running = integer(max_running, "max_running", minimum=1)
-    chunk = integer(chunk, "chunk", minimum=1)
+    chunk = integer(chunk, "chunk", minimum=1, maximum=INT32_MAX)
     if prefill_tokens_per_s is not None:
         prefill_tokens_per_s = real(
             prefill_tokens_per_s, "prefill_tokens_per_s", minimum=0, exclusive_minimum=True
@@ -161,7 +161,8 @@ def _simulation(
     _check_fits(arr, plan)
     clock = StepClock(plan, step_model or DEFAULT_STEP_MODEL)
     if sample_every is None:
-        sample_every = _default_sample_every(arr, workload, clock, max_running)
+        sample_every = _default_sample_every(arr, workload, clock, max_running,
+                                             prefill_tokens_per_s)
     return Simulation(
         workload, plan, mgr, arr, clock, max_running, chunk, prefill_tokens_per_s, sample_every
     )
@@ -194,10 +195,13 @@ def _check_fits(arr: Arrivals, plan: CapacityPlan) -> None:
         )
 
 
-def _default_sample_every(arr: Arrivals, w: Workload, clock: StepClock, max_running: int) -> float:
-    """About 200 samples over the expected run."""
+def _default_sample_every(arr: Arrivals, w: Workload, clock: StepClock, max_running: int,
+                          prefill_tokens_per_s: float | None = None) -> float:
+    """About 200 samples over the expected run (decode steps, and every prompt's prefill at
+    ``prefill_tokens_per_s``, which the clock charges one admission after another)."""
     per_step = clock.t0 + clock.dense / clock.rate
     batch = min(w.concurrency or 64, max_running, w.num_requests)
     steps = float(arr.output.sum()) / batch
-    horizon = max(steps * per_step, float(arr.times[-1]) if w.rate else 0.0)
+    prefill = float(arr.prompt.sum()) / prefill_tokens_per_s if prefill_tokens_per_s else 0.0
+    horizon = max(steps * per_step + prefill, float(arr.times[-1]) if w.rate else 0.0)
     return max(horizon / 200, 1e-3)

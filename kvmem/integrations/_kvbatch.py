@@ -54,7 +54,8 @@ class KVBatch(NamedTuple):
         kv_last_page_len: np.ndarray,
     ) -> KVBatch:
         """Wrap a step's numpy metadata (e.g. from ``KVCacheManager.reserve``) as tensors on
-        the pool's device (zero-copy on the CPU). A page id outside the pool is refused
+        the pool's device, in the dtypes above (zero-copy on the CPU when the arrays have them
+        already). A page id outside the pool, or a value outside its dtype, is refused
         (ArgumentError): the kernels would index past it."""
         from kvmem._validate import show
         from kvmem.errors import ArgumentError, ArgumentTypeError
@@ -72,14 +73,19 @@ class KVBatch(NamedTuple):
             raise ArgumentError(f"kv_indices holds page ids from {int(kv_indices.min())} to "
                                 f"{int(kv_indices.max())}; this pool has pages 0..{num_pages - 1}")
         device = pool.device
+        names = ("slot_mapping", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        def dev(a: np.ndarray, name: str, dtype: type[np.integer]) -> torch.Tensor:
+            # The documented dtypes (torch has no arithmetic on uint16/32/64); zero-copy when
+            # the array has them already, as a reserved step's arrays do.
+            info = np.iinfo(dtype)
+            if a.size and (int(a.min()) < info.min or int(a.max()) > info.max):
+                raise ArgumentError(f"{name} holds {int(a.min())}..{int(a.max())}, outside "
+                                    f"{np.dtype(dtype).name}")
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
 
-        return cls(
-            pool, dev(slot_mapping), dev(qo_indptr), dev(kv_indptr), dev(kv_indices),
-            dev(kv_last_page_len),
-        )
+        dtypes = (np.int64, np.int32, np.int32, np.int32, np.int32)
+        return cls(pool, *(dev(a, n, d) for a, n, d in zip(arrays, names, dtypes)))
 
     def positions(self) -> torch.Tensor:
         """Position of every packed token in its own sequence.

@@ -7,6 +7,8 @@ One :meth:`Engine.step` does what a serving engine does per iteration::
     schedule   every running request gets tokens within a budget: 1 if it is decoding, a chunk
                of its remaining prompt if it is still prefilling (chunked prefill)
     reserve    manager.reserve(ids, num_tokens) -> slot_mapping + CSR for the packed batch
+               (no preemption: if the running requests outgrow the pool, step() raises
+               OutOfPagesError and allocates nothing)
     verify     manager.verify(ids, step): the integrity check on the very arrays the kernel
                reads; a failing request is aborted (and released) and dropped from the batch,
                and so is a request the caller aborted (:meth:`Engine.abort`): one abort path
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -41,7 +43,13 @@ import torch
 
 from kvmem._validate import integer, is_hashable, show, token_array
 from kvmem.allocator import namespace_bytes
-from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
+from kvmem.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConfigError,
+    KVMemError,
+    OutOfPagesError,
+)
 from kvmem.integrations._kvbatch import KVBatch, PagedModel, check_vocab, require_manager_fits
 
 if TYPE_CHECKING:
@@ -179,9 +187,10 @@ class Engine:
         max_num_batched_tokens: int = 512,
         chunk_size: int = 256,
     ) -> None:
-        if not (hasattr(lm, "pool") and hasattr(lm, "forward")):
-            raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedModel (.pool and .forward), "
-                                    "e.g. PagedCausalLM.build(model, num_pages)")
+        if not (hasattr(getattr(lm, "pool", None), "spec") and callable(getattr(lm, "forward",
+                                                                             None))):
+            raise ArgumentTypeError(f"lm={show(lm)}: expected a PagedModel (.pool, a PagePool, "
+                                    "and .forward), e.g. PagedCausalLM.build(model, num_pages)")
         from kvmem.manager import KVCacheManager
 
         if not isinstance(manager, KVCacheManager):
@@ -212,7 +221,8 @@ class Engine:
         ArgumentTypeError, ArgumentError, ConfigError
             The request is malformed (its id, prompt, ``max_new_tokens``, ``stop_token_ids``
             or ``namespace``), holds token ids outside the model's vocabulary, cannot fit in
-            the manager's pages, has already run, or its id is waiting or running here.
+            the manager's pages (a prompt, beside the watermark that admission keeps free),
+            has already run, or its id is waiting or running here.
             Nothing is queued.
         """
         self._check_request(request)
@@ -242,8 +252,10 @@ class Engine:
         check_vocab(int(prompt.min()), int(prompt.max()),
                     vocab_size if isinstance(vocab_size, int) else None,
                     f"request {request.request_id!r}: prompt_ids")
+        # A Collection, not any Iterable: checking an iterator here would use it up, and the
+        # loop tests `token in stop_token_ids` after every token.
         if isinstance(request.stop_token_ids, (str, bytes)) or not isinstance(
-                request.stop_token_ids, Iterable):
+                request.stop_token_ids, Collection):
             raise ArgumentTypeError(f"stop_token_ids={show(request.stop_token_ids)}: expected "
                                     "a tuple of token ids, e.g. (tokenizer.eos_token_id,)")
         for token in request.stop_token_ids:
@@ -259,6 +271,13 @@ class Engine:
                 f"pages, more than a request can map here (max_pages_per_seq="
                 f"{mgr.max_pages_per_seq}, num_pages={mgr.num_pages}); shorten it, lower "
                 "max_new_tokens or give the manager more pages")
+        prompt_pages = -(-prompt.size // mgr.page_size)
+        if prompt_pages + mgr.watermark_pages > mgr.num_pages:  # can_admit would never pass
+            raise ArgumentError(
+                f"request {request.request_id!r}: its {prompt.size}-token prompt needs "
+                f"{prompt_pages} pages and admission keeps {mgr.watermark_pages} of the "
+                f"manager's {mgr.num_pages} pages free (its watermark), so it could never be "
+                "admitted; shorten it, or give the manager more pages or a lower watermark")
         if any(r.request_id == request.request_id for r in (*self.waiting, *self.running)):
             raise ArgumentError(f"request_id={show(request.request_id)} is already waiting or "
                                 "running in this engine; give each request its own id.")
@@ -302,6 +321,12 @@ class Engine:
         -------
         list[Request]
             Requests that finished or were aborted during this step.
+
+        Raises
+        ------
+        OutOfPagesError
+            The running requests need more pages than are free: the engine does not preempt.
+            Nothing was allocated; the requests stay running.
         """
         t0 = time.perf_counter()
         self._admit()
@@ -434,7 +459,16 @@ class Engine:
         """Slots for every fed token (copy-on-write done), and the batch's kernel metadata."""
         lens = {len(f) for f in feeds}
         # A uniform step (every decode step) passes an int: the manager's vectorized fast path.
-        step = self.manager.reserve(ids, lens.pop() if len(lens) == 1 else [len(f) for f in feeds])
+        try:
+            step = self.manager.reserve(ids, lens.pop() if len(lens) == 1 else
+                                        [len(f) for f in feeds])
+        except OutOfPagesError as exc:  # admission looked at prompts only; growth outran it
+            raise OutOfPagesError(
+                exc.num_requested, exc.num_free,
+                f"The {len(ids)} running requests outgrew the pool, and this engine does not "
+                "preempt (it admits a request when its prompt fits): give the manager pages "
+                "for max_num_seqs requests of prompt + max_new_tokens tokens, or lower "
+                "max_num_seqs or max_new_tokens.") from None
         if step.copy_src.size:  # copy-on-write, when the manager has no pool to do it itself
             src, dst = torch.from_numpy(step.copy_src), torch.from_numpy(step.copy_dst)
             self.lm.pool.copy_pages(src, dst)

@@ -331,7 +331,8 @@ class PagedCausalLM:
         device:
             Pool device; default the model's.
         spec_fields:
-            Any other ``PoolSpec`` field (``static_scales``, ``layout``, ``compute_dtype``).
+            Any other ``PoolSpec`` field (``static_scales``, ``layout``, ``compute_dtype``);
+            not those :meth:`pool_spec_kwargs` takes from the model (ArgumentError).
         """
         from kvmem.cuda import PagePool, PoolSpec
 
@@ -344,12 +345,19 @@ class PagedCausalLM:
             spec_fields["scales"] = scales
         if device is None:
             device = str(next(model.parameters()).device)
+        shape = cls.pool_spec_kwargs(model)
+        clash = sorted(set(shape) & set(spec_fields))
+        if clash:
+            raise ArgumentError(
+                f"{', '.join(f'{k}={spec_fields[k]!r}' for k in clash)}: build() takes "
+                f"{', '.join(clash)} from the model config ({shape}); drop them, or build a "
+                "PoolSpec yourself and pass PagedCausalLM(model, PagePool(spec))")
         spec = PoolSpec(
             num_pages=num_pages,
             page_size=page_size,
             dtype=dtype,
             device=device,
-            **cls.pool_spec_kwargs(model),
+            **shape,
             **spec_fields,
         )
         return cls(model, PagePool(spec))
@@ -381,12 +389,16 @@ class PagedCausalLM:
             ``batch`` is no KVBatch, or ``input_ids`` / ``logits_indices`` is no 1-D integer
             tensor.
         ArgumentError
-            ``input_ids`` holds other than the batch's T tokens, or an id outside the model's
-            vocabulary; ``logits_indices`` points outside the T tokens. Nothing is written.
+            ``batch`` is over another pool than :attr:`pool`, ``input_ids`` holds other than
+            the batch's T tokens, or an id outside the model's vocabulary; ``logits_indices``
+            points outside the T tokens. Nothing is written.
         """
         if not isinstance(batch, KVBatch):
             raise ArgumentTypeError(f"batch={show(batch)}: expected the step's KVBatch "
                                     "(KVBatch.from_arrays(pool, ...) of a reserved step)")
+        if batch.pool is not self.pool:  # every layer would write into the other pool
+            raise ArgumentError("batch.pool is not this model's pool; build the step's batch "
+                                "with KVBatch.from_arrays(lm.pool, ...)")
         if not _is_int_vector(input_ids):
             raise ArgumentTypeError(f"input_ids={show(input_ids)}: expected a 1-D tensor of "
                                     "integer token ids, [T]")
@@ -450,6 +462,7 @@ def hf_perplexity(
     """
     _require_causal_lm(model)
     token_ids, window = _check_window(token_ids, window, _vocab_size(model))
+    _check_progress(progress)
     before = model.config._attn_implementation
     if before == KVMEM_ATTENTION:  # kvmem attention needs a KVBatch; this is the reference
         model.set_attn_implementation("sdpa")
@@ -470,6 +483,13 @@ def hf_perplexity(
         if before == KVMEM_ATTENTION:
             model.set_attn_implementation(KVMEM_ATTENTION)
     return float(torch.exp(torch.tensor(total / count))), count
+
+
+def _check_progress(progress: Any) -> None:
+    """Refuse a ``progress`` that cannot be called, before the first window is scored."""
+    if progress is not None and not callable(progress):
+        raise ArgumentTypeError(f"progress={show(progress)}: expected None or a callable "
+                                "progress(windows_done, num_windows)")
 
 
 def _num_windows(num_tokens: int, window: int) -> int:
@@ -548,6 +568,8 @@ def paged_logits(
     """
     _check_paged(lm, manager)
     tokens = _check_token_ids(token_ids, lm.vocab_size)
+    if not tokens:
+        raise ArgumentError("token_ids is empty; paged_logits needs at least one token id")
     chunk_size = integer(chunk_size, "chunk_size", minimum=1)
     return torch.cat([lg for _, lg in _prefill_chunks(lm, manager, tokens, chunk_size)])
 
@@ -584,6 +606,7 @@ def paged_perplexity(
     _check_paged(lm, manager)
     token_ids, window = _check_window(token_ids, window, lm.vocab_size)
     chunk_size = integer(chunk_size, "chunk_size", minimum=1)
+    _check_progress(progress)
     total, count = 0.0, 0
     num_windows = _num_windows(len(token_ids), window)
     for w, start in enumerate(range(0, len(token_ids), window)):
