@@ -10,8 +10,7 @@
     map(plan)             share the hits, allocate the rest, open the row
 
 ``can_admit`` plans and checks; the ``admit`` right after it (no manager call in between, and
-every hit still cached with the tag the lookup saw: BUGS.md 7) reuses that plan instead of
-matching the prompt again.
+no page allocated or freed: BUGS.md 7) reuses that plan instead of matching the prompt again.
 """
 
 from __future__ import annotations
@@ -89,8 +88,8 @@ class Admission:
         self.pages = pages
         self.table = table
         self.namespaces = namespaces
-        # (stamp, plan, the hit pages' tags then) of the latest can_admit
-        self._memo: tuple[int, Plan, Int64Array] | None = None
+        # (stamp, plan, allocator.changes.num_logged then) of the latest can_admit
+        self._memo: tuple[int, Plan, int] | None = None
 
     def plan(self, tokens: Int64Array, namespace: Any, register: bool,
              who: str = "a request") -> Plan:
@@ -125,18 +124,18 @@ class Admission:
                 <= self.pages.available() - plan.evictable_hits)
 
     def remember(self, stamp: int, plan: Plan) -> None:
-        hits = _EMPTY_PAGES if plan.match is None else plan.match.pages
-        self._memo = (stamp, plan, self.pages.allocator.tags[hits].copy())
+        self._memo = (stamp, plan, self.pages.allocator.changes.num_logged)
 
     def recall(self, stamp: int, tokens: Any, namespace: Any) -> Plan | None:
-        """The plan remembered at ``stamp`` if it is for these tokens and namespace and its
-        hits are still cached in the lifetimes it matched (once)."""
+        """The plan remembered at ``stamp`` if it is for these tokens and namespace and no
+        page changed lifetime since (once). The stamp counts the manager's own calls only: a
+        hit evicted and reallocated behind its back (BUGS.md 7) must be matched again, not
+        acquired."""
         memo, self._memo = self._memo, None
-        if memo is None or memo[0] != stamp:
+        if (memo is None or memo[0] != stamp
+                or memo[2] != self.pages.allocator.changes.num_logged):
             return None
-        plan, tags = memo[1], memo[2]
-        if plan.hits and not self._hits_unchanged(plan, tags):
-            return None
+        plan = memo[1]
         same = plan.tokens is tokens or (  # (an array of floats or bools is refused by admit)
             type(tokens) is np.ndarray and tokens.dtype.kind in "iu"
             and plan.tokens.shape == tokens.shape
@@ -148,15 +147,6 @@ class Admission:
             plan = plan._replace(namespace_id=self.namespaces.id_of(namespace, True,
                                                                     plan.encoding))
         return plan
-
-    def _hits_unchanged(self, plan: Plan, tags: Int64Array) -> bool:
-        """Whether the plan's hit pages are still cached and live in the lifetimes the lookup
-        saw: the stamp counts the manager's own calls only, and a page evicted and
-        reallocated behind its back (BUGS.md 7) must be matched again, not acquired."""
-        pages = _EMPTY_PAGES if plan.match is None else plan.match.pages
-        cache = self.pages.cache
-        return bool(cache is not None and np.array_equal(self.pages.allocator.tags[pages], tags)
-                    and cache.is_cached(pages).all())
 
     def map(self, plan: Plan) -> tuple[int, Int32Array, Int32Array]:
         """Share the hits, allocate the rest, open the row: (row, its pages, the new ones).
