@@ -9,8 +9,8 @@
                           stop being evictable)
     map(plan)             share the hits, allocate the rest, open the row
 
-``can_admit`` plans and checks; the ``admit`` right after it (nothing changed in between)
-reuses that plan instead of matching the prompt again.
+``can_admit`` plans and checks; the ``admit`` right after it (no manager call in between, and
+no page allocated or freed: BUGS.md 7) reuses that plan instead of matching the prompt again.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class Admission:
         self.pages = pages
         self.table = table
         self.namespaces = namespaces
-        self._memo: tuple[int, Plan] | None = None  # (stamp, plan) of the latest can_admit
+        # (stamp, plan, allocator.changes.num_logged then) of the latest can_admit
+        self._memo: tuple[int, Plan, int] | None = None
 
     def plan(self, tokens: Int64Array, namespace: Any, register: bool,
              who: str = "a request") -> Plan:
@@ -123,12 +124,16 @@ class Admission:
                 <= self.pages.available() - plan.evictable_hits)
 
     def remember(self, stamp: int, plan: Plan) -> None:
-        self._memo = (stamp, plan)
+        self._memo = (stamp, plan, self.pages.allocator.changes.num_logged)
 
     def recall(self, stamp: int, tokens: Any, namespace: Any) -> Plan | None:
-        """The plan remembered at ``stamp`` if it is for these tokens and namespace (once)."""
+        """The plan remembered at ``stamp`` if it is for these tokens and namespace and no
+        page changed lifetime since (once). The stamp counts the manager's own calls only: a
+        hit evicted and reallocated behind its back (BUGS.md 7) must be matched again, not
+        acquired."""
         memo, self._memo = self._memo, None
-        if memo is None or memo[0] != stamp:
+        if (memo is None or memo[0] != stamp
+                or memo[2] != self.pages.allocator.changes.num_logged):
             return None
         plan = memo[1]
         same = plan.tokens is tokens or (  # (an array of floats or bools is refused by admit)

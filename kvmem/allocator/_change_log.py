@@ -62,6 +62,7 @@ class ChangeLog:
         self._start = 0  # absolute index of _entries[0]
         self._end = 0  # absolute index past the last entry
         self._readers: list[ChangeReader] = []  # (few, and as long-lived as the log)
+        self._num_logged = 0  # every append, read or not
 
     def reader(self) -> ChangeReader:
         """A new reader whose first read returns what is logged from now on."""
@@ -69,8 +70,15 @@ class ChangeLog:
         self._readers.append(reader)
         return reader
 
+    @property
+    def num_logged(self) -> int:
+        """How many arrays were ever appended: an epoch of the pages' lifetimes (unchanged
+        means no page was allocated or freed since it was read)."""
+        return self._num_logged
+
     def append(self, pages: PageIds) -> None:
         """Log an array of pages whose tag changed (kept as given: do not modify it later)."""
+        self._num_logged += 1
         if not self._readers:
             return
         self._entries.append(pages)

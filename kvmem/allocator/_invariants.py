@@ -57,17 +57,14 @@ def problems(pages: Pages, table: PageTable, rows: Iterable[tuple[Any, int]]) ->
     n = pages.num_pages
     mapped = (np.concatenate([table.row_pages(r) for _, r in rows]) if rows
               else np.empty(0, dtype=np.int32))
-    holders = np.bincount(mapped[(mapped >= 0) & (mapped < n)], minlength=n)[:n]
+    row_holders = np.bincount(mapped[(mapped >= 0) & (mapped < n)], minlength=n)[:n]
     cached = _cached_mask(pages)
-    holders = holders + cached + pages.fences.held
+    holders = row_holders + cached + pages.fences.held
     bad = np.flatnonzero(holders != pages.allocator.refcounts)
     if bad.size:
         out.append(f"refcounts {pages.allocator.refcounts[bad].tolist()[:8]} of pages "
                    f"{bad.tolist()[:8]} differ from their holders {holders[bad].tolist()[:8]}")
-    used, in_cache, fenced = page_classes(pages)
-    total = pages.allocator.num_free + int(used.sum() + in_cache.sum() + fenced.sum())
-    if total != n:
-        out.append(f"free + used + cached + fenced = {total} != {n} pages")
+    out.extend(_conservation(pages, row_holders > 0, cached))
     out.extend(_row_problems(pages, table, rows))
     cache = pages.cache
     if cache is not None:
@@ -78,6 +75,29 @@ def problems(pages: Pages, table: PageTable, rows: Iterable[tuple[Any, int]]) ->
                 out.append(f"cached pages {wrong.tolist()[:8]} disagree on namespace")
         if hasattr(cache, "check"):
             out.extend(cache.check())
+    return out
+
+
+def _conservation(pages: Pages, mapped: Mask, cached: Mask) -> list[str]:
+    """free + used + cached + fenced == num_pages, each class from its holders (a row maps
+    it; the cache; a fence), not from the refcount: a page whose references outlive every
+    holder is in no class (a leak, BUGS.md 2), and a free page with a holder is in two
+    (BUGS.md 15)."""
+    n = pages.num_pages
+    free = pages.allocator.refcounts == 0
+    held = pages.fences.held > 0
+    used = mapped
+    in_cache = ~used & cached
+    fenced = ~used & ~cached & held
+    out = []
+    total = pages.allocator.num_free + int(used.sum() + in_cache.sum() + fenced.sum())
+    if total != n:
+        lost = np.flatnonzero(~free & ~used & ~cached & ~held)
+        out.append(f"conservation: free + used + cached + fenced = {total} != {n} pages; "
+                   f"pages {lost.tolist()[:8]} are held by no row, cache or fence (leaked)")
+    twice = np.flatnonzero(free & (used | cached | held))
+    if twice.size:
+        out.append(f"pages {twice.tolist()[:8]} are free and held at once")
     return out
 
 
