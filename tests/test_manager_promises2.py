@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvmem import ArgumentTypeError
+from kvmem import ArgumentTypeError, KVMemError
 from kvmem.manager import KVCacheManager, StepMetadata
 from kvmem.testing import ToyEngine, faults
 
@@ -156,6 +156,36 @@ def test_commit_batch_refuses_one_scalar_for_a_batch(bad: Any) -> None:
         mgr.commit_batch(["a", "c"], bad)
     assert snapshot(mgr) == before
     mgr.commit_batch(["a", "c"], torch.tensor([5, 6]))  # ... and the batch still commits
+
+
+BAD_IDS = [1.5, float("nan"), None, True, np.True_, b"x", (1, 2), torch.tensor(3), object()]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize("call", ["admit", "fork"])
+def test_a_request_id_is_a_str_or_an_int(call: str, bad: Any) -> None:
+    """errors.md, manager.md: request ids are the engine's, str or int. A float, None, a
+    bool (True is not request 1 here), bytes, a tuple, a tensor or an object were admitted."""
+    mgr = _busy()
+    before = snapshot(mgr)
+    with pytest.raises(ArgumentTypeError, match="request_id"):
+        if call == "admit":
+            mgr.admit(bad, [1, 2, 3])
+        else:
+            mgr.fork("c", bad)
+    assert snapshot(mgr) == before
+
+
+def test_a_numpy_integer_request_id_is_its_int() -> None:
+    mgr = make()
+    mgr.admit(np.int64(7), [1, 2, 3])
+    assert mgr.running == (7,) and mgr.num_tokens(7) == 0
+    mgr.reserve([7], 3)
+    mgr.commit(np.int32(7), [1, 2, 3])
+    mgr.fork(7, np.int16(8))
+    assert mgr.running == (7, 8)
+    with pytest.raises(KVMemError, match="already known"):
+        mgr.admit(8, [4])
 
 
 # -- the fast paths against the plain ones, in lockstep ----------------------------------------
