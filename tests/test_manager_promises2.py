@@ -418,3 +418,38 @@ def test_a_fence_never_frees_a_page_whose_lifetime_ended_behind_its_back(release
     assert mgr.fences.open_steps == () and not mgr.fences.held.any()
     report = mgr.verify(["c", "d"])
     assert list(report.aborted) == ["c"]
+
+
+# -- docs/manager.md's concrete figures -----------------------------------------------------------
+
+
+def test_the_documented_defaults_dtypes_stats_and_hook_kinds() -> None:
+    import dataclasses
+
+    from kvmem.manager import HOOK_KINDS, ManagerStats
+
+    assert KVCacheManager(100, page_size=4, watermark=0.29).watermark_pages == 28
+    assert KVCacheManager(1024, page_size=4).config.evict_ahead == 2
+    assert KVCacheManager(1024, page_size=4).pages._evict_ahead == 2  # num_pages // 512
+    assert KVCacheManager(511, page_size=4).pages._evict_ahead == 0  # exactly what it needs
+    assert KVCacheManager(1024, page_size=4, evict_ahead=0).pages._evict_ahead == 0
+    assert set(HOOK_KINDS) == {"admit", "allocate", "free", "evict", "preempt", "release",
+                               "fork", "step_begin", "step_end", "integrity_failure",
+                               "kv_event"}
+    stats = {f.name for f in dataclasses.fields(ManagerStats)} | {"usage", "prefix_hit_rate"}
+    assert {"num_free", "num_used", "num_cached", "num_fenced", "usage", "num_running",
+            "num_preempted", "num_prefix_queries", "prefix_query_tokens", "prefix_hit_tokens",
+            "prefix_hit_rate", "num_evictions", "num_preemptions", "num_integrity_failures",
+            "num_cow_copies", "num_forks", "steps_in_flight"} <= stats
+    mgr = make()
+    res = mgr.admit("a", np.arange(9))
+    assert res.num_cached_tokens == 0
+    step = mgr.reserve(["a"], 9)
+    assert step.slot_mapping.dtype == np.int64
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens",
+                 "num_new_tokens"):
+        assert getattr(step, name).dtype == np.int32, name
+    assert step.block_table.dtype == np.int32 and step.kv_last_page_len.tolist() == [1]
+    mgr.commit("a", np.arange(9))
+    again = mgr.admit("b", np.arange(9))  # two full pages cached, the last token computed
+    assert again.num_cached_tokens == 8 and again.num_cached_tokens % P == 0
