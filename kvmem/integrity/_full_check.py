@@ -6,7 +6,8 @@
 * it lists as many pages as its tokens fill;
 * the pages the step writes (its slot mapping's, else the slots the latest reserve handed
   out) each have one writer, and, given the step's fields, its slots and lengths are its own
-  (``kvmem.integrity._step_checks``).
+  (``kvmem.integrity._step_checks``); without a slot mapping the step writes where the page
+  table says, and each such write lands in the page the metadata lists for it.
 
 Every failing request gets one readable reason and the position of its first bad page.
 """
