@@ -226,10 +226,20 @@ def token_array(value: Any, name: str) -> npt.NDArray[np.int64]:
     if tokens.dtype.kind not in "iu":
         raise ArgumentTypeError(f"{name} has dtype {tokens.dtype}: expected integer token ids "
                                 "(int or numpy integer; not bool, float or str).")
+    if isinstance(value, (list, tuple)) and _holds_a_bool(value, tokens):
+        raise ArgumentTypeError(f"{name} holds a bool: expected integer token ids (int or numpy "
+                                "integer; True is not token 1).")
     if int(np.minimum.reduce(tokens)) < 0 or int(np.maximum.reduce(tokens)) > INT32_MAX:
         raise ArgumentError(f"{name} holds ids from {int(tokens.min())} to {int(tokens.max())}: "
                             f"expected token ids in 0..{INT32_MAX}.")
     return tokens.astype(np.int64)
+
+
+def _holds_a_bool(items: Sequence[Any], as_array: npt.NDArray[Any]) -> bool:
+    """Whether a list of ints also holds a bool (numpy reads ``[5, True]`` as ``[5, 1]``): only
+    the entries that read as 0 or 1 are looked at."""
+    return any(isinstance(items[i], (bool, np.bool_))
+               for i in np.flatnonzero(as_array <= 1).tolist())
 
 
 def is_hashable(value: Any) -> bool:

@@ -64,7 +64,7 @@ from kvmem._manager_types import (
     make_cache,
     make_tracker,
 )
-from kvmem._validate import id_tuple, integer, is_hashable, token_array
+from kvmem._validate import id_tuple, integer, is_hashable, is_integer_like, show, token_array
 from kvmem.allocator import (
     Admission,
     Committer,
@@ -86,6 +86,7 @@ from kvmem.allocator import Pages as PageRefs
 from kvmem.allocator import keys_as_ints as _keys_as_ints
 from kvmem.errors import (
     ArgumentError,
+    ArgumentTypeError,
     ConcurrentUseError,
     IntegrityError,
     KVMemError,
@@ -317,6 +318,12 @@ class KVCacheManager:
 
     def _known(self, request_id: Any) -> bool:
         """Whether the manager knows the request; ArgumentError if the id is not hashable."""
+        if not isinstance(request_id, str) and not is_integer_like(request_id):
+            if not is_hashable(request_id):
+                raise ArgumentError(f"a request id must be hashable (a str or an int), got "
+                                    f"{type(request_id).__name__}")
+            raise ArgumentTypeError(f"request_id={show(request_id)}: expected a str or an int "
+                                    "(or numpy integer; not bool, float, bytes or None)")
         try:
             return request_id in self._requests
         except TypeError:

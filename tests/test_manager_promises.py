@@ -341,7 +341,7 @@ def test_metadata_of_mixed_kinds_or_uint64_is_a_metadata_error(case: int) -> Non
 
     m = make()
     for rid in ("a", "b"):
-        prefill(m, rid, [rid == "a", 2, 3, 4, 5, 6])
+        prefill(m, rid, [int(rid == "a"), 2, 3, 4, 5, 6])
     step = m.reserve(["a", "b"], 1)
     before = state(m)
     kwargs = _malformed_metadata(step)[case]

@@ -177,7 +177,8 @@ def batch_tokens(token_ids: Any, size: int
     if arr is not None and arr.dtype.kind not in "iuO" and arr.size:
         raise ArgumentTypeError(f"token_ids has dtype {arr.dtype}: expected integer token ids "
                                 "(not bool, float or str); nothing was committed")
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__") or (
+            isinstance(token_ids, np.ndarray) and token_ids.ndim == 0):
         raise ArgumentTypeError(f"token_ids={show(token_ids)}: expected [B] or [B, k] ints or B "
                                 "token lists, one per request; nothing was committed")
     if len(token_ids) != size:

@@ -19,6 +19,10 @@ the step writes there, so it is held (``hold_for_copy``) until the copies are do
 (``copies_done``, which the manager calls at the next ``reserve`` or when no request is left to
 copy for); by then a step in flight may still read it, so the caller defers what comes back.
 One list of pending references, one ``held`` count per page, for both.
+
+Given the allocator's tags, a fence holds a *lifetime*: a reference whose page was freed behind
+everyone's back meanwhile (its tag changed; a fault, see ``kvmem.testing.faults``) is not
+handed back, so it is never freed again, perhaps under the page's next holder.
 """
 
 from __future__ import annotations
@@ -49,16 +53,24 @@ class StepHandle:
 class StepFences:
     """Open steps and the page references waiting for them.
 
+    Parameters
+    ----------
+    num_pages: the pool's page count.
+    tags: the allocator's lifetime tags (``[num_pages]``, int64, read-only), or None: with
+        them, a reference whose page's lifetime ended behind the fence's back is not returned.
+
     Attributes
     ----------
     held: ``[num_pages]``, int32 — references each page has in pending batches (read-only)
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, tags: npt.NDArray[np.int64] | None = None) -> None:
         num_pages = integer(num_pages, "num_pages", minimum=1, maximum=INT32_MAX)
         self._open: set[int] = set()
         self._next_id = 1
-        self._pending: list[tuple[set[int], Int32Array]] = []
+        self._tags = tags  # the allocator's (read-only): what each held reference's lifetime is
+        # (steps waited for, pages, their tags when held or None)
+        self._pending: list[tuple[set[int], Int32Array, npt.NDArray[np.int64] | None]] = []
         self._num_copy_holds = 0  # pending batches that wait for copies_done
         self._held = np.zeros(num_pages, dtype=np.int32)
         self.held = self._held.view()
@@ -81,7 +93,7 @@ class StepFences:
     @property
     def num_held(self) -> int:
         """References held, summed over pages."""
-        return sum(int(p.size) for _, p in self._pending)
+        return sum(int(p.size) for _, p, _ in self._pending)
 
     def begin(self) -> StepHandle:
         handle = StepHandle(self._next_id)
@@ -112,7 +124,8 @@ class StepFences:
 
     def _hold(self, waits: set[int], pages: Int32Array) -> None:
         if pages.size:
-            self._pending.append((waits, pages.copy()))
+            tags = None if self._tags is None else self._tags[pages]
+            self._pending.append((waits, pages.copy(), tags))
             np.add.at(self._held, pages, _ONE)
 
     def check_retire(self, handle: StepHandle) -> None:
@@ -143,17 +156,24 @@ class StepFences:
         return self._num_copy_holds > 0
 
     def _release(self, step_id: int) -> Int32Array:
+        """The references no open step waits for any more, less those whose lifetime ended
+        behind the fence's back."""
         done: list[Int32Array] = []
-        keep: list[tuple[set[int], Int32Array]] = []
-        for waits, pages in self._pending:
+        alive: list[Int32Array] = []
+        keep: list[tuple[set[int], Int32Array, npt.NDArray[np.int64] | None]] = []
+        for waits, pages, tags in self._pending:
             waits.discard(step_id)
             if waits:
-                keep.append((waits, pages))
+                keep.append((waits, pages, tags))
             else:
                 done.append(pages)
+                if self._tags is None or tags is None:
+                    alive.append(pages)
+                else:
+                    alive.append(pages[self._tags[pages] == tags])
         self._pending = keep
         if not done:
             return _NO_PAGES
         out = np.concatenate(done)
         np.subtract.at(self._held, out, _ONE)
-        return out
+        return np.concatenate(alive) if len(alive) > 1 else alive[0]

@@ -82,7 +82,7 @@ class Pages:
         self.num_pages = num_pages
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.fences = StepFences(num_pages)
+        self.fences = StepFences(num_pages, self.allocator.tags)
         self.namespace_ids = np.full(num_pages, -1, dtype=np.int64)
         self.tokens = np.zeros((num_pages, page_size), dtype=np.int32)
         self._tokens_flat = self.tokens.reshape(-1)  # slot s at [s]

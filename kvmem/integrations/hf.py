@@ -532,7 +532,7 @@ def _prefill_chunks(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Prefill ``token_ids`` as one request, chunk by chunk; yield (start, logits [n, V])
     (the caller checked its arguments: :func:`_check_paged`)."""
-    rid = ("teacher-forced", id(token_ids))
+    rid = f"teacher-forced:{id(token_ids)}"  # (request ids are str or int)
     manager.admit(rid, token_ids)
     try:
         for c in range(0, len(token_ids), chunk_size):

@@ -6,7 +6,8 @@
 * it lists as many pages as its tokens fill;
 * the pages the step writes (its slot mapping's, else the slots the latest reserve handed
   out) each have one writer, and, given the step's fields, its slots and lengths are its own
-  (``kvmem.integrity._step_checks``).
+  (``kvmem.integrity._step_checks``); without a slot mapping the step writes where the page
+  table says, and each such write lands in the page the metadata lists for it.
 
 Every failing request gets one readable reason and the position of its first bad page.
 """
@@ -21,7 +22,13 @@ import numpy.typing as npt
 
 from kvmem.integrity._check import Reason
 from kvmem.integrity._metadata import Metadata
-from kvmem.integrity._step_checks import length_mismatches, ranges, slot_mismatches, write_set
+from kvmem.integrity._step_checks import (
+    length_mismatches,
+    ranges,
+    slot_mismatches,
+    table_slots,
+    write_set,
+)
 from kvmem.integrity._tags import TagMirror
 from kvmem.integrity._tags import raw_lifetime_of as lifetime_of
 from kvmem.integrity._tags import raw_namespace_id_of as namespace_id_of
@@ -125,6 +132,7 @@ class FullCheck:
                         f"page {int(wpages[k])} at position {int(wpos[k])} is about to be "
                         f"written but has {int(holders[k])} holders (a shared page is written "
                         "only after copy-on-write)"))
+        out.extend(self._table_write_failures(rows, md))
         if md.fields is None:
             return out
         first_new = start // P
@@ -143,6 +151,30 @@ class FullCheck:
                                     "outside the page its metadata lists there (another "
                                     "request's page, or the wrong slot)"))
         return out
+
+    def _table_write_failures(self, rows: IntpArray, md: Metadata) -> list[tuple[int, int, str]]:
+        """Without a slot mapping a step writes where the page table says: each such write
+        must land in the page the metadata lists for it (a row entry changed after the
+        metadata was built would send it into a page the request does not read, perhaps
+        another request's, whose one holder is that request)."""
+        if md.fields is not None and md.fields.get("slot_mapping") is not None:
+            return []
+        t = self.table
+        done = np.maximum(t.num_committed[rows], t.write_from[rows])
+        total = t.num_tokens[rows]
+        slots: Any = table_slots(t.pages, rows, done, total, self.page_size)
+        csr = {"kv_indptr": md.indptr, "kv_indices": md.indices} if md.indices is not None \
+            else {"block_table": md.block_table}
+        read = md.indices if md.indices is not None else md.block_table
+        if not isinstance(read, np.ndarray):  # tensors: compared on their device
+            import torch
+
+            slots = torch.as_tensor(slots, device=read.device)
+        bad_b, bad_pos = slot_mismatches({**csr, "slot_mapping": slots}, done, total - done,
+                                         self.page_size)
+        return [(i, pos, f"its page table sends a token of page position {pos} into a page its "
+                         "metadata does not list there (a row entry changed after the metadata "
+                         "was built)") for i, pos in zip(bad_b.tolist(), bad_pos.tolist())]
 
     def write_set(self, rows: IntpArray, fields: Mapping[str, Any] | None
                   ) -> tuple[IntpArray, Int64Array, Int64Array]:

@@ -28,7 +28,7 @@ from kvmem._validate import show
 from kvmem.errors import ArgumentTypeError, MetadataError
 from kvmem.integrity._check import PAD, require_int_array
 
-__all__ = ["LENGTH_FIELDS", "length_mismatches", "ranges", "slot_mismatches",
+__all__ = ["LENGTH_FIELDS", "length_mismatches", "ranges", "slot_mismatches", "table_slots",
            "validate_step_fields", "write_set"]
 
 Int64Array = npt.NDArray[np.int64]
@@ -55,6 +55,14 @@ def write_set(pages: npt.NDArray[np.int32], rows: IntpArray, start: Int64Array,
     batch = np.repeat(np.arange(rows.size), todo)
     positions = ranges(start, todo) // page_size
     return batch, positions, pages[rows[batch], positions].astype(np.int64)
+
+
+def table_slots(pages: npt.NDArray[np.int32], rows: IntpArray, start: Int64Array,
+                end: Int64Array, page_size: int) -> Int64Array:
+    """The slots the page table gives tokens ``[start, end)`` of each row, in batch order:
+    what a step given without a slot mapping writes into. ``[T]``, int64."""
+    _, _, pages_at = write_set(pages, rows, start, end, page_size)
+    return pages_at * page_size + ranges(start, end - start) % page_size
 
 
 def validate_step_fields(meta: Mapping[str, Any], batch_size: int,

@@ -39,7 +39,12 @@ from kvmem.errors import IntegrityError
 from kvmem.integrity._check import validate_csr
 from kvmem.integrity._full_check import FullCheck, Verdict, Writers, _Table
 from kvmem.integrity._metadata import Metadata
-from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, validate_step_fields
+from kvmem.integrity._step_checks import (
+    length_mismatches,
+    slot_mismatches,
+    table_slots,
+    validate_step_fields,
+)
 from kvmem.integrity._tags import TagMirror, qualify_live
 from kvmem.integrity._tracker import Tracker
 
@@ -254,7 +259,13 @@ class Verifier(FullCheck):
                     and not np.count_nonzero(self.writers(b.token_pages) != 1))
         if by_table:
             return self._writes_ok(b.rows, fields, b.indptr, b.indices)
-        return not (b.slots.size and np.count_nonzero(self.writers(b.slots // P) != 1))
+        # reserve's slots come from the page table and its CSR partly from the base step's: a
+        # row entry changed behind the manager's back since would make them disagree.
+        return not (b.slots.size and (np.count_nonzero(self.writers(b.slots // P) != 1)
+                                      or slot_mismatches({"kv_indptr": b.indptr,
+                                                          "kv_indices": b.indices,
+                                                          "slot_mapping": b.slots},
+                                                         b.start, b.end - b.start, P)[0].size))
 
     # -- the incremental check ----------------------------------------------------------------
 
@@ -393,14 +404,22 @@ class Verifier(FullCheck):
         _, _, pages = self.write_set(rows, fields)
         if np.count_nonzero(self.writers(pages) != 1):
             return False
-        if fields is None:
-            return True
         t = self.table
         start = t.write_from[rows]
         total = t.num_tokens[rows]
+        given = None if fields is None else fields.get("slot_mapping")
+        if given is None:  # the step writes where the page table says
+            done = np.maximum(t.num_committed[rows], start)
+            by_table = table_slots(t.pages, rows, done, total, self.page_size)
+            if slot_mismatches({"kv_indptr": indptr, "kv_indices": indices,
+                                "slot_mapping": by_table}, done, total - done,
+                               self.page_size)[0].size:
+                return False
+        if fields is None:
+            return True
         if length_mismatches(fields, total, total - start, self.page_size).size:
             return False
-        slots = fields.get("slot_mapping")
+        slots = given
         return slots is None or not slot_mismatches(
             {"kv_indptr": indptr, "kv_indices": indices, "slot_mapping": slots},
             start, total - start, self.page_size)[0].size
