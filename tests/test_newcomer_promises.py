@@ -22,7 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
-from model_fixtures import model_threads, smollm2  # noqa: E402, F401
+from model_fixtures import TINY_VOCAB, model_threads, smollm2  # noqa: E402, F401
 
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError  # noqa: E402
 from kvmem.integrations.engine import Engine, Request  # noqa: E402
@@ -36,18 +36,8 @@ from kvmem.integrations.hf import (  # noqa: E402
 from kvmem.manager import KVCacheManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB = 97
+VOCAB = TINY_VOCAB
 
-
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _paged(model: Any, num_pages: int = 16, **manager_kw: Any) -> tuple[Any, KVCacheManager]:

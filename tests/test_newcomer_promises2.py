@@ -17,6 +17,8 @@ from kvmem.simulate import LengthDist, Workload, simulate
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
+from model_fixtures import TINY_VOCAB  # noqa: E402
+
 from kvmem.integrations.engine import Engine, Request  # noqa: E402
 from kvmem.integrations.hf import (  # noqa: E402
     PagedCausalLM,
@@ -26,20 +28,10 @@ from kvmem.integrations.hf import (  # noqa: E402
 )
 from kvmem.manager import KVCacheManager  # noqa: E402
 
-VOCAB = 97
+VOCAB = TINY_VOCAB
 SMALL_SIM = ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "3",
              "--prompt-len", "10", "--output-len", "5", "--no-progress"]
 
-
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _paged(model: Any, num_pages: int = 16, **manager_kw: Any) -> tuple[Any, KVCacheManager]:
