@@ -300,3 +300,17 @@ def test_attention_metadata_beyond_int64_says_so_in_words() -> None:
     with pytest.raises(ArgumentError, match="kv_indices holds 9223372036854775808, beyond int64"):
         paged_attention(torch.randn(1, 1, 8), [0, 1], pool, 0, [0, 1],
                         np.array([2**63], dtype=np.uint64), [1])
+
+
+def test_arrivals_far_apart_skip_the_idle_steps_but_before_step_sees_every_step(
+        tiny: Any) -> None:
+    # run({10**12: [r]}) stepped through a trillion idle steps one by one (it never returned).
+    lm, mgr = _paged(tiny)
+    engine = Engine(lm, mgr)
+    done = engine.run({10**12: [Request("far", [1, 2, 3], max_new_tokens=2)]})
+    assert [r.request_id for r in done] == ["far"] and len(done[0].output_ids) == 2
+    seen: list[int] = []  # with a before_step, every step is still called, idle ones too
+    engine.run({3: [Request("near", [1, 2, 3], max_new_tokens=1)]},
+               before_step=lambda s, e: seen.append(s))
+    assert seen[:4] == [0, 1, 2, 3]
+    mgr.check()

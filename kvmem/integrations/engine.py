@@ -380,7 +380,9 @@ class Engine:
             ``arrivals[s]`` are added just before step ``s`` (staggered arrivals).
         before_step:
             Called as ``before_step(s, engine)`` after step ``s``'s arrivals and before the
-            step runs (fault drills, logging, admission control).
+            step runs (fault drills, logging, admission control). Without it, the steps in
+            which nothing is waiting or running until the next arrival are skipped (they do
+            nothing), so arrivals far apart cost no idle loop.
 
         Returns
         -------
@@ -409,6 +411,8 @@ class Engine:
                                 "request its own id")
         s = 0
         while self.has_work() or pending:
+            if before_step is None and not self.has_work() and s not in pending:
+                s = min(pending)  # idle until the next arrival
             for r in pending.pop(s, ()):
                 self.add_request(r)
             if before_step is not None:
