@@ -159,22 +159,29 @@ class FullCheck:
         another request's, whose one holder is that request)."""
         if md.fields is not None and md.fields.get("slot_mapping") is not None:
             return []
+        bad_b, bad_pos = self.table_write_mismatches(
+            rows, {"kv_indptr": md.indptr, "kv_indices": md.indices} if md.indices is not None
+            else {"block_table": md.block_table})
+        return [(i, pos, f"its page table sends a token of page position {pos} into a page its "
+                         "metadata does not list there (a row entry changed after the metadata "
+                         "was built)") for i, pos in zip(bad_b.tolist(), bad_pos.tolist())]
+
+    def table_write_mismatches(self, rows: IntpArray, read: Mapping[str, Any]
+                               ) -> tuple[Int64Array, Int64Array]:
+        """(batch index, page position) of each write the page table sends (the step's new
+        slots nobody committed yet) outside the page ``read`` lists there: ``read`` the CSR
+        (``kv_indptr``, ``kv_indices``) or a ``block_table``, numpy or tensors."""
         t = self.table
         done = np.maximum(t.num_committed[rows], t.write_from[rows])
         total = t.num_tokens[rows]
         slots: Any = table_slots(t.pages, rows, done, total, self.page_size)
-        csr = {"kv_indptr": md.indptr, "kv_indices": md.indices} if md.indices is not None \
-            else {"block_table": md.block_table}
-        read = md.indices if md.indices is not None else md.block_table
-        if not isinstance(read, np.ndarray):  # tensors: compared on their device
+        listed = read.get("kv_indices", read.get("block_table"))
+        if not isinstance(listed, np.ndarray):  # tensors: compared on their device
             import torch
 
-            slots = torch.as_tensor(slots, device=read.device)
-        bad_b, bad_pos = slot_mismatches({**csr, "slot_mapping": slots}, done, total - done,
-                                         self.page_size)
-        return [(i, pos, f"its page table sends a token of page position {pos} into a page its "
-                         "metadata does not list there (a row entry changed after the metadata "
-                         "was built)") for i, pos in zip(bad_b.tolist(), bad_pos.tolist())]
+            slots = torch.as_tensor(slots, device=listed.device)
+        return slot_mismatches({**read, "slot_mapping": slots}, done, total - done,
+                               self.page_size)
 
     def write_set(self, rows: IntpArray, fields: Mapping[str, Any] | None
                   ) -> tuple[IntpArray, Int64Array, Int64Array]:

@@ -39,12 +39,7 @@ from kvmem.errors import IntegrityError
 from kvmem.integrity._check import validate_csr
 from kvmem.integrity._full_check import FullCheck, Verdict, Writers, _Table
 from kvmem.integrity._metadata import Metadata
-from kvmem.integrity._step_checks import (
-    length_mismatches,
-    slot_mismatches,
-    table_slots,
-    validate_step_fields,
-)
+from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, validate_step_fields
 from kvmem.integrity._tags import TagMirror, qualify_live
 from kvmem.integrity._tracker import Tracker
 
@@ -408,13 +403,9 @@ class Verifier(FullCheck):
         start = t.write_from[rows]
         total = t.num_tokens[rows]
         given = None if fields is None else fields.get("slot_mapping")
-        if given is None:  # the step writes where the page table says
-            done = np.maximum(t.num_committed[rows], start)
-            by_table = table_slots(t.pages, rows, done, total, self.page_size)
-            if slot_mismatches({"kv_indptr": indptr, "kv_indices": indices,
-                                "slot_mapping": by_table}, done, total - done,
-                               self.page_size)[0].size:
-                return False
+        if given is None and self.table_write_mismatches(  # it writes where the table says
+                rows, {"kv_indptr": indptr, "kv_indices": indices})[0].size:
+            return False
         if fields is None:
             return True
         if length_mismatches(fields, total, total - start, self.page_size).size:
