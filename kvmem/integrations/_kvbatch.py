@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvmem.errors import ArgumentError, ConfigError
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 
 if TYPE_CHECKING:
     from kvmem.cuda import PagePool
@@ -58,7 +58,6 @@ class KVBatch(NamedTuple):
         already). A page id outside the pool, or a value outside its dtype, is refused
         (ArgumentError): the kernels would index past it."""
         from kvmem._validate import show
-        from kvmem.errors import ArgumentError, ArgumentTypeError
 
         if not hasattr(pool, "spec") or not hasattr(pool, "device"):
             raise ArgumentTypeError(f"pool={show(pool)}: expected a kvmem.cuda.PagePool")
