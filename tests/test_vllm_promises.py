@@ -172,16 +172,18 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
 
-@pytest.mark.parametrize(("argv", "named"), [
-    (["--steps", "0"], "--steps"),  # was statistics.StatisticsError after the whole run
-    (["--requests", "0"], "--requests"),  # was the SchedulerSpec's ConfigError, a traceback
-    (["--requests", "9000"], "--requests"),  # past the 8192-token step vLLM's config needs
-    (["--warmup", "-1"], "--warmup"),
+@pytest.mark.parametrize(("benchmark", "argv", "named"), [
+    ("bench_vllm_churn", ["--steps", "0"], "--steps"),  # was a StatisticsError after the run
+    ("bench_vllm_churn", ["--requests", "0"], "--requests"),  # was the SchedulerSpec's traceback
+    ("bench_vllm_churn", ["--requests", "9000"], "--requests"),  # past vLLM's 8192-token step
+    ("bench_vllm_churn", ["--warmup", "-1"], "--warmup"),
+    ("bench_vllm_floor", ["--decode-steps", "0"], "--decode-steps"),
+    ("bench_vllm_floor", ["--requests", "0"], "--requests"),
 ])
-def test_a_bad_churn_benchmark_option_is_one_line_and_status_2(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
-        named: str) -> None:
-    assert _benchmark("bench_vllm_churn", monkeypatch).main(argv) == 2
+def test_a_bad_vllm_benchmark_option_is_one_line_and_status_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], benchmark: str,
+        argv: list[str], named: str) -> None:
+    assert _benchmark(benchmark, monkeypatch).main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and named in err
 
@@ -199,13 +201,3 @@ def test_the_floor_benchmark_prints_the_documented_keys_and_its_bound(
     assert r["kv_speedup_bound"] == pytest.approx(
         r["vllm_kv_us"] / (r["floor_step_us"] + r["kvmem_per_request_us"]), rel=0.01)
     assert r["floor_step_us"] > 0 and r["floor_step_warm_us"] > 0
-
-
-@pytest.mark.parametrize(("argv", "named"), [(["--decode-steps", "0"], "--decode-steps"),
-                                             (["--requests", "0"], "--requests")])
-def test_a_bad_floor_benchmark_option_is_one_line_and_status_2(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
-        named: str) -> None:
-    assert _benchmark("bench_vllm_floor", monkeypatch).main(argv) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and len(err.strip().splitlines()) == 1 and named in err
