@@ -38,7 +38,7 @@ import numpy as np
 from bench_manager import KvmemDecode, KvmemShared, decode_trace, lockstep, shared_prompt_trace
 
 import kvmem
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 BASE = "kvmem_base"
 FIELDS = ("slot_mapping", "kv_indptr", "kv_indices", "seq_lens")
@@ -103,13 +103,13 @@ def measure(base: list[float], new: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = _Parser(prog="ab_manager.py", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = Parser(prog="ab_manager.py", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--base", default="HEAD", help="git revision to compare against")
-    parser.add_argument("--steps", type=_number(int, 1), default=2000, help="decode steps")
-    parser.add_argument("--requests", type=_number(int, 1), default=1000,
+    parser.add_argument("--steps", type=number(int, 1), default=2000, help="decode steps")
+    parser.add_argument("--requests", type=number(int, 1), default=1000,
                         help="shared-prompt admissions")
-    parser.add_argument("--batch", type=_number(int, 1), default=256)
-    parser.add_argument("--seed", type=_number(int, 0), default=0)
+    parser.add_argument("--batch", type=number(int, 1), default=256)
+    parser.add_argument("--seed", type=number(int, 0), default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     prompts, steps = decode_trace(args.seed, args.steps, args.batch)

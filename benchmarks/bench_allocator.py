@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from kvmem import PageAllocator, PageTable
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 PAGE_SIZE = 16
 
@@ -119,10 +119,10 @@ def churn(rng: np.random.Generator, num_ops: int = 20000) -> float:
 
 
 def main() -> None:
-    parser = _Parser(prog="bench_allocator.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=_number(int, 1), default=2000)
-    parser.add_argument("--batch", type=_number(int, 1), default=256)
-    parser.add_argument("--seed", type=_number(int, 0), default=0)
+    parser = Parser(prog="bench_allocator.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=number(int, 1), default=2000)
+    parser.add_argument("--batch", type=number(int, 1), default=256)
+    parser.add_argument("--seed", type=number(int, 0), default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     prompts = initial_prompts(rng, args.batch)

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 PROMPT_LEN = 32
 PAGE_SIZE = 16
@@ -114,11 +114,11 @@ def integrity_pair(model: Any, batch: int, steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
+    parser = Parser(prog="bench_engine.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps, batch 1 and 8")
-    parser.add_argument("--steps", type=_number(int, 1), default=None,
+    parser.add_argument("--steps", type=number(int, 1), default=None,
                         help="decode steps per grid cell")
-    parser.add_argument("--integrity-steps", type=_number(int, 1), default=None)
+    parser.add_argument("--integrity-steps", type=number(int, 1), default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from kvmem.integrations.hf import load_smollm2

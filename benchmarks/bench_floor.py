@@ -41,7 +41,7 @@ from bench_manager import (
     vllm_imports,
 )
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 _M1 = np.array(0xFF51AFD7ED558CCD, dtype=np.uint64)
 _M2 = np.array(0xC4CEB9FE1A85EC53, dtype=np.uint64)
@@ -197,9 +197,9 @@ def compare(steps: int, batch: int, contenders: dict[str, Any], skip: int = 0
 
 
 def main() -> None:
-    parser = _Parser(prog="bench_floor.py", description=__doc__.splitlines()[0] if __doc__ else "")
-    parser.add_argument("--steps", type=_number(int, 1), default=1000)
-    parser.add_argument("--batch", type=_number(int, 1), default=256)
+    parser = Parser(prog="bench_floor.py", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--steps", type=number(int, 1), default=1000)
+    parser.add_argument("--batch", type=number(int, 1), default=256)
     args = parser.parse_args()
     result, _ = compare(args.steps, args.batch, {"floor": FloorDecode})
     result["kvmem_over_floor"] = round(result["kvmem_decode_step_us_median"]

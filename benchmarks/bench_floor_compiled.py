@@ -21,7 +21,7 @@ from bench_manager import PAGE_SIZE, clock
 from numba import njit, types
 from numba.typed import Dict
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 M1, M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 
@@ -154,10 +154,10 @@ class CompiledFloorDecode(FloorDecode):
 
 
 def main() -> None:
-    parser = _Parser(prog="bench_floor_compiled.py",
-                     description=__doc__.splitlines()[0] if __doc__ else "")
-    parser.add_argument("--steps", type=_number(int, 1), default=1000)
-    parser.add_argument("--batch", type=_number(int, 1), default=256)
+    parser = Parser(prog="bench_floor_compiled.py",
+                    description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--steps", type=number(int, 1), default=1000)
+    parser.add_argument("--batch", type=number(int, 1), default=256)
     args = parser.parse_args()
     # The compiled step's first calls compile (or load numba's cache): skipped.
     result, runners = compare(args.steps, args.batch,

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 from kvmem.quant import fp8_to_float
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -54,11 +54,11 @@ def case(n: int, out_bytes: int, wall: float, cpu: float, copy_rate: float | Non
 
 
 def main() -> None:
-    ap = _Parser(prog="bench_fp8.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--elements", type=_number(int, 1), default=1 << 24)
-    ap.add_argument("--width", type=_number(int, 1), default=128)
-    ap.add_argument("--repeat", type=_number(int, 1), default=9)
-    ap.add_argument("--threads", type=_number(int, 1), default=None,
+    ap = Parser(prog="bench_fp8.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=number(int, 1), default=1 << 24)
+    ap.add_argument("--width", type=number(int, 1), default=128)
+    ap.add_argument("--repeat", type=number(int, 1), default=9)
+    ap.add_argument("--threads", type=number(int, 1), default=None,
                     help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:

@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 from kvmem.manager import KVCacheManager
 from kvmem.testing import FuzzConfig, Run
 
@@ -219,9 +219,9 @@ def fuzz_rate(num_moves: int, seed: int, split: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = _Parser(prog="bench_fuzz.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--moves", type=_number(int, 1), default=15000)
-    ap.add_argument("--seed", type=_number(int, 0), default=1)
+    ap = Parser(prog="bench_fuzz.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--moves", type=number(int, 1), default=15000)
+    ap.add_argument("--seed", type=number(int, 0), default=1)
     ap.add_argument("--split", action=argparse.BooleanOptionalAction, default=True,
                     help="a second run with the manager's calls timed apart (the shares, "
                          "moves_per_s_at_12k and the issue's call costs); on by default")

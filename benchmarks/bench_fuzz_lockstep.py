@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,11 +96,11 @@ def _ask(p: subprocess.Popen[str], line: str) -> str:
 
 
 def main() -> None:
-    ap = _Parser(prog="bench_fuzz_lockstep.py", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="bench_fuzz_lockstep.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("base", nargs="?", default="HEAD", help="git revision of the 'before' tree")
     ap.add_argument("--new", help="git revision of the 'after' tree (default: the working tree)")
-    ap.add_argument("--slices", type=_number(int, 1), default=60)
-    ap.add_argument("--moves", type=_number(int, 1), default=250, help="moves per slice")
+    ap.add_argument("--slices", type=number(int, 1), default=60)
+    ap.add_argument("--moves", type=number(int, 1), default=250, help="moves per slice")
     ap.add_argument("--worker", choices=("plain", "split"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 from kvmem.manager import KVCacheManager
 
 PAGE_SIZE = 16
@@ -321,12 +321,12 @@ def vllm_imports() -> bool:
 
 
 def main() -> None:
-    parser = _Parser(prog="bench_manager.py",
-                     description=__doc__.splitlines()[0] if __doc__ else "")
-    parser.add_argument("--steps", type=_number(int, 1), default=2000)
-    parser.add_argument("--batch", type=_number(int, 1), default=256)
-    parser.add_argument("--requests", type=_number(int, 1), default=1000)
-    parser.add_argument("--seed", type=_number(int, 0), default=0)
+    parser = Parser(prog="bench_manager.py",
+                    description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--steps", type=number(int, 1), default=2000)
+    parser.add_argument("--batch", type=number(int, 1), default=256)
+    parser.add_argument("--requests", type=number(int, 1), default=1000)
+    parser.add_argument("--seed", type=number(int, 0), default=0)
     args = parser.parse_args()
     prompts, steps = decode_trace(args.seed, args.steps, args.batch)
     _system, shared = shared_prompt_trace(args.seed, args.requests)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 from kvmem.cuda import PagePool, PoolSpec
 
 CASES = [
@@ -66,14 +66,14 @@ def _device(text: str) -> torch.device:
 
 
 def main() -> None:
-    ap = _Parser(prog="bench_pool.py", description=__doc__.splitlines()[0])
+    ap = Parser(prog="bench_pool.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", type=_device,
                     default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=_number(int, 1), default=16384)
-    ap.add_argument("--heads", type=_number(int, 1), default=8)
-    ap.add_argument("--head-dim", type=_number(int, 1), default=128)
-    ap.add_argument("--page-size", type=_number(int, 1), default=16)
-    ap.add_argument("--repeat", type=_number(int, 1), default=7)
+    ap.add_argument("--tokens", type=number(int, 1), default=16384)
+    ap.add_argument("--heads", type=number(int, 1), default=8)
+    ap.add_argument("--head-dim", type=number(int, 1), default=128)
+    ap.add_argument("--page-size", type=number(int, 1), default=16)
+    ap.add_argument("--repeat", type=number(int, 1), default=7)
     args = ap.parse_args()
     device = args.device
     num_pages = -(-args.tokens // args.page_size)

@@ -34,18 +34,18 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmem.cli import _number, _Parser
+    from kvmem.cli.args import Parser, number
 
     # kvmem's parser: a bad option is one line on stderr and exit status 2, before any work.
-    p = _Parser(prog="bench_vllm_churn.py", description=__doc__.split("\n")[0])
+    p = Parser(prog="bench_vllm_churn.py", description=__doc__.split("\n")[0])
     # The scheduler batches 8192 tokens a step, and vLLM needs max_num_seqs at most that.
-    p.add_argument("--requests", type=_number(int, 1, maximum=8192), default=256,
+    p.add_argument("--requests", type=number(int, 1, maximum=8192), default=256,
                    help="running requests (1 to 8192)")
-    p.add_argument("--steps", type=_number(int, 1), default=400,
+    p.add_argument("--steps", type=number(int, 1), default=400,
                    help="steps measured (at least 1)")
-    p.add_argument("--warmup", type=_number(int, 0), default=200,
+    p.add_argument("--warmup", type=number(int, 0), default=200,
                    help="steps run before measuring (at least 0)")
-    p.add_argument("--seed", type=_number(int), default=0)
+    p.add_argument("--seed", type=number(int), default=0)
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:  # --help, or a bad option (its one line already printed)

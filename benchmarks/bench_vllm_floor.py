@@ -33,13 +33,13 @@ import time
 import numpy as np
 from bench_floor import FloorDecode
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="bench_vllm_floor.py", description=__doc__.split("\n")[0])
-    p.add_argument("--decode-steps", type=_number(int, 1, maximum=100_000), default=300)
-    p.add_argument("--requests", type=_number(int, 1, maximum=4096), default=256)
+    p = Parser(prog="bench_vllm_floor.py", description=__doc__.split("\n")[0])
+    p.add_argument("--decode-steps", type=number(int, 1, maximum=100_000), default=300)
+    p.add_argument("--requests", type=number(int, 1, maximum=4096), default=256)
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:  # --help, or a bad option (one line on stderr)

@@ -28,16 +28,16 @@ import platform
 import subprocess
 import sys
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 
 
 def main() -> int:
-    p = _Parser(prog="bench_vllm_scheduler.py", description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=_number(int, 1, maximum=8192), default=256)
-    p.add_argument("--prompt-len", type=_number(int, 1), default=1000)
-    p.add_argument("--shared-len", type=_number(int, 0), default=512)
-    p.add_argument("--decode-steps", type=_number(int, 1), default=300)
-    p.add_argument("--seed", type=_number(int, 0), default=0)
+    p = Parser(prog="bench_vllm_scheduler.py", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=number(int, 1, maximum=8192), default=256)
+    p.add_argument("--prompt-len", type=number(int, 1), default=1000)
+    p.add_argument("--shared-len", type=number(int, 0), default=512)
+    p.add_argument("--decode-steps", type=number(int, 1), default=300)
+    p.add_argument("--seed", type=number(int, 0), default=0)
     args = p.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs to stdout
     from kvmem.integrations.vllm import vllm_import_error

@@ -2,6 +2,8 @@
 
 Layers (data flows downward; nothing imports upward)::
 
+    kvmem.cli          the ``kvmem`` command (plan, simulate, fuzz) and its parser
+    kvmem.simulate     continuous batching on a planned pool, driving the real manager
     kvmem.planning     capacity plans, model and GPU presets, throughput model (no torch)
     kvmem.manager      KVCacheManager: the facade an engine calls, per request and per step
     kvmem.allocator    PageAllocator, PageTable, prefix caches, step fences, the step's kernel
@@ -11,6 +13,8 @@ Layers (data flows downward; nothing imports upward)::
     kvmem.quant        KV codecs: bf16/fp16 pass-through, fp8 e4m3/e5m2 with scales; int4 weights
     kvmem.cuda         PagePool: page data on the GPU when there is one, else the CPU
     kvmem.attention    reference paged attention over a PagePool
+    kvmem.integrations a transformers model and a small engine on kvmem pages; vLLM's scheduler
+    kvmem.testing      fuzzing engines, oracles and the fault catalog
 
 Names from the torch layers (``PagePool``, ``PoolSpec``, ``paged_attention``) and from planning
 are imported on first use, so ``import kvmem.allocator`` needs neither torch nor pydantic models.

@@ -129,7 +129,7 @@ def test_the_plot_draws_the_plans_the_table_shows(
     """--plot uses every planning flag (here --use-mtp: the MTP layer's weights leave less
     memory for KV)."""
     pytest.importorskip("matplotlib")
-    import kvmem.cli as cli
+    import kvmem.cli._plan as cli
     from kvmem.planning import plan_capacity
 
     drawn: dict[str, list[int]] = {}

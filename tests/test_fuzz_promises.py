@@ -99,7 +99,7 @@ def test_the_vllm_table_names_the_seven_faults_that_apply_to_vllm() -> None:
 
 
 def test_the_ci_profile_runs_the_documented_fault_free_moves() -> None:
-    from kvmem import _fuzz_cli
+    from kvmem.cli import _fuzz as _fuzz_cli
 
     assert "50,000 fault-free moves on the manager" in DOC and "10,000 on the toy" in DOC
     assert _fuzz_cli._CI_CLEAN["manager"] == 50_000 and _fuzz_cli._CI_CLEAN["toy"] == 10_000

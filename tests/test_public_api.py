@@ -74,7 +74,7 @@ def test_errors_share_one_root() -> None:
 LAYERS = ("allocator", "integrity", "quant", "cuda", "planning", "integrations", "testing")
 
 
-SHARED = ("kvmem.errors", "kvmem._validate", "kvmem._models")  # the root every layer uses
+SHARED = ("kvmem.errors", "kvmem._validate", "kvmem._specs")  # the root every layer uses
 
 
 def _layer(module: str) -> str:

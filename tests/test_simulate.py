@@ -8,11 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from kvmem._workload import Arrivals
 from kvmem.cli import main
 from kvmem.errors import ConfigError
 from kvmem.planning import FixedReserve, GPUSpec, plan_capacity
-from kvmem.simulate import LengthDist, Workload, simulate
+from kvmem.simulate import Arrivals, LengthDist, Workload, simulate
 
 
 def tiny_plan(memory_mib: int = 1024, page_size: int = 16):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ from annotated_types import Le
 from pydantic import BeforeValidator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvmem._models import NonNegativeInt, PositiveInt, SpecModel
+from kvmem._specs import NonNegativeInt, PositiveInt, SpecModel
 from kvmem._validate import integer, is_integer_like
 from kvmem.quant import PageDType, ScaleGranularity, page_format
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool
 
-from kvmem._models import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
+from kvmem._specs import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
 from kvmem._validate import integer, show
 from kvmem.errors import ArgumentTypeError
 from kvmem.planning._spec import GPUSpec, VisionSpec

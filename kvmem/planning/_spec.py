@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, StrictBool, model_validator
 
-from kvmem._models import NonNegativeInt, PositiveInt, PositiveReal, SpecModel
+from kvmem._specs import NonNegativeInt, PositiveInt, PositiveReal, SpecModel
 from kvmem.errors import ConfigError
 from kvmem.quant.int4 import int4_bytes_per_param  # torch-free: int4 imports torch lazily
 

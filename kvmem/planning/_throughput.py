@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvmem._models import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
+from kvmem._specs import NonNegativeReal, PositiveInt, PositiveReal, SpecModel
 from kvmem._validate import integer, real, show
 from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.planning._plan import CapacityPlan, decode_bytes_per_step

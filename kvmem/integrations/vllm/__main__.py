@@ -20,25 +20,25 @@ import sys
 import time
 from typing import Any
 
-from kvmem.cli import _number, _Parser
+from kvmem.cli.args import Parser, number
 from kvmem.integrations.vllm import vllm_import_error
 
 
 def _parser() -> argparse.ArgumentParser:
     # kvmem's parser: a bad option is one line on stderr and exit status 2, before any work.
-    p = _Parser(prog="python -m kvmem.integrations.vllm",
-                description="vLLM's scheduler on kvmem: conformance and speed")
+    p = Parser(prog="python -m kvmem.integrations.vllm",
+               description="vLLM's scheduler on kvmem: conformance and speed")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("conformance", help="differential conformance against vLLM's own manager")
-    c.add_argument("--streams", type=_number(int, 1), default=200,
+    c.add_argument("--streams", type=number(int, 1), default=200,
                    help="random streams to compare (at least 1)")
-    c.add_argument("--seed", type=_number(int), default=0, help="first stream's seed")
+    c.add_argument("--seed", type=number(int), default=0, help="first stream's seed")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     # The timed stream's scheduler batches 8192 tokens a step, and vLLM needs max_num_seqs
     # (the batch) at most that.
-    c.add_argument("--batch", type=_number(int, 1, maximum=8192), default=256,
+    c.add_argument("--batch", type=number(int, 1, maximum=8192), default=256,
                    help="decode batch of the timed stream (1 to 8192)")
-    c.add_argument("--decode-steps", type=_number(int, 0), default=100,
+    c.add_argument("--decode-steps", type=number(int, 0), default=100,
                    help="decode steps timed in lockstep (0: no timing)")
     return p
 

@@ -4,7 +4,8 @@
 
     kvmem simulate MODEL [--compare bf16,fp8_e4m3] [--requests 1000] [--concurrency 64] ...
 
-The options are checked (by :mod:`kvmem.cli`'s argument types) before the manager is imported.
+The options are checked (by :mod:`kvmem.cli.args`' types) before the simulator and the manager
+are imported.
 """
 
 from __future__ import annotations
@@ -18,25 +19,25 @@ from typing import Any
 
 import numpy as np
 
-from kvmem.cli import (
-    _FRACTION,
-    _KV_DTYPES,
-    _NONNEG,
-    _NONNEG_INT,
-    _POSITIVE,
-    _POSITIVE_INT,
-    _dtype_list,
-    _number,
-    _Parser,
-    _resolve_model,
+from kvmem.cli.args import (
+    FRACTION,
+    KV_DTYPES,
+    NONNEG,
+    NONNEG_INT,
+    POSITIVE,
+    POSITIVE_INT,
+    Parser,
+    dtype_list,
     dtypes_asked,
+    number,
+    resolve_model,
 )
 from kvmem.errors import ConfigError
 
 __all__ = ["add_simulate_parser", "run_simulate"]
 
 
-def add_simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+def add_simulate_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     """Register ``kvmem simulate`` on the CLI's subparsers."""
     p = sub.add_parser(
         "simulate",
@@ -51,46 +52,46 @@ def add_simulate_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("model", nargs="?", default="kimi-k2.6",
                    help="preset name or config.json (default kimi-k2.6)")
     p.add_argument("--gpu", default="h200", help="GPU preset name (default h200)")
-    p.add_argument("--tp", type=_POSITIVE_INT, default=8,
+    p.add_argument("--tp", type=POSITIVE_INT, default=8,
                    help="tensor-parallel GPUs per replica (default 8)")
-    p.add_argument("--kv-dtype", choices=_KV_DTYPES, help="KV dtype (default bf16)")
-    p.add_argument("--compare", type=_dtype_list,
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV dtype (default bf16)")
+    p.add_argument("--compare", type=dtype_list,
                    help="comma-separated KV dtypes, simulated one after the other")
     p.add_argument("--weights", default="native",
                    help="native, bf16, fp8, int4-g<N> or mxfp4 (default native)")
-    p.add_argument("--page-size", type=_POSITIVE_INT, default=16,
+    p.add_argument("--page-size", type=POSITIVE_INT, default=16,
                    help="tokens per KV page (default 16)")
-    p.add_argument("--requests", type=_POSITIVE_INT, default=1000,
+    p.add_argument("--requests", type=POSITIVE_INT, default=1000,
                    help="requests to simulate (default 1000)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--concurrency", type=_POSITIVE_INT,
+    g.add_argument("--concurrency", type=POSITIVE_INT,
                    help="closed loop: clients, each sending its next request when one ends "
                         "(default 64)")
-    g.add_argument("--rate", type=_POSITIVE, help="open loop: Poisson arrivals per second (> 0)")
+    g.add_argument("--rate", type=POSITIVE, help="open loop: Poisson arrivals per second (> 0)")
     p.add_argument("--prompt-len", default="10000-18000",
                    help="prompt tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 10000-18000)")
     p.add_argument("--output-len", default="1000-2000",
                    help="output tokens: N, LO-HI or lognormal:MEDIAN,SIGMA (default 1000-2000)")
-    p.add_argument("--prefixes", type=_NONNEG_INT, default=0,
+    p.add_argument("--prefixes", type=NONNEG_INT, default=0,
                    help="shared prefixes (default 0)")
-    p.add_argument("--prefix-len", type=_NONNEG_INT,
+    p.add_argument("--prefix-len", type=NONNEG_INT,
                    help="tokens per shared prefix (default 0; needs --prefixes)")
-    p.add_argument("--prefix-fraction", type=_number(float, 0, maximum=1),
+    p.add_argument("--prefix-fraction", type=number(float, 0, maximum=1),
                    help="fraction of requests that start with a shared prefix, in [0, 1] "
                         "(default 1; needs --prefixes)")
-    p.add_argument("--max-running", type=_POSITIVE_INT, default=256,
+    p.add_argument("--max-running", type=POSITIVE_INT, default=256,
                    help="most requests decoding at once (default 256)")
-    p.add_argument("--chunk", type=_POSITIVE_INT, default=16,
+    p.add_argument("--chunk", type=POSITIVE_INT, default=16,
                    help="decode steps per batched manager call (default 16)")
-    p.add_argument("--prefill-tps", type=_POSITIVE,
+    p.add_argument("--prefill-tps", type=POSITIVE,
                    help="prefill tokens/s, > 0 (default: a disaggregated decode pool)")
-    p.add_argument("--t0-ms", type=_NONNEG,
+    p.add_argument("--t0-ms", type=NONNEG,
                    help="fixed cost of a decode step in ms (default 5.4, the Kimi K2.6 fit)")
-    p.add_argument("--efficiency", type=_FRACTION,
+    p.add_argument("--efficiency", type=FRACTION,
                    help="fraction of peak bandwidth a decode step reaches, in (0, 1] "
                         "(default 0.70, the Kimi K2.6 fit)")
     p.add_argument("--no-prefix-cache", action="store_true", help="run without prefix reuse")
-    p.add_argument("--seed", type=_number(int, 0, maximum=2**32 - 1), default=0,
+    p.add_argument("--seed", type=number(int, 0, maximum=2**32 - 1), default=0,
                    help="random seed of the workload (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -106,7 +107,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if not args.prefixes and (args.prefix_len is not None or args.prefix_fraction is not None):
         raise ConfigError("--prefix-len and --prefix-fraction describe shared prefixes: give "
                           "--prefixes N as well, or drop them.")
-    spec = _resolve_model(args.model)
+    spec = resolve_model(args.model)
     gpu = get_gpu(args.gpu)
     from kvmem.simulate import DEFAULT_STEP_MODEL, LengthDist, SimulationReport, Workload, simulate
 

@@ -12,10 +12,10 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmem._workload import Arrivals, Workload
 from kvmem.errors import ConfigError, OutOfPagesError
 from kvmem.manager import KVCacheManager
 from kvmem.planning import CapacityPlan, ThroughputModel
+from kvmem.simulate._workload import Arrivals, Workload
 
 __all__ = ["Simulation", "SimulationReport", "StepClock", "TimelinePoint"]
 

@@ -1,28 +1,4 @@
-"""``kvmem simulate``: continuous batching driven through the real :class:`KVCacheManager`.
-
-This module sits above the manager (it drives one); :mod:`kvmem.planning` stays pure, and this
-simulator takes its pool size and step clock from a :class:`~kvmem.planning.CapacityPlan`.
-
-No page pools and no model: the manager does the real page bookkeeping (admission, prefix
-reuse, page growth, copy-on-write, eviction, preemption), on a pool sized by a
-:class:`~kvmem.planning.CapacityPlan` at the plan's real page size, and the clock comes from the
-decode throughput model (``t_step = t0 + bytes_read / (bandwidth * efficiency)``).
-
-The loop is event-driven and batched, so a million requests take minutes, not hours::
-
-    while requests remain:
-        admit waiting requests, FCFS (preempted first) while can_admit() and a row is free
-        k = chunk                                         # one "chunk" of k decode steps
-        n_i = min(k, tokens request i still has to generate)
-        reserve(running, n)          one vectorized call; if the pages are not there, the
-                                     largest k that fits, else preempt the newest request
-        commit_batch(running, ...)   one call for the requests that ran all k steps
-        clock += sum over the k steps of t_step(batch size, sum of contexts)   (numpy)
-        release the requests that finished
-
-A request admitted or finishing inside a chunk is admitted or released at the chunk's end, so
-times are quantized to ``chunk`` decode steps (16 by default: a few hundred milliseconds).
-"""
+""":func:`simulate`: its arguments checked, the manager, arrivals and clock built, the run."""
 
 from __future__ import annotations
 
@@ -33,20 +9,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvmem._simulation import Simulation, SimulationReport, StepClock, TimelinePoint
 from kvmem._validate import INT32_MAX, flag, integer, real, show
-from kvmem._workload import Arrivals, LengthDist, Workload
 from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.manager import KVCacheManager
 from kvmem.planning import CapacityPlan, ThroughputModel, plan_capacity
+from kvmem.simulate._simulation import Simulation, SimulationReport, StepClock
+from kvmem.simulate._workload import Arrivals, Workload
 
-__all__ = [
-    "LengthDist",
-    "SimulationReport",
-    "TimelinePoint",
-    "Workload",
-    "simulate",
-]
+__all__ = ["DEFAULT_STEP_MODEL", "simulate"]
 
 logger = logging.getLogger(__name__)
 

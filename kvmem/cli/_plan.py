@@ -1,127 +1,41 @@
-"""The ``kvmem`` command line.
+"""``kvmem plan``: how many KV tokens and requests fit on a set of GPUs.
 
 ::
 
-    kvmem --version
     kvmem plan MODEL --gpu h200 --tp 8 --kv-dtype fp8_e4m3 [--weights int4-g32]
                [--context 32768] [--concurrency 64] [--compare bf16,fp8_e4m3]
                [--json] [--plot FILE.png]
-    kvmem simulate MODEL [--compare bf16,fp8_e4m3] [--requests 1000] [--concurrency 64] ...
 
-``MODEL`` is a preset name (``kvmem plan --list`` shows them) or the path of a Hugging Face
-``config.json`` (or its folder). Every option is checked before any work starts; an error
-(an unknown name, a count of 0, a number that is not one) prints one line to stderr and exits
-with status 2, never a traceback. ``kvmem plan`` imports neither torch nor the manager.
+Imports neither torch nor the manager: planning is pure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from kvmem import __version__
-from kvmem.errors import KVMemError
+from kvmem.cli.args import (
+    FRACTION,
+    KV_DTYPES,
+    NONNEG,
+    POSITIVE,
+    POSITIVE_INT,
+    Parser,
+    dtype_list,
+    dtypes_asked,
+    resolve_model,
+)
 
-__all__ = ["build_parser", "main"]
+__all__ = ["add_plan_parser", "format_plans", "run_plan"]
 
-_EXIT_ERROR = 2
-_KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 _SCALES = ("tensor", "head", "token_head")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (and exit status 2), like every other
-    kvmem error: ``kvmem plan: error: argument --tp: expected an integer >= 1, got '0'``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(_EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        parsed, extras = super().parse_known_args(args, namespace)
-        # argparse drops a "--" given as an option's value (`--tp=--`) and stores [] without
-        # calling the option's type: refuse it like any other bad value.
-        for action in self._actions:
-            value = getattr(parsed, action.dest, None)
-            if action.nargs is None and action.option_strings and value == []:
-                self.error(f"argument {'/'.join(action.option_strings)}: expected a value, "
-                           "got '--'")
-        return parsed, extras
-
-
-def _number(kind: type, minimum: float | None = None, *, above: bool = False,
-            maximum: float | None = None) -> Callable[[str], Any]:
-    """An argparse ``type=``: an int or a finite float within bounds, with a one-line error."""
-    low = "" if minimum is None else f" {'>' if above else '>='} {minimum:g}"
-    high = "" if maximum is None else f"{' and' if low else ''} <= {maximum:g}"
-    want = f"{'an integer' if kind is int else 'a number'}{low}{high}"
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
-        if minimum is not None and (value <= minimum if above else value < minimum):
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
-        return value
-
-    parse.__name__ = want  # argparse names the type in some messages
-    return parse
-
-
-_POSITIVE_INT = _number(int, 1)
-_NONNEG_INT = _number(int, 0)
-_POSITIVE = _number(float, 0, above=True)
-_NONNEG = _number(float, 0)
-_FRACTION = _number(float, 0, above=True, maximum=1)
-
-
-def _dtype_list(text: str) -> list[str]:
-    """``--compare``: comma-separated KV dtypes, each known."""
-    dtypes = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in _KV_DTYPES]
-    if not dtypes or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated KV dtypes from {', '.join(_KV_DTYPES)}, got {text!r}"
-        )
-    if len(set(dtypes)) < len(dtypes):
-        raise argparse.ArgumentTypeError(f"{text!r} names a dtype twice; name each once")
-    return dtypes
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser, one subcommand per tool."""
-    parser = _Parser(
-        prog="kvmem",
-        description="Paged KV-cache memory manager: capacity planning and simulation tools.",
-    )
-    parser.add_argument(
-        "--version", action="version", version=f"kvmem {__version__}",
-        help="print the kvmem version and exit",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    _add_plan(sub)
-    from kvmem._fuzz_cli import add_fuzz_parser
-    from kvmem._simulate_cli import add_simulate_parser
-
-    add_simulate_parser(sub)
-    add_fuzz_parser(sub)
-    return parser
-
-
-def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
+def add_plan_parser(sub: argparse._SubParsersAction[Parser]) -> None:
+    """Register ``kvmem plan`` on the command line's subparsers."""
     p = sub.add_parser(
         "plan",
         help="how many KV tokens and requests fit on a set of GPUs",
@@ -133,48 +47,39 @@ def _add_plan(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("model", nargs="?", help="preset name or path to config.json / its folder")
     p.add_argument("--list", action="store_true", help="list preset models and GPUs and exit")
     p.add_argument("--gpu", default="h200", help="GPU preset name, or 'custom' (default h200)")
-    p.add_argument("--gpu-memory-gib", type=_POSITIVE, help="custom GPU memory in GiB (> 0)")
-    p.add_argument("--gpu-bandwidth-gbs", type=_POSITIVE,
+    p.add_argument("--gpu-memory-gib", type=POSITIVE, help="custom GPU memory in GiB (> 0)")
+    p.add_argument("--gpu-bandwidth-gbs", type=POSITIVE,
                    help="custom GPU bandwidth in GB/s (> 0)")
-    p.add_argument("--tp", type=_POSITIVE_INT, default=1,
+    p.add_argument("--tp", type=POSITIVE_INT, default=1,
                    help="tensor-parallel GPUs per replica (default 1)")
-    p.add_argument("--dp", type=_POSITIVE_INT, default=1,
+    p.add_argument("--dp", type=POSITIVE_INT, default=1,
                    help="replicas, data parallel (default 1)")
-    p.add_argument("--kv-dtype", choices=_KV_DTYPES, help="KV dtype (default bf16)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV dtype (default bf16)")
     p.add_argument("--kv-scales", choices=_SCALES,
                    help="FP8 scales per tensor (default), head or token_head; fp8 KV only")
-    p.add_argument("--compare", type=_dtype_list,
+    p.add_argument("--compare", type=dtype_list,
                    help="comma-separated KV dtypes to put side by side, e.g. bf16,fp8_e4m3")
     p.add_argument("--weights", default="native",
                    help="native, bf16, fp8, int4-g<N> (e.g. int4-g32) or mxfp4 (default native)")
-    p.add_argument("--context", type=_POSITIVE_INT,
+    p.add_argument("--context", type=POSITIVE_INT,
                    help="tokens per request, for the max concurrency row")
-    p.add_argument("--concurrency", type=_POSITIVE_INT,
+    p.add_argument("--concurrency", type=POSITIVE_INT,
                    help="requests per decode step, for the tok/s bound (needs --context)")
-    p.add_argument("--page-size", type=_POSITIVE_INT, default=16,
+    p.add_argument("--page-size", type=POSITIVE_INT, default=16,
                    help="tokens per KV page (default 16)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--reserve-gib", type=_NONNEG,
+    group.add_argument("--reserve-gib", type=NONNEG,
                        help="fixed reserve per GPU in GiB instead of SGLang's")
-    group.add_argument("--mem-fraction", type=_FRACTION,
+    group.add_argument("--mem-fraction", type=FRACTION,
                        help="weights + KV fraction of GPU memory, in (0, 1]")
-    p.add_argument("--runtime-overhead-gib", type=_NONNEG,
+    p.add_argument("--runtime-overhead-gib", type=NONNEG,
                    help="CUDA context etc. to take off the SGLang-like budget (default 0; not "
                         "with --reserve-gib or --mem-fraction)")
     p.add_argument("--use-mtp", action="store_true", help="load the MTP layers (speculative)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also plot max concurrency against context into FILE.png (matplotlib)")
-    p.set_defaults(func=_cmd_plan)
-
-
-def _resolve_model(name: str) -> Any:
-    from kvmem.planning import get_model, load_hf_config
-
-    path = Path(name)
-    if path.exists():
-        return load_hf_config(path)
-    return get_model(name)
+    p.set_defaults(func=run_plan)
 
 
 def _resolve_gpu(args: argparse.Namespace) -> Any:
@@ -213,7 +118,8 @@ def _policy(args: argparse.Namespace) -> Any:
     return SGLangPolicy(runtime_overhead_gib=overhead or 0.0)
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace) -> int:
+    """``kvmem plan``: one plan per KV dtype, as a table or JSON, and the plot if asked."""
     from kvmem.errors import ConfigError
     from kvmem.planning import GPU_PRESETS, MODEL_PRESETS
 
@@ -234,7 +140,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
     if args.plot is not None:
         _check_plot_path(args.plot)
-    model = _resolve_model(args.model)
+    model = resolve_model(args.model)
     gpu = _resolve_gpu(args)
     policy = _policy(args)
     plans = _plans(args, model, gpu, policy, dtypes)
@@ -253,16 +159,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}")
     return 0
-
-
-def dtypes_asked(args: argparse.Namespace) -> list[str]:
-    """The KV dtypes of ``--compare``, else ``--kv-dtype`` (default bf16); never both."""
-    from kvmem.errors import ConfigError
-
-    if args.compare and args.kv_dtype:
-        raise ConfigError(f"--kv-dtype {args.kv_dtype} and --compare {','.join(args.compare)} "
-                          "both choose the KV dtype; give one of them.")
-    return args.compare or [args.kv_dtype or "bf16"]
 
 
 def format_plans(plans: Sequence[object]) -> str:
@@ -423,34 +319,3 @@ def _plot(plans: Sequence[Any], path: str) -> dict[str, list[int]]:
     finally:
         plt.close(fig)
     return series
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 on success, 2 on bad input)."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, or a usage error (already printed)
-        return int(exc.code or 0)
-    try:
-        status: int = args.func(args)
-    except KVMemError as exc:
-        print(f"kvmem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return _EXIT_ERROR
-    except MemoryError as exc:  # e.g. `kvmem simulate --requests 2000000000`
-        print(f"kvmem {args.command}: error: out of memory ({_one_line(exc) or 'MemoryError'}); "
-              "ask for less (fewer --requests, a smaller --config)", file=sys.stderr)
-        return _EXIT_ERROR
-    except BrokenPipeError:  # `kvmem plan ... | head`: the reader left; no traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE, as a shell reports it
-    return status
-
-
-def _one_line(exc: BaseException) -> str:
-    """pydantic's multi-line validation errors folded into one line."""
-    return " ".join(str(exc).split())
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import Field, model_validator
 
-from kvmem._models import NonNegativeInt, NonNegativeReal, PositiveInt, PositiveReal, SpecModel
+from kvmem._specs import NonNegativeInt, NonNegativeReal, PositiveInt, PositiveReal, SpecModel
 from kvmem._validate import INT32_MAX, show
 from kvmem.errors import ArgumentTypeError, ConfigError
 

@@ -1,0 +1,41 @@
+"""Continuous batching driven through the real :class:`KVCacheManager` (``kvmem simulate``).
+
+This package sits above the manager (it drives one); :mod:`kvmem.planning` stays pure, and this
+simulator takes its pool size and step clock from a :class:`~kvmem.planning.CapacityPlan`.
+
+No page pools and no model: the manager does the real page bookkeeping (admission, prefix
+reuse, page growth, copy-on-write, eviction, preemption), on a pool sized by a
+:class:`~kvmem.planning.CapacityPlan` at the plan's real page size, and the clock comes from the
+decode throughput model (``t_step = t0 + bytes_read / (bandwidth * efficiency)``).
+
+The loop is event-driven and batched, so a million requests take minutes, not hours::
+
+    while requests remain:
+        admit waiting requests, FCFS (preempted first) while can_admit() and a row is free
+        k = chunk                                         # one "chunk" of k decode steps
+        n_i = min(k, tokens request i still has to generate)
+        reserve(running, n)          one vectorized call; if the pages are not there, the
+                                     largest k that fits, else preempt the newest request
+        commit_batch(running, ...)   one call for the requests that ran all k steps
+        clock += sum over the k steps of t_step(batch size, sum of contexts)   (numpy)
+        release the requests that finished
+
+A request admitted or finishing inside a chunk is admitted or released at the chunk's end, so
+times are quantized to ``chunk`` decode steps (16 by default: a few hundred milliseconds).
+"""
+
+from __future__ import annotations
+
+from kvmem.simulate._run import DEFAULT_STEP_MODEL, simulate
+from kvmem.simulate._simulation import SimulationReport, TimelinePoint
+from kvmem.simulate._workload import Arrivals, LengthDist, Workload
+
+__all__ = [
+    "DEFAULT_STEP_MODEL",
+    "Arrivals",
+    "LengthDist",
+    "SimulationReport",
+    "TimelinePoint",
+    "Workload",
+    "simulate",
+]
