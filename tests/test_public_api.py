@@ -71,7 +71,8 @@ def test_errors_share_one_root() -> None:
     assert issubclass(kvmem.ConfigError, kvmem.ArgumentError)
 
 
-LAYERS = ("allocator", "integrity", "quant", "cuda", "planning", "integrations", "testing")
+LAYERS = ("allocator", "integrity", "quant", "cuda", "planning", "integrations", "testing", "cli",
+          "simulate")
 
 
 SHARED = ("kvmem.errors", "kvmem._validate", "kvmem._specs")  # the root every layer uses
