@@ -1,6 +1,10 @@
 # Renames of issue 22 point 5 (branch toplevel): the command line in kvmem/cli/, the simulation in
 # kvmem/simulate/, the pydantic spec base in kvmem/_specs.py.
 # Apply with:  sed -i -f RENAMES_toplevel.sed FILE...   (idempotent: a second run changes nothing)
+# then `ruff check --fix FILE...` (a renamed import may need re-sorting or merging, e.g. two
+# `from kvmem.simulate import` lines). Meant for kvmem/, tests/, benchmarks/, docs and README;
+# not for examples/, whose scripts define a `_Parser` class of their own (renaming it there is
+# harmless but pointless).
 #
 #   kvmem/cli.py            -> kvmem/cli/__init__.py (build_parser, main), kvmem/cli/__main__.py
 #                              (python -m kvmem.cli), kvmem/cli/args.py (Parser, number and the
