@@ -354,7 +354,7 @@ def test_a_running_request_given_no_tokens_is_a_kvmem_value_error_and_nothing_qu
     with pytest.raises(KVMemError, match=r"'z'.*num_new_tokens") as info:
         adapter.allocate_slots(req, 0)
     assert isinstance(info.value, ValueError)
-    assert not adapter._q and adapter.manager.num_tokens("z") == 3
+    assert not adapter._queue.entries and adapter.manager.num_tokens("z") == 3
     adapter.check()
 
 

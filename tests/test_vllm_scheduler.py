@@ -304,5 +304,5 @@ def test_async_tokens_named_by_cache_blocks_are_committed_once_each(named: tuple
 def test_async_cache_blocks_naming_committed_tokens_queues_nothing() -> None:
     adapter, request = _async_adapter_with_two_decode_slots()
     adapter.cache_blocks(request, 6)
-    assert adapter._q_commits == []
+    assert adapter._queue.commits == []
     adapter.check()
