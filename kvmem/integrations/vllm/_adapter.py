@@ -142,6 +142,7 @@ class VllmKVCacheAdapter:
             max_pages_per_seq=_cdiv(max_model_len, block_size) + 1,
             prefix_cache=VllmOrderPrefixCache(seed) if enable_caching else None,
             tracker=tracker, watermark=0.0, kv_events=enable_kv_cache_events, evict_ahead=0)
+        self.async_outputs = async_scheduling
         # The paranoid check's block table, [max_seqs, max_pages], int32, page ids (PAD past a
         # request's blocks), one row per kvmem row: the ids handed to the workers come from it.
         self.worker_block_table = (
@@ -171,10 +172,10 @@ class VllmKVCacheAdapter:
         and commit every scheduled token whose id is known (one commit_batch)."""
         self._queue.flush()
 
-    @property
-    def async_outputs(self) -> bool:
-        """The scheduler is an ``AsyncScheduler`` (the ``async_scheduling`` argument)."""
-        return self._queue.async_outputs
+    def _flush_pending(self) -> None:
+        """Flush if anything is queued (through :meth:`flush`, which a profiler may wrap)."""
+        if self._queue.entries or self._queue.commits:
+            self.flush()
 
     @property
     def num_verified_steps(self) -> int:
@@ -212,8 +213,7 @@ class VllmKVCacheAdapter:
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
@@ -304,8 +304,7 @@ class VllmKVCacheAdapter:
             raise ArgumentError(
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new and 0 prefix-hit tokens)")
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         p = self.block_size
         need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
                           self.max_model_len)
@@ -364,16 +363,14 @@ class VllmKVCacheAdapter:
             self._queue.commits.append((request, st, upto))
 
     def free(self, request: Any) -> None:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         if self._reqs.pop(request.request_id, None) is not None:
             self.manager.release(request.request_id)
 
     # -- block ids -----------------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVMemBlocks:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         st = self._reqs.get(request_id)
         if st is None:
             return self.empty_kv_cache_blocks
@@ -395,8 +392,7 @@ class VllmKVCacheAdapter:
     def estimate_cached_tokens(self, request: Any) -> int:
         if request.request_id not in self._reqs or not self.enable_caching:
             return 0
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         committed = self.manager.num_committed(request.request_id)
         return committed // self.block_size * self.block_size
 
@@ -406,22 +402,18 @@ class VllmKVCacheAdapter:
     # -- step hooks, events, reset -------------------------------------------------------------
 
     def new_step_starts(self) -> None:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
 
     def take_new_block_ids(self) -> list[int]:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         return []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         return {}
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
@@ -435,8 +427,7 @@ class VllmKVCacheAdapter:
         """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
         (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
         ``cache_salt``: in the extra keys of a prompt's first block)."""
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         if not self.enable_kv_cache_events:
             return []
         out = vllm_events(self.manager.take_events())
@@ -449,8 +440,7 @@ class VllmKVCacheAdapter:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while a request maps pages, as vLLM."""
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         if self.manager.running:
             logger.warning("Failed to reset prefix cache because %d requests still map pages",
                            len(self.manager.running))
@@ -490,8 +480,7 @@ class VllmKVCacheAdapter:
         count and committed tokens agree with the manager's (raises ``IntegrityError``)."""
         from kvmem.errors import IntegrityError
 
-        if self._queue.entries or self._queue.commits:
-            self.flush()
+        self._flush_pending()
         self.manager.check()
         running = set(self.manager.running)
         if running != set(self._reqs):
