@@ -172,7 +172,7 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
 
-@pytest.mark.parametrize(("benchmark", "argv", "named"), [
+@pytest.mark.parametrize(("script", "argv", "named"), [
     ("bench_vllm_churn", ["--steps", "0"], "--steps"),  # was a StatisticsError after the run
     ("bench_vllm_churn", ["--requests", "0"], "--requests"),  # was the SchedulerSpec's traceback
     ("bench_vllm_churn", ["--requests", "9000"], "--requests"),  # past vLLM's 8192-token step
@@ -181,9 +181,10 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     ("bench_vllm_floor", ["--requests", "0"], "--requests"),
 ])
 def test_a_bad_vllm_benchmark_option_is_one_line_and_status_2(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], benchmark: str,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], script: str,
         argv: list[str], named: str) -> None:
-    assert _benchmark(benchmark, monkeypatch).main(argv) == 2
+    # (not "benchmark": that name is pytest-benchmark's fixture where the plugin is installed)
+    assert _benchmark(script, monkeypatch).main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and named in err
 
