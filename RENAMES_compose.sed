@@ -21,3 +21,6 @@ s|kvmem/testing/_toy_engine\.py|kvmem/testing/_toy.py|g
 # kvmem.allocator's StepRecord; then `ruff check --fix` re-sorts the import lists.
 s/\bRequestSpec\b/StreamRequest/g
 s/\bStepRecord\b/StreamStep/g
+# The vLLM adapter's queue is an object it holds (FlushQueue): tests that peek at the queue.
+s/adapter\._q_commits\b/adapter._queue.commits/g
+s/adapter\._q\b/adapter._queue.entries/g
