@@ -24,8 +24,8 @@ from kvmem import KVMemError
 from kvmem.integrations.vllm import vllm_import_error
 from kvmem.integrations.vllm.conformance import (
     Driver,
-    RequestSpec,
     SchedulerSpec,
+    StreamRequest,
     StreamSpec,
     make_vllm_config,
 )
@@ -250,7 +250,7 @@ def test_multimodal_and_resumable_requests_are_refused_and_change_nothing(what: 
     from kvmem.integrations.vllm.conformance import make_request
 
     d = Driver(SPEC, kvmem=True)
-    req = make_request(RequestSpec("q", (11, 12, 13), 2), 4)
+    req = make_request(StreamRequest("q", (11, 12, 13), 2), 4)
     setattr(req, what, [object()] if what == "mm_features" else True)
     with pytest.raises(KVMemError, match="'q'"):
         d.sched.add_request(req)
@@ -267,9 +267,9 @@ def test_an_empty_cache_salt_is_no_salt_as_in_vllm() -> None:
     from kvmem.integrations.vllm.conformance import compare
 
     prompt = tuple(range(10, 22))
-    stream = StreamSpec(SPEC, (RequestSpec("a", prompt, 3),
-                               RequestSpec("b", prompt, 3, arrival=3, salt=""),
-                               RequestSpec("c", prompt, 3, arrival=3, salt="tenant")))
+    stream = StreamSpec(SPEC, (StreamRequest("a", prompt, 3),
+                               StreamRequest("b", prompt, 3, arrival=3, salt=""),
+                               StreamRequest("c", prompt, 3, arrival=3, salt="tenant")))
     c = compare(stream)
     assert c.ok, c.first_difference
     new = {rid: hit for step in c.kvmem.steps for rid, hit in step.new}
@@ -333,7 +333,7 @@ def test_an_admission_of_no_tokens_is_a_kvmem_value_error_and_admits_nothing() -
     from kvmem.integrations.vllm.conformance import make_request
 
     adapter = VllmKVCacheAdapter(**_ADAPTER)
-    req = make_request(RequestSpec("z", (11, 12, 13), 2), 4)
+    req = make_request(StreamRequest("z", (11, 12, 13), 2), 4)
     with pytest.raises(KVMemError, match=r"'z'.*num_new_tokens") as info:
         adapter.allocate_slots(req, 0)
     assert isinstance(info.value, ValueError)  # what vLLM's own manager raises
@@ -347,14 +347,14 @@ def test_a_running_request_given_no_tokens_is_a_kvmem_value_error_and_nothing_qu
     from kvmem.integrations.vllm.conformance import make_request
 
     adapter = VllmKVCacheAdapter(**_ADAPTER)
-    req = make_request(RequestSpec("z", (11, 12, 13), 2), 4)
+    req = make_request(StreamRequest("z", (11, 12, 13), 2), 4)
     assert adapter.allocate_slots(req, 3) is not None
     adapter.flush()
     req.num_computed_tokens = 3
     with pytest.raises(KVMemError, match=r"'z'.*num_new_tokens") as info:
         adapter.allocate_slots(req, 0)
     assert isinstance(info.value, ValueError)
-    assert not adapter._q and adapter.manager.num_tokens("z") == 3
+    assert not adapter._queue.entries and adapter.manager.num_tokens("z") == 3
     adapter.check()
 
 
@@ -396,13 +396,13 @@ def test_a_bad_option_is_one_line_and_status_2_before_any_work(
     (lambda: SchedulerSpec(watermark=1.0), "watermark=1.0", ValueError),
     (lambda: SchedulerSpec(policy="lifo"), "policy='lifo'", ValueError),  # type: ignore[arg-type]
     (lambda: SchedulerSpec(paranoid="yes"), "paranoid=", TypeError),  # type: ignore[arg-type]
-    (lambda: RequestSpec("a", (), 3), "prompt=()", ValueError),
-    (lambda: RequestSpec("a", (1, 2), 0), "max_tokens=0", ValueError),
-    (lambda: RequestSpec("a", (1, 2), 3, arrival=5, abort_at=2), "abort_at=2", ValueError),
-    (lambda: RequestSpec("a", (1.5,), 3), "prompt=", TypeError),  # type: ignore[arg-type]
-    (lambda: StreamSpec(SchedulerSpec(), (RequestSpec("a", (1,), 1),) * 2), "twice",
+    (lambda: StreamRequest("a", (), 3), "prompt=()", ValueError),
+    (lambda: StreamRequest("a", (1, 2), 0), "max_tokens=0", ValueError),
+    (lambda: StreamRequest("a", (1, 2), 3, arrival=5, abort_at=2), "abort_at=2", ValueError),
+    (lambda: StreamRequest("a", (1.5,), 3), "prompt=", TypeError),  # type: ignore[arg-type]
+    (lambda: StreamSpec(SchedulerSpec(), (StreamRequest("a", (1,), 1),) * 2), "twice",
      ValueError),
-    (lambda: StreamSpec(SchedulerSpec(max_model_len=8), (RequestSpec("a", (1,) * 9, 1),)),
+    (lambda: StreamSpec(SchedulerSpec(max_model_len=8), (StreamRequest("a", (1,) * 9, 1),)),
      "max_model_len=8", ValueError),
     (lambda: StreamSpec(SchedulerSpec(), (), pipeline=0), "pipeline=0", ValueError),
 ], ids=["blocks", "block_size", "batched<seqs", "watermark", "policy", "flag", "empty-prompt",
@@ -431,8 +431,8 @@ def test_the_harness_functions_refuse_what_is_not_theirs() -> None:
     with pytest.raises(KVMemError, match="kvmem="):
         Driver(SPEC, kvmem="yes")  # type: ignore[arg-type]
     # A replay typed by hand with lists is the stream it stands for.
-    spec = StreamSpec(SPEC, [RequestSpec("a", [11, 12, 13], 2)])  # type: ignore[arg-type]
-    assert spec == StreamSpec(SPEC, (RequestSpec("a", (11, 12, 13), 2),))
+    spec = StreamSpec(SPEC, [StreamRequest("a", [11, 12, 13], 2)])  # type: ignore[arg-type]
+    assert spec == StreamSpec(SPEC, (StreamRequest("a", (11, 12, 13), 2),))
 
 
 def test_the_json_keys_are_there_without_timing(capsys: pytest.CaptureFixture[str]) -> None:

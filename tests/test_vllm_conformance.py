@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from kvmem.integrations.vllm import vllm_import_error
 from kvmem.integrations.vllm.conformance import (
     Driver,
-    RequestSpec,
     SchedulerSpec,
+    StreamRequest,
     compare,
     random_stream,
 )
@@ -85,7 +85,7 @@ def test_schedule_all_at_once() -> None:
 
     def script(d: Driver) -> None:
         for i in range(10):
-            d.add(RequestSpec(f"{i}", (i + 10,) * 10, 16))
+            d.add(StreamRequest(f"{i}", (i + 10,) * 10, 16))
         d.run()
 
     k = _assert_agree(spec, script)
@@ -99,7 +99,7 @@ def test_partial_requests_are_chunked() -> None:
 
     def script(d: Driver) -> None:
         for i in range(3):
-            d.add(RequestSpec(f"{i}", _prompt(i, 800), 8))
+            d.add(StreamRequest(f"{i}", _prompt(i, 800), 8))
         d.run()
 
     k = _assert_agree(spec, script)
@@ -114,7 +114,7 @@ def test_concurrent_partial_requests_with_a_long_prefill_threshold() -> None:
 
     def script(d: Driver) -> None:
         for i in range(5):
-            d.add(RequestSpec(f"{i}", _prompt(i, 300), 6))
+            d.add(StreamRequest(f"{i}", _prompt(i, 300), 6))
         d.run()
 
     _assert_agree(spec, script)
@@ -128,9 +128,9 @@ def test_preempt_during_execution() -> None:
                          enable_prefix_caching=False, kv_events=False)
 
     def script(d: Driver) -> list[str]:
-        d.add(RequestSpec("0", _prompt(0, 80), 20))
+        d.add(StreamRequest("0", _prompt(0, 80), 20))
         out0 = d.schedule()
-        d.add(RequestSpec("1", _prompt(1, 80), 20))
+        d.add(StreamRequest("1", _prompt(1, 80), 20))
         out1 = d.schedule()
         d.update(out0)
         out2 = d.schedule()
@@ -152,7 +152,7 @@ def test_reset_prefix_cache() -> None:
 
     def script(d: Driver) -> tuple[bool, bool, int]:
         for i in range(10):
-            d.add(RequestSpec(f"{i}", (*_prompt(0, 12), i + 10), 10))
+            d.add(StreamRequest(f"{i}", (*_prompt(0, 12), i + 10), 10))
         d.step()
         refused = d.sched.reset_prefix_cache()
         reset = d.sched.reset_prefix_cache(reset_running_requests=True)
@@ -175,11 +175,11 @@ def test_prefix_hits_at_several_depths() -> None:
     common = _prompt(7, 48)
 
     def script(d: Driver) -> None:
-        d.add(RequestSpec("0", (*common, 11, 12, 13), 5))
+        d.add(StreamRequest("0", (*common, 11, 12, 13), 5))
         d.step()
-        d.add(RequestSpec("1", (*common, 14, 15, 16), 5))
-        d.add(RequestSpec("2", (*common[:40], 17), 5))
-        d.add(RequestSpec("3", common, 5))  # all full blocks hit: the last block is recomputed
+        d.add(StreamRequest("1", (*common, 14, 15, 16), 5))
+        d.add(StreamRequest("2", (*common[:40], 17), 5))
+        d.add(StreamRequest("3", common, 5))  # all full blocks hit: the last block is recomputed
         d.run()
 
     k = _assert_agree(spec, script)
@@ -193,15 +193,15 @@ def test_eviction_order_least_recently_freed_first() -> None:
                          max_num_batched_tokens=64, max_model_len=256)
 
     def script(d: Driver) -> list[tuple[str, int]]:
-        d.add(RequestSpec("a", _prompt(1, 16), 1))
+        d.add(StreamRequest("a", _prompt(1, 16), 1))
         d.run()
-        d.add(RequestSpec("b", _prompt(2, 12), 1))
+        d.add(StreamRequest("b", _prompt(2, 12), 1))
         d.run()
-        d.add(RequestSpec("c", _prompt(3, 20), 1))  # evicts a's tail, then more
+        d.add(StreamRequest("c", _prompt(3, 20), 1))  # evicts a's tail, then more
         d.run()
         hits = []
         for rid, seed, n in (("a2", 1, 16), ("b2", 2, 12)):
-            d.add(RequestSpec(rid, (*_prompt(seed, n), 5), 1))
+            d.add(StreamRequest(rid, (*_prompt(seed, n), 5), 1))
             out = d.step()
             hits += [(nr.req_id, nr.num_computed_tokens) for nr in out.scheduled_new_reqs]
         return hits
@@ -220,12 +220,12 @@ def test_cache_salt_is_a_namespace() -> None:
     prompt = _prompt(4, 33)
 
     def script(d: Driver) -> None:
-        d.add(RequestSpec("plain", prompt, 3))
-        d.add(RequestSpec("a1", prompt, 3, salt="a"))
+        d.add(StreamRequest("plain", prompt, 3))
+        d.add(StreamRequest("a1", prompt, 3, salt="a"))
         d.step()
-        d.add(RequestSpec("b", prompt, 3, salt="b"))
-        d.add(RequestSpec("a2", prompt, 3, salt="a"))
-        d.add(RequestSpec("plain2", prompt, 3))
+        d.add(StreamRequest("b", prompt, 3, salt="b"))
+        d.add(StreamRequest("a2", prompt, 3, salt="a"))
+        d.add(StreamRequest("plain2", prompt, 3))
         d.run()
 
     k = _assert_agree(spec, script)
@@ -241,7 +241,7 @@ def test_kv_events_under_eviction() -> None:
 
     def script(d: Driver) -> None:
         for i in range(6):
-            d.add(RequestSpec(f"{i}", _prompt(i % 3, 14 + i), 4, arrival=0))
+            d.add(StreamRequest(f"{i}", _prompt(i % 3, 14 + i), 4, arrival=0))
             d.step()
         d.run()
 
@@ -259,7 +259,7 @@ def test_preemption_with_prefix_caching_resumes_from_its_own_blocks() -> None:
 
     def script(d: Driver) -> None:
         for i in range(3):
-            d.add(RequestSpec(f"{i}", shared + _prompt(20 + i, 5), 20))
+            d.add(StreamRequest(f"{i}", shared + _prompt(20 + i, 5), 20))
         d.run()
 
     k = _assert_agree(spec, script)
@@ -274,7 +274,7 @@ def test_aborts_of_running_and_waiting_requests() -> None:
 
     def script(d: Driver) -> None:
         for i in range(4):
-            d.add(RequestSpec(f"{i}", _prompt(i, 10), 10))
+            d.add(StreamRequest(f"{i}", _prompt(i, 10), 10))
         d.step()
         d.step()
         d.abort(["0", "3"])  # 0 runs, 3 waits
@@ -292,10 +292,10 @@ def test_priority_preemption() -> None:
 
     def script(d: Driver) -> None:
         for i in range(3):
-            d.add(RequestSpec(f"low{i}", _prompt(i, 10), 12, priority=5))
+            d.add(StreamRequest(f"low{i}", _prompt(i, 10), 12, priority=5))
         d.step()
         d.step()
-        d.add(RequestSpec("high", _prompt(9, 10), 12, priority=0))
+        d.add(StreamRequest("high", _prompt(9, 10), 12, priority=0))
         d.run()
 
     k = _assert_agree(spec, script)
@@ -310,7 +310,7 @@ def test_async_scheduler_with_preemption() -> None:
 
     def script(d: Driver) -> None:
         for i in range(4):
-            d.add(RequestSpec(f"{i}", _prompt(i % 2, 9), 14))
+            d.add(StreamRequest(f"{i}", _prompt(i % 2, 9), 14))
         d.run()
 
     k = _assert_agree(spec, script)
@@ -324,7 +324,7 @@ def test_watermark_holds_blocks_back_from_admission() -> None:
 
     def script(d: Driver) -> None:
         for i in range(6):
-            d.add(RequestSpec(f"{i}", _prompt(i, 15), 8))
+            d.add(StreamRequest(f"{i}", _prompt(i, 15), 8))
         d.run()
 
     _assert_agree(spec, script)
@@ -338,13 +338,13 @@ def test_large_pool_eviction_is_exact() -> None:
     a = _prompt(1, 1000)
 
     def script(d: Driver) -> None:
-        d.add(RequestSpec("a", a, 1))
+        d.add(StreamRequest("a", a, 1))
         d.run()
-        d.add(RequestSpec("b", _prompt(2, 1000), 1))
+        d.add(StreamRequest("b", _prompt(2, 1000), 1))
         d.run()
-        d.add(RequestSpec("c", _prompt(3, 100), 1))  # evicts a's deepest blocks
+        d.add(StreamRequest("c", _prompt(3, 100), 1))  # evicts a's deepest blocks
         d.run()
-        d.add(RequestSpec("d", (*a[:4 * 240], 5), 1))
+        d.add(StreamRequest("d", (*a[:4 * 240], 5), 1))
         d.run()
 
     _assert_agree(spec, script)
@@ -361,11 +361,11 @@ def test_duplicate_blocks_are_cached_twice_as_vllm_does() -> None:
         sched=SchedulerSpec(num_blocks=4, block_size=4, max_num_seqs=2,
                             max_num_batched_tokens=8, max_model_len=256,
                             async_scheduling=True, paranoid=True),
-        requests=(RequestSpec("r0", (10, 10, 10, 10), 1),
-                  RequestSpec("r1", (10,), 1, abort_at=0),
-                  RequestSpec("r2", (10,) * 10, 1, abort_at=0),
-                  RequestSpec("r3", (10,) * 10, 1, abort_at=0),
-                  RequestSpec("r4", (10, 10, 10, 10), 1, abort_at=1)),
+        requests=(StreamRequest("r0", (10, 10, 10, 10), 1),
+                  StreamRequest("r1", (10,), 1, abort_at=0),
+                  StreamRequest("r2", (10,) * 10, 1, abort_at=0),
+                  StreamRequest("r3", (10,) * 10, 1, abort_at=0),
+                  StreamRequest("r4", (10, 10, 10, 10), 1, abort_at=1)),
         pipeline=2)
     c = compare(stream)
     assert c.ok, c.first_difference

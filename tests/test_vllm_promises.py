@@ -17,8 +17,8 @@ from kvmem import KVMemError
 from kvmem.integrations.vllm import vllm_import_error
 from kvmem.integrations.vllm.conformance import (
     Driver,
-    RequestSpec,
     SchedulerSpec,
+    StreamRequest,
     make_scheduler,
 )
 
@@ -40,7 +40,7 @@ def _events_of_a_reset(kvmem: bool, caching: bool) -> list[str]:
     spec = SchedulerSpec(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                          max_model_len=64, enable_prefix_caching=caching)
     s = make_scheduler(spec, kvmem)
-    s.add_request(make_request(RequestSpec("a", tuple(range(10, 20)), 2), 4))
+    s.add_request(make_request(StreamRequest("a", tuple(range(10, 20)), 2), 4))
     while s.has_requests():
         out = s.schedule()
         s.update_from_output(out, model_output(s, out))
@@ -77,7 +77,7 @@ def test_an_empty_prompt_is_refused_in_add_request_and_changes_nothing() -> None
         d.sched.add_request(empty)
     assert isinstance(info.value, ValueError)
     assert not d.sched.requests and not d.sched.has_requests()
-    d.add(RequestSpec("a", (11, 12, 13), 2))
+    d.add(StreamRequest("a", (11, 12, 13), 2))
     d.run()
     assert d.requests["a"].is_finished()
 
@@ -92,12 +92,12 @@ def test_a_salt_past_the_namespace_limit_is_refused_in_add_request(
 
     monkeypatch.setattr(admission, "MAX_NAMESPACES", 3)  # None and two salts
     d = Driver(SPEC, kvmem=True)
-    d.add(RequestSpec("a", (11, 12, 13), 2, salt="t1"))
-    d.add(RequestSpec("b", (11, 12, 13), 2, salt="t2"))
+    d.add(StreamRequest("a", (11, 12, 13), 2, salt="t1"))
+    d.add(StreamRequest("b", (11, 12, 13), 2, salt="t2"))
     with pytest.raises(KVMemError, match=r"'c'.*cache_salt='t3'"):
-        d.add(RequestSpec("c", (11, 12, 13), 2, salt="t3"))
+        d.add(StreamRequest("c", (11, 12, 13), 2, salt="t3"))
     assert "c" not in d.sched.requests
-    d.add(RequestSpec("d", (11, 12, 13), 2, salt="t1"))  # a salt it knows is still served
+    d.add(StreamRequest("d", (11, 12, 13), 2, salt="t1"))  # a salt it knows is still served
     d.run()
     assert all(d.requests[rid].is_finished() for rid in "abd")
     d.sched.kv_cache_manager.check()
@@ -172,7 +172,7 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
 
-@pytest.mark.parametrize(("benchmark", "argv", "named"), [
+@pytest.mark.parametrize(("script", "argv", "named"), [
     ("bench_vllm_churn", ["--steps", "0"], "--steps"),  # was a StatisticsError after the run
     ("bench_vllm_churn", ["--requests", "0"], "--requests"),  # was the SchedulerSpec's traceback
     ("bench_vllm_churn", ["--requests", "9000"], "--requests"),  # past vLLM's 8192-token step
@@ -181,9 +181,10 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     ("bench_vllm_floor", ["--requests", "0"], "--requests"),
 ])
 def test_a_bad_vllm_benchmark_option_is_one_line_and_status_2(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], benchmark: str,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], script: str,
         argv: list[str], named: str) -> None:
-    assert _benchmark(benchmark, monkeypatch).main(argv) == 2
+    # (not "benchmark": that name is pytest-benchmark's fixture where the plugin is installed)
+    assert _benchmark(script, monkeypatch).main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and named in err
 

@@ -19,8 +19,8 @@ from kvmem import KVMemError
 from kvmem.integrations.vllm import vllm_import_error
 from kvmem.integrations.vllm.conformance import (
     Driver,
-    RequestSpec,
     SchedulerSpec,
+    StreamRequest,
     make_vllm_config,
 )
 from kvmem.testing import faults
@@ -117,7 +117,7 @@ def test_a_lora_request_is_refused() -> None:
     from kvmem.integrations.vllm.conformance import make_request
 
     d = Driver(SPEC, kvmem=True)
-    req = make_request(RequestSpec("a", (1, 2, 3), 2), 4)
+    req = make_request(StreamRequest("a", (1, 2, 3), 2), 4)
     req.lora_request = LoRARequest("adapter", 1, "/nowhere")
     with pytest.raises(KVMemError, match="LoRA"):
         d.sched.add_request(req)
@@ -129,7 +129,7 @@ def test_a_lora_request_is_refused() -> None:
 def _three(d: Driver) -> None:
     # Ids whose synthetic tokens do not stop before max_tokens (token_at is deterministic).
     for i, rid in enumerate(("r2", "r7", "r8")):
-        d.add(RequestSpec(rid, tuple(range(100 * i + 10, 100 * i + 10 + 9)), 12))
+        d.add(StreamRequest(rid, tuple(range(100 * i + 10, 100 * i + 10 + 9)), 12))
 
 
 @pytest.mark.parametrize("fault", ["free_behind_back", "reallocate_behind_back"])
@@ -216,8 +216,8 @@ def test_without_vllm_the_command_says_how_to_get_it() -> None:
 def test_a_stream_spec_replays() -> None:
     from kvmem.integrations.vllm.conformance import StreamSpec, compare
 
-    stream = StreamSpec(SPEC, (RequestSpec("a", tuple(range(10, 30)), 5),
-                               RequestSpec("b", tuple(range(10, 26)), 5, arrival=1)))
+    stream = StreamSpec(SPEC, (StreamRequest("a", tuple(range(10, 30)), 5),
+                               StreamRequest("b", tuple(range(10, 26)), 5, arrival=1)))
     c = compare(stream)
     assert c.ok, c.first_difference
     assert "def test_replay" in c.replay() and repr(stream) in c.replay()
@@ -262,7 +262,7 @@ def _async_adapter_with_two_decode_slots() -> tuple[object, object]:
 
     adapter = VllmKVCacheAdapter(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4,
                                  async_scheduling=True)
-    request = make_request(RequestSpec("r0", tuple(range(20, 26)), max_tokens=8), 4)
+    request = make_request(StreamRequest("r0", tuple(range(20, 26)), max_tokens=8), 4)
     hit, num_hit, _ = adapter.get_computed_blocks(request)
     assert num_hit == 0
     assert adapter.allocate_slots(request, 6, 0, hit) is not None
@@ -295,14 +295,14 @@ def test_async_tokens_named_by_cache_blocks_are_committed_once_each(named: tuple
     # request with that prefix hits it, one that differs in its last token does not.
     from kvmem.integrations.vllm._vllm_objects import make_request
 
-    probe = make_request(RequestSpec("probe", (*range(20, 26), 100, 101, 7), max_tokens=1), 4)
+    probe = make_request(StreamRequest("probe", (*range(20, 26), 100, 101, 7), max_tokens=1), 4)
     assert adapter.get_computed_blocks(probe)[1] == (8 if committed == 8 else 4)
-    wrong = make_request(RequestSpec("wrong", (*range(20, 26), 100, 102, 7), max_tokens=1), 4)
+    wrong = make_request(StreamRequest("wrong", (*range(20, 26), 100, 102, 7), max_tokens=1), 4)
     assert adapter.get_computed_blocks(wrong)[1] == 4
 
 
 def test_async_cache_blocks_naming_committed_tokens_queues_nothing() -> None:
     adapter, request = _async_adapter_with_two_decode_slots()
     adapter.cache_blocks(request, 6)
-    assert adapter._q_commits == []
+    assert adapter._queue.commits == []
     adapter.check()

@@ -21,8 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvmem.testing import faults
-from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, subset_step
-from kvmem.testing._engines import ENGINES, make_engine
 from kvmem.testing._fuzz import (
     CampaignResult,
     FaultResult,
@@ -33,15 +31,17 @@ from kvmem.testing._fuzz import (
     schedules,
     shrink,
 )
+from kvmem.testing._fuzz_manager import ManagerEngine
+from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine, subset_step
+from kvmem.testing._fuzz_registry import ENGINES, make_engine
+from kvmem.testing._fuzz_toy import ToyEngineAdapter
+from kvmem.testing._fuzz_vllm import VLLM_ENGINES
 from kvmem.testing._kv_values import kv_value_array
 from kvmem.testing._launch import Launch, RequestSpec
-from kvmem.testing._manager_engine import ManagerEngine
 from kvmem.testing._oracles import ORACLES, FuzzFailure
 from kvmem.testing._run import MOVES, Run
 from kvmem.testing._timeline import Timeline
-from kvmem.testing._toy_adapter import ToyEngineAdapter
-from kvmem.testing._toy_engine import ToyEngine, kv_values
-from kvmem.testing._vllm_engine import VLLM_ENGINES
+from kvmem.testing._toy import ToyEngine, kv_values
 
 ENGINES.update(VLLM_ENGINES)  # "vllm", "vllm-async": only where vLLM is installed
 

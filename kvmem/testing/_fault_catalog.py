@@ -293,7 +293,7 @@ class WrongChunkSlice(_EngineBug):
 
 
 def _victim(run: Run, a: int) -> Any:
-    from kvmem.testing._engine_protocol import stable_pick
+    from kvmem.testing._fuzz_protocol import stable_pick
 
     running = run.engine.manager.running
     return running[stable_pick(a, running)] if running else None

@@ -21,8 +21,8 @@ from typing import Any
 
 from kvmem._validate import integer
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
-from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
-from kvmem.testing._engines import ENGINES
+from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
+from kvmem.testing._fuzz_registry import ENGINES
 from kvmem.testing._oracles import ORACLES, FuzzFailure
 from kvmem.testing._run import MOVES, OPTIONAL_MOVES, Move, Run, to_config, to_fault
 

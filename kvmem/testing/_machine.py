@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvmem._validate import integer
 from kvmem.errors import KVMemError, OutOfPagesError
 from kvmem.manager import KVCacheManager, StepMetadata
-from kvmem.testing._toy_engine import ToyEngine
+from kvmem.testing._toy import ToyEngine
 
 __all__ = ["NAMESPACES", "ManagerMachine", "prompts"]
 

@@ -23,16 +23,19 @@ Oracles (each named; :class:`FuzzFailure.oracle` says which fired):
 ``kvmem_error``    a manager call raised where the engine did not expect it
 =================  ==========================================================================
 
-The checks after a move are incremental: one comparison of the tags, refcounts and fence holds
-with their previous values finds the pages that changed, and only those are checked; a step's
-reads re-read only the pages that changed or were written since its request last read them.
-(``landed_hit``, the retire side of ``fences`` and ``verify`` fire where the timeline processes
-the manager's events and host moves, in :mod:`kvmem.testing._timeline`.)
+:class:`OracleSet` holds the page oracles (``happens_before``, ``tags``, ``refcounts``,
+``conservation``, ``requests``, ``check``, the idle side of ``fences``) and ``reads``, with the
+reference model they compare the manager with; a :class:`~kvmem.testing.Timeline` holds one and
+calls it, and a test can drive one on its own. The checks after a move are incremental: one
+comparison of the tags, refcounts and fence holds with their previous values finds the pages
+that changed, and only those are checked; a step's reads re-read only the pages that changed or
+were written since its request last read them. (``landed_hit``, the retire side of ``fences``
+and ``verify`` fire where the timeline processes the manager's events and host moves, in
+:mod:`kvmem.testing._timeline`.)
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +45,10 @@ import numpy.typing as npt
 from kvmem.errors import IntegrityError
 from kvmem.testing._launch import Launch
 
-__all__ = ["ORACLES", "FuzzFailure", "Oracles"]
+if TYPE_CHECKING:
+    from kvmem.testing._device_memory import DeviceMemory
+
+__all__ = ["ORACLES", "FuzzFailure", "OracleSet"]
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -76,57 +82,87 @@ class FuzzFailure(IntegrityError):
 
 
 
-class Oracles:
-    """The checks of :class:`~kvmem.testing._timeline.Timeline` (its base class): the state they
-    read is the timeline's, declared here."""
+class OracleSet:
+    """The page oracles over one :class:`~kvmem.manager.KVCacheManager` and the reference model
+    they compare it with: which pages requests map (``holders``), which copy-on-write sources
+    wait for their copy (``copy_hold``) and which pages a device op in flight lists
+    (``guard``). Whoever drives the manager (a :class:`~kvmem.testing.Timeline`, or a test on
+    its own) tells the model what it knows with :meth:`hold` / :meth:`unhold` and friends, and
+    calls :meth:`check_pages` after every move, :meth:`full_check` now and then and, with a
+    :class:`~kvmem.testing._device_memory.DeviceMemory`, :meth:`check_reads` for each step
+    that completes. Each check raises :class:`FuzzFailure` naming its oracle.
 
-    mgr: Any
-    counts: dict[str, int]
-    P: int
-    num_pages: int
-    max_len: int
-    kv: Int64Array
-    val: Int64Array
-    holders: Int64Array
-    copy_hold: Int64Array
-    guard: Int64Array
-    pver: Int64Array
-    num_reads: int
-    reqs: dict[Any, Any]
-    in_flight: deque[Launch]
-    transfers: list[Launch]
-    extra_check: Callable[[], None] | None
-    _seen_tags: Any
-    _max_tag: int
-    _seen_rc: Any
-    _seen_held: Any
-    _held_any: bool
-    _dirty: list[Int64Array]
-    _vseen_flat: Int64Array
-    _arange_p: Int64Array
+    Parameters
+    ----------
+    manager: the manager whose public state the oracles read
+    counts: the dict that counts how often each check ran (a timeline shares its own; None: a
+        new one)
+    """
 
-    if TYPE_CHECKING:  # the device model's, in Timeline
-        @property
-        def idle(self) -> bool: ...
+    def __init__(self, manager: Any, counts: dict[str, int] | None = None) -> None:
+        self.mgr = manager
+        self.P = int(manager.page_size)
+        self.num_pages = n = int(manager.num_pages)
+        self.counts = counts if counts is not None else {
+            "page_checks": 0, "tag_changes": 0, "reads": 0, "full_checks": 0}
+        self.holders = np.zeros(n, dtype=np.int64)  # request mappings in the model
+        self.copy_hold = np.zeros(n, dtype=np.int64)  # copy-on-write sources awaiting a reserve
+        self.guard = np.zeros(n, dtype=np.int64)  # in-flight ops listing the page
+        self.num_reads = 0  # steps whose reads were checked
+        # What the last move saw (copies in the manager's own dtypes: compared every move).
+        self._seen_tags = manager.allocator.tags.copy()
+        self._max_tag = int(self._seen_tags.max(initial=0))
+        self._seen_rc = manager.allocator.refcounts.copy()
+        self._seen_held = manager.fences.held.copy()
+        self._held_any = True
+        self._dirty: list[Int64Array] = []
 
-        def _collect(self) -> None: ...
+    # -- the model ------------------------------------------------------------------------------
 
-        def _land_writes(self, op: Launch) -> tuple[Int64Array, Int64Array, Int64Array]: ...
+    def hold(self, pages: Int64Array) -> None:
+        """A request maps ``pages`` now (once per listing)."""
+        np.add.at(self.holders, pages, 1)
+        self._dirty.append(pages)
+
+    def unhold(self, pages: Int64Array) -> None:
+        """A request no longer maps ``pages``."""
+        np.subtract.at(self.holders, pages, 1)
+        self._dirty.append(pages)
+
+    def hold_copies(self, pages: Int64Array) -> None:
+        """The manager keeps ``pages`` alive as copy-on-write sources (until the next reserve)."""
+        np.add.at(self.copy_hold, pages, 1)
+        self._dirty.append(pages)
+
+    def unhold_copies(self, pages: Int64Array) -> None:
+        """The copy-on-write sources ``pages`` are no longer held."""
+        np.subtract.at(self.copy_hold, pages, 1)
+        self._dirty.append(pages)
+
+    def guard_pages(self, pages: Int64Array) -> None:
+        """A device op in flight lists ``pages``: they may not change lifetime until it is done."""
+        np.add.at(self.guard, pages, 1)
+
+    def unguard_pages(self, pages: Int64Array) -> None:
+        """A device op no longer needs ``pages``."""
+        np.subtract.at(self.guard, pages, 1)
 
     # -- the pages ------------------------------------------------------------------------------
 
-    def _check_pages(self) -> None:
+    def check_pages(self, op_listing: Callable[[int], Any] | None = None) -> None:
         """Tags, happens-before, refcounts and conservation over the pages that changed.
 
         One comparison per page array (tags, refcounts, fence holds) with what the previous
-        move saw finds the pages that changed, whoever changed them; only those are checked."""
+        move saw finds the pages that changed, whoever changed them; only those are checked.
+        ``op_listing(page)``: the op in flight that lists a guarded page (named in the
+        ``happens_before`` message)."""
         alloc = self.mgr.allocator
         tags = alloc.tags
         self.counts["page_checks"] += 1
         changed = (tags != self._seen_tags).nonzero()[0]
         if changed.size:
             self.counts["tag_changes"] += 1
-            self._check_tags(changed, tags)
+            self._check_tags(changed, tags, op_listing)
         rc = alloc.refcounts
         parts = self._dirty
         d_rc = (rc != self._seen_rc).nonzero()[0]
@@ -153,10 +189,11 @@ class Oracles:
             if dirty.size:
                 self._check_refcounts(dirty, rc, held)
 
-    def _check_tags(self, changed: Int64Array, tags: Int64Array) -> None:
+    def _check_tags(self, changed: Int64Array, tags: Int64Array,
+                    op_listing: Callable[[int], Any] | None) -> None:
         if np.count_nonzero(self.guard[changed]):
             p = int(changed[self.guard[changed] > 0][0])
-            op = self._op_guarding(p)
+            op = op_listing(p) if op_listing is not None else "an op"
             was = int(self._seen_tags[p])
             now = int(tags[p])
             raise FuzzFailure(
@@ -190,17 +227,20 @@ class Oracles:
                 f"{self.copy_hold[p].tolist()[:8]}, cache)"
                 + (": a leak" if int((rc[p] - want[bad]).max()) > 0 else ": freed under a holder"))
 
-    def full_check(self) -> None:
-        """Everything at once: ``manager.check()``, the model over every page, the requests."""
+    def full_check(self, alive: Callable[[Any], bool] | None = None, idle: bool | None = None,
+                   extra_check: Callable[[], None] | None = None) -> None:
+        """Everything at once: ``manager.check()`` and the model over every page; with ``alive``
+        (does the engine still have this request?), the manager's requests; with ``idle`` (is
+        the device idle?), the steps kvmem holds open; ``extra_check``: the engine's own."""
         mgr = self.mgr
         self.counts["full_checks"] += 1
-        known = set(mgr.running) | set(mgr.preempted)
-        extra = [rid for rid in known if rid not in self.reqs or not self.reqs[rid].alive]
-        if extra:
-            raise FuzzFailure(
-                "requests", f"the manager still holds requests {sorted(map(str, extra))[:8]} that "
-                "the engine finished or aborted: their pages leak")
-        self._collect()
+        if alive is not None:
+            known = set(mgr.running) | set(mgr.preempted)
+            extra = [rid for rid in known if not alive(rid)]
+            if extra:
+                raise FuzzFailure(
+                    "requests", f"the manager still holds requests {sorted(map(str, extra))[:8]} "
+                    "that the engine finished or aborted: their pages leak")
         try:
             mgr.check()
         except IntegrityError as e:
@@ -213,24 +253,19 @@ class Oracles:
         if mgr.allocator.num_free + live != self.num_pages:
             raise FuzzFailure("conservation", f"{mgr.allocator.num_free} free + {live} live "
                               f"pages != {self.num_pages}")
-        if self.extra_check is not None:
-            self.extra_check()
+        if extra_check is not None:
+            extra_check()
         held_for_steps = mgr.fences.num_held - int(self.copy_hold.sum())
-        if self.idle and (mgr.fences.in_flight or held_for_steps > 0):
+        if idle and (mgr.fences.in_flight or held_for_steps > 0):
             raise FuzzFailure(
                 "fences", f"nothing runs on the device but steps {mgr.fences.open_steps} are "
                 "open in kvmem: a completion was lost, the pages they hold leak")
 
-    def _op_guarding(self, page: int) -> Launch | None:
-        for op in (*self.in_flight, *self.transfers):
-            if np.count_nonzero(op.guard == page):
-                return op
-        return None
-
     # -- a step's reads -------------------------------------------------------------------------
 
-    def _check_reads(self, op: Launch) -> None:
-        """Every position a request reads (``< starts + num_new``) holds its own value.
+    def check_reads(self, op: Launch, memory: DeviceMemory) -> None:
+        """The step ``op`` completes in ``memory``: every position a request reads (``< starts
+        + num_new``) holds its own value, and the step's writes land.
 
         Old positions (``< starts``) are read before the step's writes land (another request's
         same-step write is not visible yet), and only through entries whose page changed, or
@@ -242,56 +277,46 @@ class Oracles:
         P = self.P
         pages, mrows, starts, indptr = op.kv_indices, op.mrows, op.starts, op.kv_indptr
         flat = op.ent_flat
-        landed = self._land_writes(op) if op.writes_first else None
-        dirty = (self._vseen_flat.take(flat) != self.pver.take(pages)).nonzero()[0]
+        landed = memory.land_writes(op) if op.writes_first else None
+        dirty = (memory.vseen_flat.take(flat) != memory.pver.take(pages)).nonzero()[0]
         if dirty.size:
             db = indptr.searchsorted(dirty, side="right") - 1  # each dirty entry's request
             first = (dirty - indptr[db]) * P  # the first position its page holds
             some_old = (first < starts[db]).nonzero()[0]  # (a page just added holds none)
             if some_old.size:
                 dirty, db, first = dirty[some_old], db[some_old], first[some_old]
-                pos = first[:, None] + self._arange_p
+                pos = first[:, None] + memory.arange_p
                 old = pos < starts[db][:, None]
-                slots = (pages[dirty] * P)[:, None] + self._arange_p
-                want = self.val[mrows[db][:, None], np.minimum(pos, self.max_len)]
-                got = self.kv[slots]
+                slots = (pages[dirty] * P)[:, None] + memory.arange_p
+                want = memory.val[mrows[db][:, None], np.minimum(pos, memory.max_len)]
+                got = memory.kv[slots]
                 bad = old & (got != want)
                 if np.count_nonzero(bad):
-                    self._read_failure(op, db, pos, slots, bad, got, want,
+                    self._read_failure(op, memory, db, pos, slots, bad, got,
                                        "after the step's writes" if landed is not None else
                                        "before the step's writes")
-        tb, pos, values = self._land_writes(op) if landed is None else landed
+        tb, pos, values = memory.land_writes(op) if landed is None else landed
         if pos.size:
             col, off = np.divmod(pos, P)
             slots = pages[indptr[tb] + col] * P + off
-            got = self.kv[slots]
+            got = memory.kv[slots]
             bad = got != values
             if np.count_nonzero(bad):
-                self._read_failure(op, tb[:, None], pos[:, None], slots[:, None], bad[:, None],
-                                   got[:, None], values[:, None], "after the step's writes")
-        self._vseen_flat[flat] = self.pver.take(pages)
+                self._read_failure(op, memory, tb[:, None], pos[:, None], slots[:, None],
+                                   bad[:, None], got[:, None], "after the step's writes")
+        memory.vseen_flat[flat] = memory.pver.take(pages)
         self.num_reads += 1
         self.counts["reads"] += 1
 
-    def _read_failure(self, op: Launch, db: Int64Array, pos: Int64Array, slots: Int64Array,
-                      bad: npt.NDArray[np.bool_], got: Int64Array, want: Int64Array,
+    def _read_failure(self, op: Launch, memory: DeviceMemory, db: Int64Array, pos: Int64Array,
+                      slots: Int64Array, bad: npt.NDArray[np.bool_], got: Int64Array,
                       when: str) -> None:
         i, j = (int(x[0]) for x in np.nonzero(bad))
         b = int(np.asarray(db).reshape(-1)[i])
         rid = op.request_ids[b]
         slot = int(slots[i, j])
         found = int(got[i, j])
-        owner = "a slot nothing wrote" if found == 0 else self._whose(found)
+        owner = "a slot nothing wrote" if found == 0 else memory.whose(found)
         raise FuzzFailure(
             "reads", f"{op!r}: request {rid!r} reads position {int(pos[i, j])} from slot {slot} "
             f"(page {slot // self.P}) {when} and finds {owner}, not its own K/V")
-
-    def _whose(self, value: int) -> str:
-        hits = np.argwhere(self.val == value)
-        if not hits.size:
-            return "a value no request's tokens imply"
-        mrow, p = (int(x) for x in hits[0])
-        for rid, q in self.reqs.items():
-            if q.mrow == mrow:
-                return f"the K/V of request {rid!r} (ns {q.spec.namespace!r}) at position {p}"
-        return f"the K/V of a finished request at position {p}"

@@ -20,8 +20,8 @@ import numpy.typing as npt
 
 from kvmem._validate import integer
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
-from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, stable_pick
-from kvmem.testing._engines import make_engine
+from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine, stable_pick
+from kvmem.testing._fuzz_registry import make_engine
 from kvmem.testing._launch import Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
 from kvmem.testing._timeline import Timeline

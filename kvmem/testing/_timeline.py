@@ -13,9 +13,11 @@ the device side and checks, after every move, what must hold whatever the interl
     host       -> retire(op): the engine learns the op is done on the device (retires its fence)
                -> finish(op): the engine processes the op's outputs (commit, release finished)
 
-Device memory holds one int64 "K/V value" per token slot (:mod:`kvmem.testing._kv_values`), so
-a read through a wrong page, of a slot not yet written, or of another tenant's page is visible.
-The oracles are :class:`~kvmem.testing._oracles.Oracles`, the timeline's base class.
+Device memory (:class:`~kvmem.testing._device_memory.DeviceMemory`) holds one int64 "K/V value"
+per token slot, so a read through a wrong page, of a slot not yet written, or of another
+tenant's page is visible. The oracles are an :class:`~kvmem.testing._oracles.OracleSet` the
+timeline holds: it tells the set's model what the manager's events and the launches say, and
+calls its checks.
 """
 
 from __future__ import annotations
@@ -29,16 +31,15 @@ import numpy.typing as npt
 
 from kvmem._validate import integer, show
 from kvmem.errors import ArgumentTypeError, KVMemError
-from kvmem.testing._kv_values import kv_value_array, namespace_key
+from kvmem.testing._device_memory import DeviceMemory
 from kvmem.testing._launch import EMPTY64, Launch, RequestSpec
-from kvmem.testing._oracles import FuzzFailure, Oracles
+from kvmem.testing._oracles import FuzzFailure, OracleSet
 
 __all__ = ["Timeline"]
 
 Int64Array = npt.NDArray[np.int64]
 
-_min = np.minimum.reduce  # the ufunc reductions: a little cheaper than ndarray.min() / .max()
-_max = np.maximum.reduce
+_max = np.maximum.reduce  # (a little cheaper than ndarray.max())
 
 
 class _Req:
@@ -50,7 +51,7 @@ class _Req:
         self.alive = True
 
 
-class Timeline(Oracles):
+class Timeline:
     """The device and the reference model of one run over a :class:`KVCacheManager`.
 
     Parameters
@@ -71,6 +72,8 @@ class Timeline(Oracles):
     ----------
     kv: ``[num_pages * page_size]``, int64 — device memory: the K/V value in each slot (0 = never
         written)
+    oracles: the :class:`~kvmem.testing._oracles.OracleSet` it calls after every move
+    counts: how often each check ran (a correct run shows them all > 0 and silent)
     """
 
     def __init__(self, manager: Any, max_requests: int, max_len: int,
@@ -90,58 +93,33 @@ class Timeline(Oracles):
         self.num_pages = n = int(manager.num_pages)
         self.max_len = max_len
         self.check_every = check_every
-        self.kv = np.zeros(n * P, dtype=np.int64)
-        self._init_rows(max_requests)
-        self._init_pages(manager)
-        self._init_queues()
-        self.moves = 0
-        self.num_reads = 0  # steps whose reads were checked
-        # How often each check ran (a correct run must show them all > 0 and silent).
         self.counts = {"page_checks": 0, "tag_changes": 0, "reads": 0, "hits": 0,
                        "retires": 0, "full_checks": 0, "launches": 0}
+        self.oracles = OracleSet(manager, self.counts)
+        self._init_rows(max_requests)
+        self.memory = DeviceMemory(n, P, max_requests, max_len, self.width)
+        self.kv = self.memory.kv
+        self._arange = self.memory.arange
+        self._copy_hold_pages = EMPTY64  # the latest reserve's copy-on-write sources
+        self._page_mask = np.zeros(n, dtype=bool)  # scratch, all False between uses
+        self._init_queues()
+        self.moves = 0
         self.aborted_by_verify: list[tuple[Any, str]] = []
-        self._arange_p = np.arange(P, dtype=np.int64)
         self.extra_check: Callable[[], None] | None = None  # the engine's own checks
         for kind in ("admit", "fork", "preempt", "release", "integrity_failure", "step_end"):
             manager.add_hook(kind, self._on_event)
 
     def _init_rows(self, max_requests: int) -> None:
         """Per model row (one per request the model follows)."""
-        P, max_len = self.P, self.max_len
-        width = -(-max_len // P) + 1
+        max_len = self.max_len
+        width = -(-max_len // self.P) + 1
         self.width = width
-        self.val = np.zeros((max_requests, max_len + P), dtype=np.int64)
         self.map = np.full((max_requests, width), -1, dtype=np.int64)  # pages each maps
         self._map_flat = self.map.reshape(-1)
         self.map_len = np.zeros(max_requests, dtype=np.int64)
-        # The version (see ``pver``) of the page each entry held when the request last read it.
-        self.vseen = np.full((max_requests, width), -1, dtype=np.int64)
-        self._vseen_flat = self.vseen.reshape(-1)
-        self._arange = np.arange(max_requests * width + 1, dtype=np.int64)
         self._free_mrows = list(range(max_requests - 1, -1, -1))
         self.reqs: dict[Any, _Req] = {}
         self._mrow_of: dict[Any, int] = {}  # request id -> its row (written with ``reqs``)
-        self._ns_keys: dict[str, int] = {}  # repr(namespace) -> namespace_key(namespace)
-
-    def _init_pages(self, manager: Any) -> None:
-        """Per page: the model's holders and guards, and what the last move saw."""
-        n = self.num_pages
-        self.holders = np.zeros(n, dtype=np.int64)  # request mappings in the model
-        self.copy_hold = np.zeros(n, dtype=np.int64)  # copy-on-write sources awaiting a reserve
-        self._copy_hold_pages = EMPTY64
-        self.guard = np.zeros(n, dtype=np.int64)  # in-flight ops listing the page
-        # Which page it is and which landing last wrote it (epoch * num_pages + page): a read
-        # through an entry is new if the entry's page or that page's content changed since.
-        self.pver = np.arange(n, dtype=np.int64)
-        self.epoch = 1
-        # What the last move saw (copies in the manager's own dtypes: compared every move).
-        self._seen_tags = manager.allocator.tags.copy()
-        self._max_tag = int(self._seen_tags.max(initial=0))
-        self._seen_rc = manager.allocator.refcounts.copy()
-        self._seen_held = manager.fences.held.copy()
-        self._held_any = True
-        self._dirty: list[Int64Array] = []
-        self._page_mask = np.zeros(n, dtype=bool)  # scratch, all False between uses
 
     def _init_queues(self) -> None:
         """The device's queues, and the fences they hold."""
@@ -170,12 +148,7 @@ class Timeline(Oracles):
                     "or abort some before submitting more"
                 )
         mrow = self._free_mrows.pop()
-        ns = repr(spec.namespace)  # (what namespace_key hashes: 1 and True are two tenants)
-        key = self._ns_keys.get(ns)
-        if key is None:
-            key = self._ns_keys[ns] = namespace_key(spec.namespace)
-        self.val[mrow, : spec.max_len] = kv_value_array(key, spec.tokens)
-        self.vseen[mrow] = -1
+        self.memory.load(mrow, spec)
         self.map[mrow] = -1
         self.map_len[mrow] = 0
         self.reqs[spec.request_id] = _Req(spec, mrow)
@@ -198,6 +171,7 @@ class Timeline(Oracles):
             del self._mrow_of[rid]
             if self.map_len[q.mrow]:
                 self._unmap(q.mrow)
+            self.memory.unload(q.mrow)
             self._free_mrows.append(q.mrow)
 
     # -- the mapping model ----------------------------------------------------------------------
@@ -212,15 +186,12 @@ class Timeline(Oracles):
             raise FuzzFailure("refcounts", f"a request maps {k} pages, more than it can use")
         self.map[mrow, :k] = pages
         self.map_len[mrow] = k
-        np.add.at(self.holders, pages, 1)
-        self._dirty.append(pages)
+        self.oracles.hold(pages)
 
     def _unmap(self, mrow: int) -> None:
         k = int(self.map_len[mrow])
         if k:
-            old = self.map[mrow, :k].copy()
-            np.subtract.at(self.holders, old, 1)
-            self._dirty.append(old)
+            self.oracles.unhold(self.map[mrow, :k].copy())
             self.map[mrow, :k] = -1
             self.map_len[mrow] = 0
 
@@ -244,7 +215,7 @@ class Timeline(Oracles):
             if kind in ("admit", "fork"):
                 p = pages.astype(np.int64)
                 self._set_map(req.mrow, p)
-                self.vseen[req.mrow] = -1
+                self.memory.vseen[req.mrow] = -1
                 if kind == "admit" and detail and self.strict_commits:
                     hits = p[: int(detail) // self.P]
                     self.counts["hits"] += 1
@@ -289,30 +260,25 @@ class Timeline(Oracles):
             o = old[changed]
             o = o[o >= 0]  # (none when the changed entries are pages just added at the end)
             if o.size:
-                np.subtract.at(self.holders, o, 1)
-                self._dirty.append(o)
+                self.oracles.unhold(o)
             new = pages[changed]
-            np.add.at(self.holders, new, 1)
+            self.oracles.hold(new)
             self._map_flat[flat[changed]] = new
-            self._dirty.append(new)
             # A request's CSR covers its first columns: it maps at least that many now (.at: a
             # request listed twice by a buggy engine keeps the longer).
             np.maximum.at(self.map_len, mrows, counts)
         # The manager keeps the latest reserve's copy-on-write sources until the next reserve.
         if self._copy_hold_pages.size:
-            np.subtract.at(self.copy_hold, self._copy_hold_pages, 1)
-            self._dirty.append(self._copy_hold_pages)
+            self.oracles.unhold_copies(self._copy_hold_pages)
         self._copy_hold_pages = op.held_sources
         if op.held_sources.size:
-            np.add.at(self.copy_hold, op.held_sources, 1)
-            self._dirty.append(op.held_sources)
+            self.oracles.hold_copies(op.held_sources)
 
     def note_reserve_without_launch(self) -> None:
         """The engine reserved but launched nothing (e.g. everything it reserved was aborted by
         verify): the previous copy-on-write sources are no longer held."""
         if self._copy_hold_pages.size:
-            np.subtract.at(self.copy_hold, self._copy_hold_pages, 1)
-            self._dirty.append(self._copy_hold_pages)
+            self.oracles.unhold_copies(self._copy_hold_pages)
             self._copy_hold_pages = EMPTY64
 
     # -- host moves -------------------------------------------------------------------------------
@@ -325,7 +291,7 @@ class Timeline(Oracles):
             self._process_events()
         if op is not None:
             self._observe_launch(op)
-        self._check_pages()
+        self.oracles.check_pages(self._op_listing)
         if self.aborted_by_verify:
             rid, reason = self.aborted_by_verify[0]
             raise FuzzFailure("verify", f"verify aborted request {rid!r}: {reason}")
@@ -341,6 +307,26 @@ class Timeline(Oracles):
     def after_device_move(self) -> None:
         self.moves += 1
 
+    def full_check(self) -> None:
+        """Every oracle at once (``manager.check()``, the model over every page, the requests,
+        the engine's ``extra_check``), after forgetting the finished requests no op lists."""
+        self._collect()
+        reqs = self.reqs
+        self.oracles.full_check(
+            alive=lambda rid: rid in reqs and reqs[rid].alive, idle=self.idle,
+            extra_check=self.extra_check)
+
+    @property
+    def num_reads(self) -> int:
+        """Steps whose reads were checked."""
+        return self.oracles.num_reads
+
+    def _op_listing(self, page: int) -> Launch | None:
+        """The op in flight that lists ``page`` (None: none)."""
+        for op in (*self.in_flight, *self.transfers):
+            if np.count_nonzero(op.guard == page):
+                return op
+        return None
 
     # -- device ---------------------------------------------------------------------------------
 
@@ -361,7 +347,7 @@ class Timeline(Oracles):
         if not (self.stream_ordered and op.kind == "step" and not op.copy_src.size):
             op.guard = (np.concatenate([op.kv_indices, op.write_pages, op.copy_src, op.copy_dst])
                         if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages]))
-            np.add.at(self.guard, op.guard, 1)
+            self.oracles.guard_pages(op.guard)
         op.pending_copies = int(op.copy_src.size)
         if op.fence is not None:
             if op.fence in self._retired:
@@ -405,12 +391,8 @@ class Timeline(Oracles):
             return False
         op = self.in_flight[0]
         i = op.copy_src.size - op.pending_copies
-        src, dst = int(op.copy_src[i]), int(op.copy_dst[i])
-        P = self.P
-        self.kv[dst * P : (dst + 1) * P] = self.kv[src * P : (src + 1) * P]
-        self.pver[dst] = self.epoch * self.num_pages + dst
-        self.epoch += 1
-        self.guard[src] -= 1  # the copy no longer reads its source
+        self.memory.copy_page(int(op.copy_src[i]), int(op.copy_dst[i]))
+        self.oracles.unguard_pages(op.copy_src[i : i + 1])  # the copy no longer reads its source
         op.pending_copies -= 1
         self.after_device_move()
         return True
@@ -438,42 +420,18 @@ class Timeline(Oracles):
 
     def _finish_on_device(self, op: Launch, reads: bool) -> None:
         if reads:
-            self._check_reads(op)
+            self.oracles.check_reads(op, self.memory)
         else:
-            self._land_writes(op)
+            self.memory.land_writes(op)
         g = op.guard
         if op.copy_src.size:  # each copy's source was released when it landed
             g = np.concatenate([op.kv_indices, op.write_pages, op.copy_dst])
-        np.subtract.at(self.guard, g, 1)
+        self.oracles.unguard_pages(g)
         if op.fence is not None:
             self._open_fences.pop(op.fence, None)
         if op.fence is not None:
             self.to_retire.append(op)
         self.to_finish.append(op)
-
-    def _land_writes(self, op: Launch) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """The op's K/V writes land; returns each written token's request (index in the op),
-        position and value."""
-        counts = op.num_new
-        b = counts.size
-        if b and op.slot_mapping.size == b and int(_min(counts)) == 1:  # a token each (decode)
-            tb = self._arange[:b]
-            pos = op.starts
-            values = self.val[op.mrows, pos]
-        else:
-            total = int(counts.sum())
-            if not total:
-                return EMPTY64, EMPTY64, EMPTY64
-            ar = self._arange if total <= self._arange.size else np.arange(total,
-                                                                            dtype=np.int64)
-            tb = ar[:b].repeat(counts)
-            pos = (op.starts - np.cumsum(counts) + counts)[tb] + ar[:total]
-            values = self.val[op.mrows[tb], pos]
-        self.kv[op.slot_mapping] = values
-        wp = op.write_pages
-        self.pver[wp] = self.epoch * self.num_pages + wp
-        self.epoch += 1
-        return tb, pos, values
 
     # -- host learns completions ---------------------------------------------------------------
 

@@ -44,8 +44,8 @@ import numpy as np
 from kvmem._validate import INT32_MAX, flag, integer, is_integer_like, real
 from kvmem.allocator import PAD
 from kvmem.errors import ArgumentError, KVMemError
-from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState
-from kvmem.integrations.vllm._flush import QueueFlush
+from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState, vllm_events
+from kvmem.integrations.vllm._flush import FlushQueue
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 from kvmem.manager import KVCacheManager
 
@@ -84,7 +84,7 @@ def _check_args(num_blocks: Any, block_size: Any, max_model_len: Any, max_num_se
         flag(value, name)
 
 
-class VllmKVCacheAdapter(QueueFlush):
+class VllmKVCacheAdapter:
     """vLLM 0.33's ``KVCacheManager`` surface over a :class:`kvmem.KVCacheManager`.
 
     Parameters
@@ -105,6 +105,9 @@ class VllmKVCacheAdapter(QueueFlush):
     verify_block_tables: the paranoid check: hand out block ids from a block table kept as the
         workers build theirs and verify that table every step (every entry; slower) instead of
         the step's CSR the ids are sliced from (kvmem's incremental check)
+
+    The queued allocations and their flush are a :class:`~kvmem.integrations.vllm._flush.
+    FlushQueue` the adapter holds; every flush goes through :meth:`flush`.
     """
 
     def __init__(self, *, num_blocks: int, block_size: int, max_model_len: int,
@@ -149,24 +152,40 @@ class VllmKVCacheAdapter(QueueFlush):
         self.empty_kv_cache_blocks = KVMemBlocks(None, [])
         self._free_view = self.manager.allocator  # num_free
         self._reqs: dict[str, RequestState] = {}
-        # The queue (see the module doc): (request, state, tokens, commit target or None: all
-        # scheduled tokens that are known), and the new-block results to fill at the flush.
-        self._q: list[tuple[Any, RequestState, int, int | None]] = []
-        self._q_blocks: list[tuple[int, int, KVMemBlocks]] = []  # (batch index, new pages, out)
-        self._q_pages = 0  # pages the queue will allocate
-        self._q_admits = False  # an admission is queued (its commit target is explicit)
-        # cache_blocks() calls since the last flush: (request, state, commit target).
-        self._q_commits: list[tuple[Any, RequestState, int]] = []
+        # The queue (see the module doc) and its flush.
+        self._queue = FlushQueue(self.manager, self._reqs, async_outputs=async_scheduling,
+                                 worker_block_table=self.worker_block_table,
+                                 on_aborted=self._aborted)
         self._empty = self.empty_kv_cache_blocks
         # Requests the integrity check aborted since the scheduler last asked: id -> reason.
         self.integrity_aborts: dict[str, str] = {}
         self.num_integrity_aborts = 0  # requests the check aborted, in all
-        self.num_verified_steps = 0
-        self.num_verified_requests = 0
         # Resets since take_events() last ran with no prefix cache to report them (vLLM's block
         # pool reports AllBlocksCleared whether or not prefix caching is on; kvmem's manager
         # has no cache to clear then, and no event).
         self._uncached_resets = 0
+
+    # -- the queue ------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
+        and commit every scheduled token whose id is known (one commit_batch)."""
+        self._queue.flush()
+
+    def _flush_pending(self) -> None:
+        """Flush if anything is queued (through :meth:`flush`, which a profiler may wrap)."""
+        if self._queue.entries or self._queue.commits:
+            self.flush()
+
+    @property
+    def num_verified_steps(self) -> int:
+        """Batches the integrity check verified (one per flush that allocated)."""
+        return self._queue.num_verified_steps
+
+    @property
+    def num_verified_requests(self) -> int:
+        """Requests the integrity check verified, summed over the batches."""
+        return self._queue.num_verified_requests
 
     # -- capacity ------------------------------------------------------------------------------
 
@@ -174,7 +193,7 @@ class VllmKVCacheAdapter(QueueFlush):
         """vLLM's ``get_num_free_blocks()``: free + evictable cached pages, less the queue's."""
         cache = self.manager.cache
         return (self._free_view.num_free + (cache.num_evictable if cache is not None else 0)
-                - self._q_pages)
+                - self._queue.num_pages)
 
     @property
     def usage(self) -> float:
@@ -194,8 +213,7 @@ class VllmKVCacheAdapter(QueueFlush):
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
@@ -239,7 +257,7 @@ class VllmKVCacheAdapter(QueueFlush):
         if st is not None and not num_new_computed_tokens:
             if num_new_tokens and (request.num_computed_tokens + num_new_tokens
                                    + num_lookahead_tokens <= st.cap):
-                self._q.append((request, st, num_new_tokens, None))
+                self._queue.entries.append((request, st, num_new_tokens, None))
                 return self._empty
             return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
                               reserved_blocks)
@@ -270,14 +288,12 @@ class VllmKVCacheAdapter(QueueFlush):
         need = _cdiv(need_tokens, p) - st.cap // p
         if need > self._num_free() - reserved_blocks:
             return None
-        b = len(self._q)
-        self._q.append((request, st, num_new_tokens, None))
         if need <= 0:
+            self._queue.entries.append((request, st, num_new_tokens, None))
             return self._empty
         st.cap += need * p
-        self._q_pages += need
         out = KVMemBlocks(self, None)
-        self._q_blocks.append((b, need, out))
+        self._queue.add_growth(request, st, num_new_tokens, need, out)
         return out
 
     def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
@@ -288,8 +304,7 @@ class VllmKVCacheAdapter(QueueFlush):
             raise ArgumentError(
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new and 0 prefix-hit tokens)")
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         p = self.block_size
         need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
                           self.max_model_len)
@@ -321,11 +336,9 @@ class VllmKVCacheAdapter(QueueFlush):
         st = RequestState(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
         self._reqs[rid] = st
         upto = min(num_hit_tokens + num_new_tokens, len(tokens))
-        self._q.append((request, st, num_new_tokens, upto))
-        self._q_admits = True
-        self._q_pages += need - res.num_pages + res.num_hit_pages
         out = KVMemBlocks(self, None)  # the pages past the hit (the scheduler asks get_blocks)
-        self._q_blocks.append((len(self._q) - 1, need, out))
+        self._queue.add_admission(request, st, num_new_tokens, upto, need,
+                                  need - res.num_pages + res.num_hit_pages, out)
         return out
 
     def _aborted(self, aborted: dict[Any, str]) -> None:
@@ -347,19 +360,17 @@ class VllmKVCacheAdapter(QueueFlush):
         known = len(request._all_token_ids)
         upto = num_computed_tokens if num_computed_tokens < known else known
         if upto > st.committed:  # (usually not: committed when their step was scheduled)
-            self._q_commits.append((request, st, upto))
+            self._queue.commits.append((request, st, upto))
 
     def free(self, request: Any) -> None:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         if self._reqs.pop(request.request_id, None) is not None:
             self.manager.release(request.request_id)
 
     # -- block ids -----------------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVMemBlocks:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         st = self._reqs.get(request_id)
         if st is None:
             return self.empty_kv_cache_blocks
@@ -381,8 +392,7 @@ class VllmKVCacheAdapter(QueueFlush):
     def estimate_cached_tokens(self, request: Any) -> int:
         if request.request_id not in self._reqs or not self.enable_caching:
             return 0
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         committed = self.manager.num_committed(request.request_id)
         return committed // self.block_size * self.block_size
 
@@ -392,22 +402,18 @@ class VllmKVCacheAdapter(QueueFlush):
     # -- step hooks, events, reset -------------------------------------------------------------
 
     def new_step_starts(self) -> None:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
 
     def take_new_block_ids(self) -> list[int]:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         return []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         return {}
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
@@ -421,40 +427,20 @@ class VllmKVCacheAdapter(QueueFlush):
         """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
         (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
         ``cache_salt``: in the extra keys of a prompt's first block)."""
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         if not self.enable_kv_cache_events:
             return []
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        from kvmem.manager import AllPagesCleared, PagesRemoved, PagesStored
-
-        out: list[Any] = []
-        for ev in self.manager.take_events():
-            if isinstance(ev, PagesStored):
-                extra: list[Any] = [None] * len(ev.page_hashes)
-                if ev.parent_page_hash is None and ev.namespace is not None:
-                    extra[0] = (ev.namespace,)
-                out.append(BlockStored(
-                    block_hashes=list(ev.page_hashes), parent_block_hash=ev.parent_page_hash,
-                    token_ids=list(ev.token_ids), block_size=ev.page_size, lora_id=None,
-                    medium=ev.medium, lora_name=None,
-                    extra_keys=extra if any(e is not None for e in extra) else None,
-                    group_idx=0, kv_cache_spec_kind="full_attention"))
-            elif isinstance(ev, PagesRemoved):
-                for h in ev.page_hashes:  # vLLM reports one removed block per event
-                    out.append(BlockRemoved(block_hashes=[h], medium=ev.medium, group_idx=0))
-            elif isinstance(ev, AllPagesCleared):
-                out.append(AllBlocksCleared())
+        out = vllm_events(self.manager.take_events())
         if self._uncached_resets:
+            from vllm.distributed.kv_events import AllBlocksCleared
+
             out.extend(AllBlocksCleared() for _ in range(self._uncached_resets))
             self._uncached_resets = 0
         return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while a request maps pages, as vLLM."""
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         if self.manager.running:
             logger.warning("Failed to reset prefix cache because %d requests still map pages",
                            len(self.manager.running))
@@ -494,8 +480,7 @@ class VllmKVCacheAdapter(QueueFlush):
         count and committed tokens agree with the manager's (raises ``IntegrityError``)."""
         from kvmem.errors import IntegrityError
 
-        if self._q or self._q_commits:
-            self.flush()
+        self._flush_pending()
         self.manager.check()
         running = set(self.manager.running)
         if running != set(self._reqs):

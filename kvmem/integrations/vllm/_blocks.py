@@ -1,5 +1,6 @@
 """What the vLLM adapter hands the scheduler (:class:`KVMemBlocks`, :class:`PrefixHit`) and
-what it keeps per running request (:class:`RequestState`)."""
+what it keeps per running request (:class:`RequestState`), and kvmem's KV events as vLLM's
+(:func:`vllm_events`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvmem.integrations.vllm._adapter import VllmKVCacheAdapter
 
-__all__ = ["KVMemBlocks", "PrefixHit", "RequestState"]
+__all__ = ["KVMemBlocks", "PrefixHit", "RequestState", "vllm_events"]
 
 
 class KVMemBlocks:
@@ -67,3 +68,31 @@ class RequestState:
         self.cap = cap
         self.committed = committed
         self.row = -1  # its kvmem row (kept for the paranoid check's worker block table)
+
+
+def vllm_events(events: list[Any]) -> list[Any]:
+    """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+    (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
+    ``cache_salt``: in the extra keys of a prompt's first block). Imports vLLM."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    from kvmem.manager import AllPagesCleared, PagesRemoved, PagesStored
+
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, PagesStored):
+            extra: list[Any] = [None] * len(ev.page_hashes)
+            if ev.parent_page_hash is None and ev.namespace is not None:
+                extra[0] = (ev.namespace,)
+            out.append(BlockStored(
+                block_hashes=list(ev.page_hashes), parent_block_hash=ev.parent_page_hash,
+                token_ids=list(ev.token_ids), block_size=ev.page_size, lora_id=None,
+                medium=ev.medium, lora_name=None,
+                extra_keys=extra if any(e is not None for e in extra) else None,
+                group_idx=0, kv_cache_spec_kind="full_attention"))
+        elif isinstance(ev, PagesRemoved):
+            for h in ev.page_hashes:  # vLLM reports one removed block per event
+                out.append(BlockRemoved(block_hashes=[h], medium=ev.medium, group_idx=0))
+        elif isinstance(ev, AllPagesCleared):
+            out.append(AllBlocksCleared())
+    return out

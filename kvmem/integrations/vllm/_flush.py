@@ -1,11 +1,12 @@
-"""The vLLM adapter's queue flush: the queued allocations as one ``reserve``, the batch's check
-(one ``verify``) and its commits (one ``commit_batch``). ``_adapter.py``'s docstring says how
-the queue works."""
+"""The vLLM adapter's queue and its flush: the queued allocations as one ``reserve``, the
+batch's check (one ``verify``) and its commits (one ``commit_batch``). ``_adapter.py``'s
+docstring says how the queue works."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from operator import attrgetter, getitem, itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from kvmem.allocator import PAD
 from kvmem.integrations.vllm._blocks import KVMemBlocks, RequestState
 from kvmem.manager import KVCacheManager
 
-__all__ = ["QueueFlush"]
+__all__ = ["FlushQueue"]
 
 # Field getters for the queue's (request, state, tokens, commit target) entries (the first
 # also for (batch index, pages, out) results) and for requests.
@@ -24,38 +25,78 @@ _COMPUTED = attrgetter("num_computed_tokens")
 _COMMITTED = attrgetter("committed")
 
 
-class QueueFlush:
-    """The flush of :class:`~kvmem.integrations.vllm.VllmKVCacheAdapter` (its base class): the
-    queue and the state it reads are the adapter's, declared here."""
+class FlushQueue:
+    """The allocations :class:`~kvmem.integrations.vllm.VllmKVCacheAdapter` has decided and not
+    yet performed, and their flush (see ``_adapter.py``'s docstring). The adapter holds one and
+    appends to it; :meth:`flush` performs the batch.
 
-    manager: KVCacheManager
-    async_outputs: bool
-    worker_block_table: Any
-    num_verified_steps: int
-    num_verified_requests: int
-    _reqs: dict[str, RequestState]
-    _q: list[tuple[Any, RequestState, int, int | None]]
-    _q_blocks: list[tuple[int, int, KVMemBlocks]]
-    _q_pages: int
-    _q_admits: bool
-    _q_commits: list[tuple[Any, RequestState, int]]
+    Parameters
+    ----------
+    manager: the adapter's kvmem manager
+    requests: the adapter's running requests (id -> state), read and never written here
+    async_outputs: the scheduler is an ``AsyncScheduler``
+    worker_block_table: the paranoid check's block table (None: kvmem's incremental check)
+    on_aborted: called with ``{request id: reason}`` when verify aborted requests (the adapter
+        forgets, logs and reports them)
 
-    if TYPE_CHECKING:  # the adapter's: it logs and reports what verify aborted
-        def _aborted(self, aborted: dict[Any, str]) -> None: ...
+    Attributes
+    ----------
+    entries: the queued allocations: (request, state, tokens, commit target or None: all
+        scheduled tokens that are known)
+    new_blocks: the new-block results to fill at the flush: (index in ``entries``, new pages,
+        out)
+    num_pages: pages the queued allocations will take
+    admits: an admission is queued (its commit target is explicit)
+    commits: ``cache_blocks()`` calls since the last flush: (request, state, commit target)
+    num_verified_steps, num_verified_requests: batches and requests verify checked, in all
+    """
+
+    def __init__(self, manager: KVCacheManager, requests: dict[str, RequestState], *,
+                 async_outputs: bool, worker_block_table: Any,
+                 on_aborted: Callable[[dict[Any, str]], None]) -> None:
+        self.manager = manager
+        self.async_outputs = async_outputs
+        self.worker_block_table = worker_block_table
+        self._reqs = requests
+        self._aborted = on_aborted
+        self.entries: list[tuple[Any, RequestState, int, int | None]] = []
+        self.new_blocks: list[tuple[int, int, KVMemBlocks]] = []
+        self.num_pages = 0
+        self.admits = False
+        self.commits: list[tuple[Any, RequestState, int]] = []
+        self.num_verified_steps = 0
+        self.num_verified_requests = 0
+
+    def add_growth(self, request: Any, st: RequestState, num_new_tokens: int, need: int,
+                   out: KVMemBlocks) -> None:
+        """Queue a running request's ``num_new_tokens`` tokens that take ``need`` new pages
+        (``out`` gets their block ids at the flush)."""
+        self.new_blocks.append((len(self.entries), need, out))
+        self.entries.append((request, st, num_new_tokens, None))
+        self.num_pages += need
+
+    def add_admission(self, request: Any, st: RequestState, num_new_tokens: int, upto: int,
+                      need: int, num_pages: int, out: KVMemBlocks) -> None:
+        """Queue an admitted request's first step: ``need`` pages past its hit (``num_pages``
+        of them still to take; ``out`` gets their block ids), commit up to ``upto``."""
+        self.new_blocks.append((len(self.entries), need, out))
+        self.entries.append((request, st, num_new_tokens, upto))
+        self.admits = True
+        self.num_pages += num_pages
 
     def flush(self) -> None:
         """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
         and commit every scheduled token whose id is known (one commit_batch)."""
-        q, commits = self._q, self._q_commits
+        q, commits = self.entries, self.commits
         if not q:
             if commits:
-                self._q_commits = []
+                self.commits = []
                 if not self._commit_arrived(commits):
                     self._commit_general([], commits)
             return
-        outs, admits = self._q_blocks, self._q_admits
-        self._q, self._q_blocks, self._q_pages, self._q_admits = [], [], 0, False
-        self._q_commits = []
+        outs, admits = self.new_blocks, self.admits
+        self.entries, self.new_blocks, self.num_pages, self.admits = [], [], 0, False
+        self.commits = []
         ids = tuple(map(_RID, map(_STATE, q)))  # C-level gathers: a batch is 256 requests
         nums = list(map(_NUM, q))
         n0 = nums[0]

@@ -1,5 +1,5 @@
 """What a conformance stream is (:class:`StreamSpec`: a scheduler configuration and its
-requests), what a run of one records (:class:`StepRecord`, :class:`StreamResult`), the synthetic
+requests), what a run of one records (:class:`StreamStep`, :class:`StreamResult`), the synthetic
 model's tokens (:func:`token_at`) and random streams (:func:`random_stream`). No vLLM needed."""
 
 from __future__ import annotations
@@ -14,8 +14,17 @@ from typing import Any, Literal
 from kvmem._validate import INT32_MAX, choice, flag, integer, is_integer_like, real, show
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 
-__all__ = ["STOP_TOKEN", "VOCAB", "RequestSpec", "SchedulerSpec", "StepRecord", "StreamResult",
-           "StreamSpec", "random_stream", "token_at"]
+__all__ = [
+    "STOP_TOKEN",
+    "VOCAB",
+    "SchedulerSpec",
+    "StreamRequest",
+    "StreamResult",
+    "StreamSpec",
+    "StreamStep",
+    "random_stream",
+    "token_at",
+]
 
 STOP_TOKEN = 7
 VOCAB = 997
@@ -97,7 +106,7 @@ class SchedulerSpec:
 
 
 @dataclass(frozen=True)
-class RequestSpec:
+class StreamRequest:
     """One request: arrives before step ``arrival`` is scheduled, aborted before step
     ``abort_at`` (if given and it is still unfinished)."""
 
@@ -112,7 +121,7 @@ class RequestSpec:
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):  # a replay typed by hand: the tuple it stands for
             object.__setattr__(self, "prompt", tuple(self.prompt))
-        _check(f"RequestSpec {self.rid!r}", [
+        _check(f"StreamRequest {self.rid!r}", [
             lambda: _of_type(self.rid, "rid", str, "a str"),
             self._check_prompt,
             lambda: integer(self.max_tokens, "max_tokens", minimum=1),
@@ -142,7 +151,7 @@ class StreamSpec:
     """A stream: ``run_stream(StreamSpec(...))`` replays it exactly."""
 
     sched: SchedulerSpec
-    requests: tuple[RequestSpec, ...]
+    requests: tuple[StreamRequest, ...]
     max_steps: int = 400
     seed: int = 0
     pipeline: int = 1  # steps scheduled before the oldest one's output is handed back
@@ -160,8 +169,8 @@ class StreamSpec:
 
     def _check_requests(self) -> None:
         reqs = self.requests
-        if not isinstance(reqs, tuple) or not all(isinstance(r, RequestSpec) for r in reqs):
-            raise ArgumentTypeError(f"requests={show(reqs)}: expected a tuple of RequestSpec.")
+        if not isinstance(reqs, tuple) or not all(isinstance(r, StreamRequest) for r in reqs):
+            raise ArgumentTypeError(f"requests={show(reqs)}: expected a tuple of StreamRequest.")
         rids = [r.rid for r in reqs]
         twice = sorted({rid for rid in rids if rids.count(rid) > 1})
         if twice:
@@ -181,7 +190,7 @@ def _of_type(value: Any, name: str, kind: type | tuple[type, ...], want: str) ->
 
 
 @dataclass
-class StepRecord:
+class StreamStep:
     """What one step scheduled, in a form both managers must agree on."""
 
     new: list[tuple[str, int]]  # (request id, prefix-hit num_computed_tokens), in order
@@ -202,7 +211,7 @@ class StepRecord:
 
 @dataclass
 class StreamResult:
-    steps: list[StepRecord]
+    steps: list[StreamStep]
     outputs: dict[str, tuple[int, ...]]  # every request's final output tokens
     finish: dict[str, str]  # finish reason per request
     step_us: list[float]  # schedule() + update_from_output() per step
@@ -246,7 +255,7 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
         arrival += rng.choice((0, 0, 1, 2, 5))
         abort_at = arrival + rng.randint(0, 30) if rng.random() < 0.15 else None
         salt = rng.choice(salts) if rng.random() < 0.5 else None
-        requests.append(RequestSpec(f"r{i}", prompt, max_tokens, arrival, salt, abort_at,
+        requests.append(StreamRequest(f"r{i}", prompt, max_tokens, arrival, salt, abort_at,
                                     rng.randint(0, 3) if priority else 0))
         longest = max(longest, len(prompt) + max_tokens)
     # Every request must fit alone (vLLM reserves the whole sequence on admission); a tight

@@ -10,7 +10,7 @@ import os
 import tempfile
 from typing import Any
 
-from kvmem.integrations.vllm._streams import STOP_TOKEN, RequestSpec, SchedulerSpec, token_at
+from kvmem.integrations.vllm._streams import STOP_TOKEN, SchedulerSpec, StreamRequest, token_at
 
 __all__ = ["EventRecorder", "make_block_hasher", "make_request", "make_scheduler",
            "make_vllm_config", "model_output"]
@@ -112,7 +112,7 @@ def make_block_hasher(block_size: int) -> Any:
     return get_request_block_hasher(block_size, sha256)
 
 
-def make_request(r: RequestSpec, block_size: int) -> Any:
+def make_request(r: StreamRequest, block_size: int) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 

@@ -1,11 +1,11 @@
 """Differential conformance: vLLM's ``Scheduler`` on its own manager and on kvmem's, step by step.
 
 A *stream* (:class:`StreamSpec`) is a scheduler configuration and a list of requests
-(:class:`RequestSpec`: arrival step, prompt, ``cache_salt``, ``max_tokens``, optional abort
+(:class:`StreamRequest`: arrival step, prompt, ``cache_salt``, ``max_tokens``, optional abort
 step). :func:`run_stream` drives one scheduler over it with a synthetic model: each step's
 sampled token is a deterministic function of the request and the position (:func:`token_at`),
 a request stops on ``max_tokens`` or on the stop token. It records, per step, what the step
-scheduled (:class:`StepRecord`): new requests with their prefix-hit ``num_computed_tokens``,
+scheduled (:class:`StreamStep`): new requests with their prefix-hit ``num_computed_tokens``,
 running ones, ``num_scheduled_tokens``, preempted and finished ids, the *sharing structure* of
 the block tables the workers would build (which requests share a block at which position;
 block ids themselves may differ), and the KV events' cache contents (which prefix was stored or
@@ -30,11 +30,11 @@ from kvmem._validate import flag, integer, show
 from kvmem.errors import ArgumentTypeError
 from kvmem.integrations.vllm._streams import (
     STOP_TOKEN,
-    RequestSpec,
     SchedulerSpec,
-    StepRecord,
+    StreamRequest,
     StreamResult,
     StreamSpec,
+    StreamStep,
     random_stream,
     token_at,
 )
@@ -49,11 +49,11 @@ from kvmem.integrations.vllm._vllm_objects import (
 __all__ = [
     "STOP_TOKEN",
     "Driver",
-    "RequestSpec",
     "SchedulerSpec",
-    "StepRecord",
+    "StreamRequest",
     "StreamResult",
     "StreamSpec",
+    "StreamStep",
     "compare",
     "make_scheduler",
     "make_vllm_config",
@@ -135,7 +135,7 @@ class Driver:
 
     ``step()`` is ``schedule()``, the synthetic model, ``update_from_output()``; ``schedule()``
     and ``update(out)`` apart let a scenario pipeline steps as an engine with several batches in
-    flight does. ``records`` holds one :class:`StepRecord` per ``schedule()`` (the events of an
+    flight does. ``records`` holds one :class:`StreamStep` per ``schedule()`` (the events of an
     ``update`` go to the record of the step it updates).
     """
 
@@ -154,14 +154,14 @@ class Driver:
         self.worker = _Worker()
         self.contents = _EventContents()
         self.requests: dict[str, Any] = {}
-        self.records: list[StepRecord] = []
+        self.records: list[StreamStep] = []
         self.step_us: list[float] = []
         self.verify_failures = 0
         self.table_mismatches = 0
-        self._record_of: dict[int, StepRecord] = {}
+        self._record_of: dict[int, StreamStep] = {}
         self._output_of: dict[int, Any] = {}
 
-    def add(self, r: RequestSpec) -> None:
+    def add(self, r: StreamRequest) -> None:
         req = make_request(r, self.spec.block_size)
         self.requests[r.rid] = req
         self.sched.add_request(req)
@@ -177,7 +177,7 @@ class Driver:
         out = self.sched.schedule()
         self.worker.apply(out)
         c = out.scheduled_cached_reqs
-        rec = StepRecord(
+        rec = StreamStep(
             new=[(nr.req_id, nr.num_computed_tokens) for nr in out.scheduled_new_reqs],
             cached=list(c.req_ids), resumed=sorted(c.resumed_req_ids),
             num_scheduled=dict(out.num_scheduled_tokens),
@@ -231,7 +231,7 @@ def run_stream(stream: StreamSpec, kvmem: bool, check_tables: bool = True) -> St
     if not isinstance(stream, StreamSpec):
         raise ArgumentTypeError(f"stream={show(stream)}: expected a StreamSpec.")
     d = Driver(stream.sched, kvmem, stream.seed, check_tables)
-    arrivals: dict[int, list[RequestSpec]] = {}
+    arrivals: dict[int, list[StreamRequest]] = {}
     aborts: dict[int, list[str]] = {}
     for r in stream.requests:
         arrivals.setdefault(r.arrival, []).append(r)
@@ -291,7 +291,7 @@ class Comparison:
                 "    assert compare(stream).ok\n")
 
 
-def _describe(a: StepRecord, b: StepRecord) -> str:
+def _describe(a: StreamStep, b: StreamStep) -> str:
     for name in ("new", "cached", "resumed", "num_scheduled", "preempted", "finished",
                  "sharing", "usage", "events"):
         x, y = getattr(a, name), getattr(b, name)

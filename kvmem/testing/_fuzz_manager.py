@@ -9,10 +9,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import OutOfPagesError
-from kvmem.testing._engine_protocol import FuzzConfig, subset_step
+from kvmem.testing._fuzz_protocol import FuzzConfig, subset_step
+from kvmem.testing._fuzz_slots import GONE, PREEMPTED, RECEIVING, RUNNING, WAITING, SlotEngine
 from kvmem.testing._launch import Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
-from kvmem.testing._slot_engine import GONE, PREEMPTED, RECEIVING, RUNNING, WAITING, SlotEngine
 
 __all__ = ["ManagerEngine"]
 

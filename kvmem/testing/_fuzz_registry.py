@@ -1,14 +1,14 @@
 """The engines the fuzzer knows by name (:data:`ENGINES`; the protocol is
-:mod:`kvmem.testing._engine_protocol`)."""
+:mod:`kvmem.testing._fuzz_protocol`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kvmem.errors import ArgumentError
-from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
-from kvmem.testing._manager_engine import ManagerEngine
-from kvmem.testing._toy_adapter import ToyEngineAdapter
+from kvmem.testing._fuzz_manager import ManagerEngine
+from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
+from kvmem.testing._fuzz_toy import ToyEngineAdapter
 
 __all__ = ["ENGINES", "make_engine"]
 

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import KVMemError
-from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine
+from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._launch import Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
 

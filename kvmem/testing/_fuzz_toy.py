@@ -9,10 +9,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import OutOfPagesError
-from kvmem.testing._engine_protocol import FuzzConfig, subset_step
+from kvmem.testing._fuzz_protocol import FuzzConfig, subset_step
+from kvmem.testing._fuzz_slots import PREEMPTED, RUNNING, WAITING, SlotEngine
 from kvmem.testing._launch import Launch
 from kvmem.testing._oracles import FuzzFailure
-from kvmem.testing._slot_engine import PREEMPTED, RUNNING, WAITING, SlotEngine
 
 __all__ = ["ToyEngineAdapter"]
 
@@ -33,7 +33,7 @@ class ToyEngineAdapter(SlotEngine):
     capabilities: ClassVar[frozenset[str]] = frozenset({"fork", "preempt", "resume", "clear"})
 
     def __init__(self, config: FuzzConfig) -> None:
-        from kvmem.testing._toy_engine import ToyEngine
+        from kvmem.testing._toy import ToyEngine
 
         mgr = self.new_manager(config)
         super().__init__(config, mgr)

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import HookError, KVMemError, OutOfPagesError
-from kvmem.testing._engine_protocol import FuzzConfig, FuzzEngine, stable_pick
+from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine, stable_pick
 from kvmem.testing._launch import Launch, RequestSpec
 
 __all__ = ["GONE", "PREEMPTED", "RECEIVING", "RUNNING", "WAITING", "SlotEngine"]
