@@ -24,8 +24,8 @@ DIARY = re.compile(
 
 def reference_docs() -> list[Path]:
     """README.md and every docs/*.md but docs/benchmarks.md."""
-    return [ROOT / "README.md"] + sorted(
-        p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")
+    docs = sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")
+    return [ROOT / "README.md", *docs]
 
 
 def hits(pattern: re.Pattern[str], text: str) -> list[str]:
