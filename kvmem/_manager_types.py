@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvmem._validate import INT32_MAX, integer
 from kvmem.allocator import HashedPrefixCache, PrefixCache, StepMetadata
 from kvmem.errors import ArgumentError, ArgumentTypeError, HookError
-from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker, VerifierStats
+from kvmem.integrity import IntegrityReport, Tracker, VerifierStats, tracker_for
 
 __all__ = [
     "HOOK_KINDS",
@@ -230,29 +230,8 @@ def make_cache(spec: str | PrefixCache | None) -> PrefixCache | None:
 
 
 def make_tracker(spec: Tracker | str | None, cfg: ManagerConfig) -> Tracker:
-    if spec is None:
-        return NoOpTracker()
-    if isinstance(spec, str):
-        if spec not in ("checking", "paranoid"):
-            raise ArgumentError(f"tracker={spec!r} is not known; use 'checking', 'paranoid' or "
-                                "a Tracker")
-        return CheckingTracker(cfg.max_seqs, cfg.max_pages_per_seq, paranoid=spec == "paranoid")
-    if not isinstance(spec, Tracker):
-        raise ArgumentTypeError(f"tracker must be 'checking', 'paranoid', None or a Tracker, got "
-                                f"{type(spec).__name__}")
-    if getattr(spec, "claimed", False):
-        raise ArgumentError("this tracker already records another manager's rows (the two "
-                            "would overwrite each other's expected tags); make one per manager")
-    expected = getattr(spec, "expected_tags", None)
-    if expected is not None and (
-        expected.shape[0] < cfg.max_seqs or expected.shape[1] < cfg.max_pages_per_seq
-    ):
-        raise ArgumentError(
-            f"the tracker records {expected.shape} (rows, pages) but the manager needs "
-            f"({cfg.max_seqs}, {cfg.max_pages_per_seq}); build it with "
-            "CheckingTracker(max_seqs, max_pages_per_seq) or pass tracker='checking'"
-        )
-    return spec
+    """The manager's tracker (``kvmem.integrity.tracker_for``)."""
+    return tracker_for(spec, cfg.max_seqs, cfg.max_pages_per_seq)
 
 
 def check_pool(pool: Any, cfg: ManagerConfig) -> None:

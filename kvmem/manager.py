@@ -68,6 +68,7 @@ from kvmem._validate import id_tuple, integer, is_hashable, is_integer_like, sho
 from kvmem.allocator import (
     Admission,
     Committer,
+    Forks,
     Namespaces,
     PageTable,
     Plan,
@@ -92,7 +93,7 @@ from kvmem.errors import (
     KVMemError,
 )
 from kvmem.integrity import (
-    CheckingTracker,
+    Recorder,
     TagMirror,
     Tracker,
     Verifier,
@@ -232,27 +233,24 @@ class KVCacheManager:
         check_pool(pool, cfg)
         cache = make_cache(prefix_cache)
         self.tracker = make_tracker(tracker, cfg)
+        self._recorder = Recorder(self.tracker, cfg.max_pages_per_seq)
         self._lock = threading.RLock()
         self._hooks = HookBus(cfg.kv_events)
+        self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
+        self._forks = Forks(self.table)  # (the owner of the copies forks promised)
         self.pages = PageRefs(cfg.num_pages, cfg.page_size, cache, self._evicted, self._freed,
-                              cfg.evict_ahead)
+                              cfg.evict_ahead, self._forks.promised)
         self.allocator, self.fences = self.pages.allocator, self.pages.fences
         self.fault_hooks = self.pages.faults
-        self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
-        checking = self.tracker if isinstance(self.tracker, CheckingTracker) else None
-        expected_flat = None
-        if checking is not None and checking.expected_tags.shape[1] == cfg.max_pages_per_seq:
-            expected_flat = checking.expected_tags.reshape(-1)
-        self.steps = StepBuilder(self.table, expected_flat)
+        self.steps = StepBuilder(self.table, self._recorder.expected_flat)
         self.pool = pool
-        self._reserver = Reserver(self.table, self.pages, self.steps, self.tracker,
+        self._reserver = Reserver(self.table, self.pages, self.steps, self._forks, self._recorder,
                                   None if pool is None else pool.copy_pages, self._allocated)
-        self.pages.promised = self._reserver.copies_promised
-        self._committer = Committer(self.table, self.pages,
+        self._committer = Committer(self.table, self.pages, self.steps,
                                     self._stored if cfg.kv_events else None)
         self.mirror = TagMirror(self.allocator.tags, self.pages.namespace_ids,
                                 None if pool is None else self.allocator.changes.reader(), pool)
-        self.verifier = Verifier(self.tracker, self.table, self.allocator.tags,
+        self.verifier = Verifier(self._recorder, self.table, self.allocator.tags,
                                  self.pages.namespace_ids, self.mirror,
                                  self.allocator.changes.reader(), self.pages.writers)
         self._requests: dict[Any, _Request] = {}  # every known request (running or preempted)
@@ -264,8 +262,7 @@ class KVCacheManager:
         self._counters = dict.fromkeys(("prefix_queries", "prefix_query_tokens",
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
-        if checking is not None:
-            checking.claimed = True  # its rows are this manager's (make_tracker refuses a 2nd)
+        self._recorder.claim()  # its rows are this manager's (make_tracker refuses a 2nd)
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -422,22 +419,19 @@ class KVCacheManager:
             self._counters["prefix_queries"] += 1
             self._counters["prefix_query_tokens"] += plan.tokens.size
             self._counters["prefix_hit_tokens"] += num_cached
-        self._record_row(row, pages, plan.namespace_id)
-        self._rows[request_id] = row
-        self._row_ids[row] = request_id
-        self._requests[request_id] = _Request(namespace, plan.namespace_id, plan.tokens)
+        self._open(request_id, row, pages, _Request(namespace, plan.namespace_id, plan.tokens))
         self._hooks.emit("allocate", request_id, new)
         self._hooks.emit("admit", request_id, pages, detail=num_cached)
         return AdmitResult(request_id, num_cached, int(plan.tokens.size), plan.num_pages,
                            plan.hits)
 
-    def _record_row(self, row: int, pages: Int32Array, ns: int) -> None:
-        """The tracker records a new row's pages."""
-        if isinstance(self.tracker, CheckingTracker):
-            self.tracker.record_row(row, self._reserver.expected(pages, ns))
-        elif self.tracker.enabled:
-            self.tracker.record(np.full(pages.size, row), np.arange(pages.size),
-                                self._reserver.expected(pages, ns))
+    def _open(self, request_id: Any, row: int, pages: Int32Array, req: _Request) -> None:
+        """Register a request that maps a new row; its tracker records the row's pages."""
+        if self._recorder.enabled:
+            self._recorder.record_row(row, self._reserver.expected(pages, req.namespace_id))
+        self._rows[request_id] = row
+        self._row_ids[row] = request_id
+        self._requests[request_id] = req
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -469,11 +463,8 @@ class KVCacheManager:
             max_pages_per_seq
         """
         ids, rows, _ = self._batch(request_ids, "reserved")
-        n = token_counts(num_tokens, rows.size, self._most_tokens)
-        if isinstance(n, int) and n <= self.page_size and not self.table.num_forked and (
-                not self.fences.copies_pending):
-            return self._reserver.reserve_small(ids, rows, n)
-        return self._reserver.reserve_any(ids, rows, n)
+        return self._reserver.reserve(ids, rows, token_counts(num_tokens, rows.size,
+                                                              self._most_tokens))
 
     @_public
     def commit(self, request_id: Any, token_ids: Any) -> None:
@@ -504,12 +495,7 @@ class KVCacheManager:
         """
         ids, rows, _ = self._batch(request_ids, "committed")
         flat, counts = batch_tokens(token_ids, rows.size)
-        if isinstance(counts, int) and counts == 1:
-            b = self.steps.uncommitted(ids, self.table.num_committed[rows])
-            if b is not None:  # the tokens a recent reserve handed out, in its slots
-                self._committer.commit_decode(b, flat)
-                return
-        self._committer.commit(rows, counts, flat, ids)
+        self._committer.commit_batch(ids, rows, counts, flat)
 
     # -- integrity ---------------------------------------------------------------------------------
 
@@ -548,8 +534,6 @@ class KVCacheManager:
         ids, rows, b = self._batch(request_ids, "verified")
         md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
                               None if b is None else b.step, lambda: self.table.csr(rows)[:2])
-        if b is not None and np.count_nonzero(self.table.num_committed[rows] > b.start):
-            b = None  # some of its slots were committed since: the write set is not the step's
         verdict = self.verifier.check(ids, rows, md, b)
         aborted: dict[Any, str] = {}
         for i, (first_bad, reason) in verdict.failed.items():
@@ -562,53 +546,32 @@ class KVCacheManager:
         self._counters["integrity_failures"] += 1
         logger.warning("kvmem: aborting request %r: %s", request_id, reason)
         owned = self._owned_pages(row)
-        if self.cache is not None:
-            stale = self.cache.stale()  # entries whose page was freed behind everyone's back
-            if stale.size:
-                self._removed(self.cache.forget(stale))
-            # Pages after the bad one may hold KV computed from a corrupted context: never offer
-            # them to later requests (requests that already hold them keep them).
-            later = owned[owned[:, 0] > first_bad, 1].astype(np.int32)
-            removed, keys = self.cache.remove(later)
-            self.pages.forget_freed(removed)
+        # Pages after the bad one may hold KV computed from a corrupted context: never offer
+        # them to later requests (requests that already hold them keep them).
+        for keys in self.pages.uncache(owned[owned[:, 0] > first_bad, 1].astype(np.int32)):
             self._removed(keys)
         self._hooks.emit("integrity_failure", request_id, detail=reason)
-        self._close(request_id, owned[:, 1].astype(np.int32))
+        self._close([request_id], owned[:, 1].astype(np.int32))
         del self._requests[request_id]
-
-    def _recorded(self, row: int) -> Any:
-        """The qualified tags recorded for a row's pages (None without a checking tracker)."""
-        if not isinstance(self.tracker, CheckingTracker):
-            return None
-        return self.tracker.expected_tags[row, : int(self.table.num_pages[row])]
 
     def _owned_pages(self, row: int) -> Any:
         """(position, page) of each reference a row really holds (``owned_pages``)."""
-        return owned_pages(self.table.row_pages(row), self._recorded(row), self.allocator.tags,
+        pages = self.table.row_pages(row)
+        return owned_pages(pages, self._recorder.recorded(row, pages.size), self.allocator.tags,
                            self.allocator.refcounts)
 
-    def _forget_row(self, row: int) -> None:
-        if isinstance(self.tracker, CheckingTracker):
-            self.tracker.clear_row(row)
-        elif self.tracker.enabled:
-            self.tracker.forget([row])
-
     def _row_is_own(self, row: int) -> bool:
-        recorded = self._recorded(row)
-        return recorded is None or row_is_own(self.table.row_pages(row), recorded,
-                                              self.allocator.tags)
+        pages = self.table.row_pages(row)
+        recorded = self._recorder.recorded(row, pages.size)
+        return recorded is None or row_is_own(pages, recorded, self.allocator.tags)
 
     # -- fork, preempt, resume, release ------------------------------------------------------------
 
     def can_fork(self, parent_id: Any) -> bool:
         """Whether ``fork(parent_id, …)`` would find its pages now: the child's own pages for
         the parent's unfilled room, and a copy of a shared, partly filled tail page."""
-        t = self.table
-        row = self._row_of(parent_id)
-        ntok = int(t.num_tokens[row])
-        own = int(t.num_pages[row]) - -(-ntok // self.page_size)
-        return t.num_free_rows > 0 and own + (1 if ntok % self.page_size else 0) <= (
-            self.pages.available())
+        need = self._forks.pages_needed(self._row_of(parent_id))
+        return self.table.num_free_rows > 0 and need <= self.pages.available()
 
     @_public
     def fork(self, parent_id: Any, child_id: Any) -> None:
@@ -623,52 +586,40 @@ class KVCacheManager:
         if self.table.num_free_rows == 0:
             raise KVMemError(f"all max_seqs={self.max_seqs} rows are mapped; release a request "
                              "before forking")
-        t = self.table
-        ntok = int(t.num_tokens[prow])
-        used = -(-ntok // self.page_size)
-        total = int(t.num_pages[prow])
-        # The child's own pages for the parent's unfilled room, and the copy-on-write copy the
-        # shared, partly filled tail will need: promised now, so prefill never runs short.
-        self.pages.require(total - used + (1 if ntok % self.page_size else 0))
-        shared = t.pages[prow, :used].copy()
-        self.allocator.share(shared)
-        ns = int(t.namespace_ids[prow])
-        own = self.pages.allocate(total - used, ns)
-        pages = np.concatenate([shared, own])
-        row = t.open_row(pages, ntok, int(t.num_committed[prow]), ns, t.prefix_keys[prow])
-        t.write_from[prow] = ntok  # a fork happens between steps: the parent's writes are done
-        self._record_row(row, pages, ns)
+        row, pages, own = self._forks.fork(prow, self.pages)
         parent = self._requests[parent_id]
-        self._rows[child_id] = row
-        self._row_ids[row] = child_id
-        self._requests[child_id] = _Request(parent.namespace, parent.namespace_id, parent.prompt)
+        self._open(child_id, row, pages,
+                   _Request(parent.namespace, parent.namespace_id, parent.prompt))
         self._counters["forks"] += 1
-        if ntok % self.page_size:  # both now write into one partly filled page: copy-on-write
-            t.set_forked(np.array([prow, row]), True)
         if own.size:
             self._hooks.emit("allocate", child_id, own)
         self._hooks.emit("fork", child_id, pages, detail=parent_id)
 
-    def _close(self, request_id: Any, owned: Int32Array | None = None) -> Int32Array:
-        """Unmap a running request's row and drop the references it holds: the row's pages, or
-        ``owned`` (what it provably holds) when its row disagrees with what it recorded."""
-        row = self._rows.pop(request_id)
-        self._row_ids[row] = None
-        if owned is None and not self._row_is_own(row):
-            owned = self._owned_pages(row)[:, 1].astype(np.int32)
-            self._counters["integrity_failures"] += 1
-            reason = ("its page-table row was changed behind the manager's back; only the pages "
-                      "it provably holds were released")
-            logger.warning("kvmem: request %r: %s", request_id, reason)
-            self._hooks.emit("integrity_failure", request_id, detail=reason)
-        self._forget_row(row)
-        pages = self.table.remove_row(row)
-        if owned is not None:
+    def _close(self, request_ids: Sequence[Any], owned: Int32Array | None = None
+               ) -> list[Int32Array]:
+        """Unmap running requests' rows and drop the references they hold, all in one drop:
+        each row's pages, or (``owned``, given for one request, or found when its row disagrees
+        with what it recorded) only those it provably holds. The pages dropped, per request."""
+        runs = []
+        for request_id in request_ids:
+            row = self._rows.pop(request_id)
+            self._row_ids[row] = None
             pages = owned
-        self.pages.drop(pages)
+            if pages is None and not self._row_is_own(row):
+                pages = self._owned_pages(row)[:, 1].astype(np.int32)
+                self._counters["integrity_failures"] += 1
+                reason = ("its page-table row was changed behind the manager's back; only the "
+                          "pages it provably holds were released")
+                logger.warning("kvmem: request %r: %s", request_id, reason)
+                self._hooks.emit("integrity_failure", request_id, detail=reason)
+            if self._recorder.enabled:
+                self._recorder.clear_row(row)
+            mapped = self.table.remove_row(row)
+            runs.append(mapped if pages is None else pages)
+        self.pages.drop_runs(runs)
         if not self._rows and self.fences.copies_pending:  # no request is left to copy for
             self.pages.copies_done()
-        return pages
+        return runs
 
     def _tokens_of(self, row: int) -> Int64Array:
         committed = int(self.table.num_committed[row])
@@ -687,7 +638,7 @@ class KVCacheManager:
         req = self._requests[request_id]
         done = self._tokens_of(row)
         req.saved = np.concatenate([done, req.prompt[done.size :]])
-        pages = self._close(request_id)
+        pages = self._close([request_id])[0]
         self._counters["preemptions"] += 1
         self._hooks.emit("preempt", request_id, pages)
 
@@ -721,7 +672,7 @@ class KVCacheManager:
         """Forget a request (finished or cancelled), running or preempted; drop its pages."""
         if not is_hashable(request_id) or request_id not in self._requests:
             raise ArgumentError(f"request {request_id!r} is unknown or already released")
-        pages = self._close(request_id) if request_id in self._rows else None
+        pages = self._close([request_id])[0] if request_id in self._rows else None
         del self._requests[request_id]
         self._hooks.emit("release", request_id, pages)
 
@@ -740,19 +691,7 @@ class KVCacheManager:
             raise ArgumentError(f"request_ids lists {_repeated(ids)!r} twice; request ids "
                                 "must be distinct (nothing was released)")
         running = [rid for rid in ids if rid in self._rows]
-        if all(self._row_is_own(self._rows[rid]) for rid in running):
-            runs = []
-            for rid in running:  # every row closed first, then one drop of all their pages
-                row = self._rows.pop(rid)
-                self._row_ids[row] = None
-                self._forget_row(row)
-                runs.append(self.table.remove_row(row))
-            self.pages.drop_runs(runs)
-            if not self._rows and self.fences.copies_pending:
-                self.pages.copies_done()
-        else:
-            runs = [self._close(rid) for rid in running]
-        owned = dict(zip(running, runs))
+        owned = dict(zip(running, self._close(running)))
         for rid in ids:
             del self._requests[rid]
             self._hooks.emit("release", rid, owned.get(rid))

@@ -39,9 +39,9 @@ from kvmem.errors import IntegrityError
 from kvmem.integrity._check import validate_csr
 from kvmem.integrity._full_check import FullCheck, Verdict, Writers, _Table
 from kvmem.integrity._metadata import Metadata
+from kvmem.integrity._recorder import Recorder
 from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, validate_step_fields
 from kvmem.integrity._tags import TagMirror, qualify_live
-from kvmem.integrity._tracker import Tracker
 
 __all__ = ["Verifier", "VerifierStats", "checked_beside", "max_spliced_rows"]
 
@@ -104,7 +104,8 @@ class Verifier(FullCheck):
 
     Parameters
     ----------
-    tracker: the manager's tracker (the fast paths need a :class:`CheckingTracker`)
+    recorder: the manager's records in its tracker (the fast paths need a
+        :class:`CheckingTracker`'s)
     table: the page table (rows, tokens, generations)
     tags, namespace_ids: ``[num_pages]``, int64 — the allocator's tags and each page's
         namespace id (read-only here)
@@ -113,19 +114,18 @@ class Verifier(FullCheck):
     writers: ``pages -> [k]`` holders that may read or write each page's future slots
     """
 
-    def __init__(self, tracker: Tracker, table: _Table, tags: Int64Array,
+    def __init__(self, recorder: Recorder, table: _Table, tags: Int64Array,
                  namespace_ids: Int64Array, mirror: TagMirror, changes: Any,
                  writers: Writers) -> None:
-        super().__init__(tracker, table, mirror, writers)
+        super().__init__(recorder.tracker, table, mirror, writers)
         self._tags = tags
         self._namespace_ids = namespace_ids
         self.num_pages = tags.size
         self._changes = changes
-        expected = getattr(tracker, "expected_tags", None)
-        self._expected: Int64Array | None = expected
-        self._versions: Int64Array | None = getattr(tracker, "versions", None)
-        self._tracker = tracker if self._versions is not None else None
-        self.paranoid = bool(getattr(tracker, "paranoid", False))
+        self._recorder = recorder
+        self._expected: Int64Array | None = recorder.expected_tags
+        self._versions: Int64Array | None = recorder.versions
+        self.paranoid = recorder.paranoid
         self._proof: _Proof | None = None
         self._refs = np.zeros(self.num_pages, dtype=np.int32)  # proven entries per page
         self._counts = dict.fromkeys(VerifierStats._fields, 0)
@@ -140,8 +140,10 @@ class Verifier(FullCheck):
               latest: Any = None) -> Verdict:
         """The verdict of the full check on ``rows`` (page-table rows of the batch ``ids``,
         distinct) and ``md``. ``latest``: the step record of the latest reserve, when it is
-        this batch's and nothing was committed since (its private copies make the spliced check
-        possible)."""
+        this batch's (its private copies make the spliced check possible; set aside when some
+        of its slots were committed since: the write set is no longer the step's)."""
+        if latest is not None and np.count_nonzero(self.table.num_committed[rows] > latest.start):
+            latest = None
         if self._expected is not None and md.is_numpy_csr:
             proved = latest is not None and self._try("spliced", self.check_spliced(md, latest))
             if not proved:
@@ -218,7 +220,7 @@ class Verifier(FullCheck):
         return False
 
     def _changes_now(self) -> int:
-        return int(getattr(self._tracker, "num_changes", -1))
+        return self._recorder.num_changes
 
     def _step_ok(self, b: Any, fields: Mapping[str, Any] | None) -> bool:
         """The step's writes are the manager's, for ``b``, the latest reserve's record, whose
