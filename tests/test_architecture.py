@@ -102,9 +102,8 @@ def array_writes(source: str, rel: str) -> list[str]:
         attr = _array_attr(target)
         if attr is None:
             continue
-        if attr.attr in TABLE_ARRAYS and rel != TABLE_OWNER and not _is_self(attr.value):
-            found.append(f"{rel}:{line} writes into {ast.unparse(attr)}")
-        elif attr.attr in TRACKER_ARRAYS and rel != TRACKER_OWNER:
+        table = attr.attr in TABLE_ARRAYS and rel != TABLE_OWNER and not _is_self(attr.value)
+        if table or (attr.attr in TRACKER_ARRAYS and rel != TRACKER_OWNER):
             found.append(f"{rel}:{line} writes into {ast.unparse(attr)}")
     return found
 

@@ -33,8 +33,8 @@ from kvmem.allocator._pages import FaultHooks, Pages
 from kvmem.allocator._prefix_cache import PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import Namespace, PrefixKeys, namespace_bytes
 from kvmem.allocator._reserve import Reserver, token_counts
-from kvmem.allocator._step_metadata import Splice, StepBuilder, StepMetadata, StepRecord
-from kvmem.integrity import PAD
+from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
+from kvmem.integrity import PAD, Splice
 
 __all__ = [
     "PAD",

@@ -104,14 +104,14 @@ class Committer:
     def commit_decode(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
         """:meth:`commit` of one token per row of ``b``, the latest reserve's batch, when
         nothing was committed since: the tokens land in the slots it handed out."""
-        assert b.slots is not None and b.offsets is not None and b.cols is not None
+        d = b.decode
+        assert d is not None
         self.pages.write_tokens(b.slots, tokens)
         self.table.set_committed(b.rows, b.end)
         if self.pages.cache is not None:
-            full = (b.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
+            full = (d.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
             if full.size:
-                assert b.token_pages is not None
-                self.offer(b.rows[full], b.cols[full], None, b.token_pages[full])
+                self.offer(b.rows[full], d.cols[full], None, d.token_pages[full])
 
     def offer(self, rows: IntpArray, first: Int64Array, counts: Int64Array | None,
               pages: Int32Array | None = None) -> None:

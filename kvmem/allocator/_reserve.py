@@ -28,7 +28,7 @@ from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
 from kvmem.errors import ArgumentError
-from kvmem.integrity import Recorder, qualify_live
+from kvmem.integrity import DecodeSlots, Recorder, qualify_live
 
 __all__ = ["Reserver"]
 
@@ -151,7 +151,8 @@ class Reserver:
         slots = np.multiply(token_pages, P, dtype=np.int64)
         slots += offset
         return self._finish(ids, rows, rows_w, rows32, start, end, 1, slots, None,
-                            (token_pages, offset, col), col + 1, np.add(offset, 1, dtype=np.int32))
+                            DecodeSlots(token_pages, offset, col), col + 1,
+                            np.add(offset, 1, dtype=np.int32))
 
     # -- the general step ---------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class Reserver:
     def _finish(self, ids: tuple[Any, ...], rows: IntpArray, rows_w: Int64Array,
                 rows32: Int32Array, start: Int64Array, end: Int64Array, k: int,
                 slots: Int64Array, copies: tuple[Int32Array, Int32Array] | None,
-                decode: tuple[Int32Array, Int64Array, Int64Array] | None = None,
+                decode: DecodeSlots | None = None,
                 counts: Int64Array | None = None, last_len: Int32Array | None = None
                 ) -> StepMetadata:
         """The step's metadata, and its record (private copies) for verify and the next step.
@@ -235,10 +236,9 @@ class Reserver:
         step = StepMetadata(ids, rows32, num_new, slots.copy(), qo_indptr, indptr.copy(),
                             indices.copy(), last_len, end.astype(np.int32), src, dst, P)
         changes = self.recorder.num_changes
-        token_pages, offsets, cols = decode if decode is not None else (None, None, None)
         self.steps.record(StepRecord(
             0, ids, rows, rows32, rows_w, t.epoch, gens, changes, counts, indptr, indices,
-            own_qo, start, end, k, slots, token_pages, offsets, cols, splice=splice,
+            own_qo, start, end, k, slots, decode, splice=splice,
             step=step))
         return step
 
