@@ -205,6 +205,14 @@ class Pages:
         if freed.size:
             self.on_free(freed)
 
+    def clear_cache(self) -> int:
+        """Forget every cached prefix; how many pages the cache forgot (those nobody else
+        holds are free now)."""
+        assert self.cache is not None
+        pages = self.cache.clear()
+        self.forget_freed(pages)
+        return int(pages.size)
+
     def uncache(self, pages: Int32Array) -> list[KeyArray]:
         """Take ``pages`` out of the prefix cache (requests that hold them keep them), and
         first every entry whose page was freed behind everyone's back (``cache.stale()``): a

@@ -12,10 +12,13 @@ its arrays).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 from kvmem.errors import ArgumentError, ArgumentTypeError
+from kvmem.integrity._ownership import owned_pages, row_is_own
 from kvmem.integrity._tracker import CheckingTracker, NoOpTracker, Tracker
 
 __all__ = ["Recorder", "tracker_for"]
@@ -138,6 +141,19 @@ class Recorder:
         if self.expected_tags is None:
             return None
         return self.expected_tags[row, :num]
+
+    def holds(self, row: int, pages: npt.NDArray[np.integer], tags: Int64Array) -> bool:
+        """Whether a row's ``pages`` are the ones it recorded (``row_is_own``; True when
+        nothing readable was recorded)."""
+        recorded = self.recorded(row, pages.size)
+        return recorded is None or row_is_own(pages, recorded, tags)
+
+    def owned_pages(self, row: int, pages: npt.NDArray[np.integer], allocator: Any
+                    ) -> npt.NDArray[np.int64]:
+        """(position, page) of each reference a row mapping ``pages`` really holds, given the
+        allocator's ``tags`` and ``refcounts`` (``owned_pages``)."""
+        return owned_pages(pages, self.recorded(row, pages.size), allocator.tags,
+                           allocator.refcounts)
 
     def __repr__(self) -> str:
         return f"Recorder({self.tracker!r})"
