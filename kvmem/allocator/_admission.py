@@ -27,9 +27,6 @@ from kvmem.allocator._prefix_keys import namespace_bytes
 from kvmem.errors import ArgumentError, KVMemError, OutOfPagesError
 from kvmem.integrity import MAX_NAMESPACES
 
-_NO_PAGES = np.empty(0, dtype=np.int32)
-_NO_PAGES.flags.writeable = False
-
 __all__ = ["Admission", "Namespaces", "Plan"]
 
 Int32Array = npt.NDArray[np.int32]
@@ -100,7 +97,7 @@ class Admission:
         ns = self.namespaces.id_of(namespace, register=False)
         cache = self.pages.cache
         if cache is None or ns < 0 or max_pages <= 0:
-            return PrefixMatch(_NO_PAGES, np.empty((0, 2), dtype=np.uint64),
+            return PrefixMatch(_EMPTY_PAGES, np.empty((0, 2), dtype=np.uint64),
                                np.zeros(2, dtype=np.uint64), 0)
         return cache.match(tokens, namespace, max_pages, ns)
 
