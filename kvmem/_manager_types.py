@@ -1,4 +1,5 @@
-"""The manager's results, events and configuration (frozen snapshots and small records).
+"""The manager's results, events and configuration (frozen snapshots and small records), and
+the guard every public operation runs under (:func:`public`).
 
 :class:`~kvmem.manager.KVCacheManager` returns these; they are importable from
 ``kvmem.manager``.
@@ -6,16 +7,18 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import INT32_MAX, integer
-from kvmem.allocator import HashedPrefixCache, PrefixCache, StepMetadata
-from kvmem.errors import ArgumentError, ArgumentTypeError, HookError
-from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Tracker, VerifierStats
+from kvmem.allocator import HashedPrefixCache, Pages, PrefixCache, StepMetadata, page_classes
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConcurrentUseError, HookError
+from kvmem.integrity import IntegrityReport, Tracker, VerifierStats, tracker_for
 
 __all__ = [
     "HOOK_KINDS",
@@ -34,6 +37,7 @@ __all__ = [
     "check_pool",
     "make_cache",
     "make_tracker",
+    "public",
 ]
 
 Int32Array = npt.NDArray[np.int32]
@@ -52,6 +56,46 @@ HOOK_KINDS = (
     "integrity_failure",  # a request failed verification and was aborted: request_id, detail
     "kv_event",  # a KV event for routers: event (PagesStored / PagesRemoved / AllPagesCleared)
 )
+
+
+# -- the guard of every public operation --------------------------------------------------------
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def public(fn: _F) -> _F:
+    """A public operation of a :class:`~kvmem.manager.KVCacheManager` (its ``_lock``, ``_hooks``
+    and ``_mutations``): one thread at a time (re-entry from the same thread, e.g. a hook,
+    is allowed); hooks it queued run once it completed (dropped if it raised: an operation
+    that raises has changed nothing)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(
+                f"{fn.__name__}() was called while another thread is inside this manager; a "
+                "KVCacheManager is used by one thread at a time (hold a lock of your own around "
+                "it). Nothing changed."
+            )
+        try:
+            self._mutations += 1  # invalidates can_admit()'s remembered plan
+            try:
+                result = fn(self, *args, **kwargs)
+            except BaseException:
+                self._hooks.discard()
+                raise
+            if self._hooks.pending:
+                try:
+                    self._hooks.flush()
+                except HookError as e:
+                    e.result = result  # what the operation, which stands, returned
+                    raise
+            return result
+        finally:
+            self._lock.release()
+
+    return wrapper  # type: ignore[return-value]
 
 
 # -- boundary and results -----------------------------------------------------------------------
@@ -161,6 +205,24 @@ class ManagerStats:
     num_forks: int
     steps_in_flight: int
 
+    @classmethod
+    def of(cls, pages: Pages, counters: dict[str, int], num_running: int, num_preempted: int,
+           num_cow_copies: int) -> ManagerStats:
+        """A snapshot of a manager's pages (a few numpy passes over them) and counters."""
+        used, cached, fenced = page_classes(pages)
+        c = counters
+        return cls(
+            num_pages=pages.num_pages, page_size=pages.page_size,
+            num_free=pages.allocator.num_free, num_used=int(used.sum()),
+            num_cached=int(cached.sum()), num_fenced=int(fenced.sum()),
+            num_running=num_running, num_preempted=num_preempted,
+            num_prefix_queries=c["prefix_queries"], prefix_query_tokens=c["prefix_query_tokens"],
+            prefix_hit_tokens=c["prefix_hit_tokens"], num_evictions=pages.num_evictions,
+            num_preemptions=c["preemptions"], num_integrity_failures=c["integrity_failures"],
+            num_cow_copies=num_cow_copies, num_forks=c["forks"],
+            steps_in_flight=len(pages.fences.open_steps),
+        )
+
     @property
     def usage(self) -> float:
         """Fraction of pages mapped by requests (cached and fenced pages are reclaimable)."""
@@ -230,29 +292,8 @@ def make_cache(spec: str | PrefixCache | None) -> PrefixCache | None:
 
 
 def make_tracker(spec: Tracker | str | None, cfg: ManagerConfig) -> Tracker:
-    if spec is None:
-        return NoOpTracker()
-    if isinstance(spec, str):
-        if spec not in ("checking", "paranoid"):
-            raise ArgumentError(f"tracker={spec!r} is not known; use 'checking', 'paranoid' or "
-                                "a Tracker")
-        return CheckingTracker(cfg.max_seqs, cfg.max_pages_per_seq, paranoid=spec == "paranoid")
-    if not isinstance(spec, Tracker):
-        raise ArgumentTypeError(f"tracker must be 'checking', 'paranoid', None or a Tracker, got "
-                                f"{type(spec).__name__}")
-    if getattr(spec, "claimed", False):
-        raise ArgumentError("this tracker already records another manager's rows (the two "
-                            "would overwrite each other's expected tags); make one per manager")
-    expected = getattr(spec, "expected_tags", None)
-    if expected is not None and (
-        expected.shape[0] < cfg.max_seqs or expected.shape[1] < cfg.max_pages_per_seq
-    ):
-        raise ArgumentError(
-            f"the tracker records {expected.shape} (rows, pages) but the manager needs "
-            f"({cfg.max_seqs}, {cfg.max_pages_per_seq}); build it with "
-            "CheckingTracker(max_seqs, max_pages_per_seq) or pass tracker='checking'"
-        )
-    return spec
+    """The manager's tracker (``kvmem.integrity.tracker_for``)."""
+    return tracker_for(spec, cfg.max_seqs, cfg.max_pages_per_seq)
 
 
 def check_pool(pool: Any, cfg: ManagerConfig) -> None:

@@ -18,16 +18,14 @@ Life of a request (``P`` = page_size)::
                            are aborted and released, the rest proceed
     fork / preempt / resume / release
 
-This module is the facade: the public methods and the request registry. (It runs past 500
-lines because the facade has some thirty public methods, each documented where an engine
-author reads it; none holds a mechanism.) Each mechanism lives in the room that owns its
-data::
+This module is the facade: the public methods, each documented where an engine author reads
+it; none holds a mechanism. Each mechanism lives in the room that owns its data::
 
     kvmem.allocator   Pages (references, eviction, page contents), PageTable (rows and per-row
                       state), Reserver (reserve), StepBuilder (kernel metadata), Committer
                       (commit, offers to the prefix cache), StepFences, the prefix cache
     kvmem.integrity   the qualified tag format and its mirror, the trackers, the Verifier
-    kvmem._hooks      hooks and KV events
+    kvmem._hooks      hooks and KV events; kvmem._requests the request registry
 
 A manager is used by one thread at a time; a second thread that enters while another is inside
 is refused with :class:`~kvmem.errors.ConcurrentUseError` before it changes anything.
@@ -35,12 +33,10 @@ is refused with :class:`~kvmem.errors.ConcurrentUseError` before it changes anyt
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -63,11 +59,14 @@ from kvmem._manager_types import (
     check_pool,
     make_cache,
     make_tracker,
+    public,
 )
-from kvmem._validate import id_tuple, integer, is_hashable, is_integer_like, show, token_array
+from kvmem._requests import Request, Requests
+from kvmem._validate import id_tuple, integer, is_hashable, token_array
 from kvmem.allocator import (
     Admission,
     Committer,
+    Forks,
     Namespaces,
     PageTable,
     Plan,
@@ -78,28 +77,13 @@ from kvmem.allocator import (
     StepHandle,
     StepRecord,
     batch_tokens,
-    page_classes,
     problems,
     token_counts,
 )
 from kvmem.allocator import Pages as PageRefs
 from kvmem.allocator import keys_as_ints as _keys_as_ints
-from kvmem.errors import (
-    ArgumentError,
-    ArgumentTypeError,
-    ConcurrentUseError,
-    IntegrityError,
-    KVMemError,
-)
-from kvmem.integrity import (
-    CheckingTracker,
-    TagMirror,
-    Tracker,
-    Verifier,
-    owned_pages,
-    resolve_metadata,
-    row_is_own,
-)
+from kvmem.errors import ArgumentError, IntegrityError, KVMemError
+from kvmem.integrity import Recorder, TagMirror, Tracker, Verifier, resolve_metadata
 
 __all__ = [
     "HOOK_KINDS",
@@ -119,61 +103,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_NO_PAGES = np.empty(0, dtype=np.int32)
-_NO_PAGES.flags.writeable = False
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
-
-
-@dataclass(slots=True)
-class _Request:
-    namespace: Any
-    namespace_id: int
-    prompt: Int64Array  # the prompt token ids (a private copy)
-    saved: Int64Array | None = None  # tokens to recompute on resume (set while preempted)
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _repeated(ids: tuple[Any, ...]) -> Any:
-    """The first id that appears twice in ``ids`` (which has one)."""
-    return next(rid for i, rid in enumerate(ids) if rid in ids[:i])
-
-
-def _public(fn: _F) -> _F:
-    """A public operation: one thread at a time (re-entry from the same thread, e.g. a hook,
-    is allowed); hooks it queued run once it completed (dropped if it raised: an operation
-    that raises has changed nothing)."""
-
-    @functools.wraps(fn)
-    def wrapper(self: KVCacheManager, *args: Any, **kwargs: Any) -> Any:
-        if not self._lock.acquire(blocking=False):
-            raise ConcurrentUseError(
-                f"{fn.__name__}() was called while another thread is inside this manager; a "
-                "KVCacheManager is used by one thread at a time (hold a lock of your own around "
-                "it). Nothing changed."
-            )
-        try:
-            self._mutations += 1  # invalidates can_admit()'s remembered plan
-            try:
-                result = fn(self, *args, **kwargs)
-            except BaseException:
-                self._hooks.discard()
-                raise
-            if self._hooks.pending:
-                try:
-                    self._hooks.flush()
-                except HookError as e:
-                    e.result = result  # what the operation, which stands, returned
-                    raise
-            return result
-        finally:
-            self._lock.release()
-
-    return wrapper  # type: ignore[return-value]
 
 
 class KVCacheManager:
@@ -229,43 +162,39 @@ class KVCacheManager:
         self.num_pages, self.page_size = cfg.num_pages, cfg.page_size
         self.max_seqs, self.max_pages_per_seq = cfg.max_seqs, cfg.max_pages_per_seq
         self.watermark_pages = int(cfg.watermark * cfg.num_pages)
+        self._most_tokens = cfg.max_pages_per_seq * cfg.page_size  # a request's most tokens
         check_pool(pool, cfg)
         cache = make_cache(prefix_cache)
         self.tracker = make_tracker(tracker, cfg)
+        self._recorder = Recorder(self.tracker, cfg.max_pages_per_seq)
         self._lock = threading.RLock()
         self._hooks = HookBus(cfg.kv_events)
+        self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
+        self._forks = Forks(self.table)  # (the owner of the copies forks promised)
         self.pages = PageRefs(cfg.num_pages, cfg.page_size, cache, self._evicted, self._freed,
-                              cfg.evict_ahead)
+                              cfg.evict_ahead, self._forks.promised)
         self.allocator, self.fences = self.pages.allocator, self.pages.fences
         self.fault_hooks = self.pages.faults
-        self.table = PageTable(cfg.max_seqs, cfg.max_pages_per_seq, cfg.page_size)
-        checking = self.tracker if isinstance(self.tracker, CheckingTracker) else None
-        expected_flat = None
-        if checking is not None and checking.expected_tags.shape[1] == cfg.max_pages_per_seq:
-            expected_flat = checking.expected_tags.reshape(-1)
-        self.steps = StepBuilder(self.table, expected_flat)
+        self.steps = StepBuilder(self.table, self._recorder.expected_flat)
         self.pool = pool
-        self._reserver = Reserver(self.table, self.pages, self.steps, self.tracker,
+        self._reserver = Reserver(self.table, self.pages, self.steps, self._forks, self._recorder,
                                   None if pool is None else pool.copy_pages, self._allocated)
-        self.pages.promised = self._reserver.copies_promised
-        self._committer = Committer(self.table, self.pages,
+        self._committer = Committer(self.table, self.pages, self.steps,
                                     self._stored if cfg.kv_events else None)
         self.mirror = TagMirror(self.allocator.tags, self.pages.namespace_ids,
                                 None if pool is None else self.allocator.changes.reader(), pool)
-        self.verifier = Verifier(self.tracker, self.table, self.allocator.tags,
+        self.verifier = Verifier(self._recorder, self.table, self.allocator.tags,
                                  self.pages.namespace_ids, self.mirror,
                                  self.allocator.changes.reader(), self.pages.writers)
-        self._requests: dict[Any, _Request] = {}  # every known request (running or preempted)
-        self._rows: dict[Any, int] = {}  # running request -> page-table row
-        self._row_ids: list[Any] = [None] * cfg.max_seqs
+        self._requests = Requests(cfg.max_seqs)
+        self._rows = self._requests.rows  # running request -> page-table row
         self.namespaces = Namespaces()
         self._admission = Admission(self.pages, self.table, self.namespaces)
         self._mutations = 0  # public operations run so far
         self._counters = dict.fromkeys(("prefix_queries", "prefix_query_tokens",
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
-        if checking is not None:
-            checking.claimed = True  # its rows are this manager's (make_tracker refuses a 2nd)
+        self._recorder.claim()  # its rows are this manager's (make_tracker refuses a 2nd)
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -297,49 +226,24 @@ class KVCacheManager:
 
     def _stored(self, row: int, keys: tuple[int, ...], parent: int | None,
                 tokens: tuple[int, ...]) -> None:
-        namespace = self._requests[self._row_ids[row]].namespace
+        namespace = self._requests.at_row(row).namespace
         self._hooks.kv_event(PagesStored(keys, parent, tokens, self.page_size, namespace))
 
-    @_public
+    @public
     def add_hook(self, kind: str, fn: Callable[[ManagerEvent], Any]) -> None:
         """Call ``fn(event)`` after every operation that produces an event of ``kind``."""
         self._hooks.add(kind, fn)
 
-    @_public
+    @public
     def remove_hook(self, kind: str, fn: Callable[[ManagerEvent], Any]) -> None:
         self._hooks.remove(kind, fn)
 
-    @_public
+    @public
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call (only recorded with ``kv_events=True``)."""
         return self._hooks.take_events()
 
     # -- the registry ------------------------------------------------------------------------------
-
-    def _known(self, request_id: Any) -> bool:
-        """Whether the manager knows the request; ArgumentError if the id is not hashable."""
-        if not isinstance(request_id, str) and not is_integer_like(request_id):
-            if not is_hashable(request_id):
-                raise ArgumentError(f"a request id must be hashable (a str or an int), got "
-                                    f"{type(request_id).__name__}")
-            raise ArgumentTypeError(f"request_id={show(request_id)}: expected a str or an int "
-                                    "(or numpy integer; not bool, float, bytes or None)")
-        try:
-            return request_id in self._requests
-        except TypeError:
-            raise ArgumentError(f"a request id must be hashable (a str or an int), got "
-                                f"{type(request_id).__name__}") from None
-
-    def _row_of(self, request_id: Any) -> int:
-        hashable = is_hashable(request_id)
-        row = self._rows.get(request_id) if hashable else None
-        if row is None:
-            state = ("preempted" if hashable and request_id in self._requests
-                     else "unknown or released")
-            raise ArgumentError(
-                f"request {request_id!r} is not running ({state}); admit or resume it first"
-            )
-        return row
 
     def _batch(self, request_ids: Any, what: str
                ) -> tuple[tuple[Any, ...], IntpArray, StepRecord | None]:
@@ -349,21 +253,11 @@ class KVCacheManager:
         b = self.steps.current(ids)
         if b is not None:
             return ids, b.rows, b
-        try:
-            rows = np.fromiter(map(self._rows.__getitem__, ids), dtype=np.intp, count=len(ids))
-        except (KeyError, TypeError):
-            for rid in ids:
-                self._row_of(rid)  # raises, naming the first that is not running
-            raise
-        if rows.size > 1 and np.maximum.reduce(np.bincount(rows)) > 1:
-            raise ArgumentError(f"request_ids lists {_repeated(ids)!r} twice; request ids "
-                                f"must be distinct (nothing was {what})")
-        rows.flags.writeable = False
-        return ids, rows, None
+        return ids, self._requests.rows_of(ids, what), None
 
     # -- admission ---------------------------------------------------------------------------------
 
-    @_public
+    @public
     def can_admit(self, token_ids: Any, namespace: Any = None) -> bool:
         """Whether ``admit(…, token_ids, namespace)`` would succeed now and leave the
         watermark's pages free. Counts the prefix pages the request would reuse. Changes
@@ -379,15 +273,11 @@ class KVCacheManager:
         confirmed against its tokens, lifetime and namespace. A lookup: takes no reference and
         changes nothing (an engine that schedules itself, e.g. vLLM's, asks first)."""
         tokens = token_array(token_ids, "token_ids")
-        limit = (tokens.size - 1) // self.page_size if max_pages is None else integer(
-            max_pages, "max_pages", minimum=0)
-        ns = self.namespaces.id_of(namespace, register=False)
-        if self.cache is None or ns < 0 or limit <= 0:
-            return PrefixMatch(_NO_PAGES, np.empty((0, 2), dtype=np.uint64),
-                               np.zeros(2, dtype=np.uint64), 0)
-        return self.cache.match(tokens, namespace, limit, ns)
+        return self._admission.match(tokens, namespace, (tokens.size - 1) // self.page_size
+                                     if max_pages is None else integer(max_pages, "max_pages",
+                                                                       minimum=0))
 
-    @_public
+    @public
     def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> AdmitResult:
         """Admit a request: reuse its cached prefix, allocate and map pages for the whole prompt.
 
@@ -405,7 +295,7 @@ class KVCacheManager:
         ArgumentError: duplicate id, prompt too long or empty (nothing changed)
         KVMemError: no free row (nothing changed)
         """
-        if self._known(request_id):
+        if self._requests.is_known(request_id):
             raise ArgumentError(f"request {request_id!r} is already known to the manager; release "
                              "it first or use a new id")
         # The counter moved once since a can_admit of this prompt: for this admit.
@@ -422,22 +312,17 @@ class KVCacheManager:
             self._counters["prefix_queries"] += 1
             self._counters["prefix_query_tokens"] += plan.tokens.size
             self._counters["prefix_hit_tokens"] += num_cached
-        self._record_row(row, pages, plan.namespace_id)
-        self._rows[request_id] = row
-        self._row_ids[row] = request_id
-        self._requests[request_id] = _Request(namespace, plan.namespace_id, plan.tokens)
+        self._open(request_id, row, pages, Request(namespace, plan.namespace_id, plan.tokens))
         self._hooks.emit("allocate", request_id, new)
         self._hooks.emit("admit", request_id, pages, detail=num_cached)
         return AdmitResult(request_id, num_cached, int(plan.tokens.size), plan.num_pages,
                            plan.hits)
 
-    def _record_row(self, row: int, pages: Int32Array, ns: int) -> None:
-        """The tracker records a new row's pages."""
-        if isinstance(self.tracker, CheckingTracker):
-            self.tracker.record_row(row, self._reserver.expected(pages, ns))
-        elif self.tracker.enabled:
-            self.tracker.record(np.full(pages.size, row), np.arange(pages.size),
-                                self._reserver.expected(pages, ns))
+    def _open(self, request_id: Any, row: int, pages: Int32Array, req: Request) -> None:
+        """Register a request that maps a new row; its tracker records the row's pages."""
+        if self._recorder.enabled:
+            self._recorder.record_row(row, self._reserver.expected(pages, req.namespace_id))
+        self._requests.open(request_id, row, req)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -447,11 +332,7 @@ class KVCacheManager:
         return self._reserver.can_reserve(rows, token_counts(num_tokens, rows.size,
                                                                self._most_tokens))
 
-    @property
-    def _most_tokens(self) -> int:
-        return self.max_pages_per_seq * self.page_size
-
-    @_public
+    @public
     def reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
                 ) -> StepMetadata:
         """Give every request of the batch ``num_tokens`` more token slots and return the
@@ -469,13 +350,10 @@ class KVCacheManager:
             max_pages_per_seq
         """
         ids, rows, _ = self._batch(request_ids, "reserved")
-        n = token_counts(num_tokens, rows.size, self._most_tokens)
-        if isinstance(n, int) and n <= self.page_size and not self.table.num_forked and (
-                not self.fences.copies_pending):
-            return self._reserver.reserve_small(ids, rows, n)
-        return self._reserver.reserve_any(ids, rows, n)
+        return self._reserver.reserve(ids, rows, token_counts(num_tokens, rows.size,
+                                                              self._most_tokens))
 
-    @_public
+    @public
     def commit(self, request_id: Any, token_ids: Any) -> None:
         """Record that the KV of these tokens (the request's next reserved slots) is written.
 
@@ -487,12 +365,12 @@ class KVCacheManager:
         ----------
         token_ids: ``[k]`` ints — the tokens whose K/V the engine wrote, in order
         """
-        row = self._row_of(request_id)
+        row = self._requests.row_of(request_id)
         tokens = token_array(token_ids, "token_ids")
         self._committer.commit(np.array([row], dtype=np.intp),
                                np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
 
-    @_public
+    @public
     def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:
         """:meth:`commit` for a batch in one vectorized call.
 
@@ -504,16 +382,11 @@ class KVCacheManager:
         """
         ids, rows, _ = self._batch(request_ids, "committed")
         flat, counts = batch_tokens(token_ids, rows.size)
-        if isinstance(counts, int) and counts == 1:
-            b = self.steps.uncommitted(ids, self.table.num_committed[rows])
-            if b is not None:  # the tokens a recent reserve handed out, in its slots
-                self._committer.commit_decode(b, flat)
-                return
-        self._committer.commit(rows, counts, flat, ids)
+        self._committer.commit_batch(ids, rows, counts, flat)
 
     # -- integrity ---------------------------------------------------------------------------------
 
-    @_public
+    @public
     def verify(self, request_ids: Sequence[Any], step: StepMetadata | None = None, *,
                kv_indptr: Any = None, kv_indices: Any = None,
                metadata: Mapping[str, Any] | None = None) -> VerifyReport:
@@ -548,8 +421,6 @@ class KVCacheManager:
         ids, rows, b = self._batch(request_ids, "verified")
         md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
                               None if b is None else b.step, lambda: self.table.csr(rows)[:2])
-        if b is not None and np.count_nonzero(self.table.num_committed[rows] > b.start):
-            b = None  # some of its slots were committed since: the write set is not the step's
         verdict = self.verifier.check(ids, rows, md, b)
         aborted: dict[Any, str] = {}
         for i, (first_bad, reason) in verdict.failed.items():
@@ -562,113 +433,73 @@ class KVCacheManager:
         self._counters["integrity_failures"] += 1
         logger.warning("kvmem: aborting request %r: %s", request_id, reason)
         owned = self._owned_pages(row)
-        if self.cache is not None:
-            stale = self.cache.stale()  # entries whose page was freed behind everyone's back
-            if stale.size:
-                self._removed(self.cache.forget(stale))
-            # Pages after the bad one may hold KV computed from a corrupted context: never offer
-            # them to later requests (requests that already hold them keep them).
-            later = owned[owned[:, 0] > first_bad, 1].astype(np.int32)
-            removed, keys = self.cache.remove(later)
-            self.pages.forget_freed(removed)
+        # Pages after the bad one may hold KV computed from a corrupted context: never offer
+        # them to later requests (requests that already hold them keep them).
+        for keys in self.pages.uncache(owned[owned[:, 0] > first_bad, 1].astype(np.int32)):
             self._removed(keys)
         self._hooks.emit("integrity_failure", request_id, detail=reason)
-        self._close(request_id, owned[:, 1].astype(np.int32))
-        del self._requests[request_id]
-
-    def _recorded(self, row: int) -> Any:
-        """The qualified tags recorded for a row's pages (None without a checking tracker)."""
-        if not isinstance(self.tracker, CheckingTracker):
-            return None
-        return self.tracker.expected_tags[row, : int(self.table.num_pages[row])]
+        self._close([request_id], owned[:, 1].astype(np.int32))
+        del self._requests.known[request_id]
 
     def _owned_pages(self, row: int) -> Any:
         """(position, page) of each reference a row really holds (``owned_pages``)."""
-        return owned_pages(self.table.row_pages(row), self._recorded(row), self.allocator.tags,
-                           self.allocator.refcounts)
-
-    def _forget_row(self, row: int) -> None:
-        if isinstance(self.tracker, CheckingTracker):
-            self.tracker.clear_row(row)
-        elif self.tracker.enabled:
-            self.tracker.forget([row])
-
-    def _row_is_own(self, row: int) -> bool:
-        recorded = self._recorded(row)
-        return recorded is None or row_is_own(self.table.row_pages(row), recorded,
-                                              self.allocator.tags)
+        return self._recorder.owned_pages(row, self.table.row_pages(row), self.allocator)
 
     # -- fork, preempt, resume, release ------------------------------------------------------------
 
     def can_fork(self, parent_id: Any) -> bool:
         """Whether ``fork(parent_id, …)`` would find its pages now: the child's own pages for
         the parent's unfilled room, and a copy of a shared, partly filled tail page."""
-        t = self.table
-        row = self._row_of(parent_id)
-        ntok = int(t.num_tokens[row])
-        own = int(t.num_pages[row]) - -(-ntok // self.page_size)
-        return t.num_free_rows > 0 and own + (1 if ntok % self.page_size else 0) <= (
-            self.pages.available())
+        need = self._forks.pages_needed(self._requests.row_of(parent_id))
+        return self.table.num_free_rows > 0 and need <= self.pages.available()
 
-    @_public
+    @public
     def fork(self, parent_id: Any, child_id: Any) -> None:
         """Start ``child_id`` as a copy of running ``parent_id`` (parallel sampling, beams).
 
         The child shares every page that holds tokens (a shared, partly filled tail is copied on
         the first write into it) and gets its own pages for the parent's reserved room.
         """
-        prow = self._row_of(parent_id)
-        if self._known(child_id):
+        prow = self._requests.row_of(parent_id)
+        if self._requests.is_known(child_id):
             raise ArgumentError(f"request {child_id!r} is already known; fork into a new id")
         if self.table.num_free_rows == 0:
             raise KVMemError(f"all max_seqs={self.max_seqs} rows are mapped; release a request "
                              "before forking")
-        t = self.table
-        ntok = int(t.num_tokens[prow])
-        used = -(-ntok // self.page_size)
-        total = int(t.num_pages[prow])
-        # The child's own pages for the parent's unfilled room, and the copy-on-write copy the
-        # shared, partly filled tail will need: promised now, so prefill never runs short.
-        self.pages.require(total - used + (1 if ntok % self.page_size else 0))
-        shared = t.pages[prow, :used].copy()
-        self.allocator.share(shared)
-        ns = int(t.namespace_ids[prow])
-        own = self.pages.allocate(total - used, ns)
-        pages = np.concatenate([shared, own])
-        row = t.open_row(pages, ntok, int(t.num_committed[prow]), ns, t.prefix_keys[prow])
-        t.write_from[prow] = ntok  # a fork happens between steps: the parent's writes are done
-        self._record_row(row, pages, ns)
-        parent = self._requests[parent_id]
-        self._rows[child_id] = row
-        self._row_ids[row] = child_id
-        self._requests[child_id] = _Request(parent.namespace, parent.namespace_id, parent.prompt)
+        row, pages, own = self._forks.fork(prow, self.pages)
+        parent = self._requests.known[parent_id]
+        self._open(child_id, row, pages,
+                   Request(parent.namespace, parent.namespace_id, parent.prompt))
         self._counters["forks"] += 1
-        if ntok % self.page_size:  # both now write into one partly filled page: copy-on-write
-            t.set_forked(np.array([prow, row]), True)
         if own.size:
             self._hooks.emit("allocate", child_id, own)
         self._hooks.emit("fork", child_id, pages, detail=parent_id)
 
-    def _close(self, request_id: Any, owned: Int32Array | None = None) -> Int32Array:
-        """Unmap a running request's row and drop the references it holds: the row's pages, or
-        ``owned`` (what it provably holds) when its row disagrees with what it recorded."""
-        row = self._rows.pop(request_id)
-        self._row_ids[row] = None
-        if owned is None and not self._row_is_own(row):
-            owned = self._owned_pages(row)[:, 1].astype(np.int32)
-            self._counters["integrity_failures"] += 1
-            reason = ("its page-table row was changed behind the manager's back; only the pages "
-                      "it provably holds were released")
-            logger.warning("kvmem: request %r: %s", request_id, reason)
-            self._hooks.emit("integrity_failure", request_id, detail=reason)
-        self._forget_row(row)
-        pages = self.table.remove_row(row)
-        if owned is not None:
+    def _close(self, request_ids: Sequence[Any], owned: Int32Array | None = None
+               ) -> list[Int32Array]:
+        """Unmap running requests' rows and drop the references they hold, all in one drop:
+        each row's pages, or (``owned``, given for one request, or found when its row disagrees
+        with what it recorded) only those it provably holds. The pages dropped, per request."""
+        runs = []
+        for request_id in request_ids:
+            row = self._requests.close(request_id)
             pages = owned
-        self.pages.drop(pages)
+            if pages is None and not self._recorder.holds(row, self.table.row_pages(row),
+                                                          self.allocator.tags):
+                pages = self._owned_pages(row)[:, 1].astype(np.int32)
+                self._counters["integrity_failures"] += 1
+                reason = ("its page-table row was changed behind the manager's back; only the "
+                          "pages it provably holds were released")
+                logger.warning("kvmem: request %r: %s", request_id, reason)
+                self._hooks.emit("integrity_failure", request_id, detail=reason)
+            if self._recorder.enabled:
+                self._recorder.clear_row(row)
+            mapped = self.table.remove_row(row)
+            runs.append(mapped if pages is None else pages)
+        self.pages.drop_runs(runs)
         if not self._rows and self.fences.copies_pending:  # no request is left to copy for
             self.pages.copies_done()
-        return pages
+        return runs
 
     def _tokens_of(self, row: int) -> Int64Array:
         committed = int(self.table.num_committed[row])
@@ -676,39 +507,33 @@ class KVCacheManager:
 
     def tokens_of(self, request_id: Any) -> Int64Array:
         """The committed token ids of a running request: ``[k]``, int64 (a copy)."""
-        return self._tokens_of(self._row_of(request_id))
+        return self._tokens_of(self._requests.row_of(request_id))
 
-    @_public
+    @public
     def preempt(self, request_id: Any) -> None:
         """Release a running request's pages, keeping its tokens so it can be resumed by
         recomputation (``resume``). Its committed full pages stay in the prefix cache, so a
         resume usually finds most of them."""
-        row = self._row_of(request_id)
-        req = self._requests[request_id]
+        row = self._requests.row_of(request_id)
+        req = self._requests.known[request_id]
         done = self._tokens_of(row)
         req.saved = np.concatenate([done, req.prompt[done.size :]])
-        pages = self._close(request_id)
+        pages = self._close([request_id])[0]
         self._counters["preemptions"] += 1
         self._hooks.emit("preempt", request_id, pages)
 
     def can_resume(self, request_id: Any) -> bool:
-        req = self._requests.get(request_id) if is_hashable(request_id) else None
-        if req is None or req.saved is None:
-            raise ArgumentError(f"request {request_id!r} is not preempted")
-        plan = self._admission.plan(req.saved, req.namespace, False, f"request {request_id!r}")
+        req, saved = self._requests.preempted(request_id)
+        plan = self._admission.plan(saved, req.namespace, False, f"request {request_id!r}")
         return self._admission.fits(plan, self.watermark_pages)
 
-    @_public
+    @public
     def resume(self, request_id: Any, token_ids: Any = None) -> AdmitResult:
         """Re-admit a preempted request with its saved tokens (committed tokens, then the rest
         of the prompt), or with ``token_ids`` if given. Recompute from ``num_cached_tokens``.
         A resume that raises changes nothing (the request stays preempted, in its place)."""
-        req = self._requests.get(request_id) if is_hashable(request_id) else None
-        if req is None or req.saved is None:
-            raise ArgumentError(
-                f"request {request_id!r} is not preempted; only a preempted request can resume"
-            )
-        tokens = req.saved if token_ids is None else token_array(token_ids, "token_ids")
+        req, saved = self._requests.preempted(request_id, "; only a preempted request can resume")
+        tokens = saved if token_ids is None else token_array(token_ids, "token_ids")
         # What must be recomputed is the request's prompt from now on. (_admit replaces the
         # registry entry in place, so the request keeps its place; if it raises, nothing
         # changed.)
@@ -716,50 +541,32 @@ class KVCacheManager:
                                                             f"request {request_id!r}"),
                            req.namespace)
 
-    @_public
+    @public
     def release(self, request_id: Any) -> None:
         """Forget a request (finished or cancelled), running or preempted; drop its pages."""
-        if not is_hashable(request_id) or request_id not in self._requests:
+        if not is_hashable(request_id) or request_id not in self._requests.known:
             raise ArgumentError(f"request {request_id!r} is unknown or already released")
-        pages = self._close(request_id) if request_id in self._rows else None
-        del self._requests[request_id]
+        pages = self._close([request_id])[0] if request_id in self._rows else None
+        del self._requests.known[request_id]
         self._hooks.emit("release", request_id, pages)
 
-    @_public
+    @public
     def release_batch(self, request_ids: Sequence[Any]) -> None:
         """:meth:`release` for several requests at once (a step's finished requests): one free
         and one cache update for all their pages. The same result as releasing them one by one
         in order; all or nothing (an unknown or repeated id raises, releasing none).
         """
         ids = id_tuple(request_ids, "request_ids")
-        unknown = [rid for rid in ids if not is_hashable(rid) or rid not in self._requests]
-        if unknown:
-            raise ArgumentError(f"requests {unknown[:8]!r} are unknown or already released "
-                             "(nothing was released)")
-        if len(set(ids)) != len(ids):
-            raise ArgumentError(f"request_ids lists {_repeated(ids)!r} twice; request ids "
-                                "must be distinct (nothing was released)")
+        self._requests.releasable(ids)
         running = [rid for rid in ids if rid in self._rows]
-        if all(self._row_is_own(self._rows[rid]) for rid in running):
-            runs = []
-            for rid in running:  # every row closed first, then one drop of all their pages
-                row = self._rows.pop(rid)
-                self._row_ids[row] = None
-                self._forget_row(row)
-                runs.append(self.table.remove_row(row))
-            self.pages.drop_runs(runs)
-            if not self._rows and self.fences.copies_pending:
-                self.pages.copies_done()
-        else:
-            runs = [self._close(rid) for rid in running]
-        owned = dict(zip(running, runs))
+        owned = dict(zip(running, self._close(running)))
         for rid in ids:
-            del self._requests[rid]
+            del self._requests.known[rid]
             self._hooks.emit("release", rid, owned.get(rid))
 
     # -- fences ------------------------------------------------------------------------------------
 
-    @_public
+    @public
     def begin_step(self) -> StepHandle:
         """Mark a step as launched: page references dropped from now on are held until
         ``retire(handle)``."""
@@ -767,7 +574,7 @@ class KVCacheManager:
         self._hooks.emit("step_begin", detail=handle.step_id)
         return handle
 
-    @_public
+    @public
     def retire(self, handle: StepHandle) -> None:
         """The device finished the step: free the references that waited only for it."""
         pages = self.fences.retire(handle)
@@ -782,23 +589,23 @@ class KVCacheManager:
 
     @property
     def preempted(self) -> tuple[Any, ...]:
-        return tuple(r for r in self._requests if r not in self._rows)
+        return tuple(r for r in self._requests.known if r not in self._rows)
 
     def row_of(self, request_id: Any) -> int:
         """The page-table row a running request maps (``table.pages[row]``)."""
-        return self._row_of(request_id)
+        return self._requests.row_of(request_id)
 
     def num_tokens(self, request_id: Any) -> int:
         """Token slots handed out to a running request (cached + reserved)."""
-        return int(self.table.num_tokens[self._row_of(request_id)])
+        return int(self.table.num_tokens[self._requests.row_of(request_id)])
 
     def num_committed(self, request_id: Any) -> int:
         """Tokens of a running request that were committed (their K/V written)."""
-        return int(self.table.num_committed[self._row_of(request_id)])
+        return int(self.table.num_committed[self._requests.row_of(request_id)])
 
     def pages_of(self, request_id: Any) -> Int32Array:
         """Pages a running request maps, in order: ``[k]``, int32 (a copy)."""
-        return self.table.row_pages(self._row_of(request_id)).copy()
+        return self.table.row_pages(self._requests.row_of(request_id)).copy()
 
     def namespace_of_page(self, page: int) -> Any:
         """The namespace whose content a live page holds (None's id is 0)."""
@@ -810,19 +617,9 @@ class KVCacheManager:
 
     def stats(self) -> ManagerStats:
         """A frozen snapshot (costs a few numpy passes over the pages)."""
-        used, cached, fenced = page_classes(self.pages)
-        c = self._counters
-        return ManagerStats(
-            num_pages=self.num_pages, page_size=self.page_size,
-            num_free=self.allocator.num_free, num_used=int(used.sum()),
-            num_cached=int(cached.sum()), num_fenced=int(fenced.sum()),
-            num_running=len(self._rows), num_preempted=len(self._requests) - len(self._rows),
-            num_prefix_queries=c["prefix_queries"], prefix_query_tokens=c["prefix_query_tokens"],
-            prefix_hit_tokens=c["prefix_hit_tokens"], num_evictions=self.pages.num_evictions,
-            num_preemptions=c["preemptions"], num_integrity_failures=c["integrity_failures"],
-            num_cow_copies=self._reserver.num_cow_copies, num_forks=c["forks"],
-            steps_in_flight=len(self.fences.open_steps),
-        )
+        return ManagerStats.of(self.pages, self._counters, len(self._rows),
+                               len(self._requests.known) - len(self._rows),
+                               self._reserver.num_cow_copies)
 
     def check(self) -> None:
         """Verify every bookkeeping invariant (``kvmem.allocator._invariants``); raise
@@ -831,16 +628,15 @@ class KVCacheManager:
         if found:
             raise IntegrityError("KVCacheManager.check() failed: " + "; ".join(found))
 
-    @_public
+    @public
     def clear_prefix_cache(self) -> int:
         """Forget every cached prefix; return how many pages the cache forgot (those no request
         or step fence holds return to the free list; the others stay with their holders)."""
         if self.cache is None:
             return 0
-        pages = self.cache.clear()
-        self.pages.forget_freed(pages)
+        num = self.pages.clear_cache()
         self._hooks.kv_event(AllPagesCleared())
-        return int(pages.size)
+        return num
 
     def __repr__(self) -> str:
         return (f"KVCacheManager(num_pages={self.num_pages}, page_size={self.page_size}, "

@@ -898,12 +898,12 @@ def test_the_decode_quick_check_catches_a_reserve_that_sent_a_slot_astray() -> N
     spliced = spy_spliced(mgr)
     step = eng.step(ids, 1)
     b = mgr.steps.latest
-    assert b is not None and b.slots is not None and b.token_pages is not None
+    assert b is not None and b.decode is not None
     c, d = ids.index("c"), ids.index("d")
-    stray = int(b.token_pages[d])  # "d" holds it alone: one writer
+    stray = int(b.decode.token_pages[d])  # "d" holds it alone: one writer
     for slots in (b.slots, step.slot_mapping):
         slots[c] = stray * P + slots[c] % P
-    b.token_pages[c] = stray
+    b.decode.token_pages[c] = stray
     report = mgr.verify(ids, step)
     assert spliced.answers() == (0, 1)
     assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]

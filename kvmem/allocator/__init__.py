@@ -12,6 +12,7 @@
     _hashed_prefix_cache.py  HashedPrefixCache: index, confirmation, LRU
     _pages.py           Pages: one manager's references (allocate/evict/drop), page contents
     _admission.py       Admission: a prompt's pages and cached prefix, whether it fits; namespaces
+    _forks.py           Forks: a fork's rows and the copy-on-write copies it promised
     _reserve.py         Reserver: a batch's token slots, pages, copy-on-write, step metadata
     _commits.py         Committer: committed tokens, full pages offered to the prefix cache
     _invariants.py      the bookkeeping invariants, checked in full
@@ -23,6 +24,7 @@ from kvmem.allocator._admission import Admission, Namespaces, Plan
 from kvmem.allocator._change_log import ChangeLog, ChangeReader
 from kvmem.allocator._commits import Committer, batch_tokens, keys_as_ints
 from kvmem.allocator._fences import StepFences, StepHandle
+from kvmem.allocator._forks import Forks
 from kvmem.allocator._hashed_prefix_cache import HashedPrefixCache
 from kvmem.allocator._invariants import page_classes, problems
 from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
@@ -31,8 +33,8 @@ from kvmem.allocator._pages import FaultHooks, Pages
 from kvmem.allocator._prefix_cache import PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import Namespace, PrefixKeys, namespace_bytes
 from kvmem.allocator._reserve import Reserver, token_counts
-from kvmem.allocator._step_metadata import Splice, StepBuilder, StepMetadata, StepRecord
-from kvmem.integrity import PAD
+from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
+from kvmem.integrity import PAD, Splice
 
 __all__ = [
     "PAD",
@@ -43,6 +45,7 @@ __all__ = [
     "ChangeReader",
     "Committer",
     "FaultHooks",
+    "Forks",
     "GrowResult",
     "HashedPrefixCache",
     "Namespace",

@@ -91,6 +91,16 @@ class Admission:
         # (stamp, plan, allocator.changes.num_logged then) of the latest can_admit
         self._memo: tuple[int, Plan, int] | None = None
 
+    def match(self, tokens: Int64Array, namespace: Any, max_pages: int) -> PrefixMatch:
+        """The cached pages holding ``tokens``' leading full pages in ``namespace`` (at most
+        ``max_pages``), each confirmed; a lookup that changes nothing."""
+        ns = self.namespaces.id_of(namespace, register=False)
+        cache = self.pages.cache
+        if cache is None or ns < 0 or max_pages <= 0:
+            return PrefixMatch(_EMPTY_PAGES, np.empty((0, 2), dtype=np.uint64),
+                               np.zeros(2, dtype=np.uint64), 0)
+        return cache.match(tokens, namespace, max_pages, ns)
+
     def plan(self, tokens: Int64Array, namespace: Any, register: bool,
              who: str = "a request") -> Plan:
         """The prompt's plan; raises if it can never fit (empty, longer than a row), naming

@@ -21,7 +21,7 @@ import numpy.typing as npt
 from kvmem._validate import INT32_MAX, is_integer_like, show, token_array
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
-from kvmem.allocator._step_metadata import StepRecord
+from kvmem.allocator._step_metadata import StepBuilder, StepRecord
 from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Committer", "batch_tokens", "keys_as_ints"]
@@ -46,17 +46,31 @@ class Committer:
 
     Parameters
     ----------
-    table, pages: the manager's page table and page references (with the cache).
+    table, pages, steps: the manager's page table, page references (with the cache) and step
+        builder (the latest reserved batches, whose slots a decode commit reuses).
     on_stored: called per run of pages newly cached (KV events), or None.
     """
 
-    def __init__(self, table: PageTable, pages: Pages, on_stored: OnStored | None) -> None:
+    def __init__(self, table: PageTable, pages: Pages, steps: StepBuilder,
+                 on_stored: OnStored | None) -> None:
         self.table = table
         self.pages = pages
+        self.steps = steps
         self.on_stored = on_stored
         self._ones = np.ones(table.max_seqs, dtype=np.int64)
         self._ones.flags.writeable = False
         self._arange = np.arange(table.max_seqs + 1, dtype=np.int64)
+
+    def commit_batch(self, ids: tuple[Any, ...], rows: IntpArray, counts: Int64Array | int,
+                     flat: npt.NDArray[np.integer]) -> None:
+        """:meth:`commit`, by the decode step's path when the batch commits one token per row
+        into the slots a recent reserve handed out (:meth:`StepBuilder.uncommitted`)."""
+        if isinstance(counts, int) and counts == 1:
+            b = self.steps.uncommitted(ids, self.table.num_committed[rows])
+            if b is not None:
+                self.commit_decode(b, flat)
+                return
+        self.commit(rows, counts, flat, ids)
 
     def commit(self, rows: IntpArray, counts: Int64Array | int, flat: npt.NDArray[np.integer],
                ids: Sequence[Any]) -> None:
@@ -79,7 +93,7 @@ class Committer:
         else:
             slots = t._token_slots(rows, start, counts)
         self.pages.write_tokens(slots, flat)
-        t.num_committed[rows] = end
+        t.set_committed(rows, end)
         if self.pages.cache is not None:
             first = start // t.page_size
             full = end // t.page_size - first  # pages that just became full
@@ -90,14 +104,14 @@ class Committer:
     def commit_decode(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
         """:meth:`commit` of one token per row of ``b``, the latest reserve's batch, when
         nothing was committed since: the tokens land in the slots it handed out."""
-        assert b.slots is not None and b.offsets is not None and b.cols is not None
+        d = b.decode
+        assert d is not None
         self.pages.write_tokens(b.slots, tokens)
-        self.table.num_committed[b.rows] = b.end
+        self.table.set_committed(b.rows, b.end)
         if self.pages.cache is not None:
-            full = (b.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
+            full = (d.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
             if full.size:
-                assert b.token_pages is not None
-                self.offer(b.rows[full], b.cols[full], None, b.token_pages[full])
+                self.offer(b.rows[full], d.cols[full], None, d.token_pages[full])
 
     def offer(self, rows: IntpArray, first: Int64Array, counts: Int64Array | None,
               pages: Int32Array | None = None) -> None:
@@ -123,7 +137,7 @@ class Committer:
         parent = t.prefix_keys[rows]
         keys = cache.page_keys(parent, counts, first, tokens)
         inserted = cache.insert(keys, pages, t.namespace_ids[rep])
-        t.prefix_keys[rows] = keys if last is None else keys[last]
+        t.set_prefix_keys(rows, keys if last is None else keys[last])
         if self.on_stored is not None and inserted.size:
             # A page listed by two rows (a fork's shared page, committed by both in one batch)
             # is cached once: one event, at its first listing.

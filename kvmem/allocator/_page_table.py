@@ -248,6 +248,38 @@ class PageTable:
             )
         self.num_tokens[row] = num_tokens
 
+    def append_pages(self, rows: IntpArray, flat_at: Int64Array, cols: Int64Array,
+                     pages: Int32Array) -> None:
+        """Map ``pages`` (held by the caller) at each row's next column ``cols`` (``flat_at``:
+        ``row * max_pages_per_seq + col``, which the caller has at hand): the decode step's
+        growth. Rows distinct, their columns the first unmapped ones."""
+        self._flat_pages[flat_at] = pages
+        self.num_pages[rows] = cols + 1
+
+    def advance(self, rows: IntpArray, start: Int64Array, end: npt.ArrayLike) -> None:
+        """Rows that held ``start`` tokens hold ``end``, the slots from ``start`` on handed out
+        by this step (the caller checked that their pages hold them)."""
+        self.num_tokens[rows] = end
+        self.write_from[rows] = start
+
+    def writes_done(self, row: int) -> None:
+        """The row's reserved slots were all written (a fork, between steps)."""
+        self.write_from[row] = self.num_tokens[row]
+
+    def set_committed(self, rows: IntpArray, num_committed: npt.ArrayLike) -> None:
+        """Tokens of each row whose K/V the engine wrote (at most its ``num_tokens``)."""
+        self.num_committed[rows] = num_committed
+
+    def set_prefix_keys(self, rows: IntpArray, keys: npt.NDArray[np.uint64]) -> None:
+        """Each row's prefix-cache key of its last committed full page (``[B, 2]``, uint64)."""
+        self.prefix_keys[rows] = keys
+
+    def overwrite(self, row: int, position: int, page: int) -> None:
+        """Write ``page`` into a row's mapped ``position`` with no bookkeeping at all (no
+        generation change, no reference moved): for fault injection only
+        (``kvmem.testing``), which corrupts a row as a buggy engine would."""
+        self.pages[row, position] = page
+
     def replace_pages(self, rows: IntpArray, cols: npt.NDArray[np.integer],
                       pages: Int32Array) -> None:
         """Put ``pages`` at ``(rows, cols)`` (copy-on-write: the columns are mapped already);

@@ -73,12 +73,15 @@ class Pages:
     on_free: ``fn(pages)`` after pages lost their last reference.
     evict_ahead: extra least-recently-used pages an eviction takes beyond the shortfall (None:
         ``num_pages // 512``; 0: exactly the shortfall).
+    promised: ``fn(pages) -> int``, the pages promised to copy-on-write copies still to come
+        (``Forks.promised``), which allocation leaves alone; None: none are.
     """
 
     def __init__(self, num_pages: int, page_size: int, cache: PrefixCache | None = None,
                  on_evict: Callable[[Int32Array, KeyArray], None] = _ignore,
                  on_free: Callable[[Int32Array], None] = _ignore,
-                 evict_ahead: int | None = None) -> None:
+                 evict_ahead: int | None = None,
+                 promised: Callable[[Pages], int] | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
@@ -98,17 +101,17 @@ class Pages:
         self.on_evict = on_evict
         self.on_free = on_free
         # Pages promised to copy-on-write copies still to come (a fork's shared, partly filled
-        # tail needs a copy per extra writer): set by the manager from its page table.
-        self.promised: Callable[[], int] = lambda: 0
+        # tail needs a copy per extra writer): counted by their owner (Forks.promised).
+        self._promised = promised
         self.faults = FaultHooks()
 
     # -- counts -------------------------------------------------------------------------------
 
     def available(self) -> int:
         """Pages allocation can obtain now: free ones plus evictable cached ones, less those
-        promised to copy-on-write copies still to come (:attr:`promised`)."""
+        promised to copy-on-write copies still to come (``promised(self)``)."""
         free = self.allocator.num_free + (self.cache.num_evictable if self.cache else 0)
-        return free - self.promised()
+        return free if self._promised is None else free - self._promised(self)
 
     def require(self, num: int, keeping: int = 0) -> None:
         """Raise OutOfPagesError (nothing changed) unless ``num`` pages can be obtained, of
@@ -172,7 +175,9 @@ class Pages:
     def drop_runs(self, runs: Sequence[Int32Array]) -> None:
         """:meth:`drop` of several holders' runs at once, released in order (the cache's LRU
         order follows)."""
-        if not runs:
+        if len(runs) <= 1:
+            if runs:
+                self.drop(runs[0])
             return
         if self.fences.in_flight and all(self._held(pages) for pages in runs):
             for pages in runs:
@@ -199,6 +204,30 @@ class Pages:
         self.namespace_ids[freed] = -1
         if freed.size:
             self.on_free(freed)
+
+    def clear_cache(self) -> int:
+        """Forget every cached prefix; how many pages the cache forgot (those nobody else
+        holds are free now)."""
+        assert self.cache is not None
+        pages = self.cache.clear()
+        self.forget_freed(pages)
+        return int(pages.size)
+
+    def uncache(self, pages: Int32Array) -> list[KeyArray]:
+        """Take ``pages`` out of the prefix cache (requests that hold them keep them), and
+        first every entry whose page was freed behind everyone's back (``cache.stale()``): a
+        request's pages after a bad one may hold KV computed from a corrupted context. The
+        keys removed, one array per removal (none without a cache)."""
+        if self.cache is None:
+            return []
+        out = []
+        stale = self.cache.stale()
+        if stale.size:
+            out.append(self.cache.forget(stale))
+        removed, keys = self.cache.remove(pages)
+        self.forget_freed(removed)
+        out.append(keys)
+        return out
 
     def copy_for_write(self, sources: Int32Array) -> Int32Array:
         """New pages for copy-on-write of ``sources`` (same namespaces and tokens); each source

@@ -23,11 +23,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import integer, integers
+from kvmem.allocator._forks import Forks
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
 from kvmem.errors import ArgumentError
-from kvmem.integrity import CheckingTracker, Tracker, qualify_live
+from kvmem.integrity import DecodeSlots, Recorder, qualify_live
 
 __all__ = ["Reserver"]
 
@@ -43,25 +44,22 @@ class Reserver:
 
     Parameters
     ----------
-    table, pages, steps: the manager's page table, page references and step builder.
-    tracker: records the qualified tag of every page a row gains.
+    table, pages, steps, forks: the manager's page table, page references, step builder and
+        forks (the copy-on-write copies they promised).
+    recorder: records the qualified tag of every page a row gains in the tracker.
     copy_pages: ``fn(src, dst)`` that copies pages now (a pool's ``copy_pages``), or None:
         the step lists the copies (``copy_src``/``copy_dst``) for the engine to make.
     on_allocate: ``fn(pages)`` after pages were allocated.
     """
 
-    def __init__(self, table: PageTable, pages: Pages, steps: StepBuilder, tracker: Tracker,
-                 copy_pages: Callable[[Int32Array, Int32Array], None] | None,
+    def __init__(self, table: PageTable, pages: Pages, steps: StepBuilder, forks: Forks,
+                 recorder: Recorder, copy_pages: Callable[[Int32Array, Int32Array], None] | None,
                  on_allocate: Callable[[Int32Array], None]) -> None:
         self.table = table
         self.pages = pages
         self.steps = steps
-        self.tracker = tracker
-        self.checking = type(tracker) is CheckingTracker
-        # A checking tracker may be wider than the table (shaped [>= max_seqs,
-        # >= max_pages_per_seq]): its flat positions are row * its own width + column.
-        self._tracker_width = (tracker.expected_tags.shape[1] if isinstance(
-            tracker, CheckingTracker) else table.max_pages_per_seq)
+        self.forks = forks
+        self.recorder = recorder
         self.copy_pages = copy_pages
         self.on_allocate = on_allocate
         self.num_cow_copies = 0
@@ -78,13 +76,13 @@ class Reserver:
         need = np.maximum((t.num_tokens[rows] + n + t.page_size - 1) // t.page_size - mapped, 0)
         if np.count_nonzero(mapped + need > t.max_pages_per_seq):
             return -1
-        cow = self.cow_candidates(rows, n)
+        cow = self.forks.candidates(rows, n, self.pages)
         return int(need.sum()) + (0 if cow is None else cow[0].size)
 
     def can_reserve(self, rows: IntpArray, n: Int64Array | int) -> bool:
         """Whether ``reserve(rows, n)`` would find its pages (copies use promised ones)."""
         need = self.pages_needed(rows, n)
-        cow = self.cow_candidates(rows, n)
+        cow = self.forks.candidates(rows, n, self.pages)
         return 0 <= need <= self.pages.available() + (0 if cow is None else cow[0].size)
 
     def _too_long(self, ids: tuple[Any, ...], where: npt.NDArray[np.integer]) -> None:
@@ -93,50 +91,6 @@ class Reserver:
             f"max_pages_per_seq={self.table.max_pages_per_seq} pages; finish them or raise the "
             "limit (nothing was reserved)"
         )
-
-    def cow_candidates(self, rows: IntpArray, n: Int64Array | int
-                       ) -> tuple[IntpArray, Int64Array, Int32Array] | None:
-        """Rows whose next write lands in a shared, partly filled page: (rows, columns, pages).
-
-        Only a fork shares a partly filled page (cached prefix pages are full, and a prompt's
-        last token always lands in a page of its own), so only rows marked at a fork are looked
-        at; a batch without forks pays one check.
-        """
-        t = self.table
-        if not t.num_forked:
-            return None
-        forked = t.forked[rows] & (np.asarray(n) > 0)
-        if not forked.any():
-            return None
-        r = rows[forked]
-        tok = t.num_tokens[r]
-        partial = tok % t.page_size != 0
-        r, cols = r[partial], tok[partial] // t.page_size
-        pages = t.pages[r, cols]
-        holders = self.pages.writers(pages)
-        shared = holders > 1
-        if not shared.any():
-            return None
-        r, cols, pages, holders = r[shared], cols[shared], pages[shared], holders[shared]
-        # When every holder of a page writes into it this step, the first keeps it.
-        _, first, count = np.unique(pages, return_index=True, return_counts=True)
-        whole = first[count == holders[first]]
-        if whole.size:
-            keep = np.ones(pages.size, dtype=bool)
-            keep[whole] = False
-            r, cols, pages = r[keep], cols[keep], pages[keep]
-        return (r, cols, pages) if pages.size else None
-
-    def copies_promised(self) -> int:
-        """Copy-on-write copies still to come: per partly filled tail page that forked rows
-        share, one copy per writer but the last (the pages a fork promised)."""
-        t = self.table
-        if not t.num_forked:
-            return 0
-        rows = t.forked.nonzero()[0]
-        tails = np.unique(t.pages[rows, t.num_tokens[rows] // t.page_size])
-        tails = tails[(tails >= 0) & (tails < self.pages.num_pages)]
-        return int(np.maximum(self.pages.writers(tails).astype(np.int64) - 1, 0).sum())
 
     # -- recording ----------------------------------------------------------------------------
 
@@ -148,13 +102,20 @@ class Reserver:
     def _record_new(self, rows: IntpArray, cols: Int64Array, flat_at: Int64Array,
                     pages: npt.NDArray[np.integer], ns: Int64Array) -> None:
         """Record pages rows gained past the ones they had."""
-        if self.checking:
-            assert isinstance(self.tracker, CheckingTracker)
-            if self._tracker_width != self.table.max_pages_per_seq:
-                flat_at = rows * self._tracker_width + cols
-            self.tracker.append(flat_at, self.expected(pages, ns))
-        elif self.tracker.enabled:
-            self.tracker.record(rows, cols, self.expected(pages, ns))
+        if self.recorder.enabled:
+            self.recorder.append(rows, cols, flat_at, self.expected(pages, ns))
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def reserve(self, ids: tuple[Any, ...], rows: IntpArray, n: Int64Array | int
+                ) -> StepMetadata:
+        """Give every row ``n`` more token slots (checked counts) and return the step's
+        metadata: the decode step's path when it can (one count of at most a page, no fork
+        to copy, no copy pending), else the general one. All or nothing."""
+        if isinstance(n, int) and n <= self.table.page_size and not self.table.num_forked and (
+                not self.pages.fences.copies_pending):
+            return self.reserve_small(ids, rows, n)
+        return self.reserve_any(ids, rows, n)
 
     # -- the decode step ----------------------------------------------------------------------
 
@@ -175,13 +136,11 @@ class Reserver:
             self.pages.require(grow.size)
             new = self.pages.allocate(grow.size, t.namespace_ids[rows[grow]])
             at = rows_w[grow] + cols  # (row, column) of each new page, flat
-            t.pages.reshape(-1)[at] = new
             grow_rows = rows[grow]
-            t.num_pages[grow_rows] = cols + 1
+            t.append_pages(grow_rows, at, cols, new)
             self._record_new(grow_rows, cols, at, new.astype(np.intp), t.namespace_ids[grow_rows])
             self.on_allocate(new)
-        t.num_tokens[rows] = end
-        t.write_from[rows] = start
+        t.advance(rows, start, end)
         if k != 1:
             positions = (start[:, None] + self._arange[:k]).reshape(-1)
             slots = t._slots(np.repeat(rows, k), positions)
@@ -192,7 +151,8 @@ class Reserver:
         slots = np.multiply(token_pages, P, dtype=np.int64)
         slots += offset
         return self._finish(ids, rows, rows_w, rows32, start, end, 1, slots, None,
-                            (token_pages, offset, col), col + 1, np.add(offset, 1, dtype=np.int32))
+                            DecodeSlots(token_pages, offset, col), col + 1,
+                            np.add(offset, 1, dtype=np.int32))
 
     # -- the general step ---------------------------------------------------------------------
 
@@ -207,7 +167,7 @@ class Reserver:
         too_long = mapped + need > t.max_pages_per_seq
         if np.count_nonzero(too_long):
             self._too_long(ids, np.flatnonzero(too_long))
-        cow = self.cow_candidates(rows, n)
+        cow = self.forks.candidates(rows, n, self.pages)
         copies = 0 if cow is None else cow[0].size  # (pages a fork promised them)
         self.pages.require(int(need.sum()) + copies, keeping=copies)
         # Nothing can fail from here on.
@@ -224,9 +184,8 @@ class Reserver:
             self.on_allocate(grown.new_pages)
             slots = grown.slot_mapping
         else:  # the rows map the pages already (an admitted prompt's prefill chunks)
-            t.num_tokens[rows] = start + n
             slots = t._token_slots(rows, start, n)
-        t.write_from[rows] = start
+        t.advance(rows, start, start + n)
         rows_w, rows32 = self.steps.row_arrays(rows)
         k = n if isinstance(n, int) else -1
         return self._finish(ids, rows, rows_w, rows32, start, start + n, k, slots, pairs)
@@ -238,8 +197,8 @@ class Reserver:
         t = self.table
         new = self.pages.copy_for_write(old)
         t.replace_pages(rows, cols, new)
-        if self.tracker.enabled:
-            self.tracker.record(rows, cols, self.expected(new, self.pages.namespace_ids[new]))
+        if self.recorder.enabled:
+            self.recorder.replace(rows, cols, self.expected(new, self.pages.namespace_ids[new]))
         self.num_cow_copies += old.size
         self.on_allocate(new)
         if self.copy_pages is not None:
@@ -253,7 +212,7 @@ class Reserver:
     def _finish(self, ids: tuple[Any, ...], rows: IntpArray, rows_w: Int64Array,
                 rows32: Int32Array, start: Int64Array, end: Int64Array, k: int,
                 slots: Int64Array, copies: tuple[Int32Array, Int32Array] | None,
-                decode: tuple[Int32Array, Int64Array, Int64Array] | None = None,
+                decode: DecodeSlots | None = None,
                 counts: Int64Array | None = None, last_len: Int32Array | None = None
                 ) -> StepMetadata:
         """The step's metadata, and its record (private copies) for verify and the next step.
@@ -276,11 +235,10 @@ class Reserver:
         src, dst = copies if copies is not None else (_EMPTY_PAGES, _EMPTY_PAGES)
         step = StepMetadata(ids, rows32, num_new, slots.copy(), qo_indptr, indptr.copy(),
                             indices.copy(), last_len, end.astype(np.int32), src, dst, P)
-        changes = self.tracker.num_changes if self.checking else -1  # type: ignore[attr-defined]
-        token_pages, offsets, cols = decode if decode is not None else (None, None, None)
+        changes = self.recorder.num_changes
         self.steps.record(StepRecord(
             0, ids, rows, rows32, rows_w, t.epoch, gens, changes, counts, indptr, indices,
-            own_qo, start, end, k, slots, token_pages, offsets, cols, splice=splice,
+            own_qo, start, end, k, slots, decode, splice=splice,
             step=step))
         return step
 

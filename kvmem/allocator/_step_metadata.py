@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +33,7 @@ import numpy.typing as npt
 from kvmem._validate import show
 from kvmem.allocator._page_table import CSRMetadata, PageTable
 from kvmem.errors import ArgumentError
-from kvmem.integrity import PAD, checked_beside, max_spliced_rows
+from kvmem.integrity import PAD, DecodeSlots, Splice, checked_beside, max_spliced_rows, splice
 
 __all__ = ["Splice", "StepBuilder", "StepMetadata", "StepRecord"]
 
@@ -128,23 +128,11 @@ class StepMetadata:
         return table
 
 
-class Splice(NamedTuple):
-    """How a record's ``indices`` was patched from its base's: ``changed`` the batch
-    positions whose entries were cut or added (``[c]``, intp), ``pages`` the entries spliced
-    in (a snapshot, in order), ``wants`` the qualified tags the tracker had recorded for them
-    then (empty without a CheckingTracker), ``gone`` the base's entries cut out."""
-
-    base_serial: int
-    changed: IntpArray
-    pages: Int32Array
-    wants: Int64Array
-    gone: list[Int32Array]
-
-
 @dataclass(slots=True, eq=False)
 class StepRecord:
     """A reserved batch, as built (private copies; ``indptr``/``indices`` are what the step's
-    arrays were copied from, and what the next step of a batch this size splices from)."""
+    arrays were copied from, and what the next step of a batch this size splices from). The
+    verifier reads it as a :class:`kvmem.integrity.SplicedStep`."""
 
     serial: int
     ids: tuple[Any, ...]
@@ -160,11 +148,9 @@ class StepRecord:
     qo_indptr: Int32Array
     start: Int64Array  # tokens each row held before the reserve ...
     end: Int64Array  # ... and after it
-    k: int = -1  # tokens per row when the batch got one count (-1: per-row counts)
-    slots: Int64Array | None = None  # k == 1: the slot each new token lands in ...
-    token_pages: Int32Array | None = None  # ... its page ...
-    offsets: Int64Array | None = None  # ... its slot within the page ...
-    cols: Int64Array | None = None  # ... and the page's position in the row
+    k: int  # tokens per row when the batch got one count (-1: per-row counts)
+    slots: Int64Array  # the slot each new token lands in
+    decode: DecodeSlots | None = None  # the decode step's: each token's page, offset, column
     splice: Splice | None = None
     step: StepMetadata | None = field(default=None, repr=False)
 
@@ -208,7 +194,7 @@ class StepBuilder:
         tokens next (``committed``: the rows' committed counts, in batch order). An engine
         that reserves step n + 1 before it commits step n finds step n's record here."""
         for b in reversed(self._recent):  # (committed == start: none of its rows committed)
-            if (b.k == 1 and b.token_pages is not None and b.ids == ids
+            if (b.decode is not None and b.ids == ids
                     and b.start.shape == committed.shape
                     and not np.count_nonzero(committed != b.start)
                     and not np.count_nonzero(self.table.generation[b.rows] != b.gens)):
@@ -280,30 +266,13 @@ class StepBuilder:
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
         if not changed.size:
             return c.indices, Splice(c.serial, changed, _EMPTY_PAGES, _EMPTY_TAGS, [])
-        old = c.indices
-        flat = self.table.pages.reshape(-1)
-        expected = self.expected_flat
-        parts: list[Int32Array] = []
-        pages: list[Int32Array] = []  # the entries spliced in ...
-        wants: list[Int64Array] = []  # ... and the tags the tracker expects of them
-        gone: list[Int32Array] = []  # the entries cut out
-        at = 0
-        for cut, resume, src, num in zip(
-                (c.indptr[changed] + first).tolist(), c.indptr[changed + 1].tolist(),
-                (rows_w[changed] + first).tolist(), fresh.tolist()):
-            piece = flat[src : src + num]
-            parts.append(old[at:cut])
-            parts.append(piece)
-            pages.append(piece)
-            if expected is not None:
-                wants.append(expected[src : src + num])
-            if resume > cut:
-                gone.append(old[cut:resume])
-            at = resume
-        parts.append(old[at:])
-        return np.concatenate(parts), Splice(
-            c.serial, changed, np.concatenate(pages),
-            np.concatenate(wants) if wants else _EMPTY_TAGS, gone)
+        # Kept: the base's entries up to each changed row's cut and from its end on.
+        indices, pages, wants, gone = splice(
+            c.indices, [0, *c.indptr[changed + 1].tolist()],
+            [*(c.indptr[changed] + first).tolist(), c.indices.size],
+            self.table.pages.reshape(-1), (rows_w[changed] + first).tolist(), fresh.tolist(),
+            self.expected_flat)
+        return indices, Splice(c.serial, changed, pages, wants, gone)
 
     def _max_spliced(self, c: StepRecord) -> int:
         """Changed rows up to which a splice from ``c`` beats a gather (with a checking tracker,
@@ -334,35 +303,21 @@ class StepBuilder:
         joined = kept[1:] & kept[:-1] & (fresh[:-1] == 0)
         joined[joined] = j[1:][joined] == j[:-1][joined] + 1
         ends = [*(~joined).nonzero()[0].tolist(), rows.size - 1]
-        left = np.ones(c.rows.size, dtype=bool)
-        left[jk] = False  # c's rows whose entries are cut out
-        gone_rows = left.nonzero()[0]
-        if len(ends) + gone_rows.size > self._max_spliced(c):
+        if len(ends) + c.rows.size - jk.size > self._max_spliced(c):  # (runs + rows cut out)
             return None
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
-        old, old_ptr = c.indices, c.indptr
-        flat = self.table.pages.reshape(-1)
-        expected = self.expected_flat
-        parts: list[Int32Array] = []
-        pages: list[Int32Array] = []  # the entries spliced in ...
-        wants: list[Int64Array] = []  # ... and the tags the tracker expects of them
-        begin = 0
-        for end, k, lo, num, src in zip(ends, kept[ends].tolist(), first[ends].tolist(),
-                                        fresh[ends].tolist(), rows_w[ends].tolist()):
-            if k:  # rows begin..end: c's entries of its rows j[begin]..j[end]
-                parts.append(old[old_ptr[j[begin]] : old_ptr[j[end] + 1]])
-            if num:
-                piece = flat[src + lo : src + lo + num]
-                parts.append(piece)
-                pages.append(piece)
-                if expected is not None:
-                    wants.append(expected[src + lo : src + lo + num])
-            begin = end + 1
-        gone = [old[old_ptr[g] : old_ptr[g + 1]] for g in gone_rows.tolist()]
+        # Run g keeps c's entries of its rows (none when its rows are new), then its new ones.
+        e = np.asarray(ends, dtype=np.intp)
+        k = kept[e]
+        hi = np.maximum.accumulate(np.where(k, c.indptr[j[e] + 1], 0))
+        lo = np.where(k, c.indptr[j[np.concatenate(([0], e[:-1] + 1))]], hi)
+        end_all = [c.indices.size]
+        indices, pages, wants, gone = splice(
+            c.indices, [*lo.tolist(), *end_all], [*hi.tolist(), *end_all],
+            self.table.pages.reshape(-1), (rows_w[e] + first[e]).tolist(), fresh[e].tolist(),
+            self.expected_flat)
         changed = (~kept | (fresh > 0)).nonzero()[0]
-        return np.concatenate(parts) if parts else _EMPTY_PAGES, Splice(
-            c.serial, changed, np.concatenate(pages) if pages else _EMPTY_PAGES,
-            np.concatenate(wants) if wants else _EMPTY_TAGS, gone)
+        return indices, Splice(c.serial, changed, pages, wants, gone)
 
     def record(self, b: StepRecord) -> StepRecord:
         """Remember a built batch (the latest; the base of the next one unless it is a small

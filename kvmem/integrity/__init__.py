@@ -9,6 +9,8 @@ forms lazily).
     _tracker.py      NoOpTracker (default), CheckingTracker (expected tags per row, position)
     _metadata.py     the metadata verify checks, in any form, resolved and shape-checked
     _full_check.py   the full check: every entry, the write set, slots and lengths
+    _recorder.py     Recorder: a manager's records in its tracker, whichever kind it is
+    _splice.py       the spliced fast path's contract: splice(), Splice, SplicedStep
     _verifier.py     the verifier: the full check's verdict, proved incrementally when it can
     _ownership.py    what a request provably holds when its row disagrees with its records
 """
@@ -30,6 +32,15 @@ from kvmem.integrity._check import (
 from kvmem.integrity._full_check import FullCheck, Verdict
 from kvmem.integrity._metadata import Metadata, resolve_metadata
 from kvmem.integrity._ownership import owned_pages, row_is_own
+from kvmem.integrity._recorder import Recorder, tracker_for
+from kvmem.integrity._splice import (
+    DecodeSlots,
+    Splice,
+    SplicedStep,
+    checked_beside,
+    max_spliced_rows,
+    splice,
+)
 from kvmem.integrity._step_checks import validate_step_fields
 from kvmem.integrity._tags import (
     MAX_NAMESPACES,
@@ -41,7 +52,7 @@ from kvmem.integrity._tags import (
     qualify_live,
 )
 from kvmem.integrity._tracker import CheckingTracker, IntegrityReport, NoOpTracker, Tracker
-from kvmem.integrity._verifier import Verifier, VerifierStats, checked_beside, max_spliced_rows
+from kvmem.integrity._verifier import Verifier, VerifierStats
 
 __all__ = [
     "MAX_NAMESPACES",
@@ -49,11 +60,15 @@ __all__ = [
     "PAD",
     "BadEntries",
     "CheckingTracker",
+    "DecodeSlots",
     "FullCheck",
     "IntegrityReport",
     "Metadata",
     "NoOpTracker",
     "Reason",
+    "Recorder",
+    "Splice",
+    "SplicedStep",
     "TagMirror",
     "Tracker",
     "Verdict",
@@ -73,6 +88,8 @@ __all__ = [
     "require_int_array",
     "resolve_metadata",
     "row_is_own",
+    "splice",
+    "tracker_for",
     "validate_block_table",
     "validate_csr",
     "validate_step_fields",

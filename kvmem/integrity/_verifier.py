@@ -39,31 +39,18 @@ from kvmem.errors import IntegrityError
 from kvmem.integrity._check import validate_csr
 from kvmem.integrity._full_check import FullCheck, Verdict, Writers, _Table
 from kvmem.integrity._metadata import Metadata
+from kvmem.integrity._recorder import Recorder
+from kvmem.integrity._splice import SplicedStep, checked_beside, max_spliced_rows, splice
 from kvmem.integrity._step_checks import length_mismatches, slot_mismatches, validate_step_fields
 from kvmem.integrity._tags import TagMirror, qualify_live
-from kvmem.integrity._tracker import Tracker
 
-__all__ = ["Verifier", "VerifierStats", "checked_beside", "max_spliced_rows"]
+__all__ = ["Verifier", "VerifierStats"]
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
 _EMPTY = np.empty(0, dtype=np.int64)
 
-
-def max_spliced_rows(num_entries: int, proved: bool = False) -> int:
-    """Changed rows up to which patching a CSR of ``num_entries`` entries (reserve's
-    ``kv_indices``, the verifier's proof) beats rebuilding it: a splice costs a few
-    microseconds of Python a row, a rebuild about one per thousand entries; ``proved``: the
-    rebuild also restarts a proof, whose full check of every entry costs 15-30 ns each."""
-    return min(64, 8 + num_entries // (256 if proved else 1024))
-
-
-def checked_beside(size: int, proven_size: int) -> bool:
-    """Whether a batch of ``size`` rows is checked beside the proven batch of ``proven_size``
-    (alone, in full, the proof kept: a prefill chunk between decode steps) rather than taking
-    the proof's place."""
-    return size < proven_size and size <= max(8, proven_size // 8)
 
 _ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
@@ -104,7 +91,8 @@ class Verifier(FullCheck):
 
     Parameters
     ----------
-    tracker: the manager's tracker (the fast paths need a :class:`CheckingTracker`)
+    recorder: the manager's records in its tracker (the fast paths need a
+        :class:`CheckingTracker`'s)
     table: the page table (rows, tokens, generations)
     tags, namespace_ids: ``[num_pages]``, int64 — the allocator's tags and each page's
         namespace id (read-only here)
@@ -113,19 +101,18 @@ class Verifier(FullCheck):
     writers: ``pages -> [k]`` holders that may read or write each page's future slots
     """
 
-    def __init__(self, tracker: Tracker, table: _Table, tags: Int64Array,
+    def __init__(self, recorder: Recorder, table: _Table, tags: Int64Array,
                  namespace_ids: Int64Array, mirror: TagMirror, changes: Any,
                  writers: Writers) -> None:
-        super().__init__(tracker, table, mirror, writers)
+        super().__init__(recorder.tracker, table, mirror, writers)
         self._tags = tags
         self._namespace_ids = namespace_ids
         self.num_pages = tags.size
         self._changes = changes
-        expected = getattr(tracker, "expected_tags", None)
-        self._expected: Int64Array | None = expected
-        self._versions: Int64Array | None = getattr(tracker, "versions", None)
-        self._tracker = tracker if self._versions is not None else None
-        self.paranoid = bool(getattr(tracker, "paranoid", False))
+        self._recorder = recorder
+        self._expected: Int64Array | None = recorder.expected_tags
+        self._versions: Int64Array | None = recorder.versions
+        self.paranoid = recorder.paranoid
         self._proof: _Proof | None = None
         self._refs = np.zeros(self.num_pages, dtype=np.int32)  # proven entries per page
         self._counts = dict.fromkeys(VerifierStats._fields, 0)
@@ -137,11 +124,13 @@ class Verifier(FullCheck):
     # -- the entry point ----------------------------------------------------------------------
 
     def check(self, ids: tuple[Any, ...], rows: IntpArray, md: Metadata,
-              latest: Any = None) -> Verdict:
+              latest: SplicedStep | None = None) -> Verdict:
         """The verdict of the full check on ``rows`` (page-table rows of the batch ``ids``,
         distinct) and ``md``. ``latest``: the step record of the latest reserve, when it is
-        this batch's and nothing was committed since (its private copies make the spliced check
-        possible)."""
+        this batch's (its private copies make the spliced check possible; set aside when some
+        of its slots were committed since: the write set is no longer the step's)."""
+        if latest is not None and np.count_nonzero(self.table.num_committed[rows] > latest.start):
+            latest = None
         if self._expected is not None and md.is_numpy_csr:
             proved = latest is not None and self._try("spliced", self.check_spliced(md, latest))
             if not proved:
@@ -196,7 +185,7 @@ class Verifier(FullCheck):
 
     # -- the spliced check (the decode loop) --------------------------------------------------
 
-    def check_spliced(self, md: Metadata, b: Any) -> bool:
+    def check_spliced(self, md: Metadata, b: SplicedStep) -> bool:
         """True only if the full check would find nothing in ``md``, the metadata of the step
         record ``b`` (the latest reserve: its private copies ``b.indptr``, ``b.indices``, its
         splice of the batch the current proof covers). False: look closer."""
@@ -218,9 +207,9 @@ class Verifier(FullCheck):
         return False
 
     def _changes_now(self) -> int:
-        return int(getattr(self._tracker, "num_changes", -1))
+        return self._recorder.num_changes
 
-    def _step_ok(self, b: Any, fields: Mapping[str, Any] | None) -> bool:
+    def _step_ok(self, b: SplicedStep, fields: Mapping[str, Any] | None) -> bool:
         """The step's writes are the manager's, for ``b``, the latest reserve's record, whose
         own CSR the metadata holds: its given fields equal reserve's private copies, the rows
         hold what reserve left them, and each written page has one writer. (reserve's record
@@ -228,7 +217,7 @@ class Verifier(FullCheck):
         from the token counts; paranoid mode checks that trust beside every answer.)"""
         t = self.table
         P = self.page_size
-        one = b.k == 1 and b.token_pages is not None
+        d = b.decode
         if fields is not None:
             get = fields.get
             slot_mapping, seq_lens = get("slot_mapping"), get("seq_lens")
@@ -236,22 +225,22 @@ class Verifier(FullCheck):
                 "qo_indptr")
             if not ((slot_mapping is None or _equal(slot_mapping, b.slots))
                     and (seq_lens is None or _equal(seq_lens, b.end))
-                    and (last_len is None or (_equal(last_len - 1, b.offsets) if one
+                    and (last_len is None or (_equal(last_len - 1, d.offsets) if d is not None
                                               else _equal(last_len, (b.end - 1) % P + 1)))
                     and (num_new is None or (
                         (num_new.shape == b.rows.shape and not np.count_nonzero(num_new != 1))
-                        if one else _equal(num_new, b.end - b.start)))
+                        if d is not None else _equal(num_new, b.end - b.start)))
                     and (qo is None or _equal(qo, b.qo_indptr))):
                 return False
         if not _equal(t.num_tokens[b.rows], b.end):
             return False
         # Without a slot mapping the step writes into the pages the page table lists.
         by_table = fields is None or fields.get("slot_mapping") is None
-        if one:  # the decode step: each token lands in the last page its row lists
-            return (_equal(b.indices[b.indptr[1:] - 1], b.token_pages)
-                    and (not by_table or _equal(t.pages.reshape(-1)[b.rows_w + b.cols],
-                                                b.token_pages))
-                    and not np.count_nonzero(self.writers(b.token_pages) != 1))
+        if d is not None:  # the decode step: each token lands in the last page its row lists
+            return (_equal(b.indices[b.indptr[1:] - 1], d.token_pages)
+                    and (not by_table or _equal(t.pages.reshape(-1)[b.rows_w + d.cols],
+                                                d.token_pages))
+                    and not np.count_nonzero(self.writers(d.token_pages) != 1))
         if by_table:
             return self._writes_ok(b.rows, fields, b.indptr, b.indices)
         # reserve's slots come from the page table and its CSR partly from the base step's: a
@@ -264,7 +253,8 @@ class Verifier(FullCheck):
 
     # -- the incremental check ----------------------------------------------------------------
 
-    def check_incremental(self, rows: IntpArray, md: Metadata, latest: Any = None) -> bool:
+    def check_incremental(self, rows: IntpArray, md: Metadata,
+                          latest: SplicedStep | None = None) -> bool:
         """True only if the full check would find nothing (False: look closer); the proof then
         covers ``md``. ``latest``: the step record whose own arrays ``md`` holds, if any (the
         proof is tagged with it; its writes are checked against its private copies)."""
@@ -331,32 +321,17 @@ class Verifier(FullCheck):
         first = first[changed]
         if (counts[changed] < first).any():
             return None
-        spec = zip((indptr[changed] + first).tolist(), indptr[changed + 1].tolist(),
-                   (p.indptr[changed] + first).tolist(), p.indptr[changed + 1].tolist(),
-                   rows[changed].tolist(), first.tolist(), counts[changed].tolist())
-        old = p.indices
-        parts: list[Any] = []  # proven kept runs, then new entries
-        fresh: list[Any] = []
-        wants: list[Int64Array] = []
-        gone: list[Int32Array] = []
-        at = 0
-        for new_at, end_new, old_at, end_old, row, lo, hi in spec:
-            parts.append(old[at:old_at])
-            piece = indices[new_at:end_new]
-            parts.append(piece)
-            fresh.append(piece)
-            wants.append(self._expected[row, lo:hi])
-            if end_old > old_at:
-                gone.append(old[old_at:end_old])
-            at = end_old
-        parts.append(old[at:])
-        proven = np.concatenate(parts) if len(parts) > 1 else old
+        # Kept: the proof's entries up to each changed row's cut and from its end on.
+        end_old = p.indptr[changed + 1].tolist()
+        proven, pages, want, gone = splice(
+            p.indices, [0, *end_old], [*(p.indptr[changed] + first).tolist(), p.indices.size],
+            indices, (indptr[changed] + first).tolist(), (counts[changed] - first).tolist(),
+            self._expected.reshape(-1),
+            (rows[changed] * self._expected.shape[1] + first).tolist())
         # The kept runs sit where the new entries' rows say (counts were checked), so one
         # comparison proves every kept entry equal to the one proven before.
         if not np.array_equal(proven, indices) or not self._kept_unchanged(gone):
             return None
-        pages = np.concatenate(fresh) if fresh else _EMPTY
-        want = np.concatenate(wants) if wants else _EMPTY
         return proven.astype(np.int32, copy=False), pages, want
 
     def _kept_unchanged(self, gone: list[Int32Array]) -> bool:

@@ -70,7 +70,7 @@ def overwrite_page_entry(mgr: KVCacheManager, request_id: Any, position: int, pa
     row = row_of(mgr, request_id)
     old = _mapped_page(mgr, request_id, position)
     integer(page, "page", minimum=0, maximum=mgr.num_pages - 1)
-    mgr.table.pages[row, position] = page
+    mgr.table.overwrite(row, position, page)
     return old
 
 
