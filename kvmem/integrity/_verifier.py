@@ -131,28 +131,36 @@ class Verifier(FullCheck):
         of its slots were committed since: the write set is no longer the step's)."""
         if latest is not None and np.count_nonzero(self.table.num_committed[rows] > latest.start):
             latest = None
+        checked = False  # md was found well formed
         if self._expected is not None and md.is_numpy_csr:
-            proved = latest is not None and self._try("spliced", self.check_spliced(md, latest))
-            if not proved:
+            proved = latest is not None and self.check_spliced(md, latest)
+            if proved:
+                self._try("spliced", True)
+            else:
                 own = latest is not None and _equal(md.indptr, latest.indptr) and _equal(
                     md.indices, latest.indices)  # md holds the record's own CSR
-                if not own:  # (reserve's is well formed by construction)
-                    self._require_well_formed(rows, md)
+                # Refuse malformed metadata before any counter or the proof changes (reserve's
+                # own CSR is well formed by construction; its slot mapping is the caller's).
+                self._require_well_formed(rows, md, csr=not own)
+                checked = not own
+                if latest is not None:
+                    self._try("spliced", False)
                 proved = self._try("incremental",
                                    self.check_incremental(rows, md, latest if own else None))
             if proved:
                 if self.paranoid:
                     self._paranoid(ids, rows, md)
                 return _PROVED
+        if not checked:
+            self._require_well_formed(rows, md)
         self.forget()
-        self._require_well_formed(rows, md)
         self._counts["full_checks"] += 1
         return self.full_check(ids, rows, md)
 
-    def _require_well_formed(self, rows: IntpArray, md: Metadata) -> None:
-        """Refuse (MetadataError) a CSR that is malformed as a whole or a slot mapping shorter
-        than the batch's new tokens."""
-        if md.indices is not None:
+    def _require_well_formed(self, rows: IntpArray, md: Metadata, csr: bool = True) -> None:
+        """Refuse (MetadataError) a CSR that is malformed as a whole (``csr``: check it) or a
+        slot mapping shorter than the batch's new tokens."""
+        if csr and md.indices is not None:
             validate_csr(md.indptr, md.indices, rows.size)
         if md.fields is not None and md.fields.get("slot_mapping") is not None:
             t = self.table
