@@ -102,25 +102,39 @@ def diff_of(workdir: Path, name: str) -> str:
     return "\n".join(out.splitlines()[1:]).strip()
 
 
-def where(diff: str) -> tuple[str, int]:
-    """``file, line`` of a mutant's first changed line, from its diff."""
-    path = re.search(r"^\+\+\+ (?:b/)?(\S+)", diff, flags=re.M)
+def module_of(name: str) -> str:
+    """The module of a mutant (mutmut names them ``module.x_func__mutmut_N`` or
+    ``module.x\u01c1Class\u01c1method__mutmut_N``)."""
+    return re.split("\\.x[_\u01c1]", name)[0]
+
+
+def where(workdir: Path, name: str, diff: str) -> tuple[str, int]:
+    """``file, line`` of a mutant's first changed line (mutmut's diff counts lines from its
+    function's ``def``)."""
+    module = module_of(name)
+    file = module.replace(".", "/") + ".py"
+    rest = name[len(module) + 2 : name.rindex("__mutmut_")]  # (after "module.x")
+    func = [rest[1:]] if rest.startswith("_") else rest.split("\u01c1")
+    lines = (workdir / file).read_text().splitlines()
+    start = 0
+    for part in func if len(func) == 1 else func[1:]:  # (class, then method)
+        pattern = re.compile(rf"\s*(?:async\s+)?(?:def|class)\s+{re.escape(part)}\b")
+        start = next((i for i in range(start, len(lines)) if pattern.match(lines[i])), start)
     hunk = re.search(r"^@@ -(\d+)", diff, flags=re.M)
-    line = int(hunk.group(1)) if hunk else 0
+    offset = int(hunk.group(1)) if hunk else 1
     if hunk:  # (the hunk starts with context lines)
         for text in diff[hunk.end():].splitlines()[1:]:
             if text.startswith(("-", "+")):
                 break
-            line += 1
-    return (path.group(1) if path else "?"), line
+            offset += 1
+    return file, start + offset
 
 
 def fuzz_kills(workdir: Path, name: str, moves: int, seeds: int, timeout_s: float
                ) -> str | None:
     """The second killer: apply the mutant to the scratch copy's source, run ``kvmem fuzz``
     on the manager engine, restore the source. Returns what killed it (None: survived)."""
-    module = re.split("\\.x[_\u01c1]", name)[0]  # (mutmut names: module.x_func__mutmut_N)
-    path = workdir / (module.replace(".", "/") + ".py")
+    path = workdir / (module_of(name).replace(".", "/") + ".py")
     original = path.read_text()
     try:
         subprocess.run([sys.executable, "-m", "mutmut", "apply", name], cwd=workdir,
@@ -182,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if oracle is not None:
             by_fuzz[name] = oracle
             continue
-        file, line = where(diff)
+        file, line = where(args.workdir, name, diff)
         survivors.append({"name": name, "tests_status": status[name], "file": file,
                           "line": line, "diff": diff})
     total = len(status) - len(unchecked)
