@@ -174,12 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="time budget of the test killer (the fuzz killer comes after)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvmem-mutation"),
                    help="the scratch copy (deleted and made anew)")
+    p.add_argument("--report-only", action="store_true",
+                   help="summarize the mutmut run already in --workdir (and run the fuzz killer)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     ensure_mutmut()
-    scratch_copy(args.workdir)
-    write_config(args.workdir, args.paths, args.tests)
-    run_mutmut(args.workdir, args.max_children, args.max_minutes * 60)
+    if not args.report_only:
+        scratch_copy(args.workdir)
+        write_config(args.workdir, args.paths, args.tests)
+        run_mutmut(args.workdir, args.max_children, args.max_minutes * 60)
     status = statuses(args.workdir)
     # A timeout is a kill (the tests did not pass; a failing hypothesis test shrinks long).
     killed = sorted(n for n, s in status.items() if s in ("killed", "timeout"))

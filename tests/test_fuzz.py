@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -534,3 +535,13 @@ def test_stats_fires_when_hit_tokens_are_counted_in_pages(
     f = _value_failure(monkeypatch, "stats", lambda m, st: dataclasses.replace(
         st, prefix_hit_tokens=st.prefix_hit_tokens // m.page_size))
     assert f.oracle == "stats" and "prefix_hit_tokens" in str(f), f
+
+
+def test_every_oracle_is_in_the_docs_oracle_table() -> None:
+    """docs/fuzzing.md's oracle table names every oracle a FuzzFailure can report."""
+    from kvmem.testing import ORACLES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fuzzing.md").read_text()
+    table = doc[doc.index("## Oracles") : doc.index("## The fault catalog")]
+    named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)? \|", table, flags=re.M))
+    assert set(ORACLES) <= {n for pair in named for n in pair if n}, named
