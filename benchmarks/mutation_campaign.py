@@ -17,7 +17,6 @@ survivor is either equivalent (no behaviour changed) or a gap a test must close.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -28,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvmem.cli.args import Parser, number
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,17 +161,18 @@ def fuzz_kills(workdir: Path, name: str, moves: int, seeds: int, timeout_s: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="mutation_campaign.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS),
                    help="modules or packages to mutate (relative to the repository)")
     p.add_argument("--tests", nargs="+",
                    default=[t for t in FAST_TESTS if (ROOT / t).exists()],
                    help="the first killer: test files (fast: under 30 s together)")
-    p.add_argument("--fuzz-moves", type=int, default=20000,
+    p.add_argument("--fuzz-moves", type=number(int, 1), default=20000,
                    help="fault-free moves per seed of the second killer")
-    p.add_argument("--fuzz-seeds", type=int, default=2)
-    p.add_argument("--max-children", type=int, default=2, help="mutmut's parallel workers")
-    p.add_argument("--max-minutes", type=float, default=60.0,
+    p.add_argument("--fuzz-seeds", type=number(int, 1), default=2)
+    p.add_argument("--max-children", type=number(int, 1), default=2,
+                   help="mutmut's parallel workers")
+    p.add_argument("--max-minutes", type=number(float, 0, above=True), default=60.0,
                    help="time budget of the test killer (the fuzz killer comes after)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvmem-mutation"),
                    help="the scratch copy (deleted and made anew)")
