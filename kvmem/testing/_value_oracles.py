@@ -73,6 +73,7 @@ class ValueOracles:
         self.pages = np.full((max_requests, width), -1, dtype=np.int64)  # last pages seen
         self.num_pages = np.zeros(max_requests, dtype=np.int64)
         self._flat = self.pages.reshape(-1)
+        self._arange = np.arange(max_requests * width, dtype=np.int64)
         self.counts = {"prefix_queries": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
                        "forks": 0, "preemptions": 0, "cow_copies": 0, "integrity_failures": 0}
         self._evictions = 0
@@ -166,13 +167,16 @@ class ValueOracles:
         # The pages of the positions held before the step: those the request mapped before.
         nnz = indices.size
         if nnz:
-            flat = (slots * self.width - indptr[:-1]).repeat(counts) + np.arange(nnz)
+            ar = self._arange if nnz <= self._arange.size else np.arange(nnz)
+            flat = (slots * self.width - indptr[:-1]).repeat(counts)
+            flat += ar[:nnz]
             changed = (self._flat.take(flat) != indices).nonzero()[0]
             if changed.size:
                 rb = indptr.searchsorted(changed, side="right") - 1
                 cols = changed - indptr[rb]
-                held = np.minimum(self.num_pages[slots], -(-starts // P))[rb]
-                moved = (cols < held) & ~np.isin(indices[changed], copy_dst)
+                moved = cols < np.minimum(self.num_pages[slots], -(-starts // P))[rb]
+                if np.count_nonzero(moved):  # (only a copy-on-write destination may replace)
+                    moved &= ~np.isin(indices[changed], copy_dst)
                 if np.count_nonzero(moved):
                     i = int(np.flatnonzero(moved)[0])
                     raise FuzzFailure(
