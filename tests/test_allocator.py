@@ -248,3 +248,50 @@ def test_free_without_repeats_and_with_them_agree() -> None:
     assert b.free([0, 1, 2]).tolist() == [0]
     assert b.free([2, 1]).tolist() == [1, 2]
     assert snapshot(a) == snapshot(b)
+
+
+# -- mutation survivors (benchmarks/mutation_campaign.py over _page_allocator.py) ----------------
+
+
+def test_can_allocate_is_exact_at_the_free_count_and_refuses_a_negative_count() -> None:
+    """Guards can_allocate: exactly ``num_free`` pages fit (``<=``, not ``<``), 0 pages fit even
+    with none free, and a negative count raises ArgumentError naming ``num`` and its bound."""
+    from kvmem.errors import ArgumentError
+
+    alloc = PageAllocator(4)
+    alloc.allocate(1)
+    assert alloc.can_allocate(3) and not alloc.can_allocate(4)
+    alloc.allocate(3)
+    assert alloc.can_allocate(0) and not alloc.can_allocate(1)
+    with pytest.raises(ArgumentError, match=r"^num=-1: expected an integer >= 0"):
+        alloc.can_allocate(-1)
+
+
+def test_stats_counts_frees_and_only_pages_with_two_holders_or_more_as_shared() -> None:
+    """Guards AllocatorStats: ``num_frees`` counts the pages returned to the free list, and
+    ``num_shared`` the pages with more than one holder (one holder is not shared; two are)."""
+    alloc = PageAllocator(8)
+    pages = alloc.allocate(3)
+    alloc.share(pages[:1])
+    s = alloc.stats()
+    assert (s.num_shared, s.num_frees, s.num_used) == (1, 0, 3)
+    alloc.free(pages[1:])
+    s = alloc.stats()
+    assert (s.num_shared, s.num_frees, s.num_used) == (1, 2, 1)
+    alloc.free(pages[:1])  # two holders -> one: no longer shared, not freed
+    s = alloc.stats()
+    assert (s.num_shared, s.num_frees, s.num_used) == (0, 2, 1)
+
+
+def test_equal_arrays_compares_shape_and_every_element() -> None:
+    """Guards equal_arrays (the prefix cache confirms a hit's tags with it): equal only when
+    the shapes and every element agree."""
+    from kvmem.allocator._page_allocator import equal_arrays
+
+    a = np.array([1, 2, 3], dtype=np.int64)
+    assert equal_arrays(a, a.copy())
+    assert not equal_arrays(a, np.array([1, 2, 4], dtype=np.int64))
+    assert not equal_arrays(a, np.array([9, 2, 3], dtype=np.int64))
+    assert not equal_arrays(a, a[:2])
+    assert not equal_arrays(a[:1], np.array([1, 1], dtype=np.int64))  # (broadcasts: shape)
+    assert equal_arrays(a[:0], a[:0])

@@ -25,6 +25,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_pool.py", ["--device", "nope"], "--device"),
     ("bench_vllm_scheduler.py", ["--decode-steps", "0"], "--decode-steps"),
     ("bench_vllm_floor.py", ["--requests", "0"], "--requests"),
+    ("mutation_campaign.py", ["--fuzz-moves", "0"], "--fuzz-moves"),
 ])
 def test_a_bad_benchmark_option_is_one_line_and_status_2(script: str, argv: list[str],
                                                          named: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -403,3 +404,144 @@ def test_a_stream_ordered_engine_may_free_a_running_steps_pages_but_not_a_transf
     with pytest.raises(FuzzFailure) as e:
         replay(transfer, _StreamOrdered, "free_before_step_completes", 0, "small")
     assert e.value.oracle == "happens_before"
+
+
+# -- the value oracles: a wrong answer fires even when no page check does -------------------------
+
+# Moves that admit, preempt, resume, fork and receive often, so each value is asked for.
+_VALUES = FuzzConfig(weights={"resume": 8, "preempt": 6, "fork": 6, "receive": 4, "hook": 0})
+# The same without the tracker: verify checks nothing, so only the value oracles can see it.
+_UNCHECKED = FuzzConfig(tracker=None, weights=_VALUES.weights)
+
+
+def _value_failure(monkeypatch: pytest.MonkeyPatch, method: str, wrong: Any,
+                   config: FuzzConfig = _VALUES) -> FuzzFailure:
+    """The first failure of fault-free campaigns on the manager engine once
+    ``KVCacheManager.<method>`` returns ``wrong(manager, its true answer, *args)``."""
+    from kvmem.manager import KVCacheManager
+
+    true = getattr(KVCacheManager, method)
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrong(self, true(self, *args, **kwargs), *args)
+
+    monkeypatch.setattr(KVCacheManager, method, patched)
+    for seed in range(6):
+        r = campaign("manager", config, None, seed, max_moves=1500)
+        if r.failure is not None:
+            return r.failure
+    raise AssertionError(f"a wrong {method}() went unnoticed")
+
+
+def test_the_value_oracles_are_silent_on_correct_runs_and_each_checked() -> None:
+    """A fault-free campaign answers every value check, and each check ran."""
+    ran = dict.fromkeys(("admission", "step_metadata", "request_state", "stats"), 0)
+    for seed in range(2):
+        r = campaign("manager", _VALUES, None, seed, max_moves=1500)
+        assert r.failure is None, r.failure
+        run = replay(r.schedule, "manager", None, seed, _VALUES)
+        for k, v in run.engine.values.ran.items():
+            ran[k] += v
+    assert all(v > 0 for v in ran.values()), ran
+
+
+def test_admission_fires_when_resume_leaves_one_token_fewer_to_compute(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards resume's AdmitResult: one cached token too many (one token fewer to recompute)
+    would skip a position's K/V."""
+    f = _value_failure(monkeypatch, "resume",
+                       lambda m, r, *a: r._replace(num_cached_tokens=r.num_cached_tokens + 1))
+    assert f.oracle == "admission" and "resume(" in str(f), f
+
+
+def test_admission_fires_when_admit_reports_a_page_more_of_hits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards admit's AdmitResult: a hit page more than the request got would skip a page's
+    prefill."""
+    f = _value_failure(monkeypatch, "admit", lambda m, r, *a: r._replace(
+        num_hit_pages=r.num_hit_pages + 1, num_cached_tokens=r.num_cached_tokens + m.page_size))
+    assert f.oracle == "admission" and "admit(" in str(f), f
+
+
+def test_admission_fires_when_match_prefix_disagrees_with_admit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards match_prefix (what an engine that schedules itself asks first): a lookup that
+    stops one page short of what admit then reuses."""
+    f = _value_failure(monkeypatch, "match_prefix",
+                       lambda m, r, *a: r._replace(pages=r.pages[:-1]) if r.pages.size else r)
+    assert f.oracle == "admission" and "match_prefix" in str(f), f
+
+
+def test_step_metadata_fires_on_a_slot_mapping_one_slot_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards reserve's slot mapping: the last new token written one slot past its place
+    (verify catches it too, where a tracker checks; here none does)."""
+    import dataclasses
+
+    def wrong(m: Any, step: Any, *a: Any) -> Any:
+        if not step.slot_mapping.size:
+            return step
+        slots = step.slot_mapping.copy()
+        slots[-1] += 1
+        return dataclasses.replace(step, slot_mapping=slots)
+
+    f = _value_failure(monkeypatch, "reserve", wrong, _UNCHECKED)
+    assert f.oracle == "step_metadata" and "slot mapping" in str(f), f
+
+
+def test_step_metadata_fires_on_a_seq_len_one_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards reserve's seq_lens: a kernel told one token fewer would not attend to the
+    newest."""
+    import dataclasses
+
+    f = _value_failure(monkeypatch, "reserve", lambda m, step, *a: dataclasses.replace(
+        step, seq_lens=step.seq_lens - 1), _UNCHECKED)
+    assert f.oracle == "step_metadata", f
+
+
+def test_request_state_fires_when_num_tokens_reports_the_committed_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards num_tokens: the committed count in its place (equal after admit, wrong once a
+    step is reserved and not yet committed)."""
+    from kvmem.manager import KVCacheManager
+
+    f = _value_failure(monkeypatch, "num_tokens",
+                       lambda m, n, rid: KVCacheManager.num_committed(m, rid))
+    assert f.oracle == "request_state", f
+
+
+def test_request_state_fires_when_tokens_of_drops_the_last_token(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards tokens_of: the committed tokens, all of them."""
+    f = _value_failure(monkeypatch, "tokens_of", lambda m, t, *a: t[:-1] if t.size else t)
+    assert f.oracle in ("admission", "request_state"), f
+
+
+def test_stats_fires_when_preempted_counts_every_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards stats(): num_preempted counted over every known request, running ones too."""
+    import dataclasses
+
+    f = _value_failure(monkeypatch, "stats", lambda m, st: dataclasses.replace(
+        st, num_preempted=st.num_preempted + st.num_running))
+    assert f.oracle == "stats" and "num_preempted" in str(f), f
+
+
+def test_stats_fires_when_hit_tokens_are_counted_in_pages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards stats()'s prefix counters: hit tokens counted as pages."""
+    import dataclasses
+
+    f = _value_failure(monkeypatch, "stats", lambda m, st: dataclasses.replace(
+        st, prefix_hit_tokens=st.prefix_hit_tokens // m.page_size))
+    assert f.oracle == "stats" and "prefix_hit_tokens" in str(f), f
+
+
+def test_every_oracle_is_in_the_docs_oracle_table() -> None:
+    """docs/fuzzing.md's oracle table names every oracle a FuzzFailure can report."""
+    from kvmem.testing import ORACLES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fuzzing.md").read_text()
+    table = doc[doc.index("## Oracles") : doc.index("## The fault catalog")]
+    named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)? \|", table, flags=re.M))
+    assert set(ORACLES) <= {n for pair in named for n in pair if n}, named

@@ -162,3 +162,71 @@ def test_check_block_table_direct() -> None:
     tags[2] = 9
     bad = check_block_table(bt, np.array([2, 1]), expected, tags)
     assert bad.batch_index.tolist() == [0, 1] and bad.found_tag.tolist() == [9, 9]
+
+
+# -- the qualified tag format (mutation survivors of kvmem/integrity/_tags.py) ---------------------
+
+
+def test_qualify_packs_lifetime_and_namespace_and_refuses_what_would_spill() -> None:
+    """Guards qualify's bounds and messages: namespace ids -1 (a free page) .. MAX_NAMESPACES - 1
+    pass, as one int or one per tag; anything else raises naming ``tags`` or ``namespace_ids``
+    and what each must hold (an id of MAX_NAMESPACES would spill into the lifetime bits)."""
+    from kvmem.errors import ArgumentError, ArgumentTypeError
+    from kvmem.integrity._tags import MAX_NAMESPACES, NS_BITS, qualify
+
+    top = MAX_NAMESPACES - 1
+    got = qualify(np.array([1, 0, 3]), np.array([top, 5, -1]))
+    assert got.tolist() == [1 << NS_BITS | top, 0, 3 << NS_BITS]
+    assert qualify(np.array([2]), 0).tolist() == [2 << NS_BITS]
+    assert qualify(np.array([2]), -1).tolist() == [2 << NS_BITS]
+    assert qualify(np.array([2]), top).tolist() == [2 << NS_BITS | top]
+    bound = rf"-1\.\.{top}"
+    cases = [
+        (np.array([1.5]), 0, ArgumentTypeError, r"^tags has dtype float64: expected a 1-D "
+         r"sequence of integer tags"),
+        (np.array([-1]), 0, ArgumentError, r"^tags holds tags from -1 to -1: expected every "
+         r"tag in >= 0"),
+        (np.array([1]), -2, ArgumentError, rf"^namespace_ids=-2: expected an integer in {bound}"),
+        (np.array([1]), MAX_NAMESPACES, ArgumentError,
+         rf"^namespace_ids={MAX_NAMESPACES}: expected an integer in {bound}"),
+        (np.array([1]), np.array([-2]), ArgumentError, r"^namespace_ids holds namespace ids "
+         rf"from -2 to -2: expected every namespace id in {bound}"),
+        (np.array([1]), np.array([MAX_NAMESPACES]), ArgumentError,
+         rf"^namespace_ids holds namespace ids from {MAX_NAMESPACES}"),
+        (np.array([1]), np.array([1, 2]), ArgumentError, r"^namespace_ids has 2 entries for 1 "
+         r"tags: give one per tag, or one int for all$"),
+    ]
+    for tags, ns, error, message in cases:
+        with pytest.raises(error, match=message):
+            qualify(tags, ns)
+
+
+def test_lifetime_and_namespace_of_read_ints_numpy_and_torch_integers_only() -> None:
+    """Guards the readers of qualified tags: ints >= 0, numpy arrays and torch tensors of any
+    integer dtype (uint64 included) are split into lifetime and namespace id; a float dtype or
+    a negative int raises naming what it got."""
+    from kvmem.errors import ArgumentError, ArgumentTypeError
+    from kvmem.integrity._tags import (
+        NS_BITS,
+        lifetime_of,
+        namespace_id_of,
+        raw_lifetime_of,
+        raw_namespace_id_of,
+    )
+
+    q = 5 << NS_BITS | 3
+    assert (lifetime_of(q), namespace_id_of(q)) == (5, 3)
+    assert (raw_lifetime_of(q), raw_namespace_id_of(q)) == (5, 3)
+    assert lifetime_of(0) == 0 and namespace_id_of(0) == 0
+    assert lifetime_of(np.array([q])).tolist() == [5]
+    assert namespace_id_of(np.array([q], dtype=np.uint64)).tolist() == [3]
+    assert lifetime_of(torch.tensor([q])).tolist() == [5]
+    assert namespace_id_of(torch.tensor([q], dtype=torch.int64)).tolist() == [3]
+    with pytest.raises(ArgumentTypeError, match=r"^qualified tags have dtype float64: "
+                       r"expected integers$"):
+        lifetime_of(np.array([1.0]))
+    with pytest.raises(ArgumentTypeError, match=r"^qualified tags have dtype torch\.float32: "
+                       r"expected integers$"):
+        namespace_id_of(torch.tensor([1.0]))
+    with pytest.raises(ArgumentError, match=r"^qualified=-1: expected an integer >= 0"):
+        lifetime_of(-1)

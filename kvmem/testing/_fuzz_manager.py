@@ -69,11 +69,15 @@ class ManagerEngine(SlotEngine):
             for s in slots[~keep].tolist():
                 self._drop_slot(s)
             slots, sched, n = slots[keep], sched[keep], n[keep]
-            indptr, indices, slot_mapping, _ = subset_step(step, keep)
+            indptr, indices, slot_mapping, num_new = subset_step(step, keep)
+            seq_lens = step.seq_lens[keep]
             ids = tuple(i for i, k in zip(ids, keep.tolist()) if k)
         else:
             indptr, indices, slot_mapping = step.kv_indptr, step.kv_indices, step.slot_mapping
+            seq_lens, num_new = step.seq_lens, step.num_new_tokens
         copy_src, copy_dst = step.copy_src, step.copy_dst
+        self.values.reserved(slots, sched, n, indptr, indices, slot_mapping, seq_lens, num_new,
+                             copy_dst)
         if not slots.size and not copy_src.size:
             return None
         handle = mgr.begin_step()
@@ -99,7 +103,9 @@ class ManagerEngine(SlotEngine):
             return mgr.verify(ids, metadata=self._block_table_metadata(step))
         if "wrong_chunk_slice" in self.bugs:
             return mgr.verify(ids, metadata=self._shifted_metadata(step))
-        return mgr.verify(ids, step)
+        report = mgr.verify(ids, step)
+        self.values.note_aborted(len(report.aborted))
+        return report
 
     def _block_table_metadata(self, step: Any) -> dict[str, Any]:
         """The engine's own block table, in a buffer it reuses without clearing the columns
@@ -137,6 +143,7 @@ class ManagerEngine(SlotEngine):
 
     def _preempt_slot(self, s: int) -> None:
         self._call(self.manager.preempt, self.ids[s])
+        self.values.note_preempt()
         self.order.remove(s)
         self._order_arr = None
         self.state[s] = PREEMPTED
@@ -225,13 +232,16 @@ class ManagerEngine(SlotEngine):
         mgr = self.manager
         if not mgr.can_resume(rid):
             return False
-        res = self._call(mgr.resume, rid)
         # The resumed request's prompt is what the manager kept: its committed tokens, then
-        # the rest of its prompt (num_prompt_tokens, or the same worked out here when a hook
-        # failed and took the result with it).
-        self.plen[s] = (res.num_prompt_tokens if res is not None
-                        else max(int(self.comm[s]), int(self.plen[s])))
-        cached = res.num_cached_tokens if res is not None else mgr.num_tokens(rid)
+        # the rest of its prompt.
+        plen = max(int(self.comm[s]), int(self.plen[s]))
+        prompt = self.tok[s, :plen]
+        spec = self.specs[s]
+        assert spec is not None
+        match = self.values.lookup(prompt, self._namespace(spec))
+        res = self._call(mgr.resume, rid)
+        self.plen[s] = plen
+        cached = self.values.admitted(s, rid, prompt, match, res, "resume")
         self.sched[s] = self.comm[s] = cached
         self.inc[s] += 1
         self._start_running(s)
@@ -243,10 +253,14 @@ class ManagerEngine(SlotEngine):
         if not mgr.can_admit(spec.prompt, ns):
             return None
         s = self._new_slot(spec)
+        match = self.values.lookup(spec.prompt, ns)
         res = self._call(mgr.admit, spec.request_id, spec.prompt, ns)
-        cached = res.num_cached_tokens if res is not None else mgr.num_tokens(spec.request_id)
+        cached = self.values.admitted(s, spec.request_id, spec.prompt, match, res)
         n = spec.prompt_len - cached
         step = mgr.reserve((spec.request_id,), n)
+        self.values.reserved(np.array([s]), np.array([cached]), np.array([n]), step.kv_indptr,
+                             step.kv_indices, step.slot_mapping, step.seq_lens,
+                             step.num_new_tokens, step.copy_dst)
         fence = None
         handle = None
         if "no_transfer_fence" not in self.bugs:
@@ -267,3 +281,12 @@ class ManagerEngine(SlotEngine):
     def clear_cache(self) -> bool:
         self.manager.clear_prefix_cache()
         return True
+
+    def check(self) -> None:
+        """The ``request_state`` and ``stats`` oracles: what the manager stores against the
+        engine's model."""
+        running = [(s, self.ids[s], int(self.sched[s]), int(self.comm[s]), int(self.plen[s]),
+                    self.tok[s]) for s in self.order]
+        preempted = [self.ids[s] for s in self.slot_of.values() if self.state[s] == PREEMPTED]
+        used = self.values.check_requests(running, preempted)
+        self.values.check_stats(len(running), len(preempted), used, len(self.handles))

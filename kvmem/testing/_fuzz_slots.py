@@ -13,6 +13,7 @@ import numpy.typing as npt
 from kvmem.errors import HookError, KVMemError, OutOfPagesError
 from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine, stable_pick
 from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._value_oracles import ValueOracles
 
 __all__ = ["GONE", "PREEMPTED", "RECEIVING", "RUNNING", "WAITING", "SlotEngine"]
 
@@ -49,6 +50,8 @@ class SlotEngine(FuzzEngine):
         self._last_batch: tuple[Int64Array, tuple[Any, ...], int] | None = None
         self._slots_epoch = 0  # bumped whenever a slot changes hands
         self.handles: dict[Launch, Any] = {}  # the step handle of each op with a fence
+        # what the manager must answer (admission, step metadata, request state, stats)
+        self.values = ValueOracles(manager, n, config.max_len)
 
     # -- slots ------------------------------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class SlotEngine(FuzzEngine):
         except OutOfPagesError:
             return False
         s = self._new_slot(child)
+        self.values.note_fork(s, child.request_id)
         self.sched[s] = self.sched[p]
         self.comm[s] = self.comm[p]
         self.plen[s] = self.plen[p]
@@ -260,8 +264,8 @@ class SlotEngine(FuzzEngine):
             if not mgr.can_admit(prompt, ns):
                 return
             self.waiting.popleft()
+            match = self.values.lookup(prompt, ns)
             res = self._call(mgr.admit, spec.request_id, prompt, ns)
-            cached = res.num_cached_tokens if res is not None else mgr.num_tokens(
-                spec.request_id)
+            cached = self.values.admitted(s, spec.request_id, prompt, match, res)
             self.sched[s] = self.comm[s] = cached
             self._start_running(s)

@@ -21,6 +21,10 @@ Oracles (each named; :class:`FuzzFailure.oracle` says which fired):
 ``requests``       the manager holds exactly the requests the engine has not finished or aborted
 ``check``          ``KVCacheManager.check()`` (full bookkeeping), every ``check_every`` moves
 ``kvmem_error``    a manager call raised where the engine did not expect it
+``admission``,     the values the manager returns and stores, against the engine's model
+``step_metadata``, (:mod:`kvmem.testing._value_oracles`)
+``request_state``,
+``stats``
 =================  ==========================================================================
 
 :class:`OracleSet` holds the page oracles (``happens_before``, ``tags``, ``refcounts``,
@@ -54,7 +58,8 @@ Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
 
 ORACLES = ("happens_before", "fences", "reads", "landed_hit", "tags", "refcounts",
-           "conservation", "verify", "requests", "check", "kvmem_error", "engine")
+           "conservation", "verify", "requests", "check", "kvmem_error", "engine",
+           "admission", "step_metadata", "request_state", "stats")
 
 
 
