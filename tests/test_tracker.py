@@ -1,0 +1,482 @@
+"""Trackers and the integrity checks: recording tags, checking a step's metadata in every form."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem import PAD, CheckingTracker, NoOpTracker, PageAllocator, PageTable, Tracker
+from kvmem.cuda import PagePool, PoolSpec
+from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
+from kvmem.integrity import (
+    BadEntries,
+    Reason,
+    check_block_table,
+    check_block_table_torch,
+    check_csr,
+    check_csr_torch,
+)
+
+SMALL_GQA: dict[str, Any] = {
+    "num_layers": 1,
+    "num_pages": 4,
+    "page_size": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+}
+
+
+def _small_pool(**kw: Any) -> PagePool:
+    return PagePool(PoolSpec(**{**SMALL_GQA, "device": "cpu", **kw}))
+
+
+class Batch:
+    """Three requests with mapped pages and a tracker that recorded them."""
+
+    def __init__(self) -> None:
+        self.alloc = PageAllocator(32)
+        self.table = PageTable(max_seqs=4, max_pages_per_seq=8, page_size=4)
+        self.tracker = CheckingTracker(4, 8)
+        self.rows = np.array([self.table.add_row() for _ in range(3)])
+        self.grow([9, 5, 2])
+
+    def grow(self, num_new_tokens: list[int] | int) -> None:
+        g = self.table.grow(self.rows, num_new_tokens, self.alloc)
+        self.tracker.record(g.new_page_rows, g.new_page_positions, self.alloc.tags[g.new_pages])
+
+    def num_pages(self) -> np.ndarray:
+        return (self.table.num_tokens[self.rows] + 3) // 4
+
+    def verify_all_forms(self, block_table: np.ndarray | None = None):  # type: ignore[no-untyped-def]
+        """Verify with block table and CSR, numpy and torch; all four must agree."""
+        bt = self.table.block_table(self.rows) if block_table is None else block_table
+        csr = self.table.csr(self.rows)
+        n = self.num_pages()
+        tags = self.alloc.tags
+        reports = [
+            self.tracker.verify(self.rows, n, tags, block_table=bt),
+            self.tracker.verify(
+                self.rows, n, torch.from_numpy(tags.copy()), block_table=torch.from_numpy(bt)
+            ),
+        ]
+        if block_table is None:
+            reports += [
+                self.tracker.verify(self.rows, n, tags, kv_indptr=csr.kv_indptr,
+                                    kv_indices=csr.kv_indices),
+                self.tracker.verify(
+                    self.rows, n, torch.from_numpy(tags.copy()),
+                    kv_indptr=torch.from_numpy(csr.kv_indptr),
+                    kv_indices=torch.from_numpy(csr.kv_indices),
+                ),
+            ]
+        first = reports[0]
+        for other in reports[1:]:
+            assert other.failed == first.failed
+            for a, b in zip(first.entries, other.entries):
+                np.testing.assert_array_equal(a, b)
+        return first
+
+
+TAGS = np.array([0, 5, 6, 7], dtype=np.int64)  # page 0 free, pages 1..3 live
+
+
+def _entries(e: BadEntries) -> list[tuple[int, ...]]:
+    return list(zip(e.batch_index.tolist(), e.position.tolist(), e.page.tolist(),
+                    e.expected_tag.tolist(), e.found_tag.tolist(), e.reason.tolist()))
+
+
+def _t(*arrays: Any) -> list[Any]:
+    return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def _both_block_table(*args: Any) -> list[tuple[int, ...]]:
+    """check_block_table's entries, after asserting the torch form gives the same."""
+    got = _entries(check_block_table(*args))
+    assert _entries(check_block_table_torch(*_t(*args))) == got
+    return got
+
+
+def _both_csr(*args: Any) -> list[tuple[int, ...]]:
+    got = _entries(check_csr(*args))
+    assert _entries(check_csr_torch(*_t(*args))) == got
+    return got
+
+
+BT = np.array([[1, 2, -1]], dtype=np.int32)
+
+
+EXPECTED = np.array([[5, 6, 0]], dtype=np.int64)
+
+
+NUM = np.array([2])
+
+
+BAD_INPUTS = {  # (num_pages, expected_tags, tags) -> the field the error names
+    "num_pages 2-D": ((NUM[None], EXPECTED, TAGS), "num_pages"),
+    "num_pages of floats": ((NUM.astype(float), EXPECTED, TAGS), "num_pages"),
+    "num_pages None": ((None, EXPECTED, TAGS), "num_pages"),
+    "expected_tags 1-D": ((NUM, EXPECTED[0], TAGS), "expected_tags"),
+    "expected_tags of another batch": ((NUM, np.zeros((2, 3), np.int64), TAGS),
+                                       "expected_tags"),
+    "expected_tags of floats": ((NUM, EXPECTED.astype(float), TAGS), "expected_tags"),
+    "tags a list": ((NUM, EXPECTED, TAGS.tolist()), "tags"),
+    "tags 2-D": ((NUM, EXPECTED, TAGS[None]), "tags"),
+    "tags of floats": ((NUM, EXPECTED, TAGS.astype(float)), "tags"),
+}
+
+
+def _manager() -> Any:
+    from kvmem import KVCacheManager
+
+    return KVCacheManager(num_pages=16, page_size=4, max_seqs=4, max_pages_per_seq=8,
+                          tracker="checking")
+
+
+def test_the_tag_mirror_takes_every_non_negative_int64() -> None:
+    """Tags are non-negative int64; the largest, 2**63 - 1, was refused ("valid tags are
+    0..2**63 - 2")."""
+    import numpy as np
+
+    pool = _small_pool()
+    top = 2**63 - 1
+    pool.update_tags([1], [top])
+    assert int(pool.tags[1]) == top
+    pool.load_tags(np.full(4, top, dtype=np.int64))
+    assert pool.tags.tolist() == [top] * 4
+    before = pool.tags.clone()
+    with pytest.raises(ArgumentError):
+        pool.update_tags([0], np.array([2**63], dtype=np.uint64))
+    with pytest.raises(ArgumentError, match="tags from -1"):
+        pool.update_tags([0], [-1])
+    assert torch.equal(pool.tags, before)
+
+
+def test_silent_on_correct_batch_across_steps() -> None:
+    batch = Batch()
+    for _ in range(20):
+        batch.grow(1)
+        report = batch.verify_all_forms()
+        assert report.ok and report.failed == () and report.reasons() == {}
+
+
+def test_fires_on_page_freed_and_reallocated_to_another_request() -> None:
+    batch = Batch()
+    victim, other = batch.rows[1], batch.rows[2]
+    stolen = int(batch.table.pages[victim, 0])
+    batch.alloc.free([stolen])  # freed behind the request's back ...
+    # ... and handed to another request, which maps it
+    batch.alloc._free_stack[batch.alloc._num_free - 1] = stolen  # next page out is the stolen one
+    new = batch.alloc.allocate(1)
+    assert int(new[0]) == stolen
+    batch.table.map_pages(other, new)
+    report = batch.verify_all_forms()
+    assert report.failed == (int(victim),)
+    e = report.entries
+    assert e.reason.tolist() == [Reason.REALLOCATED]
+    assert (e.position.tolist(), e.page.tolist()) == ([0], [stolen])
+    assert e.found_tag[0] == batch.alloc.tags[stolen] != e.expected_tag[0]
+    assert "reallocated" in report.reasons()[int(victim)]
+
+
+def test_fires_on_page_freed_but_not_reused() -> None:
+    batch = Batch()
+    victim = batch.rows[0]
+    page = int(batch.table.pages[victim, 2])
+    batch.alloc.free([page])
+    report = batch.verify_all_forms()
+    assert report.failed == (int(victim),)
+    assert report.entries.reason.tolist() == [Reason.FREED]
+    assert report.entries.found_tag.tolist() == [0]
+
+
+def test_fires_on_wrong_page_in_row() -> None:
+    batch = Batch()
+    victim, other = batch.rows[0], batch.rows[1]
+    batch.table.pages[victim, 1] = batch.table.pages[other, 0]  # another request's live page
+    report = batch.verify_all_forms()
+    assert report.failed == (int(victim),)
+    assert report.entries.reason.tolist() == [Reason.REALLOCATED]
+
+
+def test_fires_on_corrupted_padding_and_out_of_range() -> None:
+    batch = Batch()
+    bt = batch.table.block_table(batch.rows)
+    bt[2, 2] = 5  # stale column past request 2's single page
+    bt[1, 0] = 1000  # out of range
+    report = batch.verify_all_forms(block_table=bt)
+    assert report.failed == (int(batch.rows[1]), int(batch.rows[2]))
+    assert sorted(report.entries.reason.tolist()) == [Reason.OUT_OF_RANGE, Reason.PADDING]
+
+
+def test_fires_on_csr_length_mismatch() -> None:
+    batch = Batch()
+    csr = batch.table.csr(batch.rows)
+    n = batch.num_pages()
+    n[0] += 1  # the request maps more pages than the metadata gives the kernel
+    entries = check_csr(csr.kv_indptr, csr.kv_indices, n, batch.tracker.expected_tags[batch.rows],
+                        batch.alloc.tags)
+    assert entries.reason.tolist() == [Reason.LENGTH] and entries.batch_index.tolist() == [0]
+
+
+def test_unrecorded_page_fires() -> None:
+    batch = Batch()
+    batch.tracker.forget([batch.rows[0]])
+    report = batch.verify_all_forms()
+    assert report.failed == (int(batch.rows[0]),)
+    assert set(report.entries.reason.tolist()) == {Reason.UNMAPPED}
+
+
+def test_report_uses_request_ids() -> None:
+    batch = Batch()
+    batch.alloc.free([int(batch.table.pages[batch.rows[2], 0])])
+    bt = batch.table.block_table(batch.rows)
+    report = batch.tracker.verify(batch.rows, batch.num_pages(), batch.alloc.tags,
+                                  block_table=bt, ids=("a", "b", "c"))
+    assert report.failed == ("c",)
+    assert list(report.reasons()) == ["c"]
+
+
+def test_noop_tracker_records_nothing_and_passes() -> None:
+    tracker = NoOpTracker()
+    assert isinstance(tracker, Tracker) and isinstance(CheckingTracker(1, 1), Tracker)
+    assert not tracker.enabled
+    tracker.record([0], [0], [1])
+    assert tracker.verify([0], [1], np.zeros(1, dtype=np.int64), block_table=np.array([[7]])).ok
+
+
+def test_verify_needs_exactly_one_metadata_form() -> None:
+    batch = Batch()
+    with pytest.raises(ValueError):
+        batch.tracker.verify(batch.rows, batch.num_pages(), batch.alloc.tags)
+
+
+def test_check_block_table_direct() -> None:
+    tags = np.array([0, 5, 6], dtype=np.int64)
+    bt = np.array([[1, 2], [2, PAD]], dtype=np.int32)
+    expected = np.array([[5, 6], [6, 0]], dtype=np.int64)
+    assert check_block_table(bt, np.array([2, 1]), expected, tags).num_bad == 0
+    tags[2] = 9
+    bad = check_block_table(bt, np.array([2, 1]), expected, tags)
+    assert bad.batch_index.tolist() == [0, 1] and bad.found_tag.tolist() == [9, 9]
+
+
+def test_a_block_table_narrower_than_a_requests_pages_is_a_length_failure() -> None:
+    """The kernel reads num_pages[b] entries of row b: a table of 2 columns for a request of
+    4 pages passed (both listed pages were good), in both forms and through the tracker."""
+    bt = np.array([[1, 2], [3, -1]], dtype=np.int32)
+    expected = np.array([[5, 6, 0, 0], [7, 0, 0, 0]], dtype=np.int64)
+    got = _both_block_table(bt, np.array([4, 1]), expected, TAGS)
+    assert got == [(0, -1, -1, 0, -1, Reason.LENGTH)]
+    tracker = CheckingTracker(2, 4)
+    tracker.record([0, 0, 1], [0, 1, 0], [5, 6, 7])
+    report = tracker.verify([0, 1], [4, 1], TAGS, block_table=bt)
+    assert report.failed == (0,)
+    assert report.entries.reason.tolist() == [Reason.LENGTH]
+    assert tracker.verify([0, 1], [2, 1], TAGS, block_table=bt).ok
+
+
+def test_csr_with_nothing_recorded_is_unmapped_not_an_index_error() -> None:
+    """expected_tags ``[B, 0]`` (nothing recorded anywhere): the block-table form answered
+    UNMAPPED, the CSR forms raised IndexError."""
+    got = _both_csr(np.array([0, 2]), np.array([1, 2]), np.array([2]),
+                    np.zeros((1, 0), dtype=np.int64), TAGS)
+    assert got == [(0, 0, 1, 0, 5, Reason.UNMAPPED), (0, 1, 2, 0, 6, Reason.UNMAPPED)]
+
+
+def test_with_no_physical_page_every_listed_page_is_out_of_range() -> None:
+    """tags ``[0]``: every form raised IndexError."""
+    no_pages = TAGS[:0]
+    expected = np.array([[5, 0]], dtype=np.int64)
+    assert _both_block_table(np.array([[1, -1]]), np.array([1]), expected, no_pages) == [
+        (0, 0, 1, 5, -1, Reason.OUT_OF_RANGE)]
+    assert _both_csr(np.array([0, 1]), np.array([1]), np.array([1]), expected, no_pages) == [
+        (0, 0, 1, 5, -1, Reason.OUT_OF_RANGE)]
+
+
+def test_both_forms_agree_on_an_unsigned_block_table() -> None:
+    """A uint8 table holding 255 past the request's pages: numpy flagged PADDING, torch
+    compared 255 with -1 as uint8 (equal) and passed it."""
+    bt = np.array([[1, 2, 255]], dtype=np.uint8)
+    got = _both_block_table(bt, np.array([2]), np.array([[5, 6, 0]]), TAGS)
+    assert got == [(0, 2, 255, 0, -1, Reason.PADDING)]
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("form", ["block table", "csr"])
+def test_inputs_a_check_cannot_compare_are_a_metadata_error_naming_them(bad: str,
+                                                                        form: str) -> None:
+    """They raised IndexError, AttributeError or a numpy ValueError, or (floats) were
+    compared as they came: a float64 tag past 2**53 is not the tag it was."""
+    (num, expected, tags), field = BAD_INPUTS[bad]
+    with pytest.raises(MetadataError, match=field):
+        if form == "block table":
+            check_block_table(BT, num, expected, tags)
+        else:
+            check_csr(np.array([0, 2]), np.array([1, 2]), num, expected, tags)
+
+
+@pytest.mark.parametrize("fn, meta", [
+    (check_block_table_torch, (BT,)),
+    (check_csr_torch, (np.array([0, 2]), np.array([1, 2]))),
+])
+def test_a_mix_of_numpy_and_tensors_is_a_metadata_error(fn: Any, meta: tuple[Any, ...]) -> None:
+    """The doc: a mix is refused with a MetadataError. The torch forms given numpy arrays, or
+    a numpy tags array, raised TypeError or AttributeError from torch; the numpy forms took
+    tensors by accident."""
+    with pytest.raises(MetadataError, match="numpy"):
+        fn(*_t(*meta), *_t(NUM, EXPECTED), TAGS)
+    with pytest.raises(MetadataError, match="numpy"):
+        fn(*meta, NUM, EXPECTED, TAGS)
+    numpy_fn = check_block_table if fn is check_block_table_torch else check_csr
+    with pytest.raises(MetadataError, match="tags"):
+        numpy_fn(*meta, NUM, EXPECTED, torch.from_numpy(TAGS))
+    # Through a tracker: metadata of the other kind than the tags, refused, nothing changed.
+    tracker = CheckingTracker(1, 3)
+    tracker.record([0, 0], [0, 1], EXPECTED[0, :2])
+    before = tracker.expected_tags.copy(), tracker.num_changes
+    names = ("block_table",) if fn is check_block_table_torch else ("kv_indptr", "kv_indices")
+    for tags, given in ((TAGS, _t(*meta)), (torch.from_numpy(TAGS), meta)):
+        with pytest.raises(MetadataError, match="where the tags are"):
+            tracker.verify([0], NUM, tags, **dict(zip(names, given)))
+    assert np.array_equal(tracker.expected_tags, before[0])
+    assert tracker.num_changes == before[1]
+    assert tracker.verify([0], NUM, TAGS, **dict(zip(names, meta))).ok
+
+
+def test_tensors_on_different_devices_are_a_metadata_error() -> None:
+    """They raised torch's RuntimeError ("Tensor on device cpu is not on the expected
+    device")."""
+    meta = torch.zeros((1, 3), dtype=torch.int32, device="meta")
+    with pytest.raises(MetadataError, match="different devices"):
+        check_block_table_torch(meta, *_t(NUM, EXPECTED, TAGS))
+    tracker = CheckingTracker(1, 3)
+    with pytest.raises(MetadataError, match="different devices"):
+        tracker.verify([0], [2], torch.from_numpy(TAGS).to("meta"),
+                       block_table=torch.from_numpy(BT))
+
+
+def test_tracker_verify_refuses_counts_and_labels_it_cannot_use() -> None:
+    """num_pages ``["1"]`` or ``[1.5]`` failed the request with LENGTH; float tags were
+    compared as floats; ids shorter than the batch raised IndexError when ``failed`` was
+    read; ids ``"ab"`` labelled two rows."""
+    tracker = CheckingTracker(2, 3)
+    tracker.record([0], [0], [5])
+    csr = {"kv_indptr": np.array([0, 1]), "kv_indices": np.array([1], np.int32)}
+    before = tracker.expected_tags.copy(), tracker.num_changes
+    for num in (["1"], [1.5]):
+        with pytest.raises(MetadataError, match="num_pages"):
+            tracker.verify([0], num, TAGS, **csr)
+    with pytest.raises(MetadataError, match="tags"):
+        tracker.verify([0], [1], TAGS.astype(float), **csr)
+    with pytest.raises(ArgumentError, match="ids"):
+        tracker.verify([0, 1], [1, 0], TAGS, kv_indptr=np.array([0, 1, 1]),
+                       kv_indices=np.array([9], np.int32), ids=("a",))
+    with pytest.raises(ArgumentTypeError, match="ids"):  # one label, not two
+        tracker.verify([0, 1], [1, 0], TAGS, kv_indptr=np.array([0, 1, 1]),
+                       kv_indices=np.array([9], np.int32), ids="ab")
+    assert np.array_equal(tracker.expected_tags, before[0])
+    assert tracker.num_changes == before[1]
+    assert tracker.verify([0], [1], TAGS, **csr).ok
+    assert tracker.verify([], [], TAGS, kv_indptr=np.array([0]),
+                          kv_indices=np.array([], np.int32)).ok
+
+
+@pytest.mark.parametrize("prompt, kind", [
+    ([1.5, 2.0], ArgumentTypeError), ("abc", ArgumentError), ([[1, 2]], ArgumentError),
+    ([-1, 2], ArgumentError),
+])
+def test_the_toy_engine_refuses_a_prompt_the_manager_would_and_changes_nothing(
+        prompt: Any, kind: type) -> None:
+    """np.asarray(prompt, dtype=int64) turned [1.5, 2.0] into [1, 2] and admitted it (the
+    manager refuses float token ids), keeping 1.5 as the engine's token; "abc" raised numpy's
+    ValueError."""
+    from kvmem.testing import ToyEngine
+
+    mgr = _manager()
+    engine = ToyEngine(mgr)
+    with pytest.raises(kind):
+        engine.admit("a", prompt)
+    assert engine.seqs == {} and not mgr.running and mgr.stats().num_free == 16
+    engine.admit("a", np.array([1, 2, 3], dtype=np.int32))
+    engine.step(["a"], 3)
+    engine.check_kv()
+    assert engine.seqs["a"].tokens == [1, 2, 3]
+
+
+def test_the_toy_engine_refuses_a_sampler_it_cannot_call() -> None:
+    """sampler=5 was accepted and raised "'int' object is not callable" at the first step past
+    a prompt."""
+    from kvmem.testing import ToyEngine
+
+    with pytest.raises(ArgumentTypeError, match="sampler"):
+        ToyEngine(_manager(), sampler=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ns_key, tokens, kind", [
+    (-1, [1], ArgumentError), (1 << 64, [1], ArgumentError),
+    (1, [1.5], ArgumentTypeError), (1, [[1, 2], [3, 4]], ArgumentError),
+    (1, "abc", ArgumentError), (1, [2**63], ArgumentError), (1, None, ArgumentError),
+])
+def test_kv_value_array_refuses_what_is_no_namespace_key_or_token_stream(
+        ns_key: Any, tokens: Any, kind: type) -> None:
+    """It raised OverflowError (a negative key, a key of 2**64, a token past int64), numpy's
+    ValueError (2-D, a str) or TypeError (None), and gave [1.5] the values of [1]."""
+    from kvmem.testing import kv_value_array
+
+    with pytest.raises(kind):
+        kv_value_array(ns_key, tokens)
+    top = kv_value_array((1 << 64) - 1, np.array([0, 3], dtype=np.uint8))
+    assert top.dtype == np.int64 and top.shape == (2,) and top.all()
+    assert np.array_equal(kv_value_array(7, torch.tensor([1, 2])), kv_value_array(7, [1, 2]))
+
+
+def test_owned_pages_refuses_recorded_tags_that_do_not_fit_the_row() -> None:
+    """Three pages with two recorded tags raised numpy's IndexError (row_is_own said False)."""
+    from kvmem.integrity import owned_pages
+
+    q = (np.array([5, 6], dtype=np.int64) << 20) | 1
+    refcounts = np.array([0, 1, 1, 1])
+    with pytest.raises(ArgumentError, match="recorded"):
+        owned_pages(np.array([1, 2, 3]), q, TAGS, refcounts)
+    assert owned_pages(np.array([1, 3]), q, TAGS, refcounts).tolist() == [[0, 1], [1, 2]]
+
+
+@pytest.mark.parametrize("meta", [None, [("slot_mapping", np.arange(3))]])
+def test_validate_step_fields_refuses_what_is_no_mapping(meta: Any) -> None:
+    """It raised AttributeError ('NoneType' object has no attribute 'get')."""
+    from kvmem.integrity import validate_step_fields
+
+    with pytest.raises(ArgumentTypeError, match="mapping"):
+        validate_step_fields(meta, 1)
+    validate_step_fields({"slot_mapping": np.arange(3), "seq_lens": np.array([3])}, 1, 3)
+
+
+def test_qualify_refuses_a_namespace_id_that_would_spill_into_the_lifetime() -> None:
+    """A namespace id of 2**20 or more was OR-ed into the lifetime bits: page 5 of namespace
+    2**20 qualified as page 6 of namespace 0; a bool id was taken as 1, a float one raised a
+    numpy error."""
+    from kvmem.integrity import MAX_NAMESPACES, lifetime_of, namespace_id_of, qualify
+
+    tags = np.array([5, 0, 7], dtype=np.int64)
+    for bad in (MAX_NAMESPACES, np.array([1, 2, MAX_NAMESPACES + 3]), -2, 2**70):
+        with pytest.raises(ArgumentError, match="namespace_ids"):
+            qualify(tags, bad)
+    good = qualify(tags, np.array([MAX_NAMESPACES - 1, -1, 3]))
+    assert lifetime_of(good).tolist() == [5, 0, 7]
+    assert namespace_id_of(good).tolist() == [MAX_NAMESPACES - 1, 0, 3]
+    assert qualify(tags, np.int32(3)).tolist() == qualify(tags, [3, 3, 3]).tolist()
+    # Arguments qualify cannot use are refused by name (numpy errors and silent bools before).
+    for bad_ns, kind in ((True, ArgumentTypeError), (1.5, ArgumentTypeError),
+                         ("a", ArgumentTypeError), (None, ArgumentTypeError),
+                         (np.array([1.0, 2.0, 3.0]), ArgumentTypeError),
+                         ([1, 2], ArgumentError), (np.array([[1]]), ArgumentError)):
+        with pytest.raises(kind, match="namespace_ids"):
+            qualify(tags, bad_ns)
+    for bad_tags, kind in ((np.array([5.0]), ArgumentTypeError), (np.array([-1]), ArgumentError),
+                           ("x", ArgumentTypeError)):
+        with pytest.raises(kind, match="tags"):
+            qualify(bad_tags, 0)
+    assert tags.tolist() == [5, 0, 7]
