@@ -392,6 +392,7 @@ def test_free_without_repeats_and_with_them_agree() -> None:
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.pytestmark = [pytest.mark.long]  # 150 examples of 40 steps
 
 
 @pytest.mark.parametrize("drift", [None, "evictable while held", "free while mapped"])

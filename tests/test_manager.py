@@ -155,6 +155,7 @@ def _busy(make_manager: Any) -> KVCacheManager:
 BAD_IDS = [1.5, float("nan"), None, True, np.True_, b"x", (1, 2), torch.tensor(3), object()]
 
 
+@pytest.mark.long  # 300 hypothesis examples
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(entry=st.sampled_from(sorted(ENTRIES)), data=st.data())
 def test_bad_input_raises_a_kvmem_error_and_changes_nothing(

@@ -980,7 +980,8 @@ def test_a_healthy_speculative_step_stays_on_the_spliced_path(make_manager: Any)
     assert after.full_checks == before.full_checks
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", [*range(3), *(pytest.param(seed, marks=pytest.mark.long)
+                                                for seed in range(3, 12))])
 def test_fast_paths_agree_with_plain_ones_under_an_engines_sequences(
         make_manager: Any, snapshot: Any, seed: int) -> None:
     """Admissions with prefix hits in two namespaces, chunked prefill beside and inside the
