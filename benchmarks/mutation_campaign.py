@@ -34,10 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Test files that run in under 30 s together on 2 cores and exercise the allocator and the
 # integrity checks directly.
-FAST_TESTS = ("tests/test_allocator.py", "tests/test_allocator_state_machine.py",
-              "tests/test_page_table.py", "tests/test_integrity.py",
-              "tests/test_integrity_promises.py", "tests/test_verify_contract.py",
-              "tests/test_oracle_set.py")
+FAST_TESTS = ("tests/test_allocator.py", "tests/test_page_table.py", "tests/test_tracker.py",
+              "tests/test_verify.py", "tests/test_verify_faults.py", "tests/test_oracle_set.py")
 DEFAULT_PATHS = ("kvmem/allocator", "kvmem/integrity")
 
 

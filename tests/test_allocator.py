@@ -1,12 +1,30 @@
+"""PageAllocator: allocation, refcounts, tags, frees, and its state machine."""
+
 from __future__ import annotations
+
+from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvmem import IntegrityError, InvalidFreeError, OutOfPagesError, PageAllocator
+from kvmem import (
+    CheckingTracker,
+    IntegrityError,
+    InvalidFreeError,
+    KVMemError,
+    OutOfPagesError,
+    PageAllocator,
+    PageTable,
+)
+from kvmem.errors import ArgumentError, ArgumentTypeError
+from kvmem.testing import ToyEngine, faults
 
 
-def snapshot(alloc: PageAllocator) -> tuple[bytes, ...]:
+def allocator_state(alloc: PageAllocator) -> tuple[bytes, ...]:
     """Every byte of allocator state, to prove a failed call changed nothing."""
     return (
         alloc._free_stack.tobytes(),
@@ -15,6 +33,146 @@ def snapshot(alloc: PageAllocator) -> tuple[bytes, ...]:
         bytes([alloc._num_free % 256]),
         str((alloc._num_free, alloc._last_tag, alloc._num_frees)).encode(),
     )
+
+
+def corrupt(alloc: PageAllocator, how: str) -> None:
+    if how == "leak":  # a page neither free nor held (deferred free never completed)
+        alloc._free_stack[alloc._num_free - 1] = alloc._free_stack[0]
+        alloc._num_free -= 1
+    elif how == "duplicate-free":
+        alloc._free_stack[1] = alloc._free_stack[0]
+    elif how == "free-with-refcount":
+        alloc._refcounts[int(alloc._free_stack[0])] = 1
+    elif how == "free-with-tag":
+        alloc._tags[int(alloc._free_stack[0])] = 7
+    elif how == "live-without-tag":
+        alloc._tags[0] = 0
+
+
+NUM_PAGES, MAX_SEQS, MAX_PAGES, PAGE_SIZE = 24, 6, 10, 4
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = PageAllocator(NUM_PAGES)
+        self.table = PageTable(MAX_SEQS, MAX_PAGES, PAGE_SIZE)
+        self.tracker = CheckingTracker(MAX_SEQS, MAX_PAGES)
+        # Reference model: each live row's pages (in order) and token count.
+        self.ref_pages: dict[int, list[int]] = {}
+        self.ref_tokens: dict[int, int] = {}
+
+    def holders(self) -> Counter[int]:
+        return Counter(p for pages in self.ref_pages.values() for p in pages)
+
+    @precondition(lambda self: len(self.ref_pages) < MAX_SEQS)
+    @rule()
+    def open_request(self) -> None:
+        row = self.table.add_row()
+        assert row not in self.ref_pages
+        self.ref_pages[row], self.ref_tokens[row] = [], 0
+
+    @precondition(lambda self: self.ref_pages)
+    @rule(data=st.data())
+    def grow(self, data: st.DataObject) -> None:
+        live = sorted(self.ref_pages)
+        rows = data.draw(st.lists(st.sampled_from(live), min_size=1, unique=True))
+        counts = data.draw(st.lists(st.integers(0, 9), min_size=len(rows), max_size=len(rows)))
+        needed = [
+            max(0, -(-(self.ref_tokens[r] + k) // PAGE_SIZE) - len(self.ref_pages[r]))
+            for r, k in zip(rows, counts)
+        ]
+        if any(len(self.ref_pages[r]) + n > MAX_PAGES for r, n in zip(rows, needed)):
+            return
+        free_before = self.alloc.num_free
+        try:
+            result = self.table.grow(rows, counts, self.alloc)
+        except OutOfPagesError:
+            assert sum(needed) > free_before
+            assert self.alloc.num_free == free_before
+            return
+        assert result.new_pages.size == sum(needed)
+        self.tracker.record(
+            result.new_page_rows, result.new_page_positions, self.alloc.tags[result.new_pages]
+        )
+        slots = []
+        for r, k, n in zip(rows, counts, needed):
+            got = result.new_pages[result.new_page_rows == r].tolist()
+            assert len(got) == n
+            self.ref_pages[r] += got
+            for t in range(self.ref_tokens[r], self.ref_tokens[r] + k):
+                slots.append(self.ref_pages[r][t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE)
+            self.ref_tokens[r] += k
+        assert result.slot_mapping.tolist() == slots
+
+    @precondition(lambda self: len(self.ref_pages) >= 2)
+    @rule(data=st.data())
+    def share_prefix(self, data: st.DataObject) -> None:
+        """A request maps another's full pages (prefix reuse), holding them too."""
+        src, dst = data.draw(st.lists(st.sampled_from(sorted(self.ref_pages)), min_size=2,
+                                      max_size=2, unique=True))
+        if self.ref_tokens[dst] != 0 or self.ref_pages[dst]:
+            return
+        full = self.ref_tokens[src] // PAGE_SIZE
+        pages = self.ref_pages[src][:full]
+        if not pages:
+            return
+        self.alloc.share(pages)
+        self.table.map_pages(dst, pages)
+        self.table.set_num_tokens(dst, full * PAGE_SIZE)
+        self.tracker.record([dst] * full, list(range(full)), self.alloc.tags[pages])
+        self.ref_pages[dst] = list(pages)
+        self.ref_tokens[dst] = full * PAGE_SIZE
+
+    @precondition(lambda self: self.ref_pages)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        row = data.draw(st.sampled_from(sorted(self.ref_pages)))
+        pages = self.table.remove_row(row)
+        assert pages.tolist() == self.ref_pages.pop(row)
+        del self.ref_tokens[row]
+        released = self.alloc.free(pages)
+        self.tracker.forget([row])
+        still_held = self.holders()
+        assert sorted(released.tolist()) == sorted(p for p in set(pages.tolist())
+                                                   if p not in still_held)
+
+    @precondition(lambda self: any(self.ref_tokens.values()))
+    @rule()
+    def verify(self) -> None:
+        rows = np.array([r for r in sorted(self.ref_pages) if self.ref_tokens[r] > 0])
+        bt = self.table.block_table(rows)
+        csr = self.table.csr(rows)
+        n = np.array([-(-self.ref_tokens[r] // PAGE_SIZE) for r in rows])
+        assert self.tracker.verify(rows, n, self.alloc.tags, block_table=bt).ok
+        assert self.tracker.verify(
+            rows, n, self.alloc.tags, kv_indptr=csr.kv_indptr, kv_indices=csr.kv_indices
+        ).ok
+
+    @invariant()
+    def conservation_and_refcounts(self) -> None:
+        self.alloc.check()
+        holders = self.holders()
+        assert self.alloc.num_used == len(holders)
+        assert self.alloc.num_free + len(holders) == NUM_PAGES
+        expected = np.zeros(NUM_PAGES, dtype=np.int32)
+        for page, count in holders.items():
+            expected[page] = count
+        np.testing.assert_array_equal(self.alloc.refcounts, expected)
+        for row, pages in self.ref_pages.items():
+            assert self.table.row_pages(row).tolist() == pages
+            assert self.table.num_tokens[row] == self.ref_tokens[row]
+
+
+AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                              deadline=None)
+
+
+def run_prompt(eng: ToyEngine, rid: Any, prompt: Any, ns: Any = None) -> None:
+    """Admit, prefill in one chunk, commit."""
+    res = eng.admit(rid, prompt, ns)
+    eng.step([rid], len(prompt) - res.num_cached_tokens)
+    eng.commit([rid])
 
 
 def test_allocate_gives_fresh_tags_and_one_holder() -> None:
@@ -75,12 +233,12 @@ def test_public_arrays_are_read_only() -> None:
 def test_out_of_pages_changes_nothing_and_says_why() -> None:
     alloc = PageAllocator(4)
     alloc.allocate(3)
-    before = snapshot(alloc)
+    before = allocator_state(alloc)
     assert not alloc.can_allocate(2)
     with pytest.raises(OutOfPagesError, match="asked for 2 pages but only 1 are free") as info:
         alloc.allocate(2)
     assert (info.value.num_requested, info.value.num_free) == (2, 1)
-    assert snapshot(alloc) == before
+    assert allocator_state(alloc) == before
 
 
 @pytest.mark.parametrize(
@@ -95,10 +253,10 @@ def test_out_of_pages_changes_nothing_and_says_why() -> None:
 def test_bad_free_changes_nothing(bad_free) -> None:  # type: ignore[no-untyped-def]
     alloc = PageAllocator(4)
     pages = alloc.allocate(2).tolist()
-    before = snapshot(alloc)
+    before = allocator_state(alloc)
     with pytest.raises(InvalidFreeError):
         alloc.free(bad_free(pages))
-    assert snapshot(alloc) == before
+    assert allocator_state(alloc) == before
     alloc.check()
 
 
@@ -106,18 +264,18 @@ def test_double_free_across_calls_is_rejected() -> None:
     alloc = PageAllocator(4)
     pages = alloc.allocate(2)
     alloc.free(pages)
-    before = snapshot(alloc)
+    before = allocator_state(alloc)
     with pytest.raises(InvalidFreeError, match="double free"):
         alloc.free(pages[:1])
-    assert snapshot(alloc) == before
+    assert allocator_state(alloc) == before
 
 
 def test_share_of_free_page_is_rejected() -> None:
     alloc = PageAllocator(4)
-    before = snapshot(alloc)
+    before = allocator_state(alloc)
     with pytest.raises(InvalidFreeError):
         alloc.share([2])
-    assert snapshot(alloc) == before
+    assert allocator_state(alloc) == before
 
 
 def test_bad_arguments() -> None:
@@ -147,23 +305,6 @@ def test_stats_is_a_frozen_snapshot() -> None:
     assert alloc.stats().usage == 0.25
     with pytest.raises(AttributeError):
         stats.num_free = 1  # type: ignore[misc]
-
-
-# -- check() fires on every corruption it exists for --------------------------------------------
-
-
-def corrupt(alloc: PageAllocator, how: str) -> None:
-    if how == "leak":  # a page neither free nor held (deferred free never completed)
-        alloc._free_stack[alloc._num_free - 1] = alloc._free_stack[0]
-        alloc._num_free -= 1
-    elif how == "duplicate-free":
-        alloc._free_stack[1] = alloc._free_stack[0]
-    elif how == "free-with-refcount":
-        alloc._refcounts[int(alloc._free_stack[0])] = 1
-    elif how == "free-with-tag":
-        alloc._tags[int(alloc._free_stack[0])] = 7
-    elif how == "live-without-tag":
-        alloc._tags[0] = 0
 
 
 @pytest.mark.parametrize(
@@ -212,7 +353,7 @@ def test_the_distinct_paths_match_the_general_ones(seed: int) -> None:
                 want = slow.free(pick)
                 assert freed.dtype == want.dtype == np.int32
                 assert freed.tolist() == want.tolist() == sorted(want.tolist())
-        assert snapshot(fast) == snapshot(slow)
+        assert allocator_state(fast) == allocator_state(slow)
     fast.check()
     assert fast.pop_changed_pages().tolist() == slow.pop_changed_pages().tolist()
 
@@ -229,11 +370,11 @@ def test_the_distinct_paths_match_the_general_ones(seed: int) -> None:
 def test_bad_distinct_calls_change_nothing(bad, dtype) -> None:  # type: ignore[no-untyped-def]
     alloc = PageAllocator(4)
     pages = alloc.allocate(2).tolist()
-    before = snapshot(alloc)
+    before = allocator_state(alloc)
     for call in (alloc.free_distinct, alloc.share_distinct):
         with pytest.raises(InvalidFreeError):
             call(np.array(bad(pages), dtype=dtype))
-        assert snapshot(alloc) == before
+        assert allocator_state(alloc) == before
     assert alloc.free_distinct(np.empty(0, dtype=dtype)).size == 0
     alloc.check()
 
@@ -247,7 +388,7 @@ def test_free_without_repeats_and_with_them_agree() -> None:
     assert a.free([2, 1, 2, 1, 0]).tolist() == [0, 1, 2]
     assert b.free([0, 1, 2]).tolist() == [0]
     assert b.free([2, 1]).tolist() == [1, 2]
-    assert snapshot(a) == snapshot(b)
+    assert allocator_state(a) == allocator_state(b)
 
 
 # -- mutation survivors (benchmarks/mutation_campaign.py over _page_allocator.py) ----------------
@@ -295,3 +436,73 @@ def test_equal_arrays_compares_shape_and_every_element() -> None:
     assert not equal_arrays(a, a[:2])
     assert not equal_arrays(a[:1], np.array([1, 1], dtype=np.int64))  # (broadcasts: shape)
     assert equal_arrays(a[:0], a[:0])
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.pytestmark = [pytest.mark.long]  # 150 examples of 40 steps
+
+
+@pytest.mark.parametrize("drift", [None, "evictable while held", "free while mapped"])
+def test_a_page_in_two_lists_is_reported(make_manager: Any, drift: str | None) -> None:
+    """BUGS.md 15: a cached page gains a holder the cache's accounting does not see, so it is
+    counted evictable while in use; or a page a request maps is also on the free list.
+    check() (conservation, no page in two lists) reports either. On the correct run a page
+    two requests share is never evictable, and check() is silent."""
+    mgr = make_manager(num_pages=16)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(9)))
+    run_prompt(eng, "b", list(range(9)))  # shares a's two full pages
+    cache = mgr.cache
+    assert cache is not None
+    eng.release("a")
+    assert cache.num_evictable == 0  # b still holds them
+    mgr.check()
+    if drift is None:
+        eng.release("b")
+        assert cache.num_evictable == 2
+        mgr.check()
+    elif drift == "evictable while held":
+        eng.release("b")
+        page = int(cache.match(np.arange(9), None, 2, 0).pages[0])
+        mgr.allocator.share([page])  # a holder behind the accounting's back
+        with pytest.raises(IntegrityError, match="evictable pages") as e:
+            mgr.check()
+        assert "differ from their holders" in str(e.value)
+    else:
+        page = faults.free_behind_back(mgr, "b", 2)  # b's own tail
+        with pytest.raises(IntegrityError, match=rf"pages \[{page}\] are free and held"):
+            mgr.check()
+
+
+@pytest.mark.parametrize("pages", [np.int64(2**32 + 1), [1.7], [True], 1, np.array([2**32 + 1])])
+def test_free_never_wraps_truncates_or_takes_one_id(pages: Any) -> None:
+    a = PageAllocator(8)
+    a.allocate(3)
+    before = (a.refcounts.tolist(), a.tags.tolist(), a.num_free)
+    with pytest.raises((ArgumentError, ArgumentTypeError)):
+        a.free(pages)
+    assert (a.refcounts.tolist(), a.tags.tolist(), a.num_free) == before
+
+
+@pytest.mark.parametrize("n", [True, 1.0, "1"])
+def test_allocate_takes_an_integer_count(n: Any) -> None:
+    a = PageAllocator(8)
+    with pytest.raises(ArgumentTypeError):
+        a.allocate(n)
+    assert a.num_free == 8
+
+
+@pytest.mark.parametrize(("pages", "error"), [
+    ([8], "InvalidFreeError"), ([-1], "InvalidFreeError"), ([5], "InvalidFreeError"),
+    ([0, 0], "InvalidFreeError"), ([2**32 + 1], "ArgumentError"), ([1.0], "ArgumentTypeError")])
+def test_free_refuses_the_whole_call_naming_why(pages: list[Any], error: str) -> None:
+    from kvmem import PageAllocator
+
+    a = PageAllocator(8)
+    a.allocate(3)
+    before = (a.refcounts.tolist(), a.tags.tolist(), a.num_free)
+    with pytest.raises(KVMemError) as info:
+        a.free([0, *pages])  # page 0 is fine: the call is refused whole
+    assert type(info.value).__name__ == error
+    assert (a.refcounts.tolist(), a.tags.tolist(), a.num_free) == before
+    a.check()

@@ -1,17 +1,21 @@
-"""Reference paged attention against dense attention, and FP8 accuracy on outlier-heavy K/V."""
+"""Paged attention over the pool."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from model_fixtures import TINY_VOCAB  # noqa: F401 (fixtures)
 
 from kvmem.attention import paged_attention
 from kvmem.cuda import PagePool, PoolSpec
-from kvmem.errors import ArgumentError, ArgumentTypeError
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -112,6 +116,179 @@ def _gqa(device: str = "cpu", **kw: Any) -> PagePool:
 MIXED = ([37, 16, 5, 24, 9], [37, 3, 1, 24, 0])  # full prefill, prefix + chunk, decode, ..., idle
 
 
+def _outlier_kv(
+    seed: int = 0, tokens: int = 4096, heads: int = 2, dim: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Synthetic K/V shaped like real caches: 4 key channels x15, log-normal token magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(tokens, heads, dim, generator=g)
+    v = torch.randn(tokens, heads, dim, generator=g)
+    outliers = torch.randperm(dim, generator=g)[:4]
+    k[:, :, outliers] *= 15
+    k *= torch.exp(0.5 * torch.randn(tokens, 1, 1, generator=g))
+    v *= torch.exp(0.5 * torch.randn(tokens, 1, 1, generator=g))
+    q = torch.randn(16, 4 * heads, dim, generator=g)
+    return q, k, v
+
+
+@pytest.fixture(scope="module")
+def outliers() -> dict[str, Any]:
+    q, k, v = _outlier_kv()
+    out = {}
+    for dtype, scales in [
+        ("fp32", None),
+        ("fp8_e4m3", "token_head"),
+        ("fp8_e4m3", "head"),
+        ("fp8_e4m3", "tensor"),
+        ("fp8_e5m2", "tensor"),
+    ]:
+        spec = PoolSpec(
+            num_layers=1,
+            num_pages=4096 // 16,
+            num_kv_heads=2,
+            head_dim=128,
+            dtype=dtype,
+            scales=scales,
+            device="cpu",
+            compute_dtype="fp32",
+        )
+        pool = PagePool(spec)
+        pool.write(0, torch.arange(4096), k, v)
+        out[f"{dtype}/{scales}"] = paged_attention(
+            q, [0, 16], pool, 0, [0, 256], np.arange(256), [16]
+        )
+        assert pool.num_saturated == 0 and pool.num_nonfinite == 0
+    return out
+
+
+# Kept small enough for CI (a clean 2-core machine): the menagerie is drawn afresh each run.
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+NOT_INTEGERS = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.sampled_from([np.bool_(True), np.float32(1.0), np.float64(2.0), b"1", 1j]),
+)
+
+
+SCALARS = st.one_of(
+    NOT_INTEGERS,
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(
+        [np.int64(-1), np.int64(2**40), np.uint64(2**63 + 5), np.int8(3), np.int32(-2**31)]
+    ),
+    st.sampled_from([None, object(), {}, (), [], ...]),
+)
+
+
+TENSORS = st.sampled_from(
+    [
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(2, 2, dtype=torch.int64),
+        torch.tensor([-1, 0]),
+        torch.tensor([0, 2**40]),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(3, 2, 8),
+        torch.zeros(3, 2, 8, dtype=torch.float64),
+        torch.zeros(3, 2, 8, dtype=torch.int32),
+        torch.zeros(1, 1, 1, 1),
+    ]
+)
+
+
+ARRAYS = st.sampled_from(
+    [
+        np.array([1.5]),
+        np.array([True, False]),
+        np.array([[0, 1]]),
+        np.array([-1]),
+        np.array([2**63 + 5], dtype=np.uint64),
+        np.array(["a"]),
+        np.zeros(0),
+    ]
+)
+
+
+LISTS = st.lists(SCALARS, max_size=4)
+
+
+BAD = st.one_of(SCALARS, TENSORS, ARRAYS, LISTS)
+
+
+def _contracted(fn: Callable[[], Any], snapshot: Callable[[], Any] | None = None) -> Any:
+    """Run ``fn``: it succeeds, or raises a KVMemError of the right kind with nothing changed.
+
+    Returns the exception (None on success).
+    """
+    before = snapshot() if snapshot else None
+    try:
+        fn()
+    except KVMemError as exc:
+        if isinstance(exc, (ArgumentError, ArgumentTypeError)):
+            assert isinstance(exc, (ValueError, TypeError))
+        assert str(exc), "an error says what was asked, found and expected"
+        if snapshot is not None:
+            _assert_same(before, snapshot())
+        return exc
+    return None
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def _is_not_integer(value: Any) -> bool:
+    """Values the contract refuses wherever an integer is expected."""
+    return isinstance(value, (bool, np.bool_, float, np.floating, str, bytes, complex))
+
+
+def _calibrated_pool(**kw: Any) -> PagePool:
+    spec = PoolSpec(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8,
+                    device="cpu", **kw)
+    pool = PagePool(spec)
+    k = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(0))
+    pool.write(0, [0, 1, 2, 5, 9, 30], k, -k)  # calibrates layer 0's tensor scales
+    pool.load_tags(np.arange(8) * 3)
+    return pool
+
+
+def _pool_state(pool: PagePool) -> Callable[[], dict[str, Any]]:
+    def snap() -> dict[str, Any]:
+        state: dict[str, Any] = {n: t.clone() for n, t in pool.storage_tensors().items()}
+        state["tags"] = pool.tags.clone()
+        state["stats"] = pool.stats()
+        state["calibrated"] = list(pool._calibrated)
+        return state
+
+    return snap
+
+
+def _attention_call(pool: PagePool) -> dict[str, Any]:
+    return {
+        "q": torch.randn(3, 4, 8),
+        "qo_indptr": [0, 2, 3],
+        "pool": pool,
+        "layer": 0,
+        "kv_indptr": np.array([0, 1, 3], dtype=np.int32),
+        "kv_indices": torch.tensor([0, 1, 2], dtype=torch.int32),
+        "kv_last_page_len": [3, 2],
+        "sm_scale": 0.3,
+        "causal": True,
+    }
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize(("dtype", "bound"), [("fp32", 1e-5), ("bf16", 1e-2)])
@@ -164,51 +341,6 @@ def test_mla_matches_dense(device: str, dtype: str, bound: float) -> None:
     out = batch.run(pool, q.to(device), sm_scale=0.125)
     assert out.shape == (35, 4, 48)
     assert _rel(out, batch.dense(q, sm_scale=0.125)) <= bound
-
-
-def _outlier_kv(
-    seed: int = 0, tokens: int = 4096, heads: int = 2, dim: int = 128
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Synthetic K/V shaped like real caches: 4 key channels x15, log-normal token magnitudes."""
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(tokens, heads, dim, generator=g)
-    v = torch.randn(tokens, heads, dim, generator=g)
-    outliers = torch.randperm(dim, generator=g)[:4]
-    k[:, :, outliers] *= 15
-    k *= torch.exp(0.5 * torch.randn(tokens, 1, 1, generator=g))
-    v *= torch.exp(0.5 * torch.randn(tokens, 1, 1, generator=g))
-    q = torch.randn(16, 4 * heads, dim, generator=g)
-    return q, k, v
-
-
-@pytest.fixture(scope="module")
-def outliers() -> dict[str, Any]:
-    q, k, v = _outlier_kv()
-    out = {}
-    for dtype, scales in [
-        ("fp32", None),
-        ("fp8_e4m3", "token_head"),
-        ("fp8_e4m3", "head"),
-        ("fp8_e4m3", "tensor"),
-        ("fp8_e5m2", "tensor"),
-    ]:
-        spec = PoolSpec(
-            num_layers=1,
-            num_pages=4096 // 16,
-            num_kv_heads=2,
-            head_dim=128,
-            dtype=dtype,
-            scales=scales,
-            device="cpu",
-            compute_dtype="fp32",
-        )
-        pool = PagePool(spec)
-        pool.write(0, torch.arange(4096), k, v)
-        out[f"{dtype}/{scales}"] = paged_attention(
-            q, [0, 16], pool, 0, [0, 256], np.arange(256), [16]
-        )
-        assert pool.num_saturated == 0 and pool.num_nonfinite == 0
-    return out
 
 
 @pytest.mark.parametrize(
@@ -276,3 +408,29 @@ def test_bad_metadata_is_rejected() -> None:
         call(kv_indptr=np.array([0, 3, 2]))
     with pytest.raises(ArgumentTypeError, match="integer"):
         call(qo_indptr=np.array([0.0, 2.0, 3.0]))
+
+
+@pytest.mark.parametrize("param", list(_attention_call(_calibrated_pool(dtype="bf16"))))
+@SETTINGS
+@given(bad=BAD)
+def test_paged_attention(param: str, bad: Any) -> None:
+    pool = _calibrated_pool(dtype="fp8_e4m3", scales="tensor")
+    kwargs = _attention_call(pool)
+    paged_attention(**kwargs)  # valid as built
+    exc = _contracted(lambda: paged_attention(**{**kwargs, param: bad}), _pool_state(pool))
+    if param == "layer" and _is_not_integer(bad):
+        assert isinstance(exc, ArgumentTypeError) and "layer" in str(exc)
+
+
+def test_attention_metadata_beyond_int64_says_so_in_words() -> None:
+    # The message read "kv_indices holds 9223372036854775808: too large for an value."
+    import numpy as np
+
+    from kvmem.attention import paged_attention
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=4, page_size=4, attention="gqa",
+                             num_kv_heads=1, head_dim=8, dtype="fp32", device="cpu"))
+    with pytest.raises(ArgumentError, match="kv_indices holds 9223372036854775808, beyond int64"):
+        paged_attention(torch.randn(1, 1, 8), [0, 1], pool, 0, [0, 1],
+                        np.array([2**63], dtype=np.uint64), [1])

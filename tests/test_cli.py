@@ -1,4 +1,4 @@
-"""The ``kvmem`` command line: ``kvmem plan``."""
+"""The command line: plan, simulate options, plots, and the benchmarks' options."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import pytest
 
 from kvmem.cli import build_parser, main
 from kvmem.planning import plan_capacity
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
 
 REQUIRED_KEYS = {
     "kv_bytes_per_token_per_gpu",
@@ -28,6 +31,36 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     status = main(list(argv))
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize(("script", "argv", "named"), [
+    ("ab_manager.py", ["--batch", "0"], "--batch"),
+    ("bench_allocator.py", ["--steps", "0"], "--steps"),
+    ("bench_engine.py", ["--steps", "0"], "--steps"),
+    ("bench_floor.py", ["--batch", "x"], "--batch"),
+    ("bench_fp8.py", ["--repeat", "0"], "--repeat"),
+    ("bench_fuzz.py", ["--moves", "0"], "--moves"),
+    ("bench_fuzz_lockstep.py", ["--slices", "-1"], "--slices"),
+    ("bench_manager.py", ["--seed", "-1"], "--seed"),
+    ("bench_pool.py", ["--device", "nope"], "--device"),
+    ("bench_vllm_scheduler.py", ["--decode-steps", "0"], "--decode-steps"),
+    ("bench_vllm_floor.py", ["--requests", "0"], "--requests"),
+    ("mutation_campaign.py", ["--fuzz-moves", "0"], "--fuzz-moves"),
+])
+def test_a_bad_benchmark_option_is_one_line_and_status_2(script: str, argv: list[str],
+                                                         named: str) -> None:
+    run = subprocess.run([sys.executable, str(BENCHMARKS / script), *argv], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in run.stderr, run.stderr
 
 
 def test_plan_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,15 +190,6 @@ def test_module_entry_point() -> None:
     assert json.loads(proc.stdout)["kv_bytes_per_token_per_gpu"] == 32 * 2 * 8 * 128 * 2
 
 
-# --- the command line's contract: --version, help everywhere, one-line errors -------------------
-
-
-def _subparsers() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     import kvmem
 
@@ -264,3 +288,84 @@ def test_plan_never_imports_torch_or_the_manager() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["weights"] == "routed_experts=int4-g32, rest=bf16"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["plan", "kimi-k2.6", "--tp", "8", "--kv-dtype", "fp8_e5m2", "--compare",
+      "bf16,fp8_e4m3"], "--kv-dtype fp8_e5m2 and --compare"),
+    (["simulate", "llama-3.1-8b", "--kv-dtype", "fp8_e4m3", "--compare", "bf16,fp16"],
+     "--kv-dtype fp8_e4m3 and --compare"),
+    (["simulate", "llama-3.1-8b", "--prefix-len", "100"], "--prefixes"),
+    (["simulate", "llama-3.1-8b", "--prefix-fraction", "0.5"], "--prefixes"),
+])
+def test_cli_refuses_a_setting_it_would_ignore(capsys: pytest.CaptureFixture[str],
+                                               argv: list[str], named: str) -> None:
+    from kvmem.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and named in err
+
+
+def test_cli_kv_dtype_alone_still_picks_the_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvmem.cli import main
+
+    assert main(["plan", "kimi-k2.6", "--tp", "8", "--kv-dtype", "fp8_e4m3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_dtype"] == "fp8_e4m3"
+    assert main(["plan", "kimi-k2.6", "--tp", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_dtype"] == "bf16"
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """`kvmem simulate ... --json | head`: the CLI promises one line or none on stderr, never
+    a traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys; from kvmem.cli import main; sys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp",
+         "1", "--requests", "400", "--prompt-len", "64", "--output-len", "400", "--json",
+         "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert "Traceback" not in err and proc.returncode in (0, 141)
+
+
+def test_plot_with_a_format_matplotlib_cannot_write_is_refused_before_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The table used to be printed first, then the error (status 2 after the work)."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "conc.txt"
+    status, out, err = run(capsys, "plan", "llama-3.1-8b", "--plot", str(target))
+    assert status == 2 and out == "", out
+    assert err.count("\n") == 1 and ".txt" in err and "png" in err
+    assert not target.exists()
+
+
+def test_plot_with_an_empty_file_name_is_refused_not_ignored(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--plot ''` used to print the table, plot nothing and exit 0."""
+    status, out, err = run(capsys, "plan", "llama-3.1-8b", "--plot", "")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "--plot" in err
+
+
+def test_plot_without_matplotlib_is_refused_before_the_table(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # not installed\n"
+        "from kvmem.cli import main\n"
+        f"raise SystemExit(main(['plan', 'llama-3.1-8b', '--plot', {str(tmp_path / 'c.png')!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "pip install" in proc.stderr, proc.stderr

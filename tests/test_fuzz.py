@@ -1,11 +1,11 @@
-"""The fuzzer: every oracle fires on its fault and stays silent on correct runs; campaigns,
-replays, shrinking and saved reproducers are exact; the fault catalog is found on every engine
-it applies to."""
+"""The fuzzer: its engines, the faults it finds, error handling, vLLM engines and the manager
+state machines."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -16,12 +16,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvmem.errors import KVMemError
+import kvmem.testing as t
+from kvmem import KVCacheManager
+from kvmem.cli import main
+from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
+from kvmem.integrations.vllm import vllm_import_error
 from kvmem.testing import (
     ENGINES,
     FuzzConfig,
     FuzzFailure,
+    Launch,
     ManagerEngine,
+    ManagerMachine,
     Run,
     campaign,
     faults,
@@ -35,60 +41,8 @@ from kvmem.testing import (
 from kvmem.testing.faults import CATALOG
 
 # kvmem's own engines; the vLLM ones (registered where vLLM is installed) are
-# tests/test_fuzz_vllm.py's.
+# tested below, where vLLM is importable.
 CORE_ENGINES = [e for e in sorted(ENGINES) if e not in ("vllm", "vllm-async")]
-
-# -- the K/V values ------------------------------------------------------------------------------
-
-
-def test_kv_values_depend_on_the_namespace_and_the_whole_prefix() -> None:
-    a = kv_value_array(1, [1, 2, 3, 4])
-    assert np.array_equal(a, kv_value_array(1, [1, 2, 3, 4, 5])[:4])  # a prefix's values
-    assert np.array_equal(a[:2], kv_value_array(1, [1, 2, 0, 0])[:2])
-    assert not np.any(a[2:] == kv_value_array(1, [1, 2, 0, 4])[2:])  # all later ones differ
-    assert not np.any(a == kv_value_array(2, [1, 2, 3, 4]))  # another namespace
-    assert np.count_nonzero(a) == a.size  # 0 means "never written"
-
-
-# -- silent on correct runs ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("engine", CORE_ENGINES)
-def test_a_correct_run_trips_no_oracle_and_every_check_ran(engine: str) -> None:
-    totals: dict[str, int] = {}
-    for seed in range(3):
-        r = campaign(engine, "small", None, seed, max_moves=1200)
-        assert r.failure is None, r.failure
-        assert r.moves >= 1200 and r.moves == len(r.schedule)  # (and the final drain's)
-        # The same schedule replays to the very same state.
-        again = replay(r.schedule, engine, None, seed, "small")
-        mgr = again.engine.manager
-        counts = again.timeline.counts
-        for k, v in counts.items():
-            totals[k] = totals.get(k, 0) + v
-        assert mgr.allocator.tags.max() > 0
-    for check in ("page_checks", "tag_changes", "reads", "hits", "full_checks", "launches"):
-        assert totals[check] > 0, (check, totals)
-    if engine == "manager":  # the asynchronous engine retires fences
-        assert totals["retires"] > 0
-
-
-def test_replay_is_exact() -> None:
-    r = campaign("manager", "small", None, 7, max_moves=600)
-    a = replay(r.schedule, "manager", None, 7, "small")
-    b = replay(r.schedule, "manager", None, 7, "small")
-    for run in (a, b):
-        assert run.num_moves == len(r.schedule)
-    assert np.array_equal(a.engine.manager.allocator.tags, b.engine.manager.allocator.tags)
-    assert np.array_equal(a.timeline.kv, b.timeline.kv)
-    assert a.engine.manager.running == b.engine.manager.running
-
-
-@settings(max_examples=25, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(schedules(max_size=60))
-def test_any_schedule_hypothesis_draws_is_a_correct_run(schedule: list[Any]) -> None:
-    replay(schedule, "manager", None, 0, "small")
 
 
 _FIND_A_RACE = """
@@ -108,19 +62,6 @@ found = find(schedules(max_size=20), fails,
 print([move[0] for move in found])
 """
 
-
-def test_hypothesis_finds_a_race_and_shrinks_it_to_its_two_moves() -> None:
-    # In a fresh interpreter: hypothesis draws integers from the constants in the source of
-    # every module loaded from outside site-packages, so what the rest of a test session has
-    # imported (vLLM's unzipped wheel, for one) changes the search, derandomized or not.
-    out = subprocess.run([sys.executable, "-c", _FIND_A_RACE], capture_output=True, text=True,
-                         timeout=600, check=True).stdout
-    # A request arrives with its prompt K/V on a transfer; it is aborted while the transfer
-    # still writes its pages, and with the fence bypassed they are freed under it.
-    assert out.split("\n")[-2] == "['receive', 'abort']"
-
-
-# -- each oracle fires ---------------------------------------------------------------------------
 
 # The shortest interleavings the fuzzer found for each fault (manager engine, seed 0, "small"),
 # and the oracle that caught it: these pin every detector, and each one shows the bug.
@@ -163,16 +104,6 @@ MINIMAL = {
 }
 
 
-@pytest.mark.parametrize("fault", sorted(MINIMAL))
-def test_each_fault_fires_its_oracle_on_its_shortest_interleaving(fault: str) -> None:
-    oracle, schedule = MINIMAL[fault]
-    with pytest.raises(FuzzFailure) as e:
-        replay(schedule, "manager", fault, 0, "small")
-    assert e.value.oracle == oracle, e.value
-    # ... and the same interleaving is harmless without the fault.
-    replay(schedule, "manager", None, 0, "small")
-
-
 class _Allocator:
     """The allocator as the oracles see it, with one fact bent."""
 
@@ -190,6 +121,202 @@ def _busy_run() -> Run:
                  ("retire", 0, 0), ("finish", 0, 0)]:
         run.step(*move)
     return run
+
+
+class _SlotAstray(ManagerEngine):
+    """Writes every decode token one slot further than the kernel's CSR says."""
+
+    def launch(self, choice: int) -> Any:
+        op = super().launch(choice)
+        if op is not None and op.slot_mapping.size and np.all(op.num_new == 1):
+            op.slot_mapping = op.slot_mapping + 1
+        return op
+
+
+class _Crashes(ManagerEngine):
+    def launch(self, choice: int) -> Any:
+        raise IndexError("the engine's own bug")
+
+
+class _TransferAstray(ManagerEngine):
+    """A transfer's first token lands in the first slot of the request admitted first."""
+
+    def receive(self, spec: Any) -> Any:
+        first = self.manager.running[0] if self.manager.running else None
+        op = super().receive(spec)
+        if op is not None and first is not None:
+            op.slot_mapping = op.slot_mapping.copy()
+            op.slot_mapping[0] = int(self.manager.pages_of(first)[0]) * self.manager.page_size
+        return op
+
+
+def _applicable() -> list[tuple[str, str]]:
+    return [(engine, name) for engine in CORE_ENGINES for name, f in CATALOG.items()
+            if f.engines is None or engine in f.engines]
+
+
+class _StreamOrdered(ManagerEngine):
+    stream_ordered = True
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+VLLM = ("vllm", "vllm-async")
+
+
+requires_vllm = pytest.mark.skipif(vllm_import_error() is not None,
+                                   reason="vLLM 0.33 is not importable (see setup_vllm_cpu.sh)")
+
+
+def _import_testing(block_vllm: bool) -> str:
+    """``kvmem.testing``'s engines in a fresh interpreter, and whether vLLM got imported
+    (``block_vllm``: as if vLLM were not installed)."""
+    code = ("import sys; " + ("sys.modules['vllm'] = None; " if block_vllm else "")
+            + "import kvmem.testing as t; "
+            + "print(sorted(t.ENGINES), sys.modules.get('vllm') is not None)")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, cwd=ROOT, check=True,
+                          timeout=300).stdout.strip()
+
+
+# The shortest interleavings on which kvmem's own, stricter contract fires on vLLM (found by the
+# fuzzer, shrunk): each is correct on vLLM, and the engine runs them clean.
+STREAM_ORDER = {
+    # An aborted request's blocks are freed while the step that computes it still runs: the next
+    # step that reuses them runs after it on the stream.
+    "happens_before": ("vllm-async", [("submit", 0, 0), ("launch", 0, 0), ("abort", 0, 0)]),
+    # The next step hits the blocks the step in flight writes (cached when scheduled): it reads
+    # them after that step completed.
+    "landed_hit": ("vllm-async", [("submit", 985426, 0), ("launch", 0, 0),
+                                  ("submit", 1034724, 0), ("launch", 0, 0)]),
+    # Two requests with one prompt prefix, admitted in one step: the second hits the blocks the
+    # first writes in that very step (vLLM's backends write a layer's K/V before attention).
+    "reads": ("vllm", [("submit", 909230, 85325), ("submit", 651036, 3922), ("launch", 0, 0)]),
+}
+
+
+def _strict(engine: str) -> Any:
+    """The engine held to kvmem's contract: step fences, commits that mean landed, and the
+    reads of a step's old positions before its writes."""
+    base: Any = ENGINES[engine]
+
+    class Strict(base):  # type: ignore[misc, valid-type]
+        stream_ordered = False
+
+        def launch(self, choice: int) -> Launch | None:
+            op = super().launch(choice)
+            if op is not None:
+                op.writes_first = False
+            return op
+
+    return Strict
+
+
+# The oracle that finds each fault that applies to the vLLM engines (docs/fuzzing.md says why
+# the others do not apply).
+FOUND_BY = {
+    "tenant_salt_dropped": "reads",
+    "tenantless_cache_key": "verify",
+    "weak_prefix_key": "reads",
+    "leak_on_abort": "requests",
+    "second_release_path": "refcounts",
+    "refcount_overincrement": "refcounts",
+    "stale_page_table_entry": "verify",
+}
+
+
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class HashedCacheMachine(ManagerMachine):
+    pass
+
+
+class NoReuseMachine(ManagerMachine):
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
+                              max_seqs=self.max_seqs, max_pages_per_seq=self.max_pages_per_seq,
+                              prefix_cache=None, tracker="paranoid", watermark=0.0)
+
+
+class RoomyMachine(ManagerMachine):
+    """Enough pages that nothing is evicted: every prefix hit must be exact."""
+
+    num_pages = 96
+
+
+def test_kv_values_depend_on_the_namespace_and_the_whole_prefix() -> None:
+    a = kv_value_array(1, [1, 2, 3, 4])
+    assert np.array_equal(a, kv_value_array(1, [1, 2, 3, 4, 5])[:4])  # a prefix's values
+    assert np.array_equal(a[:2], kv_value_array(1, [1, 2, 0, 0])[:2])
+    assert not np.any(a[2:] == kv_value_array(1, [1, 2, 0, 4])[2:])  # all later ones differ
+    assert not np.any(a == kv_value_array(2, [1, 2, 3, 4]))  # another namespace
+    assert np.count_nonzero(a) == a.size  # 0 means "never written"
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("engine", CORE_ENGINES)
+def test_a_correct_run_trips_no_oracle_and_every_check_ran(engine: str) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(3):
+        r = campaign(engine, "small", None, seed, max_moves=1200)
+        assert r.failure is None, r.failure
+        assert r.moves >= 1200 and r.moves == len(r.schedule)  # (and the final drain's)
+        # The same schedule replays to the very same state.
+        again = replay(r.schedule, engine, None, seed, "small")
+        mgr = again.engine.manager
+        counts = again.timeline.counts
+        for k, v in counts.items():
+            totals[k] = totals.get(k, 0) + v
+        assert mgr.allocator.tags.max() > 0
+    for check in ("page_checks", "tag_changes", "reads", "hits", "full_checks", "launches"):
+        assert totals[check] > 0, (check, totals)
+    if engine == "manager":  # the asynchronous engine retires fences
+        assert totals["retires"] > 0
+
+
+def test_replay_is_exact() -> None:
+    r = campaign("manager", "small", None, 7, max_moves=600)
+    a = replay(r.schedule, "manager", None, 7, "small")
+    b = replay(r.schedule, "manager", None, 7, "small")
+    for run in (a, b):
+        assert run.num_moves == len(r.schedule)
+    assert np.array_equal(a.engine.manager.allocator.tags, b.engine.manager.allocator.tags)
+    assert np.array_equal(a.timeline.kv, b.timeline.kv)
+    assert a.engine.manager.running == b.engine.manager.running
+
+
+@pytest.mark.long
+@settings(max_examples=25, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(schedules(max_size=60))
+def test_any_schedule_hypothesis_draws_is_a_correct_run(schedule: list[Any]) -> None:
+    replay(schedule, "manager", None, 0, "small")
+
+
+@pytest.mark.long
+def test_hypothesis_finds_a_race_and_shrinks_it_to_its_two_moves() -> None:
+    # In a fresh interpreter: hypothesis draws integers from the constants in the source of
+    # every module loaded from outside site-packages, so what the rest of a test session has
+    # imported (vLLM's unzipped wheel, for one) changes the search, derandomized or not.
+    out = subprocess.run([sys.executable, "-c", _FIND_A_RACE], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    # A request arrives with its prompt K/V on a transfer; it is aborted while the transfer
+    # still writes its pages, and with the fence bypassed they are freed under it.
+    assert out.split("\n")[-2] == "['receive', 'abort']"
+
+
+@pytest.mark.parametrize("fault", sorted(MINIMAL))
+def test_each_fault_fires_its_oracle_on_its_shortest_interleaving(fault: str) -> None:
+    oracle, schedule = MINIMAL[fault]
+    with pytest.raises(FuzzFailure) as e:
+        replay(schedule, "manager", fault, 0, "small")
+    assert e.value.oracle == oracle, e.value
+    # ... and the same interleaving is harmless without the fault.
+    replay(schedule, "manager", None, 0, "small")
 
 
 def test_the_tags_oracle_fires_on_a_repeated_tag() -> None:
@@ -225,21 +352,6 @@ def test_the_check_oracle_runs_kvmem_check() -> None:
     assert e.value.oracle == "check" and "differ from their holders" in str(e.value)
 
 
-class _SlotAstray(ManagerEngine):
-    """Writes every decode token one slot further than the kernel's CSR says."""
-
-    def launch(self, choice: int) -> Any:
-        op = super().launch(choice)
-        if op is not None and op.slot_mapping.size and np.all(op.num_new == 1):
-            op.slot_mapping = op.slot_mapping + 1
-        return op
-
-
-class _Crashes(ManagerEngine):
-    def launch(self, choice: int) -> Any:
-        raise IndexError("the engine's own bug")
-
-
 def test_the_reads_oracle_fires_on_a_slot_mapping_that_disagrees_with_the_csr() -> None:
     cfg = FuzzConfig(tracker=None)  # verify would catch it first
     with pytest.raises(FuzzFailure) as e:
@@ -248,18 +360,6 @@ def test_the_reads_oracle_fires_on_a_slot_mapping_that_disagrees_with_the_csr() 
     assert e.value.oracle == "reads" and "after the step's writes" in str(e.value)
     replay([("submit", 3, 0), ("launch", 1, 0), ("complete", 0, 0), ("launch", 1, 0),
             ("complete", 0, 0)], ManagerEngine, None, 0, cfg)
-
-
-class _TransferAstray(ManagerEngine):
-    """A transfer's first token lands in the first slot of the request admitted first."""
-
-    def receive(self, spec: Any) -> Any:
-        first = self.manager.running[0] if self.manager.running else None
-        op = super().receive(spec)
-        if op is not None and first is not None:
-            op.slot_mapping = op.slot_mapping.copy()
-            op.slot_mapping[0] = int(self.manager.pages_of(first)[0]) * self.manager.page_size
-        return op
 
 
 def test_the_reads_oracle_rereads_a_page_written_right_after_the_last_read() -> None:
@@ -293,14 +393,6 @@ def test_the_engine_oracle_reports_an_adapter_that_raises() -> None:
     assert e.value.oracle == "engine" and "IndexError" in str(e.value)
 
 
-# -- the catalog: every fault is found by random campaigns, on every engine it applies to ---------
-
-
-def _applicable() -> list[tuple[str, str]]:
-    return [(engine, name) for engine in CORE_ENGINES for name, f in CATALOG.items()
-            if f.engines is None or engine in f.engines]
-
-
 @pytest.mark.parametrize("engine, fault", _applicable())
 def test_random_campaigns_find_every_fault(engine: str, fault: str) -> None:
     r = hunt(fault, engine, "small", seed=0, max_campaigns=25, moves_per_campaign=1500,
@@ -322,9 +414,6 @@ def test_the_catalog_covers_the_issue() -> None:
 def test_fault_functions_use_public_surfaces_only() -> None:
     source = inspect.getsource(faults)
     assert "mgr._" not in source and "manager._" not in source and "._pending" not in source
-
-
-# -- shrinking and reproducers ------------------------------------------------------------------
 
 
 def test_shrink_finds_a_short_interleaving_that_still_fires() -> None:
@@ -361,9 +450,6 @@ def test_a_saved_reproducer_is_a_pytest_file_that_fails_while_the_bug_is_there(
     assert again.value.oracle == oracle
 
 
-# -- configuration errors -------------------------------------------------------------------------
-
-
 def test_bad_names_and_configs_are_refused() -> None:
     with pytest.raises(KVMemError, match="no fuzz engine"):
         Run("nope")
@@ -385,10 +471,6 @@ def test_landed_hit_is_kvmems_contract_and_can_defer_to_stream_order() -> None:
     # Committed before landing, read by a later step: one stream's order makes it harmless.
     replay(schedule, "manager", "prefix_hit_before_write_lands", 0, lenient)
     assert oracle == "landed_hit"
-
-
-class _StreamOrdered(ManagerEngine):
-    stream_ordered = True
 
 
 def test_a_stream_ordered_engine_may_free_a_running_steps_pages_but_not_a_transfers() -> None:
@@ -545,3 +627,240 @@ def test_every_oracle_is_in_the_docs_oracle_table() -> None:
     table = doc[doc.index("## Oracles") : doc.index("## The fault catalog")]
     named = set(re.findall(r"^\| `(\w+)`(?:, `(\w+)`)? \|", table, flags=re.M))
     assert set(ORACLES) <= {n for pair in named for n in pair if n}, named
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"num_pages": 0}, ArgumentError, "num_pages=0: expected an integer in 1..2147483647"),
+    ({"page_size": 2.5}, ArgumentTypeError, "page_size=2.5"),
+    ({"check_every": 0}, ArgumentError, "check_every=0"),
+    ({"max_in_flight": True}, ArgumentTypeError, "max_in_flight=True"),
+    ({"prompt_len": 5}, ArgumentTypeError, "prompt_len=5: expected a (lo, hi) pair"),
+    ({"max_new": (1, "x")}, ArgumentTypeError, "max_new='x'"),
+    ({"tracker": "paranoid"}, ArgumentError, "expected 'checking' or None"),
+    ({"weights": {"teleport": 1}}, ArgumentError, "unknown moves ['teleport']"),
+    ({"weights": {"submit": -1}}, ArgumentError, "expected finite numbers >= 0"),
+    ({"weights": {"submit": float("nan")}}, ArgumentError, "expected finite numbers >= 0"),
+])
+def test_a_bad_fuzz_config_is_refused_naming_the_field(kwargs: dict[str, Any], error: type,
+                                                       message: str) -> None:
+    with pytest.raises(error, match=None) as info:
+        t.FuzzConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_a_config_dict_with_an_unknown_field_is_refused() -> None:
+    with pytest.raises(ArgumentError, match=r"no FuzzConfig field \['pages'\]"):
+        t.campaign("manager", {"pages": 8}, None, 0, 10)
+
+
+@pytest.mark.parametrize(("schedule", "error", "message"), [
+    (5, ArgumentTypeError, "schedule=int: expected a list of (move, int, int)"),
+    ("submit", ArgumentTypeError, "schedule=str"),
+    ([("teleport", 1, 2)], ArgumentError, "schedule[0]=('teleport', 1, 2)"),
+    ([("submit", 1, 2), ("submit", 1)], ArgumentError, "schedule[1]=('submit', 1)"),
+    ([("submit", -1, 2)], ArgumentError, "schedule[0]=('submit', -1, 2)"),
+    ([("submit", 1.5, 2)], ArgumentError, "schedule[0]=('submit', 1.5, 2)"),
+])
+def test_a_malformed_schedule_is_refused_before_any_move(schedule: Any, error: type,
+                                                         message: str) -> None:
+    with pytest.raises(error) as info:
+        t.replay(schedule)
+    assert message in str(info.value)
+
+
+def test_a_schedule_of_numpy_ints_replays_as_one_of_ints() -> None:
+    found = t.campaign("manager", None, None, seed=3, max_moves=200)
+    as_numpy = [(name, np.int64(a), np.int64(b)) for name, a, b in found.schedule]
+    run = t.replay(as_numpy, seed=3)
+    assert run.num_moves == t.replay(found.schedule, seed=3).num_moves > 0
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: t.campaign("manager", None, None, 0, -1), "max_moves=-1"),
+    (lambda: t.campaign("manager", None, None, "x", 10), "seed='x'"),
+    (lambda: t.hunt("retire_at_launch", max_campaigns=0), "max_campaigns=0"),
+    (lambda: t.hunt("retire_at_launch", moves_per_campaign=0), "moves_per_campaign=0"),
+    (lambda: t.hunt("retire_at_launch", shrink_replays=-1), "shrink_replays=-1"),
+    (lambda: t.schedules(-1), "max_size=-1"),
+    (lambda: t.schedules(10, engine="nope"), "no fuzz engine 'nope'"),
+    (lambda: t.subset_step(None, np.ones(2, bool)), "expected the StepMetadata"),
+    (lambda: t.Run("manager", None, None, "x"), "seed='x'"),
+    (lambda: t.Timeline(None, 4, 16), "expected the engine's KVCacheManager"),
+    (lambda: t.Timeline(KVCacheManager(16, page_size=4, max_seqs=4), 0, 16), "max_requests=0"),
+    (lambda: t.Timeline(KVCacheManager(16, page_size=4, max_seqs=4), 4, -1), "max_len=-1"),
+    (lambda: t.kv_value_array("x", [1, 2]), "ns_key='x'"),
+    (lambda: t.campaign("manager", None, None, -1, 10), "seed=-1"),
+    (lambda: t.hunt("retire_at_launch", seed=-1), "seed=-1"),
+    (lambda: t.replay([], seed=-1), "seed=-1"),
+    (lambda: t.ToyEngine(KVCacheManager(16, page_size=4, max_seqs=4), seed=-1), "seed=-1"),
+    (lambda: t.FuzzConfig(num_pages=10**30), "num_pages=1000000000000000000000000000000"),
+])
+def test_bad_counts_seeds_and_engines_are_refused(call: Any, message: str) -> None:
+    with pytest.raises(KVMemError) as info:
+        call()
+    assert message in str(info.value)
+    assert isinstance(info.value, (ValueError, TypeError))  # argument mistakes
+
+
+def test_subset_step_refuses_a_mask_of_the_wrong_shape() -> None:
+    mgr = KVCacheManager(16, page_size=4, max_seqs=4)
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.arange(5))
+    step = mgr.reserve(["a", "b"], 1)
+    with pytest.raises(ArgumentError, match=r"expected a bool mask of shape \(2,\)"):
+        t.subset_step(step, np.ones(3, bool))
+    indptr, _, slots, nn = t.subset_step(step, np.array([False, True]))
+    assert indptr.tolist() == [0, int(step.kv_indptr[2] - step.kv_indptr[1])]
+    assert slots.tolist() == step.slot_mapping[1:].tolist() and nn.tolist() == [1]
+
+
+def test_a_reproducer_folder_that_cannot_be_created_is_a_kvmem_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    found = t.hunt("retire_at_launch", max_campaigns=5, shrink_replays=0)
+    assert found.detected
+    with pytest.raises(KVMemError, match="cannot create the reproducer folder"):
+        t.save_reproducer(blocker / "sub", found.schedule, t.FuzzFailure("fences", "x"),
+                          "manager", "retire_at_launch", found.seed, t.FuzzConfig())
+
+
+def test_the_toy_engine_refuses_what_is_not_its_own_and_changes_nothing() -> None:
+    with pytest.raises(ArgumentTypeError, match="manager=None"):
+        t.ToyEngine(None)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="vocab=0"):
+        t.ToyEngine(KVCacheManager(16, page_size=4, max_seqs=4), vocab=0)
+    eng = t.ToyEngine(KVCacheManager(16, page_size=4, max_seqs=4))
+    eng.admit("a", [1, 2, 3])
+    step = eng.step(["a"], 3)
+    with pytest.raises(ArgumentError, match="request 'zz' is not in this engine"):
+        eng.commit(["a", "zz"])
+    assert eng.mgr.num_committed("a") == 0  # "a" was not committed either
+    with pytest.raises(ArgumentTypeError, match="request_ids='a'"):
+        eng.commit("a")  # type: ignore[arg-type]
+    for call in (lambda: eng.read("zz"), lambda: eng.resume("zz"),
+                 lambda: eng.check_kv(["zz"])):
+        with pytest.raises(ArgumentError, match="not in this engine"):
+            call()
+    for call in (lambda: eng.check_step(None), lambda: eng.apply_copies(None)):
+        with pytest.raises(ArgumentTypeError, match="expected the StepMetadata"):
+            call()  # type: ignore[arg-type]
+    eng.check_step(step)
+    eng.commit(["a"])
+    assert eng.mgr.num_committed("a") == 3
+    eng.check_kv()
+
+
+def test_one_shot_faults_refuse_a_position_the_request_does_not_map() -> None:
+    mgr = KVCacheManager(16, page_size=4, max_seqs=4)
+    mgr.admit("a", np.arange(1, 6))
+    mgr.reserve(["a"], 5)  # two pages
+    for call in (lambda: t.faults.free_behind_back(mgr, "a", 2),
+                 lambda: t.faults.reallocate_behind_back(mgr, "a", 99),
+                 lambda: t.faults.overwrite_page_entry(mgr, "a", 2, 0),
+                 lambda: t.faults.overwrite_page_entry(mgr, "a", 0, 16)):
+        with pytest.raises(ArgumentError):
+            call()
+    mgr.check()  # nothing was done
+    assert t.faults.overwrite_page_entry(mgr, "a", 1, int(mgr.pages_of("a")[0])) >= 0
+
+
+def test_numpy_int_seeds_run_as_the_same_ints() -> None:
+    a = t.campaign("manager", None, None, np.int64(3), 200)
+    b = t.campaign("manager", None, None, 3, 200)
+    assert a.schedule == b.schedule and a.moves == b.moves > 0
+    assert t.hunt("retire_at_launch", seed=np.int64(2), shrink_replays=0).detected
+
+
+def test_kvmem_testing_imports_without_vllm_and_never_imports_it() -> None:
+    assert _import_testing(block_vllm=True) == "['manager', 'toy'] False"
+    if vllm_import_error() is None:  # registered where vLLM is installed, still not imported
+        assert _import_testing(block_vllm=False) == (
+            "['manager', 'toy', 'vllm', 'vllm-async'] False")
+
+
+def test_without_vllm_the_cli_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for name in VLLM:
+        monkeypatch.delitem(ENGINES, name, raising=False)
+    for argv in (["fuzz", "--engine", "vllm-async"], ["fuzz", "--profile", "ci-vllm"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "needs vLLM" in err and "setup_vllm_cpu.sh" in err and err.count("\n") == 1
+
+
+@requires_vllm
+@pytest.mark.parametrize("engine", VLLM)
+def test_a_correct_run_trips_no_oracle_and_exercises_the_scheduler(engine: str) -> None:
+    totals: dict[str, int] = {}
+    for seed in range(2):
+        r = campaign(engine, "small", None, seed, max_moves=1500)
+        assert r.failure is None, r.failure
+        run = replay(r.schedule, engine, None, seed, "small")  # exact: the same state again
+        for counts in (run.engine.counts, run.timeline.counts):  # type: ignore[attr-defined]
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0) + v
+    # vLLM preempted, hit the prefix cache (also on pages the same step writes), and every
+    # step's reads were checked.
+    for check in ("steps", "preemptions", "prefix_hits", "same_step_hits", "reads",
+                  "tag_changes", "full_checks"):
+        assert totals[check] > 0, (check, totals)
+    assert totals["launches"] == totals["steps"] == totals["reads"]
+
+
+@requires_vllm
+def test_the_cli_runs_both_engines_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    for engine in VLLM:
+        assert main(["fuzz", "--engine", engine, "--moves", "1000"]) == 0
+        out = capsys.readouterr().out
+        assert engine in out and "clean" in out
+
+
+@requires_vllm
+@pytest.mark.parametrize("oracle", sorted(STREAM_ORDER))
+def test_what_vllm_relies_on_is_correct_and_kvmems_contract_would_flag_it(oracle: str) -> None:
+    engine, schedule = STREAM_ORDER[oracle]
+    replay(schedule, engine, None, 0, "small")
+    with pytest.raises(FuzzFailure) as e:
+        replay(schedule, _strict(engine), None, 0, "small")
+    assert e.value.oracle == oracle, e.value
+
+
+def test_the_faults_that_apply_to_vllm_are_the_documented_ones() -> None:
+    for engine in VLLM:
+        applies = {n for n, f in CATALOG.items() if f.engines is None or engine in f.engines}
+        assert applies == set(FOUND_BY), engine
+    doc = (ROOT / "docs" / "fuzzing.md").read_text()
+    start = doc.index("### On vLLM's scheduler")
+    section = doc[start : doc.index("\n## ", start)]
+    for name in CATALOG:
+        assert f"`{name}`" in section, name
+
+
+@requires_vllm
+@pytest.mark.parametrize("engine, fault", [(e, f) for e in VLLM for f in sorted(FOUND_BY)])
+def test_random_campaigns_find_every_fault_that_applies(engine: str, fault: str) -> None:
+    r = hunt(fault, engine, "small", seed=0, max_campaigns=25, moves_per_campaign=1500,
+             shrink_replays=0)
+    assert r.detected, f"{fault} on {engine}: not found in {r.moves} moves"
+    assert r.detected_by == FOUND_BY[fault], r.message
+
+
+TestHashedCache = HashedCacheMachine.TestCase
+
+
+TestHashedCache.pytestmark = [pytest.mark.long]
+TestHashedCache.settings = SETTINGS
+
+
+TestNoReuse = NoReuseMachine.TestCase
+
+
+TestNoReuse.pytestmark = [pytest.mark.long]
+TestNoReuse.settings = settings(SETTINGS, max_examples=25)
+
+
+TestRoomy = RoomyMachine.TestCase
+
+
+TestRoomy.pytestmark = [pytest.mark.long]
+TestRoomy.settings = settings(SETTINGS, max_examples=30)

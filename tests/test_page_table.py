@@ -1,9 +1,34 @@
+"""PageTable: rows, mapping pages, slots, and argument checks."""
+
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvmem import PAD, KVMemError, OutOfPagesError, PageAllocator, PageTable
+from kvmem import (
+    PAD,
+    KVMemError,
+    OutOfPagesError,
+    PageAllocator,
+    PageTable,
+)
+from kvmem.errors import ArgumentError, ArgumentTypeError
+
+
+def table_with_a_row() -> tuple[Any, int]:
+    from kvmem import PageAllocator, PageTable
+
+    table = PageTable(4, 8, 4)
+    row = table.add_row()
+    table.grow([row], [5], PageAllocator(32))
+    return table, row
+
+
+def table_state(table: Any) -> tuple[bytes, ...]:
+    return (table.pages.tobytes(), table.num_pages.tobytes(), table.num_tokens.tobytes(),
+            table.generation.tobytes(), bytes(table.num_free_rows))
 
 
 def make(page_size: int = 4) -> tuple[PageAllocator, PageTable]:
@@ -13,6 +38,54 @@ def make(page_size: int = 4) -> tuple[PageAllocator, PageTable]:
 def reference_slots(table: PageTable, row: int, start: int, count: int) -> list[int]:
     ps = table.page_size
     return [int(table.pages[row, t // ps]) * ps + t % ps for t in range(start, start + count)]
+
+
+def test_map_pages_refuses_a_negative_page() -> None:
+    table = PageTable(4, 4, 16)
+    row = table.add_row()
+    with pytest.raises(ArgumentError):
+        table.map_pages(row, [-1])
+
+
+@pytest.mark.parametrize("call, kind", [
+    (lambda t, r: t.remove_rows(r), ArgumentTypeError),  # one row where a list is expected
+    (lambda t, r: t.remove_rows([0.0]), ArgumentTypeError),
+    (lambda t, r: t.remove_row(True), ArgumentTypeError),
+    (lambda t, r: t.remove_row(3), ArgumentError),
+    (lambda t, r: t.add_rows(-1), ArgumentError),
+    (lambda t, r: t.add_rows(True), ArgumentTypeError),
+    (lambda t, r: t.set_num_tokens(r, True), ArgumentTypeError),
+    (lambda t, r: t.pages_needed([9], [1]), ArgumentError),
+    (lambda t, r: t.pages_needed([r], [-1]), ArgumentError),
+    (lambda t, r: t.grow([r], 1.5, None), ArgumentTypeError),  # not truncated to 1
+    (lambda t, r: t.grow([r], True, None), ArgumentTypeError),
+    (lambda t, r: t.grow([0.0], 1, None), ArgumentTypeError),  # [0.0] is not row 0
+    (lambda t, r: t.grow([r], [-5], None), ArgumentError),
+    (lambda t, r: t.grow([r, r], 1, None), ArgumentError),
+    (lambda t, r: t.slot_mapping([r], [8]), ArgumentError),  # past the row's pages
+    (lambda t, r: t.slot_mapping([r], [-1]), ArgumentError),
+    (lambda t, r: t.token_slots([r], 6, 5), ArgumentError),
+    (lambda t, r: t.csr([5]), ArgumentError),
+    (lambda t, r: t.csr([r], [1000]), ArgumentError),
+    (lambda t, r: t.block_table([r], width=0), ArgumentError),  # narrower than the row
+    (lambda t, r: t.row_pages(9), ArgumentError),
+])
+def test_page_table_refuses_bad_arguments_and_changes_nothing(call: Any, kind: type) -> None:
+    table, row = table_with_a_row()
+    before = table_state(table)
+    with pytest.raises(kind):
+        call(table, row)
+    assert table_state(table) == before
+
+
+def test_page_table_answers_for_good_arguments() -> None:
+    table, row = table_with_a_row()
+    pages = table.row_pages(np.int64(row)).tolist()
+    assert table.slot_mapping([row], [4]).tolist() == [pages[1] * 4]
+    assert table.token_slots([row], 3, 2).tolist() == [pages[0] * 4 + 3, pages[1] * 4]
+    assert table.pages_needed([row], [4]).tolist() == [1]
+    assert table.csr([row], [3]).kv_last_page_len.tolist() == [3]
+    assert table.block_table([row], width=4).tolist() == [[*pages, -1, -1]]
 
 
 def test_grow_allocates_only_at_page_boundaries() -> None:

@@ -1,15 +1,24 @@
-"""Capacity planning: byte accounting, the report's figures, policies, HF configs, bad input."""
+"""Capacity planning: model and GPU specs, plans, reserve policies."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvmem.errors import ArgumentError, ConfigError
+from kvmem.cli import main
+from kvmem.cli import main as cli_main
+from kvmem.cuda import PoolSpec
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.planning import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -19,7 +28,9 @@ from kvmem.planning import (
     MemoryFraction,
     ModelSpec,
     SGLangPolicy,
+    ThroughputModel,
     WeightScheme,
+    decode_bytes_per_step,
     expected_active_experts,
     fit_throughput,
     get_gpu,
@@ -29,6 +40,7 @@ from kvmem.planning import (
     layer_kv_bytes_per_token,
     load_hf_config,
     model_from_hf_config,
+    param_counts,
     plan_capacity,
     sglang_mem_fraction_static,
     tokens_freed,
@@ -36,7 +48,141 @@ from kvmem.planning import (
     weight_scheme,
 )
 
+# Kept small enough for CI (a clean 2-core machine): the menagerie is drawn afresh each run.
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+NOT_INTEGERS = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.sampled_from([np.bool_(True), np.float32(1.0), np.float64(2.0), b"1", 1j]),
+)
+
+
+SCALARS = st.one_of(
+    NOT_INTEGERS,
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(
+        [np.int64(-1), np.int64(2**40), np.uint64(2**63 + 5), np.int8(3), np.int32(-2**31)]
+    ),
+    st.sampled_from([None, object(), {}, (), [], ...]),
+)
+
+
+TENSORS = st.sampled_from(
+    [
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(2, 2, dtype=torch.int64),
+        torch.tensor([-1, 0]),
+        torch.tensor([0, 2**40]),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(3, 2, 8),
+        torch.zeros(3, 2, 8, dtype=torch.float64),
+        torch.zeros(3, 2, 8, dtype=torch.int32),
+        torch.zeros(1, 1, 1, 1),
+    ]
+)
+
+
+ARRAYS = st.sampled_from(
+    [
+        np.array([1.5]),
+        np.array([True, False]),
+        np.array([[0, 1]]),
+        np.array([-1]),
+        np.array([2**63 + 5], dtype=np.uint64),
+        np.array(["a"]),
+        np.zeros(0),
+    ]
+)
+
+
+LISTS = st.lists(SCALARS, max_size=4)
+
+
+BAD = st.one_of(SCALARS, TENSORS, ARRAYS, LISTS)
+
+
+def _contracted(fn: Callable[[], Any], snapshot: Callable[[], Any] | None = None) -> Any:
+    """Run ``fn``: it succeeds, or raises a KVMemError of the right kind with nothing changed.
+
+    Returns the exception (None on success).
+    """
+    before = snapshot() if snapshot else None
+    try:
+        fn()
+    except KVMemError as exc:
+        if isinstance(exc, (ArgumentError, ArgumentTypeError)):
+            assert isinstance(exc, (ValueError, TypeError))
+        assert str(exc), "an error says what was asked, found and expected"
+        if snapshot is not None:
+            _assert_same(before, snapshot())
+        return exc
+    return None
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def _is_not_integer(value: Any) -> bool:
+    """Values the contract refuses wherever an integer is expected."""
+    return isinstance(value, (bool, np.bool_, float, np.floating, str, bytes, complex))
+
+
+PLAN_ARGS: dict[str, Any] = {
+    "model": "llama-3.1-8b", "gpu": "h100-80g", "tp": 2, "dp": 2, "kv_dtype": "fp8_e4m3",
+    "kv_scale_layout": "head", "weights": "int4-g32", "policy": FixedReserve(reserve_gib=4),
+    "page_size": 16, "context_len": 4096, "concurrency": 8, "use_mtp": False,
+}
+
+
+PLAN_INTEGERS = ("tp", "dp", "page_size", "context_len", "concurrency")
+
+
+SPEC_CASES: list[tuple[Callable[..., Any], dict[str, Any]]] = [
+    (GPUSpec, {"name": "x", "memory_mib": 1024, "bandwidth_gbs": 100.0}),
+    (FixedReserve, {"reserve_gib": 2.0}),
+    (MemoryFraction, {"fraction": 0.5}),
+    (SGLangPolicy, {"mem_fraction_static": 0.8, "chunked_prefill_size": 4096, "pp": 1,
+                    "dp_attention": False, "dp_size": 1, "vlm_adjust": True,
+                    "runtime_overhead_gib": 0.0}),
+    (ThroughputModel, {"t0_s": 0.005, "efficiency": 0.7, "context_len": 4096}),
+]
+
+
+PLAN_OPTIONS = ["--gpu", "--gpu-memory-gib", "--gpu-bandwidth-gbs", "--tp", "--dp", "--kv-dtype",
+                "--kv-scales", "--compare", "--weights", "--context", "--concurrency",
+                "--page-size", "--reserve-gib", "--mem-fraction", "--runtime-overhead-gib"]
+
+
+WORDS = st.one_of(
+    st.sampled_from(["0", "-1", "1", "2", "1.5", "nan", "inf", "-inf", "1e999", "", "abc",
+                     "bf16", "fp8_e4m3", "head", "custom", "h200", "int4-g7", "int4-g32",
+                     "8", "3", "0.5", "64", "9" * 30]),
+    st.text(max_size=6),
+)
+
+
+CLI_SETTINGS = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
 GIB = 1 << 30
+
+
 KIMI_BF16_POINTS = [(1, 137.0), (8, 731.0), (16, 1106.0), (32, 1558.0)]
 
 
@@ -44,7 +190,165 @@ def within(value: float, target: float, rel: float) -> bool:
     return abs(value / target - 1) <= rel
 
 
-# --- the report's figures ----------------------------------------------------------------------
+def _write(tmp_path: Path, cfg: dict[str, object], name: str = "m") -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+LLAMA_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def load_hf_config_ok(folder: Path, cfg: dict[str, object]) -> object:
+    from kvmem.planning import load_hf_config
+
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return load_hf_config(folder)
+
+
+@pytest.mark.parametrize("param", list(PLAN_ARGS))
+@SETTINGS
+@given(bad=BAD)
+def test_plan_capacity(param: str, bad: Any) -> None:
+    args = dict(PLAN_ARGS)
+    model, gpu = args.pop("model"), args.pop("gpu")
+    plan_capacity(model, gpu, **args)  # valid as built
+    call = {"model": model, "gpu": gpu, **args, param: bad}
+    exc = _contracted(lambda: plan_capacity(**call))
+    if param in PLAN_INTEGERS and _is_not_integer(bad):
+        assert isinstance(exc, ArgumentTypeError) and param in str(exc), (bad, exc)
+
+
+@SETTINGS
+@given(bad=BAD)
+def test_planning_functions(bad: Any) -> None:
+    plan = plan_capacity("llama-3.1-8b", "h100-80g", 1, context_len=1024)
+    model, gpu = get_model("llama-3.1-8b"), get_gpu("h100-80g")
+    fit = fit_throughput(plan, [(1, 50.0), (8, 300.0)], context_len=1024)
+    calls = [
+        lambda: get_model(bad),
+        lambda: get_gpu(bad),
+        lambda: weight_scheme(bad, model),
+        lambda: weight_scheme("int4-g32", bad),
+        lambda: plan.concurrency_at(bad),
+        lambda: plan.sequence_bytes(bad),
+        lambda: decode_bytes_per_step(plan, bad, 1024),
+        lambda: decode_bytes_per_step(plan, 8, bad),
+        lambda: decode_bytes_per_step(bad, 8, 1024),
+        lambda: expected_active_experts(bad, 8, 16),
+        lambda: expected_active_experts(64, bad, 16),
+        lambda: expected_active_experts(64, 8, bad),
+        lambda: fit_throughput(plan, bad),
+        lambda: fit_throughput(plan, [(1, 50.0), bad]),
+        lambda: fit_throughput(plan, [(1, 50.0), (8, bad)], context_len=1024),
+        lambda: fit_throughput(plan, [(1, 50.0), (8, 300.0)], context_len=bad),
+        lambda: fit.tokens_per_s(plan, bad),
+        lambda: fit.step_seconds(plan, 8, bad),
+        lambda: kv_layout(model, bad),
+        lambda: kv_layout(model, "fp8_e4m3", bad),
+        lambda: kv_layout(model, "bf16", "tensor", bad),
+        lambda: kv_layout(bad, "bf16"),
+        lambda: layer_kv_bytes_per_token(model.attention, "bf16", "tensor", bad),
+        lambda: kv_heads_per_rank(model.attention, bad),
+        lambda: kv_heads_per_rank(bad, 1),
+        lambda: param_counts(model, bad),
+        lambda: param_counts(model, 1, bad),
+        lambda: weight_bytes(model, bad),
+        lambda: weight_bytes(model, None, 1, bad),
+        lambda: sglang_mem_fraction_static(gpu, bad),
+        lambda: sglang_mem_fraction_static(bad, 1),
+        lambda: tokens_freed(plan, bad),
+        lambda: model_from_hf_config(bad),
+        lambda: model_from_hf_config({"model_type": "llama", "num_hidden_layers": bad,
+                                      "hidden_size": 64, "num_attention_heads": 4,
+                                      "intermediate_size": 128, "vocab_size": 100}),
+        lambda: load_hf_config(bad) if not isinstance(bad, str) else None,
+    ]
+    for call in calls:
+        _contracted(call)
+
+
+@pytest.mark.parametrize(
+    ("cls", "field"),
+    [(cls, field) for cls, fields in SPEC_CASES for field in fields],
+    ids=lambda v: getattr(v, "__name__", v),
+)
+@SETTINGS
+@given(bad=BAD)
+def test_planning_specs(cls: Callable[..., Any], field: str, bad: Any) -> None:
+    fields = dict(next(f for c, f in SPEC_CASES if c is cls))
+    cls(**fields)  # valid as built
+    exc = _contracted(lambda: cls(**{**fields, field: bad}))
+    if isinstance(bad, (str, bytes)) and field != "name":
+        assert isinstance(exc, ArgumentTypeError) and field in str(exc), (bad, exc)
+
+
+def test_model_spec_from_bad_config_dicts(tmp_path: Any) -> None:
+    path = tmp_path / "config.json"
+    for text in ("[1, 2]", "{", '{"model_type": "llama", "num_hidden_layers": "x"}',
+                 '{"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": [64]}'):
+        path.write_text(text)
+        with pytest.raises(KVMemError):
+            load_hf_config(path)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(KVMemError):
+        load_hf_config(tmp_path)
+
+
+@CLI_SETTINGS
+@given(model=st.sampled_from(["llama-3.1-8b", "kimi-k2.6", "smollm2-135m", "nope", ""]),
+       options=st.lists(st.tuples(st.sampled_from(PLAN_OPTIONS), WORDS), max_size=4))
+def test_cli_plan_never_escapes(
+    model: str, options: list[tuple[str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any `kvmem plan` command line ends with status 0 or with one line on stderr and 2."""
+    capsys.readouterr()  # the fixture is shared by the examples: start each one empty
+    argv = ["plan", model, *(x for pair in options for x in pair)]
+    status = cli_main(argv)
+    out, err = capsys.readouterr()
+    assert status in (0, 2), (argv, status)
+    if status == 2:
+        assert out == "" and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_reserve_policies_take_their_one_field_by_position() -> None:
+    from kvmem.planning import FixedReserve, MemoryFraction, plan_capacity
+
+    assert FixedReserve(10) == FixedReserve(reserve_gib=10)
+    assert MemoryFraction(0.8) == MemoryFraction(fraction=0.8)
+    fixed = plan_capacity("llama-3.1-8b", "h100-80g", policy=FixedReserve(10))
+    assert fixed.kv_budget_gib_per_gpu == pytest.approx(
+        fixed.gpu_memory_gib - fixed.weights_gib_per_gpu - 10)
+    with pytest.raises(ArgumentTypeError, match="reserve_gib twice"):
+        FixedReserve(1, reserve_gib=2)
+    with pytest.raises(ArgumentTypeError, match="positional"):
+        MemoryFraction(0.5, 0.6)
+    with pytest.raises(KVMemError):
+        MemoryFraction(1.5)
+
+
+def test_specs_given_positional_arguments_raise_a_kvmem_error() -> None:
+    from kvmem import GPUSpec, PoolSpec
+
+    for build in (lambda: GPUSpec("x", 1000, 100), lambda: PoolSpec(2)):
+        with pytest.raises(ArgumentTypeError, match="by name"):
+            build()
 
 
 def test_kimi_kv_bytes_per_token_per_gpu() -> None:
@@ -129,9 +433,6 @@ def test_throughput_fit_at_a_given_context_and_bad_points() -> None:
         fit_throughput(plan, [(8, 700.0)])
     with pytest.raises(ArgumentError, match="> 0"):
         fit_throughput(plan, [(1, 100.0), (8, -5.0)], context_len=1024)
-
-
-# --- byte accounting ---------------------------------------------------------------------------
 
 
 def test_gqa_heads_split_down_to_one_per_rank() -> None:
@@ -234,7 +535,6 @@ def test_expected_active_experts() -> None:
 
 def test_planner_bytes_agree_with_the_pool_spec() -> None:
     """The planner's per-layer bytes per token equal kvmem.cuda.PoolSpec's, for every choice."""
-    from kvmem.cuda import PoolSpec
 
     llama, kimi = get_model("llama-3.1-8b"), get_model("kimi-k2.6")
     cases: list[tuple[AttentionSpec, int, str, str | None]] = []
@@ -261,9 +561,6 @@ def test_planner_bytes_agree_with_the_pool_spec() -> None:
         assert fixed == model.num_layers * pool.fixed_nbytes // 3, (attn.kind, tp, dtype, scales)
     with pytest.raises(ConfigError, match="no KV heads"):
         layer_kv_bytes_per_token(kimi.attention, "fp8_e4m3", "head")
-
-
-# --- reserve policies --------------------------------------------------------------------------
 
 
 def test_sglang_mem_fraction_static_defaults() -> None:
@@ -304,9 +601,6 @@ def test_data_parallel_multiplies_totals() -> None:
     assert four.max_concurrency_total == 4 * (one.max_concurrency or 0)
 
 
-# --- bad input ---------------------------------------------------------------------------------
-
-
 def test_unknown_names_list_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"known models: kimi-k2\.6, deepseek-v3"):
         get_model("kimi-k9")
@@ -342,28 +636,6 @@ def test_every_preset_plans() -> None:
         assert plan.kv_tokens_per_gpu > 0 and (plan.max_concurrency or 0) > 0, name
     assert set(GPU_PRESETS) >= {"h100-80g", "h200", "b200", "a100-80g", "l40s", "mi300x"}
     assert get_gpu("H200").memory_mib == 143_771
-
-
-# --- Hugging Face config.json ------------------------------------------------------------------
-
-
-def _write(tmp_path: Path, cfg: dict[str, object], name: str = "m") -> Path:
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-LLAMA_8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-}
 
 
 def test_hf_llama_matches_the_preset(tmp_path: Path) -> None:
@@ -530,9 +802,6 @@ def test_hf_bad_configs_name_the_problem(tmp_path: Path) -> None:
         load_hf_config(bad)
 
 
-# --- layering ----------------------------------------------------------------------------------
-
-
 def test_planning_does_not_import_torch() -> None:
     code = "import sys, kvmem.planning, kvmem.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -542,3 +811,128 @@ def test_planning_does_not_import_torch() -> None:
 def test_weight_scheme_model_is_validated() -> None:
     with pytest.raises(ValueError):
         WeightScheme(routed_experts={"kind": "int3"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", [["--reserve-gib", "2"], ["--mem-fraction", "0.8"]])
+def test_runtime_overhead_with_another_reserve_is_refused_not_ignored(
+    capsys: pytest.CaptureFixture[str], policy: list[str]
+) -> None:
+    """--runtime-overhead-gib applies to the SGLang-like policy only; with --reserve-gib or
+    --mem-fraction it used to be dropped without a word."""
+    status, out, err = run(capsys, "plan", "llama-3.1-8b", *policy, "--runtime-overhead-gib", "4")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "--runtime-overhead-gib" in err and policy[0] in err
+
+
+def test_runtime_overhead_alone_still_shrinks_the_sglang_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, _ = run(capsys, "plan", "llama-3.1-8b", "--json")
+    base = json.loads(out)
+    status, out, _ = run(capsys, "plan", "llama-3.1-8b", "--runtime-overhead-gib", "4", "--json")
+    assert status == 0
+    less = json.loads(out)
+    assert less["kv_budget_gib_per_gpu"] == pytest.approx(base["kv_budget_gib_per_gpu"] - 4)
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [("--gpu-memory-gib", "memory_mib"), ("--gpu-bandwidth-gbs", "bandwidth_gbs")],
+)
+def test_plan_with_an_absurd_custom_gpu_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], option: str, named: str
+) -> None:
+    """`--gpu-memory-gib 1e300` raised OverflowError and `--gpu-bandwidth-gbs 1e300` (with a
+    decode bound) ZeroDivisionError: tracebacks, status 1."""
+    argv = ["plan", "llama-3.1-8b", "--gpu", "custom", "--gpu-memory-gib", "96",
+            "--gpu-bandwidth-gbs", "4000", "--context", "100", "--concurrency", "2"]
+    argv[argv.index(option) + 1] = "1e300"
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and named in err and "Traceback" not in err
+
+
+def test_gpu_spec_bounds_keep_plans_finite() -> None:
+    from kvmem.errors import ConfigError
+    from kvmem.planning import GPUSpec, plan_capacity
+
+    with pytest.raises(ConfigError, match="memory_mib"):
+        GPUSpec(name="g", memory_mib=10**300, bandwidth_gbs=1000)
+    with pytest.raises(ConfigError, match="bandwidth_gbs"):
+        GPUSpec(name="g", memory_mib=1024, bandwidth_gbs=1e300)
+    biggest = GPUSpec(name="g", memory_mib=1 << 33, bandwidth_gbs=1e9)
+    plan = plan_capacity("llama-3.1-8b", biggest, context_len=1, concurrency=1 << 40)
+    assert plan.decode_tokens_per_s_bound is not None and plan.decode_tokens_per_s_bound > 0
+    assert plan.kv_tokens_per_gpu > 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "plan_capacity('llama-3.1-8b', 'h200', context_len=10**200, concurrency=10**200)",
+        "plan_capacity('llama-3.1-8b', 'h200', context_len=10**400, concurrency=1)",
+        "decode_bytes_per_step(plan, 1, 10**400)",
+        "fit_throughput(plan, [(10**300, 1000.0), (8, 100.0)], context_len=100)",
+        "fit_throughput(plan, [(10**400, 1000.0), (8, 100.0)], context_len=100)",
+        "fit_throughput(plan, [(1, 137.0), (8, 731.0)], context_len=10**300)",
+        "fit_throughput(plan, [(1, 1e-308), (8, 1e-308)], context_len=100)",
+    ],
+)
+def test_counts_beyond_a_float_are_a_config_error(call: str) -> None:
+    """These raised OverflowError (not a kvmem error) or, for tiny tokens/s, a ConfigError that
+    blamed a NaN field of ThroughputModel."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import decode_bytes_per_step, fit_throughput, plan_capacity
+
+    plan = plan_capacity("kimi-k2.6", "h200", 8)
+    names = {"plan": plan, "plan_capacity": plan_capacity,
+             "decode_bytes_per_step": decode_bytes_per_step, "fit_throughput": fit_throughput}
+    with pytest.raises(ConfigError) as info:
+        eval(call, names)
+    assert "nan" not in str(info.value)
+
+
+def test_expected_active_experts_refuses_a_negative_batch_and_saturates() -> None:
+    """A batch of -5 tokens used to be 0 active experts; 10**400 tokens raised OverflowError."""
+    from kvmem.errors import ArgumentError
+    from kvmem.planning import expected_active_experts
+
+    with pytest.raises(ArgumentError, match="num_tokens=-5"):
+        expected_active_experts(384, 8, -5)
+    assert expected_active_experts(384, 8, 0) == 0
+    assert expected_active_experts(384, 8, 10**400) == 384
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", 32.5), ("num_key_value_heads", True), ("hidden_size", "4096"),
+     ("intermediate_size", 14336.7), ("tie_word_embeddings", "false"),
+     ("tie_word_embeddings", 1)],
+)
+def test_an_hf_count_that_is_no_integer_is_refused_not_truncated(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """32.5 layers used to plan as 32, True KV heads as 1, "4096" as 4096; a tie_word_embeddings
+    of "false" as tied (bool("false") is True)."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import load_hf_config
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+           "vocab_size": 128256}
+    assert load_hf_config_ok(tmp_path, cfg).num_layers == 32
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=field):
+        load_hf_config(tmp_path)
+
+
+def test_a_page_larger_than_the_budget_names_the_page_size() -> None:
+    """The message said "leaves 112.39 GiB, not even one KV page" and advised more GPUs, not
+    naming the page, which was the cause."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import plan_capacity
+
+    with pytest.raises(ConfigError, match="page_size") as info:
+        plan_capacity("llama-3.1-8b", "h200", page_size=10**9)
+    assert "1000000000 tokens" in str(info.value)

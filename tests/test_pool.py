@@ -1,17 +1,212 @@
-"""PoolSpec validation and byte accounting; PagePool writes, reads, copies, tags and counters."""
+"""PagePool and PoolSpec: writes, reads, dtypes, sizes, eviction ahead and argument checks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvmem.cuda import PagePool, PoolSpec, PoolStats
-from kvmem.errors import ArgumentError, KVMemError
+from kvmem import (
+    ArgumentError,
+    ArgumentTypeError,
+    KVMemError,
+    PagePool,
+)
+from kvmem.cuda import PoolSpec, PoolStats
+from kvmem.manager import (
+    KVCacheManager,
+)
+from kvmem.testing import ToyEngine
+
+P = 4
+
+
+# Kept small enough for CI (a clean 2-core machine): the menagerie is drawn afresh each run.
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+NOT_INTEGERS = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.sampled_from([np.bool_(True), np.float32(1.0), np.float64(2.0), b"1", 1j]),
+)
+
+
+SCALARS = st.one_of(
+    NOT_INTEGERS,
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(
+        [np.int64(-1), np.int64(2**40), np.uint64(2**63 + 5), np.int8(3), np.int32(-2**31)]
+    ),
+    st.sampled_from([None, object(), {}, (), [], ...]),
+)
+
+
+TENSORS = st.sampled_from(
+    [
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(2, 2, dtype=torch.int64),
+        torch.tensor([-1, 0]),
+        torch.tensor([0, 2**40]),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(3, 2, 8),
+        torch.zeros(3, 2, 8, dtype=torch.float64),
+        torch.zeros(3, 2, 8, dtype=torch.int32),
+        torch.zeros(1, 1, 1, 1),
+    ]
+)
+
+
+ARRAYS = st.sampled_from(
+    [
+        np.array([1.5]),
+        np.array([True, False]),
+        np.array([[0, 1]]),
+        np.array([-1]),
+        np.array([2**63 + 5], dtype=np.uint64),
+        np.array(["a"]),
+        np.zeros(0),
+    ]
+)
+
+
+LISTS = st.lists(SCALARS, max_size=4)
+
+
+BAD = st.one_of(SCALARS, TENSORS, ARRAYS, LISTS)
+
+
+def _contracted(fn: Callable[[], Any], snapshot: Callable[[], Any] | None = None) -> Any:
+    """Run ``fn``: it succeeds, or raises a KVMemError of the right kind with nothing changed.
+
+    Returns the exception (None on success).
+    """
+    before = snapshot() if snapshot else None
+    try:
+        fn()
+    except KVMemError as exc:
+        if isinstance(exc, (ArgumentError, ArgumentTypeError)):
+            assert isinstance(exc, (ValueError, TypeError))
+        assert str(exc), "an error says what was asked, found and expected"
+        if snapshot is not None:
+            _assert_same(before, snapshot())
+        return exc
+    return None
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def _is_not_integer(value: Any) -> bool:
+    """Values the contract refuses wherever an integer is expected."""
+    return isinstance(value, (bool, np.bool_, float, np.floating, str, bytes, complex))
+
+
+POOL_KINDS = [  # per-layer scales set by a first write, and per-token scales
+    {"dtype": "fp8_e4m3", "scales": "tensor"},
+    {"dtype": "fp8_e5m2", "scales": "token_head"},
+]
+
+
+def _calibrated_pool(**kw: Any) -> PagePool:
+    spec = PoolSpec(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8,
+                    device="cpu", **kw)
+    pool = PagePool(spec)
+    k = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(0))
+    pool.write(0, [0, 1, 2, 5, 9, 30], k, -k)  # calibrates layer 0's tensor scales
+    pool.load_tags(np.arange(8) * 3)
+    return pool
+
+
+def _pool_state(pool: PagePool) -> Callable[[], dict[str, Any]]:
+    def snap() -> dict[str, Any]:
+        state: dict[str, Any] = {n: t.clone() for n, t in pool.storage_tensors().items()}
+        state["tags"] = pool.tags.clone()
+        state["stats"] = pool.stats()
+        state["calibrated"] = list(pool._calibrated)
+        return state
+
+    return snap
+
+
+def _pool_calls(pool: PagePool) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
+    """Each public pool method with valid arguments: name -> (method, kwargs)."""
+    k = torch.randn(2, 2, 8)
+    return {
+        "write": (pool.write, {"layer": 1, "slot_mapping": [3, 7], "k": k, "v": k.clone(),
+                               "check": True}),
+        "check_slots": (pool.check_slots, {"slot_mapping": [3, -1]}),
+        "gather": (pool.gather, {"layer": 0, "page_ids": [0, 2], "dtype": None}),
+        "read": (pool.read, {"layer": 0, "page_ids": np.array([1]), "dtype": torch.float32}),
+        "copy_pages": (pool.copy_pages, {"src_page_ids": [0], "dst_page_ids": [3]}),
+        "update_tags": (pool.update_tags, {"page_ids": [1, 2], "tags": [7, 8]}),
+        "load_tags": (pool.load_tags, {"tags": list(range(8))}),
+        "kv_cache": (pool.kv_cache, {"layer": 1}),
+        "sync_tags": (pool.sync_tags, {"allocator": _Alloc(8)}),
+    }
+
+
+class _Alloc:
+    """What sync_tags needs from an allocator."""
+
+    def __init__(self, n: int) -> None:
+        self.tags = np.arange(n, dtype=np.int64) + 100
+        self.changed = np.array([1, 3])
+
+    def pop_changed_pages(self) -> np.ndarray:
+        out, self.changed = self.changed, np.zeros(0, dtype=np.int64)
+        return out
+
+
+POOL_PARAMS = [
+    (method, param)
+    for method, (_, kwargs) in _pool_calls(_calibrated_pool(dtype="bf16")).items()
+    for param in kwargs
+]
+
+
+INTEGER_PARAMS = {"layer"}
+
+
+ID_LIST_PARAMS = {"slot_mapping", "page_ids", "src_page_ids", "dst_page_ids", "tags"}
+
+
+SMALL_GQA: dict[str, Any] = {
+    "num_layers": 1,
+    "num_pages": 4,
+    "page_size": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+}
+
+
+def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
+    """Admit, prefill in one chunk, commit; returns the cached token count."""
+    res = eng.admit(rid, prompt, ns)
+    eng.step([rid], len(prompt) - res.num_cached_tokens)
+    eng.commit([rid])
+    return res.num_cached_tokens
+
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
 
 GQA: dict[str, Any] = {
     "num_layers": 2,
@@ -20,6 +215,8 @@ GQA: dict[str, Any] = {
     "num_kv_heads": 2,
     "head_dim": 16,
 }
+
+
 MLA: dict[str, Any] = {
     "num_layers": 2,
     "num_pages": 12,
@@ -28,6 +225,8 @@ MLA: dict[str, Any] = {
     "kv_lora_rank": 24,
     "qk_rope_head_dim": 8,
 }
+
+
 DTYPES = [
     ("fp32", None),
     ("bf16", None),
@@ -68,49 +267,189 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-# -- PoolSpec ------------------------------------------------------------------------------------
+def _bad_writes(device: str) -> list[tuple[Any, str]]:
+    k, v = _kv(3, device)
+    ok = torch.tensor([0, 1, 2], device=device)
+    return [
+        (lambda p: p.write(2, ok, k, v), "layer=2: expected an integer in 0..1"),
+        (lambda p: p.write(-1, ok, k, v), "layer=-1: expected an integer in 0..1"),
+        (lambda p: p.write(True, ok, k, v), r"layer=True \(bool\)"),
+        (lambda p: p.write(0, torch.tensor([0, 1, 48], device=device), k, v), "slots from"),
+        (lambda p: p.write(0, torch.tensor([0, -2, 1], device=device), k, v), "slots from"),
+        (lambda p: p.write(0, torch.tensor([3, 1, 3], device=device), k, v), "more than once"),
+        (lambda p: p.write(0, ok[:2], k, v), "2 entries for 3 tokens"),
+        (lambda p: p.write(0, ok.float(), k, v), "integer tensor"),
+        (lambda p: p.write(0, ok[None], k, v), "1-D"),
+        (lambda p: p.write(0, ok, k[:, :1], v), "shape"),
+        (lambda p: p.write(0, ok, k, v[:2]), "match in tokens"),
+        (lambda p: p.write(0, ok, k, v.half()), "match in tokens and dtype"),
+        (lambda p: p.write(0, ok, k.double(), v.double()), "dtype"),
+        (lambda p: p.write(0, ok, k.int(), v.int()), "dtype"),
+        (lambda p: p.write(0, ok, k), "both k and v"),
+        (
+            lambda p: p.write(0, ok, k.numpy() if device == "cpu" else k.cpu().numpy(), v),
+            "torch.Tensor",
+        ),
+    ]
 
 
-def test_spec_defaults_aliases_and_json_round_trip() -> None:
-    spec = PoolSpec(**GQA, attention="mha", dtype="fp8_e4m3")
-    assert spec.attention == "gqa" and spec.scales == "tensor" and spec.layout == "NHD"
-    assert PoolSpec(**GQA).dtype == "bf16" and PoolSpec(**GQA).scales is None
-    for s in (
-        spec,
-        PoolSpec(**MLA, dtype="fp8_e5m2", scales="token_head"),
-        PoolSpec(**GQA, dtype="fp8_e4m3", scales="head", static_scales=0.5, layout="HND"),
-        PoolSpec(**GQA, device="cpu", compute_dtype="fp32", nonfinite="raise"),
-    ):
-        assert PoolSpec.from_json(s.model_dump_json()) == s
-        assert PoolSpec.model_validate_json(s.model_dump_json()) == s
+def test_a_pool_must_match_the_manager() -> None:
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=8, num_kv_heads=1, head_dim=8,
+                             page_size=16, dtype="fp32", device="cpu"))
+    with pytest.raises(ArgumentError, match="page_size"):
+        KVCacheManager(8, page_size=8, pool=pool)
+    with pytest.raises(ArgumentError, match="pages"):
+        KVCacheManager(16, page_size=16, pool=pool)
+    with pytest.raises(ArgumentError, match="pages"):
+        KVCacheManager(4, page_size=16, pool=pool)
+    assert KVCacheManager(8, page_size=16, pool=pool).pool is pool
 
 
-@pytest.mark.parametrize(
-    ("kw", "match"),
-    [
-        ({**GQA, "head_dim": None}, "num_kv_heads and head_dim"),
-        ({**GQA, "kv_lora_rank": 8}, "MLA fields"),
-        ({**MLA, "kv_lora_rank": None}, "kv_lora_rank and qk_rope_head_dim"),
-        ({**MLA, "num_kv_heads": 2}, "one latent"),
-        ({**MLA, "layout": "HND"}, "NHD"),
-        ({**MLA, "dtype": "fp8_e4m3", "scales": "head"}, "no KV heads"),
-        ({**GQA, "scales": "tensor"}, "fp8 pages only"),
-        ({**GQA, "dtype": "fp8_e4m3", "scales": "token_head", "static_scales": 1.0}, "token_head"),
-        ({**GQA, "dtype": "fp8_e4m3", "static_scales": [1.0, 2.0]}, "shape"),
-        ({**GQA, "dtype": "fp8_e4m3", "static_scales": [[1.0, 0.0], [1.0, 1.0]]}, "> 0"),
-        ({**GQA, "num_pages": 0}, "num_pages"),
-        ({**GQA, "dtype": "int8"}, "dtype"),
-        ({**GQA, "blocks": 3}, "blocks"),
-    ],
-)
-def test_spec_rejects_bad_configs(kw: dict[str, Any], match: str) -> None:
-    with pytest.raises(ArgumentError, match=match):
-        PoolSpec(**kw)
+@pytest.mark.parametrize("evict_ahead, evicted", [(None, 1 + 1024 // 512), (0, 1), (5, 6)])
+def test_evict_ahead_takes_that_many_more_pages(evict_ahead: int | None, evicted: int) -> None:
+    mgr = KVCacheManager(1024, page_size=P, max_seqs=4, max_pages_per_seq=1024,
+                         evict_ahead=evict_ahead, watermark=0.0)
+    for i in range(7):  # 7 cached prompts of 128 pages, held by the cache alone
+        mgr.admit(f"r{i}", np.arange(128 * P) + i * 10**6)
+        mgr.reserve([f"r{i}"], 128 * P)
+        mgr.commit(f"r{i}", np.arange(128 * P) + i * 10**6)
+        mgr.release(f"r{i}")
+    free = mgr.allocator.num_free
+    assert mgr.stats().num_evictions == 0 and free == 1024 - 7 * 128
+    mgr.admit("x", np.arange((free + 1) * P) + 7 * 10**7)  # one page short
+    assert mgr.stats().num_evictions == evicted
 
 
-def test_spec_bad_json_is_a_config_error() -> None:
-    with pytest.raises(ArgumentError):
-        PoolSpec.from_json('{"num_layers": 1}')
+def test_evict_ahead_is_checked() -> None:
+    for bad in (-1, 1.5, True, 10**9):
+        with pytest.raises(KVMemError, match="evict_ahead"):
+            KVCacheManager(64, evict_ahead=bad)
+
+
+@pytest.mark.parametrize(("num_pages", "page_size"), [(4, 8), (8, 16)])
+def test_a_pool_of_other_pages_or_page_size_is_refused(num_pages: int, page_size: int) -> None:
+    from kvmem import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=4, page_size=16, num_kv_heads=1,
+                             head_dim=8, device="cpu"))
+    with pytest.raises(ArgumentError, match="page"):
+        KVCacheManager(num_pages, page_size=page_size, pool=pool)
+
+
+@pytest.mark.parametrize("kind", POOL_KINDS, ids=lambda k: k["dtype"])
+@pytest.mark.parametrize(("method", "param"), POOL_PARAMS)
+@SETTINGS
+@given(bad=BAD)
+def test_pool_methods_refuse_bad_arguments_and_change_nothing(
+    kind: dict[str, Any], method: str, param: str, bad: Any
+) -> None:
+    pool = _calibrated_pool(**kind)
+    fn, kwargs = _pool_calls(pool)[method]
+    exc = _contracted(lambda: fn(**{**kwargs, param: bad}), _pool_state(pool))
+    if param in INTEGER_PARAMS and _is_not_integer(bad):
+        assert isinstance(exc, ArgumentTypeError) and param in str(exc), (bad, exc)
+    if param in ID_LIST_PARAMS and not isinstance(bad, (list, tuple, np.ndarray, torch.Tensor)):
+        assert exc is not None, f"one value {bad!r} passed as {param} was accepted"
+
+
+@pytest.mark.parametrize("kind", [{"dtype": "bf16"}, *POOL_KINDS], ids=lambda k: k["dtype"])
+def test_pool_valid_calls_succeed(kind: dict[str, Any]) -> None:
+    """The calls the property test corrupts are valid as built."""
+    pool = _calibrated_pool(**kind)
+    for fn, kwargs in _pool_calls(pool).values():
+        fn(**kwargs)
+
+
+def test_page_ids_never_wrap_or_index_from_the_end() -> None:
+    pool = _calibrated_pool(dtype="bf16")
+    snap = _pool_state(pool)
+    before = snap()
+    for ids in ([-1], np.array([-8]), torch.tensor([-1]), [8], [2**32 + 1],
+                np.array([2**32 + 1], dtype=np.int64), [np.int64(2**63 - 1)]):
+        with pytest.raises(ArgumentError, match=r"pages? from"):
+            pool.copy_pages([0], ids)
+        with pytest.raises(ArgumentError, match=r"pages? from"):
+            pool.gather(0, ids)
+    for ids in ([1.7], [True], [1, True], np.array([1.0]), 1, np.int64(1), "1"):
+        with pytest.raises(ArgumentTypeError):
+            pool.copy_pages([0], ids)
+    _assert_same(before, snap())
+
+
+def test_a_write_that_fails_late_changes_nothing() -> None:
+    """NaN input with nonfinite='raise' is refused after every shape check passed."""
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1,
+                             head_dim=4, dtype="fp8_e4m3", device="cpu", nonfinite="raise"))
+    snap = _pool_state(pool)
+    before = snap()
+    k = torch.ones(2, 1, 4)
+    k[1, 0, 0] = float("nan")
+    with pytest.raises(ArgumentError, match="NaN"):
+        pool.write(0, [0, 1], k, k)
+    _assert_same(before, snap())
+    assert pool._calibrated == [False]  # the refused write did not set the layer's scales
+
+
+def test_a_nonfinite_write_under_raise_is_a_config_error_and_writes_nothing() -> None:
+    import torch
+
+    from kvmem import ConfigError, PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1,
+                             head_dim=4, dtype="fp8_e4m3", nonfinite="raise", device="cpu"))
+    before = pool.page_bytes.clone()
+    k = torch.tensor([[[float("nan"), 1.0, 2.0, 3.0]]])
+    with pytest.raises(ConfigError, match="nonfinite"):
+        pool.write(0, torch.tensor([0]), k, torch.zeros(1, 1, 4))
+    assert torch.equal(pool.page_bytes, before) and pool.stats().num_nonfinite == 0
+
+
+def test_a_pool_serves_one_manager() -> None:
+    from kvmem import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1,
+                             head_dim=4, device="cpu"))
+    KVCacheManager(8, page_size=4, pool=pool)
+    with pytest.raises(ArgumentError, match="already claimed"):
+        KVCacheManager(8, page_size=4, pool=pool)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cpu:1"])
+def test_a_pool_on_an_indexed_cpu_device_takes_tensors_from_that_device(device: str) -> None:
+    """``PoolSpec(device="cpu:0")`` is accepted; its pool must then take CPU tensors (it used to
+    refuse every one: "k is on cpu but the pool is on cpu:0; move it first"). The same mismatch
+    made a ``device="cuda"`` pool refuse tensors on cuda:0."""
+    pool = PagePool(PoolSpec(**SMALL_GQA, device=device))
+    assert pool.device == pool.data.device == torch.device("cpu")
+    k = torch.randn(3, 2, 8)
+    pool.write(0, torch.tensor([0, 1, 5]), k, -k)
+    keys, values = pool.read(0, torch.tensor([0]), torch.float32)
+    assert torch.allclose(keys[0, :2], k[:2], rtol=1e-2, atol=1e-2)
+    assert torch.allclose(values[0, :2], -k[:2], rtol=1e-2, atol=1e-2)
+    pool.copy_pages(torch.tensor([0]), torch.tensor([3]))
+    pool.update_tags(torch.tensor([2]), torch.tensor([7]))
+    assert int(pool.tags[2]) == 7
+
+
+def test_a_big_pool_evicts_a_little_ahead_and_never_a_mapped_page() -> None:
+    mgr = KVCacheManager(num_pages=1024, page_size=P, max_seqs=8, max_pages_per_seq=256,
+                         tracker="checking", watermark=0.0)
+    eng = ToyEngine(mgr)
+    for i in range(200):  # 4 full pages each, cached when released
+        run_prompt(eng, f"old{i}", [i, i + 1] * 8 + [0])
+        eng.release(f"old{i}")
+    run_prompt(eng, "keep", list(range(40)))
+    keep = mgr.pages_of("keep").tolist()
+    free = mgr.allocator.num_free
+    run_prompt(eng, "big", [999] * (4 * (free + 1)))  # needs one page more than is free
+    s = mgr.stats()
+    assert 1 <= s.num_evictions <= 1 + 1024 // 512
+    assert mgr.pages_of("keep").tolist() == keep
+    assert mgr.verify(list(mgr.running)).ok
+    mgr.check()
+    eng.check_kv()
 
 
 def test_static_scales_are_normalized_per_layer_component_head() -> None:
@@ -120,30 +459,6 @@ def test_static_scales_are_normalized_per_layer_component_head() -> None:
     assert np.asarray(h.static_scales).shape == (2, 2, 2)
     pool = PagePool(h.model_copy(update={"device": "cpu"}))
     assert pool.static_scales is not None and bool((pool.static_scales == 0.25).all())
-
-
-# -- byte accounting -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("dtype", "scales"), DTYPES)
-@pytest.mark.parametrize("base", [GQA, {**GQA, "layout": "HND"}, MLA])
-def test_spec_bytes_equal_allocated_tensors(
-    base: dict[str, Any], dtype: str, scales: str | None
-) -> None:
-    if base is MLA and scales == "head":
-        pytest.skip("MLA has no heads")
-    spec = PoolSpec(**base, dtype=dtype, scales=scales, device="cpu")
-    pool = PagePool(spec)
-    allocated = sum(t.nbytes for t in pool.storage_tensors().values())
-    assert spec.nbytes == pool.nbytes == allocated
-    per_page = pool.data.nbytes + (0 if pool.token_scales is None else pool.token_scales.nbytes)
-    assert spec.bytes_per_page * spec.num_pages == per_page
-    assert spec.bytes_per_token * spec.page_size == spec.bytes_per_page
-    fixed = 0 if pool.static_scales is None else pool.static_scales.nbytes
-    assert spec.fixed_nbytes == fixed
-    assert spec.tag_nbytes == pool.tags.nbytes
-    assert pool.page_bytes.shape[:2] == (spec.num_layers, spec.num_pages)
-    assert pool.page_bytes.nbytes == pool.data.nbytes
 
 
 def test_fp8_doubles_tokens_in_a_budget_and_token_head_overhead_is_reported() -> None:
@@ -174,9 +489,6 @@ def test_fp8_doubles_tokens_in_a_budget_and_token_head_overhead_is_reported() ->
     assert PoolSpec(**fp8_mla.model_dump()).bytes_per_token == 35_136
     with pytest.raises(ArgumentError, match="page_budget_bytes=-1"):
         bf16.num_pages_for_budget(-1)
-
-
-# -- write / read --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -331,35 +643,6 @@ def test_copy_pages_reads_all_sources_before_writing() -> None:
     assert torch.equal(pool.data[:, 2], before["data"][:, 1])
 
 
-# -- bad input changes nothing -------------------------------------------------------------------
-
-
-def _bad_writes(device: str) -> list[tuple[Any, str]]:
-    k, v = _kv(3, device)
-    ok = torch.tensor([0, 1, 2], device=device)
-    return [
-        (lambda p: p.write(2, ok, k, v), "layer=2: expected an integer in 0..1"),
-        (lambda p: p.write(-1, ok, k, v), "layer=-1: expected an integer in 0..1"),
-        (lambda p: p.write(True, ok, k, v), r"layer=True \(bool\)"),
-        (lambda p: p.write(0, torch.tensor([0, 1, 48], device=device), k, v), "slots from"),
-        (lambda p: p.write(0, torch.tensor([0, -2, 1], device=device), k, v), "slots from"),
-        (lambda p: p.write(0, torch.tensor([3, 1, 3], device=device), k, v), "more than once"),
-        (lambda p: p.write(0, ok[:2], k, v), "2 entries for 3 tokens"),
-        (lambda p: p.write(0, ok.float(), k, v), "integer tensor"),
-        (lambda p: p.write(0, ok[None], k, v), "1-D"),
-        (lambda p: p.write(0, ok, k[:, :1], v), "shape"),
-        (lambda p: p.write(0, ok, k, v[:2]), "match in tokens"),
-        (lambda p: p.write(0, ok, k, v.half()), "match in tokens and dtype"),
-        (lambda p: p.write(0, ok, k.double(), v.double()), "dtype"),
-        (lambda p: p.write(0, ok, k.int(), v.int()), "dtype"),
-        (lambda p: p.write(0, ok, k), "both k and v"),
-        (
-            lambda p: p.write(0, ok, k.numpy() if device == "cpu" else k.cpu().numpy(), v),
-            "torch.Tensor",
-        ),
-    ]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("dtype", "scales"), [("bf16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "token_head")]
@@ -412,9 +695,6 @@ def test_bad_reads_and_copies_raise_and_change_nothing() -> None:
     with pytest.raises(ArgumentError, match="pages from"):
         pool.copy_pages([-1], [3])
     assert _unchanged(pool, before)
-
-
-# -- NaN/inf and saturation ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -487,9 +767,6 @@ def test_inputs_up_to_1e6_with_dynamic_scales_stay_finite(
     assert bool(torch.isfinite(kk).all()) and bool(torch.isfinite(vv).all())
     assert pool.num_saturated == 0 and pool.num_nonfinite == 0
     assert _rel(kk.reshape(16, 2, 16), k) < 0.07
-
-
-# -- tags ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,13 +1,15 @@
-"""HashedPrefixCache: chained keys, namespaces, confirmation, LRU eviction, accounting."""
+"""The prefix cache: hashing, keys, lookup, insertion, eviction order, its fast path."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmem import PageAllocator
+from kvmem import ArgumentError, ArgumentTypeError, PageAllocator
 from kvmem.allocator import HashedPrefixCache, PrefixCache, namespace_bytes
 
 P = 4
@@ -49,6 +51,246 @@ def store(cache: HashedPrefixCache, alloc: PageAllocator, tokens: np.ndarray, ns
     alloc.free(pages)
     cache.released(pages)
     return pages
+
+
+class ModelCache:
+    """The cache's contract in plain Python: an index of 16-byte keys that holds exactly the
+    cached pages, and an LRU (insertion-ordered dict) of the pages only the cache holds."""
+
+    def __init__(self, cache: HashedPrefixCache, alloc: PageAllocator) -> None:
+        self.hasher, self.alloc = cache, alloc
+        self.index: dict[bytes, int] = {}
+        self.entry: dict[int, tuple[bytes, tuple[int, ...], int, int]] = {}
+        self.lru: dict[int, None] = {}
+
+    def match(self, tokens: np.ndarray, ns: object, max_pages: int, ns_id: int) -> list[int]:
+        found: list[int] = []
+        keys = self.hasher.prompt_keys(tokens, ns, max_pages)
+        for i, key in enumerate(keys):
+            page = self.index.get(key.tobytes())
+            if page is None:
+                break
+            _, toks, page_ns, tag = self.entry[page]
+            if (toks != tuple(tokens[i * P : (i + 1) * P].tolist()) or page_ns != ns_id
+                    or tag != self.alloc.tags[page]):
+                break
+            found.append(page)
+        return found
+
+    def insert(self, keys: np.ndarray, pages: np.ndarray, tokens: np.ndarray,
+               ns_ids: np.ndarray) -> list[int]:
+        taken: list[int] = []
+        seen_keys: set[bytes] = set()
+        for key, page, toks, ns in zip(keys, pages.tolist(), tokens.reshape(-1, P), ns_ids):
+            kb = key.tobytes()
+            if page in self.entry or kb in self.index or kb in seen_keys or page in taken:
+                continue
+            seen_keys.add(kb)
+            taken.append(page)
+            self.index[kb] = page
+            self.entry[page] = (kb, tuple(toks.tolist()), int(ns), int(self.alloc.tags[page]))
+        self.alloc.share(taken)
+        return taken
+
+    def acquired(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            self.lru.pop(page, None)
+
+    def released(self, pages: np.ndarray) -> None:
+        for page in pages.tolist()[::-1]:  # deepest first; a page listed twice: its first
+            if page in self.entry and self.alloc.refcounts[page] == 1 and page not in self.lru:
+                self.lru[page] = None
+
+    def _forget(self, pages: list[int]) -> list[bytes]:
+        keys = []
+        for page in pages:
+            kb = self.entry.pop(page)[0]
+            del self.index[kb]
+            self.lru.pop(page, None)
+            keys.append(kb)
+        return keys
+
+    def evict(self, n: int) -> tuple[list[int], list[bytes]]:
+        victims = list(self.lru)[:n]
+        keys = self._forget(victims)
+        self.alloc.free(victims)
+        return victims, keys
+
+    def remove(self, pages: np.ndarray) -> list[int]:
+        gone = sorted({p for p in pages.tolist() if p in self.entry})
+        self._forget(gone)
+        self.alloc.free(gone)
+        return gone
+
+
+def drive(seed: int, num_pages: int, small_buffers: bool, rebuild_often: bool) -> None:
+    """Random admissions, releases, holds, evictions and removals on the cache and on the
+    model (each with its own allocator): every answer and every count must agree."""
+    rng = np.random.default_rng(seed)
+    cache, alloc = bound(num_pages=num_pages, seed=seed)
+    model = ModelCache(cache, PageAllocator(num_pages))
+    if small_buffers:  # the LRU's buffers compact and grow while the cache runs
+        cache._fifo_pages = np.zeros(4, dtype=np.intp)
+        cache._fifo_stamps = np.zeros(4, dtype=np.int64)
+    if rebuild_often:  # the index drops its stale entries after every insert
+        cache._index_limit = 0
+    stems = [rng.integers(0, 3, 6 * P) for _ in range(4)]
+    names = [None, "t"]
+    held: list[np.ndarray] = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:  # admit a prompt: reuse its cached prefix, store the rest, maybe finish
+            stem = stems[int(rng.integers(0, len(stems)))]
+            cut = int(rng.integers(0, stem.size + 1))
+            tokens = np.concatenate([stem[:cut], rng.integers(0, 3, int(rng.integers(1, 4)) * P)])
+            tokens = tokens[: tokens.size // P * P]
+            if tokens.size == 0:
+                continue
+            ns_id = int(rng.integers(0, 2))
+            m = cache.match(tokens, names[ns_id], 99, ns_id)
+            assert m.pages.tolist() == model.match(tokens, names[ns_id], 99, ns_id)
+            assert m.num_evictable == sum(p in model.lru for p in m.pages.tolist())
+            # Sometimes two requests with this prompt, admitted together, commit in one call.
+            copies = 2 if rng.random() < 0.2 else 1
+            need = tokens.size // P - m.num_pages
+            if copies * need > alloc.num_free + cache.num_evictable - m.num_evictable:
+                continue
+            for a, c in ((alloc, cache), (model.alloc, model)):
+                for _ in range(copies):
+                    a.share(m.pages)
+                c.acquired(m.pages)
+            short = copies * need - alloc.num_free
+            if short > 0:
+                got, keys = cache.evict(short)
+                want, want_keys = model.evict(short)
+                assert got.tolist() == want and [k.tobytes() for k in keys] == want_keys
+            own = alloc.allocate(copies * need)
+            assert own.tolist() == model.alloc.allocate(copies * need).tolist()
+            rest = np.vstack([tokens[m.num_pages * P :].reshape(-1, P)] * copies)
+            keys = cache.page_keys(np.vstack([m.last_key] * copies), np.full(copies, need),
+                                   np.full(copies, m.num_pages), rest)
+            ns_ids = np.full(copies * need, ns_id)
+            offered = own
+            if rng.random() < 0.2:  # the same pages offered twice in one call
+                keys, rest = np.vstack([keys, keys]), np.vstack([rest, rest])
+                offered, ns_ids = np.concatenate([own, own]), np.concatenate([ns_ids, ns_ids])
+            got = insert(cache, keys, offered, rest, ns_ids)
+            assert got.tolist() == model.insert(keys, offered, rest, ns_ids)
+            for copy in range(copies):
+                pages = np.concatenate([m.pages, own[copy * need : (copy + 1) * need]])
+                if rng.random() < 0.5:
+                    held.append(pages)
+                else:
+                    for a, cc in ((alloc, cache), (model.alloc, model)):
+                        a.free(pages)
+                        cc.released(pages)
+        elif op < 0.65 and held:  # requests finish, in one release (a page may be listed twice)
+            pages = np.concatenate([held.pop(int(rng.integers(0, len(held)))) for _ in
+                                    range(min(len(held), int(rng.integers(1, 3))))])
+            for a, c in ((alloc, cache), (model.alloc, model)):
+                a.free(pages)
+                c.released(pages)
+        elif op < 0.8 and cache.num_evictable:
+            n = int(rng.integers(1, cache.num_evictable + 1))
+            got, keys = cache.evict(n)
+            want, want_keys = model.evict(n)
+            assert got.tolist() == want and [k.tobytes() for k in keys] == want_keys
+        elif op < 0.9 and cache.num_cached:
+            pick = rng.choice(cache.cached_pages(), size=int(rng.integers(1, 4)))
+            if all(model.alloc.refcounts[p] == 1 for p in pick.tolist()):
+                removed, _ = cache.remove(pick)
+                assert removed.tolist() == model.remove(pick)
+        elif cache.num_cached:  # a request holds cached pages a while (no longer evictable)
+            pick = np.unique(rng.choice(cache.cached_pages(), size=int(rng.integers(1, 4))))
+            for a, c in ((alloc, cache), (model.alloc, model)):
+                a.share(pick)
+                c.acquired(pick)
+            held.append(pick.astype(np.int32))
+        assert cache.num_cached == len(model.entry)
+        assert cache.num_evictable == len(model.lru)
+        assert np.array_equal(alloc.refcounts, model.alloc.refcounts)
+        assert not cache.check()
+
+
+MASK = (1 << 64) - 1
+
+
+def bound_cache(page_size: int = 16, seed: int = 20240611) -> HashedPrefixCache:
+    cache = HashedPrefixCache(seed=seed)
+    cache.bind(PageAllocator(8), page_size)
+    return cache
+
+
+def reference_keys(seed: int, page_size: int, root: list[int], tokens: list[int],
+                   first_position: int) -> list[tuple[int, int]]:
+    """The chained keys of consecutive pages, as the class docstring defines them, in Python
+    ints (K and Q drawn from ``seed`` as ``bind`` draws them)."""
+    rng = np.random.default_rng(seed)
+    rng.bytes(32)  # the namespace secret
+    K = (rng.integers(1, 2**63, size=(2, page_size), dtype=np.uint64) | 1).tolist()
+    Q = (rng.integers(1, 2**63, size=2, dtype=np.uint64) | 1).tolist()
+
+    def fmix(x: int) -> int:
+        x ^= x >> 33
+        x = (x * 0xFF51AFD7ED558CCD) & MASK
+        x ^= x >> 33
+        x = (x * 0xC4CEB9FE1A85EC53) & MASK
+        return x ^ (x >> 33)
+
+    keys, key = [], list(root)
+    for i in range(len(tokens) // page_size):
+        page = tokens[i * page_size : (i + 1) * page_size]
+        position = first_position + i
+        for lane in range(2):
+            s = 0
+            for c, token in enumerate(page):
+                v = ((token + 1) * K[lane][c]) & MASK
+                s += v ^ (v >> 31)
+            key[lane] = (key[lane] + fmix((s + (position + 1) * Q[lane]) & MASK)) & MASK
+        keys.append((key[0], key[1]))
+    return keys
+
+
+def test_qualified_tags_decode_and_refuse_what_is_no_tag() -> None:
+    from kvmem.integrity import lifetime_of, namespace_id_of
+
+    q = 41 << 20 | 3
+    assert (lifetime_of(q), namespace_id_of(q)) == (41, 3)
+    assert (lifetime_of(np.int64(q)), namespace_id_of(np.int64(q))) == (41, 3)
+    assert lifetime_of(np.array([q, 0])).tolist() == [41, 0]
+    for bad, kind in ((1.5, ArgumentTypeError), (True, ArgumentTypeError), ("3", ArgumentTypeError),
+                      (-1, ArgumentError), (np.array([1.5]), ArgumentTypeError)):
+        with pytest.raises(kind):
+            lifetime_of(bad)
+        with pytest.raises(kind):
+            namespace_id_of(bad)
+
+
+@pytest.mark.parametrize("seed, page_size, kind", [
+    ("x", 16, ArgumentTypeError), (1.5, 16, ArgumentTypeError), (True, 16, ArgumentTypeError),
+    (-1, 16, ArgumentError), (0, 0, ArgumentError), (0, True, ArgumentTypeError),
+])
+def test_prefix_keys_check_their_arguments(seed: Any, page_size: Any, kind: type) -> None:
+    from kvmem.allocator import PrefixKeys
+
+    with pytest.raises(kind):
+        PrefixKeys(seed, page_size)
+
+
+def test_prefix_keys_of_a_list_equal_those_of_an_array_and_floats_are_refused() -> None:
+    from kvmem import HashedPrefixCache
+    from kvmem.allocator import PrefixKeys
+
+    keys = PrefixKeys(7, 4)
+    root = keys.root("tenant")
+    tokens = list(range(9))
+    assert np.array_equal(keys.prompt_keys(tokens, root), keys.prompt_keys(np.arange(9), root))
+    assert keys.prompt_keys(tokens, root).shape == (2, 2)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        keys.prompt_keys(np.array([1.5] * 4), root)
+    for bad in ("x", 1.5):
+        with pytest.raises(ArgumentTypeError, match="seed"):
+            HashedPrefixCache(seed=bad)
 
 
 def test_prompt_keys_equal_incremental_page_keys() -> None:
@@ -282,175 +524,12 @@ def test_a_recent_match_is_reused_only_while_its_pages_are_cached() -> None:
     assert cache.match(np.concatenate([system, [90] * 5]), "a", 4, 1).num_pages == 0
 
 
-# -- the cache against a plain model -------------------------------------------------------------
-
-
-class ModelCache:
-    """The cache's contract in plain Python: an index of 16-byte keys that holds exactly the
-    cached pages, and an LRU (insertion-ordered dict) of the pages only the cache holds."""
-
-    def __init__(self, cache: HashedPrefixCache, alloc: PageAllocator) -> None:
-        self.hasher, self.alloc = cache, alloc
-        self.index: dict[bytes, int] = {}
-        self.entry: dict[int, tuple[bytes, tuple[int, ...], int, int]] = {}
-        self.lru: dict[int, None] = {}
-
-    def match(self, tokens: np.ndarray, ns: object, max_pages: int, ns_id: int) -> list[int]:
-        found: list[int] = []
-        keys = self.hasher.prompt_keys(tokens, ns, max_pages)
-        for i, key in enumerate(keys):
-            page = self.index.get(key.tobytes())
-            if page is None:
-                break
-            _, toks, page_ns, tag = self.entry[page]
-            if (toks != tuple(tokens[i * P : (i + 1) * P].tolist()) or page_ns != ns_id
-                    or tag != self.alloc.tags[page]):
-                break
-            found.append(page)
-        return found
-
-    def insert(self, keys: np.ndarray, pages: np.ndarray, tokens: np.ndarray,
-               ns_ids: np.ndarray) -> list[int]:
-        taken: list[int] = []
-        seen_keys: set[bytes] = set()
-        for key, page, toks, ns in zip(keys, pages.tolist(), tokens.reshape(-1, P), ns_ids):
-            kb = key.tobytes()
-            if page in self.entry or kb in self.index or kb in seen_keys or page in taken:
-                continue
-            seen_keys.add(kb)
-            taken.append(page)
-            self.index[kb] = page
-            self.entry[page] = (kb, tuple(toks.tolist()), int(ns), int(self.alloc.tags[page]))
-        self.alloc.share(taken)
-        return taken
-
-    def acquired(self, pages: np.ndarray) -> None:
-        for page in pages.tolist():
-            self.lru.pop(page, None)
-
-    def released(self, pages: np.ndarray) -> None:
-        for page in pages.tolist()[::-1]:  # deepest first; a page listed twice: its first
-            if page in self.entry and self.alloc.refcounts[page] == 1 and page not in self.lru:
-                self.lru[page] = None
-
-    def _forget(self, pages: list[int]) -> list[bytes]:
-        keys = []
-        for page in pages:
-            kb = self.entry.pop(page)[0]
-            del self.index[kb]
-            self.lru.pop(page, None)
-            keys.append(kb)
-        return keys
-
-    def evict(self, n: int) -> tuple[list[int], list[bytes]]:
-        victims = list(self.lru)[:n]
-        keys = self._forget(victims)
-        self.alloc.free(victims)
-        return victims, keys
-
-    def remove(self, pages: np.ndarray) -> list[int]:
-        gone = sorted({p for p in pages.tolist() if p in self.entry})
-        self._forget(gone)
-        self.alloc.free(gone)
-        return gone
-
-
-def drive(seed: int, num_pages: int, small_buffers: bool, rebuild_often: bool) -> None:
-    """Random admissions, releases, holds, evictions and removals on the cache and on the
-    model (each with its own allocator): every answer and every count must agree."""
-    rng = np.random.default_rng(seed)
-    cache, alloc = bound(num_pages=num_pages, seed=seed)
-    model = ModelCache(cache, PageAllocator(num_pages))
-    if small_buffers:  # the LRU's buffers compact and grow while the cache runs
-        cache._fifo_pages = np.zeros(4, dtype=np.intp)
-        cache._fifo_stamps = np.zeros(4, dtype=np.int64)
-    if rebuild_often:  # the index drops its stale entries after every insert
-        cache._index_limit = 0
-    stems = [rng.integers(0, 3, 6 * P) for _ in range(4)]
-    names = [None, "t"]
-    held: list[np.ndarray] = []
-    for _ in range(400):
-        op = rng.random()
-        if op < 0.5:  # admit a prompt: reuse its cached prefix, store the rest, maybe finish
-            stem = stems[int(rng.integers(0, len(stems)))]
-            cut = int(rng.integers(0, stem.size + 1))
-            tokens = np.concatenate([stem[:cut], rng.integers(0, 3, int(rng.integers(1, 4)) * P)])
-            tokens = tokens[: tokens.size // P * P]
-            if tokens.size == 0:
-                continue
-            ns_id = int(rng.integers(0, 2))
-            m = cache.match(tokens, names[ns_id], 99, ns_id)
-            assert m.pages.tolist() == model.match(tokens, names[ns_id], 99, ns_id)
-            assert m.num_evictable == sum(p in model.lru for p in m.pages.tolist())
-            # Sometimes two requests with this prompt, admitted together, commit in one call.
-            copies = 2 if rng.random() < 0.2 else 1
-            need = tokens.size // P - m.num_pages
-            if copies * need > alloc.num_free + cache.num_evictable - m.num_evictable:
-                continue
-            for a, c in ((alloc, cache), (model.alloc, model)):
-                for _ in range(copies):
-                    a.share(m.pages)
-                c.acquired(m.pages)
-            short = copies * need - alloc.num_free
-            if short > 0:
-                got, keys = cache.evict(short)
-                want, want_keys = model.evict(short)
-                assert got.tolist() == want and [k.tobytes() for k in keys] == want_keys
-            own = alloc.allocate(copies * need)
-            assert own.tolist() == model.alloc.allocate(copies * need).tolist()
-            rest = np.vstack([tokens[m.num_pages * P :].reshape(-1, P)] * copies)
-            keys = cache.page_keys(np.vstack([m.last_key] * copies), np.full(copies, need),
-                                   np.full(copies, m.num_pages), rest)
-            ns_ids = np.full(copies * need, ns_id)
-            offered = own
-            if rng.random() < 0.2:  # the same pages offered twice in one call
-                keys, rest = np.vstack([keys, keys]), np.vstack([rest, rest])
-                offered, ns_ids = np.concatenate([own, own]), np.concatenate([ns_ids, ns_ids])
-            got = insert(cache, keys, offered, rest, ns_ids)
-            assert got.tolist() == model.insert(keys, offered, rest, ns_ids)
-            for copy in range(copies):
-                pages = np.concatenate([m.pages, own[copy * need : (copy + 1) * need]])
-                if rng.random() < 0.5:
-                    held.append(pages)
-                else:
-                    for a, cc in ((alloc, cache), (model.alloc, model)):
-                        a.free(pages)
-                        cc.released(pages)
-        elif op < 0.65 and held:  # requests finish, in one release (a page may be listed twice)
-            pages = np.concatenate([held.pop(int(rng.integers(0, len(held)))) for _ in
-                                    range(min(len(held), int(rng.integers(1, 3))))])
-            for a, c in ((alloc, cache), (model.alloc, model)):
-                a.free(pages)
-                c.released(pages)
-        elif op < 0.8 and cache.num_evictable:
-            n = int(rng.integers(1, cache.num_evictable + 1))
-            got, keys = cache.evict(n)
-            want, want_keys = model.evict(n)
-            assert got.tolist() == want and [k.tobytes() for k in keys] == want_keys
-        elif op < 0.9 and cache.num_cached:
-            pick = rng.choice(cache.cached_pages(), size=int(rng.integers(1, 4)))
-            if all(model.alloc.refcounts[p] == 1 for p in pick.tolist()):
-                removed, _ = cache.remove(pick)
-                assert removed.tolist() == model.remove(pick)
-        elif cache.num_cached:  # a request holds cached pages a while (no longer evictable)
-            pick = np.unique(rng.choice(cache.cached_pages(), size=int(rng.integers(1, 4))))
-            for a, c in ((alloc, cache), (model.alloc, model)):
-                a.share(pick)
-                c.acquired(pick)
-            held.append(pick.astype(np.int32))
-        assert cache.num_cached == len(model.entry)
-        assert cache.num_evictable == len(model.lru)
-        assert np.array_equal(alloc.refcounts, model.alloc.refcounts)
-        assert not cache.check()
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize(("small_buffers", "rebuild_often"), [(False, False), (True, True)])
 def test_the_cache_agrees_with_a_plain_model(seed: int, small_buffers: bool,
                                              rebuild_often: bool) -> None:
     drive(seed, num_pages=24 + 8 * seed, small_buffers=small_buffers,
           rebuild_often=rebuild_often)
-
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -504,3 +583,99 @@ def test_batched_keys_equal_one_at_a_time_for_any_batch_size_and_int_width() -> 
             got = cache.page_keys(parents, np.ones(k, dtype=np.int64), positions,
                                   tokens.astype(dtype))
             assert np.array_equal(got, want)
+
+
+def test_keys_are_those_of_the_documented_hash() -> None:
+    """Bit for bit what this seed gave before (routers recompute keys), and the docstring's
+    formula: prompt_keys, and the one-page path at positions inside and past the position
+    table (1024 entries at first)."""
+    cache = bound_cache()
+    tokens = (np.arange(64, dtype=np.int64) * 7919) % 50021
+    keys = cache.prompt_keys(tokens, ("tenant", 7))
+    assert [tuple(map(hex, k)) for k in keys.tolist()] == [
+        ("0x12f92fb33058bba", "0x3d7ae09152f6f304"),
+        ("0xeb28c8944d050a9a", "0x3724f2fb8a4432ea"),
+        ("0xad6725ea65105ffd", "0x96521102ffc494c1"),
+        ("0x6d97453e8f61609c", "0xf366cb2259e0ff05"),
+    ]
+    root = cache.root_key(("tenant", 7)).tolist()
+    assert keys.tolist() == [list(k) for k in
+                             reference_keys(cache.seed, 16, root, tokens.tolist(), 0)]
+    parents = np.array([[1, 2], [2**64 - 1, 0], [12345, 2**63]], dtype=np.uint64)
+    positions = np.array([0, 5, 4000])
+    got = cache.page_keys(parents, np.ones(3, np.int64), positions,
+                          tokens[:48].reshape(3, 16).astype(np.int32))
+    assert [tuple(map(hex, k)) for k in got.tolist()] == [
+        ("0x12620ead76c2d5e6", "0x8439ca96db9cfbdc"),
+        ("0xcca081ef588e03da", "0x955d52c5bd096db9"),
+        ("0xfe4e2e7a4a22627f", "0x45797f45fa913f6f"),
+    ]
+    for i in range(3):
+        want = reference_keys(cache.seed, 16, parents[i].tolist(),
+                              tokens[16 * i : 16 * (i + 1)].tolist(), int(positions[i]))
+        assert got[i].tolist() == list(want[0])
+
+
+def test_one_page_runs_equal_the_segmented_path_and_prompt_keys() -> None:
+    """Every page of several prompts (namespaces, lengths, int widths), hashed three ways:
+    prompt_keys; page_keys with runs of several pages (the segmented sum); page_keys with one
+    page per run, all prompts' pages mixed in one batch as a decode step offers them."""
+    cache = bound_cache(page_size=4)
+    rng = np.random.default_rng(7)
+    prompts = [(rng.integers(0, 2**31, 4 * n).astype(dtype), ns)
+               for n, dtype, ns in ((9, np.int32, None), (1, np.int64, "a"), (30, np.int32, "a"),
+                                    (5, np.int64, ("t", 2)))]
+    whole = [cache.prompt_keys(tokens, ns) for tokens, ns in prompts]
+    parent_rows, token_rows, position_rows = [], [], []
+    for (tokens, ns), keys in zip(prompts, whole):
+        k = keys.shape[0]
+        parents = np.concatenate([cache.root_key(ns)[None], keys[:-1]])
+        pages = tokens.reshape(k, 4)
+        # Runs of 1..4 pages.
+        cuts = np.unique(np.concatenate([[0], rng.integers(0, k, 3), [k]]))
+        counts = np.diff(cuts)
+        segmented = cache.page_keys(parents[cuts[:-1]], counts, cuts[:-1], pages)
+        assert np.array_equal(segmented, keys)
+        parent_rows.append(parents)
+        token_rows.append(pages.astype(np.int64))
+        position_rows.append(np.arange(k))
+    order = rng.permutation(sum(keys.shape[0] for keys in whole))
+    one_page = cache.page_keys(np.concatenate(parent_rows)[order],
+                               np.ones(order.size, np.int64),
+                               np.concatenate(position_rows)[order],
+                               np.concatenate(token_rows)[order])
+    assert np.array_equal(one_page, np.concatenate(whole)[order])
+    assert one_page.dtype == np.uint64 and one_page.flags.c_contiguous
+
+
+def test_returned_keys_do_not_share_the_scratch() -> None:
+    """The hashing scratch is reused call after call: keys returned earlier must not change."""
+    cache = bound_cache(page_size=4)
+    rng = np.random.default_rng(3)
+    parents = rng.integers(0, 2**63, (6, 2)).astype(np.uint64)
+    tokens = rng.integers(0, 1000, (6, 4))
+    first = [cache.page_keys(parents, np.ones(6, np.int64), np.arange(6), tokens),
+             cache.page_keys(parents[:2], np.array([2, 4]), np.array([0, 9]), tokens),
+             cache.prompt_keys(tokens.reshape(-1), None)]
+    saved = [keys.copy() for keys in first]
+    for k in (6, 3, 40):  # same size, smaller, and larger (the scratch grows)
+        cache.page_keys(rng.integers(0, 2**63, (k, 2)).astype(np.uint64), np.ones(k, np.int64),
+                        np.arange(k), rng.integers(0, 1000, (k, 4)))
+        cache.prompt_keys(rng.integers(0, 1000, 4 * k), "b")
+    for keys, want in zip(first, saved):
+        assert np.array_equal(keys, want)
+
+
+def test_a_huge_batch_hashes_into_temporaries_with_the_same_keys() -> None:
+    """Past 2**20 tokens, page_values hashes into temporaries instead of kept scratch: the
+    keys equal those of smaller batches (kept scratch) of the same pages."""
+    cache = bound_cache(page_size=1)
+    tokens = np.random.default_rng(5).integers(0, 50000, (1 << 20) + 3).astype(np.int32)
+    keys = cache.prompt_keys(tokens, "n")
+    head = cache.page_keys(cache.root_key("n")[None], np.array([1000]), np.array([0]),
+                           tokens[:1000, None])
+    assert np.array_equal(keys[:1000], head)
+    k = tokens.size
+    tail = cache.page_keys(keys[k - 1001 : k - 1], np.ones(1000, np.int64),
+                           np.arange(k - 1000, k), tokens[k - 1000 :, None])
+    assert np.array_equal(keys[k - 1000 :], tail)

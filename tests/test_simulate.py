@@ -1,17 +1,180 @@
-"""``kvmem simulate``: continuous batching driven through the real KVCacheManager."""
+"""The simulator: workloads, timelines and the simulate command."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from model_fixtures import TINY_VOCAB  # noqa: F401 (fixtures)
 
 from kvmem.cli import main
-from kvmem.errors import ConfigError
-from kvmem.planning import FixedReserve, GPUSpec, plan_capacity
+from kvmem.cli import main as cli_main
+from kvmem.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConfigError,
+    KVMemError,
+)
+from kvmem.planning import (
+    FixedReserve,
+    GPUSpec,
+    plan_capacity,
+)
 from kvmem.simulate import Arrivals, LengthDist, Workload, simulate
+
+# Kept small enough for CI (a clean 2-core machine): the menagerie is drawn afresh each run.
+SETTINGS = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+NOT_INTEGERS = st.one_of(
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.sampled_from([np.bool_(True), np.float32(1.0), np.float64(2.0), b"1", 1j]),
+)
+
+
+SCALARS = st.one_of(
+    NOT_INTEGERS,
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(
+        [np.int64(-1), np.int64(2**40), np.uint64(2**63 + 5), np.int8(3), np.int32(-2**31)]
+    ),
+    st.sampled_from([None, object(), {}, (), [], ...]),
+)
+
+
+TENSORS = st.sampled_from(
+    [
+        torch.zeros(3),
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(2, 2, dtype=torch.int64),
+        torch.tensor([-1, 0]),
+        torch.tensor([0, 2**40]),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(3, 2, 8),
+        torch.zeros(3, 2, 8, dtype=torch.float64),
+        torch.zeros(3, 2, 8, dtype=torch.int32),
+        torch.zeros(1, 1, 1, 1),
+    ]
+)
+
+
+ARRAYS = st.sampled_from(
+    [
+        np.array([1.5]),
+        np.array([True, False]),
+        np.array([[0, 1]]),
+        np.array([-1]),
+        np.array([2**63 + 5], dtype=np.uint64),
+        np.array(["a"]),
+        np.zeros(0),
+    ]
+)
+
+
+LISTS = st.lists(SCALARS, max_size=4)
+
+
+BAD = st.one_of(SCALARS, TENSORS, ARRAYS, LISTS)
+
+
+def _contracted(fn: Callable[[], Any], snapshot: Callable[[], Any] | None = None) -> Any:
+    """Run ``fn``: it succeeds, or raises a KVMemError of the right kind with nothing changed.
+
+    Returns the exception (None on success).
+    """
+    before = snapshot() if snapshot else None
+    try:
+        fn()
+    except KVMemError as exc:
+        if isinstance(exc, (ArgumentError, ArgumentTypeError)):
+            assert isinstance(exc, (ValueError, TypeError))
+        assert str(exc), "an error says what was asked, found and expected"
+        if snapshot is not None:
+            _assert_same(before, snapshot())
+        return exc
+    return None
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def _is_not_integer(value: Any) -> bool:
+    """Values the contract refuses wherever an integer is expected."""
+    return isinstance(value, (bool, np.bool_, float, np.floating, str, bytes, complex))
+
+
+CLI_SETTINGS = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+SIMULATE_NUMERIC = ["--tp", "--page-size", "--requests", "--concurrency", "--rate", "--prefixes",
+                    "--prefix-len", "--prefix-fraction", "--max-running", "--chunk",
+                    "--prefill-tps", "--t0-ms", "--efficiency", "--seed"]
+
+
+SMALL_SIM = ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "3",
+             "--prompt-len", "10", "--output-len", "5", "--no-progress"]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 2, (status, err)
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+_HANGS = """
+import sys
+from kvmem.errors import ConfigError
+from kvmem.planning import ThroughputModel, plan_capacity
+from kvmem.simulate import Arrivals, LengthDist, Workload, simulate
+
+plan = plan_capacity("llama-3.1-8b", "h100-80g", 1)
+lengths = dict(prompt_len=LengthDist.parse("100-200"), output_len=LengthDist.parse("1000-2000"))
+cases = [
+    (Workload(num_requests=5, concurrency=4, **lengths),
+     ThroughputModel(t0_s=1e305, efficiency=1, context_len=1)),
+    (Workload(num_requests=5, concurrency=4, **lengths),
+     ThroughputModel(t0_s=0, efficiency=1e-320, context_len=1)),
+    (Workload(num_requests=50, rate=5e-324, **lengths), None),
+]
+for workload, step_model in cases:
+    try:
+        simulate(workload, plan, step_model=step_model)
+    except ConfigError as exc:
+        assert "float" in str(exc), exc
+    else:
+        sys.exit("no error")
+"""
 
 
 def tiny_plan(memory_mib: int = 1024, page_size: int = 16):  # type: ignore[no-untyped-def]
@@ -20,6 +183,202 @@ def tiny_plan(memory_mib: int = 1024, page_size: int = 16):  # type: ignore[no-u
     return plan_capacity(
         "smollm2-135m", gpu, 1, policy=FixedReserve(reserve_gib=0.5), page_size=page_size
     )
+
+
+@SETTINGS
+@given(bad=BAD, field=st.sampled_from(["num_requests", "concurrency", "num_prefixes",
+                                       "prefix_len", "prefix_fraction", "namespaces", "seed"]))
+def test_workload_fields(bad: Any, field: str) -> None:
+    from kvmem.simulate import LengthDist, Workload
+
+    fields: dict[str, Any] = {
+        "num_requests": 4, "concurrency": 2, "prompt_len": LengthDist.parse("8-16"),
+        "output_len": LengthDist.parse("4"), "num_prefixes": 1, "prefix_len": 4,
+        "prefix_fraction": 0.5, "namespaces": 1, "seed": 3,
+    }
+    Workload(**fields)
+    exc = _contracted(lambda: Workload(**{**fields, field: bad}))
+    if field != "prefix_fraction" and _is_not_integer(bad):
+        assert isinstance(exc, ArgumentTypeError) and field in str(exc)
+    _contracted(lambda: LengthDist.parse(bad))
+    _contracted(lambda: LengthDist(kind="uniform", a=bad, b=10))
+
+
+def test_simulate_arguments() -> None:
+    from kvmem.planning import GPUSpec
+    from kvmem.simulate import LengthDist, Workload, simulate
+
+    plan = plan_capacity("smollm2-135m", GPUSpec(name="t", memory_mib=1024, bandwidth_gbs=1000),
+                         1, policy=FixedReserve(reserve_gib=0.5))
+    w = Workload(num_requests=3, concurrency=2, prompt_len=LengthDist.parse("8"),
+                 output_len=LengthDist.parse("4"))
+    assert simulate(w, plan).num_completed == 3
+    for kwargs in ({"chunk": 0}, {"chunk": 1.5}, {"max_running": True},
+                   {"prefill_tokens_per_s": 0}, {"prefill_tokens_per_s": float("nan")},
+                   {"sample_every": -1.0}, {"prefix_cache": 1}, {"progress": 3}):
+        with pytest.raises((ArgumentError, ArgumentTypeError)):
+            simulate(w, plan, **kwargs)
+    with pytest.raises(ArgumentTypeError):
+        simulate({"num_requests": 3}, plan)  # type: ignore[arg-type]
+
+
+@CLI_SETTINGS
+@given(option=st.sampled_from(SIMULATE_NUMERIC),
+       value=st.sampled_from(["-1", "-0.5", "abc", "nan", "inf", "", "1e999", "--", "0x10"]))
+def test_cli_simulate_refuses_bad_numbers(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    status = cli_main(["simulate", "llama-3.1-8b", f"{option}={value}"])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and err.count("\n") == 1, (option, value, err)
+    assert option in err
+
+
+@pytest.mark.parametrize("text", ["1.5", "1e3", "2.5-9", "0", "5-2", "lognormal:100"])
+def test_a_length_that_is_no_token_count_is_refused(text: str) -> None:
+    from kvmem import ConfigError
+    from kvmem.simulate import LengthDist
+
+    with pytest.raises(ConfigError, match="cannot read the length"):
+        LengthDist.parse(text)
+
+
+def test_workload_prefix_settings_without_prefixes_are_refused() -> None:
+    from kvmem import ConfigError
+    from kvmem.simulate import LengthDist, Workload
+
+    lengths = dict(prompt_len=LengthDist.parse("10"), output_len=LengthDist.parse("5"))
+    for extra in ({"prefix_len": 100}, {"prefix_fraction": 0.5}):
+        with pytest.raises(ConfigError, match="num_prefixes"):
+            Workload(num_requests=3, concurrency=2, **lengths, **extra)
+    assert Workload(num_requests=3, concurrency=2, num_prefixes=2, prefix_len=8,
+                    prefix_fraction=0.5, **lengths).prefix_len == 8
+
+
+def test_prompts_keep_to_max_len() -> None:
+    """prompts(max_len=3) drew the stem's head whole: prompts of up to 12 tokens."""
+    from hypothesis import given, settings
+
+    from kvmem.testing import prompts
+
+    @settings(max_examples=200, database=None)
+    @given(prompts(max_len=3))
+    def short(prompt: list[int]) -> None:
+        assert 1 <= len(prompt) <= 3, prompt
+
+    @settings(max_examples=1, database=None)
+    @given(prompts(max_len=0))
+    def empty(prompt: list[int]) -> None:
+        pass
+
+    short()
+    with pytest.raises(ArgumentError, match="max_len"):
+        empty()
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--requests", "99999999999999999999", "num_requests"),  # was numpy's ValueError
+        ("--chunk", "99999999999999999999", "chunk"),  # was an OverflowError
+        ("--prefixes", "99999999999999999999", "num_prefixes"),  # numpy's ValueError
+        ("--prefix-len", "99999999999999999999", "prefix_len"),  # an OverflowError
+    ],
+)
+def test_simulate_refuses_counts_beyond_its_arrays_in_one_line(
+    capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    extra = {"--prefixes": ["--prefix-len", "5"], "--prefix-len": ["--prefixes", "1"]}
+    err = _one_line_error(capsys, [*SMALL_SIM, option, value, *extra.get(option, [])])
+    assert err.startswith("kvmem simulate: error:") and message in err
+
+
+def test_workload_refuses_more_requests_than_token_ids_can_name() -> None:
+    # Request i's first token id is 100_000 + i, and token ids are int32.
+    with pytest.raises(KVMemError, match="num_requests"):
+        Workload(num_requests=2**31, concurrency=1, prompt_len=LengthDist.parse("10"),
+                 output_len=LengthDist.parse("5"))
+
+
+def test_a_slow_prefill_keeps_the_timeline_at_about_200_samples() -> None:
+    # simulate()'s default sampling is "about 200 samples over the expected run"; it ignored
+    # the prefill time, so a slow --prefill-tps ran for minutes appending millions of samples.
+    w = Workload(num_requests=3, concurrency=3, prompt_len=LengthDist.parse("10"),
+                 output_len=LengthDist.parse("5"))
+    report = simulate(w, model="llama-3.1-8b", gpu="h100-80g", tp=1, prefill_tokens_per_s=0.3)
+    assert report.simulated_seconds > 99  # 30 prompt tokens at 0.3 tokens/s
+    assert 100 <= len(report.timeline) <= 400
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"kind": "fixed", "a": 5_000_000}, "a=5000000"),  # was silently clipped to 1,048,576
+        ({"kind": "uniform", "a": 10, "b": 2_000_000}, "b=2000000"),
+        ({"kind": "fixed", "a": 2.5}, "a=2.5"),  # was silently truncated to 2
+        ({"kind": "uniform", "a": 2, "b": 3.7}, "b=3.7"),
+        ({"kind": "fixed", "a": 2, "b": 7}, "b=7"),  # b was ignored
+    ],
+)
+def test_a_length_that_is_no_token_count_is_refused_not_clipped(
+    kwargs: dict[str, object], named: str
+) -> None:
+    from kvmem.errors import ConfigError
+    from kvmem.simulate import LengthDist
+
+    with pytest.raises(ConfigError, match=named):
+        LengthDist(**kwargs)
+
+
+def test_cli_prompt_longer_than_max_len_is_refused_not_clipped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--prompt-len 10000000` used to run (or fail to fit) as 1,048,576-token prompts."""
+    status, out, err = run(capsys, "simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1",
+                           "--requests", "2", "--prompt-len", "10000000", "--no-progress")
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and "10000000" in err and "1,048,576" in err
+    assert "1048576 prompt" not in err
+
+
+def test_lengths_at_max_len_and_lognormal_bounds_still_work() -> None:
+    import numpy as np
+
+    from kvmem.simulate import LengthDist
+
+    rng = np.random.default_rng(0)
+    assert LengthDist.parse("1048576").sample(rng, 2).tolist() == [1 << 20, 1 << 20]
+    assert LengthDist(kind="fixed", a=2.0).sample(rng, 1).tolist() == [2]
+    wide = LengthDist(kind="lognormal", a=2, b=1000)  # high() raised OverflowError
+    assert wide.high() == wide.max_len
+    assert LengthDist(kind="lognormal", a=1000, b=0.6).high() == pytest.approx(1000 * np.exp(3))
+
+
+def test_a_simulated_clock_past_a_float_is_a_config_error_not_a_hang() -> None:
+    """An absurd step model or arrival rate made simulated time inf, and the timeline's
+    sampling loop (`while next_sample <= inf`) never ended."""
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", _HANGS],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("workload", "max_running"),
+    [({"num_requests": 200, "concurrency": 64}, 1), ({"num_requests": 3, "concurrency": 64}, 256)],
+)
+def test_the_default_timeline_has_about_200_samples(
+    workload: dict[str, int], max_running: int
+) -> None:
+    """simulate(sample_every=None) promises "about 200 samples"; with max_running=1 (the
+    estimate assumed all 64 clients run at once) it took about 12,800."""
+    from kvmem.planning import plan_capacity
+    from kvmem.simulate import LengthDist, Workload, simulate
+
+    w = Workload(prompt_len=LengthDist.parse("100-200"), output_len=LengthDist.parse("10-20"),
+                 **workload)
+    report = simulate(w, plan_capacity("llama-3.1-8b", "h100-80g", 1), max_running=max_running)
+    assert 100 <= len(report.timeline) <= 400, len(report.timeline)
 
 
 def test_report_shape_bf16_queues_fp8_holds_all_64() -> None:

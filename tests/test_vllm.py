@@ -1,12 +1,4 @@
-"""Promises of docs/vllm.md, the README's vLLM section, the docstrings of
-``kvmem.integrations.vllm`` and its command, each probed where an audit found it broken (or
-held but untested); the manager's are in test_doc_promises.py, the rest of the docs' in
-test_doc_promises_outer.py.
-
-Needs vLLM 0.33 importable (``bash benchmarks/setup_vllm_cpu.sh DIR`` and
-``PYTHONPATH=DIR/site:DIR/deps``); skipped otherwise. The tests that need vLLM *absent* run the
-command in a subprocess without it.
-"""
+"""The vLLM adapter: its documented behaviour, prefix cache order, events and benchmarks."""
 
 from __future__ import annotations
 
@@ -18,25 +10,34 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
-from kvmem import KVMemError
-from kvmem.integrations.vllm import vllm_import_error
+from kvmem import ArgumentError, ArgumentTypeError, ConfigError, HashedPrefixCache, KVMemError
+from kvmem.integrations.vllm import VllmOrderPrefixCache, vllm_import_error
 from kvmem.integrations.vllm.conformance import (
     Driver,
     SchedulerSpec,
     StreamRequest,
     StreamSpec,
+    make_scheduler,
     make_vllm_config,
 )
+from kvmem.manager import KVCacheManager
+from kvmem.testing import ManagerMachine
 
 pytestmark = pytest.mark.skipif(vllm_import_error() is not None,
                                 reason="vLLM 0.33 is not importable (see setup_vllm_cpu.sh)")
 
+
 if vllm_import_error() is None:
     from kvmem.integrations.vllm import KVMemScheduler, VllmKVCacheAdapter
 
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
 SPEC = SchedulerSpec(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                      max_model_len=128)
 
@@ -79,7 +80,100 @@ def _group(spec: Any) -> Any:
     return KVCacheGroupSpec(["layer"], spec)
 
 
-# -- refused at construction, "a KVMemError naming the option" -------------------------------
+def _ec(vc: Any) -> None:
+    from vllm.config import ECTransferConfig
+
+    object.__setattr__(vc, "ec_transfer_config",
+                       ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_both"))
+
+
+def _lora(vc: Any) -> None:
+    from vllm.config import LoRAConfig
+
+    object.__setattr__(vc, "lora_config", LoRAConfig())
+
+
+def _metrics(vc: Any) -> None:
+    obs = copy.copy(vc.observability_config)
+    object.__setattr__(obs, "kv_cache_metrics", True)
+    object.__setattr__(vc, "observability_config", obs)
+
+
+def _aux(vc: Any) -> None:
+    aux = copy.copy(vc.aux_output_config)
+    aux.enable_return_routed_experts = True
+    object.__setattr__(vc, "aux_output_config", aux)
+
+
+_ADAPTER = {"num_blocks": 16, "block_size": 4, "max_model_len": 64, "max_num_seqs": 4}
+
+
+def _fake_vllm(tmp_path: Path) -> dict[str, str]:
+    """An environment whose ``vllm`` is a broken install raising a multi-line ImportError."""
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        'raise ImportError("\\nIMPORTANT: PLEASE READ THIS\\n\\nthe C extension failed\\n")\n')
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+
+
+def _mgr(num_pages: int = 16, page_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(num_pages, page_size=page_size, max_seqs=8,
+                          prefix_cache=VllmOrderPrefixCache(seed=1), tracker="checking",
+                          watermark=0.0, kv_events=True)
+
+
+def _run(mgr: KVCacheManager, rid: str, tokens: list[int], ns: object = None) -> int:
+    """Admit, prefill and commit a whole prompt; returns the cached tokens it reused."""
+    res = mgr.admit(rid, np.array(tokens), namespace=ns)
+    mgr.reserve([rid], len(tokens) - res.num_cached_tokens)
+    mgr.commit(rid, tokens[res.num_cached_tokens:])
+    return res.num_cached_tokens
+
+
+class VllmOrderMachine(ManagerMachine):
+    """kvmem's whole state machine (forks, copy-on-write, fences, preemption, faults' absence)
+    against the vLLM-order cache."""
+
+    def make_manager(self) -> KVCacheManager:
+        return KVCacheManager(num_pages=self.num_pages, page_size=self.page_size,
+                              max_seqs=self.max_seqs, max_pages_per_seq=self.max_pages_per_seq,
+                              prefix_cache=VllmOrderPrefixCache(seed=3), tracker="checking",
+                              watermark=0.0)
+
+
+if vllm_import_error() is None:
+    from kvmem.integrations.vllm import VllmKVCacheAdapter
+
+
+def _events_of_a_reset(kvmem: bool, caching: bool) -> list[str]:
+    """Run one request to its end, reset the prefix cache, run a step: the event names."""
+    from kvmem.integrations.vllm.conformance import make_request, model_output
+
+    spec = SchedulerSpec(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                         max_model_len=64, enable_prefix_caching=caching)
+    s = make_scheduler(spec, kvmem)
+    s.add_request(make_request(StreamRequest("a", tuple(range(10, 20)), 2), 4))
+    while s.has_requests():
+        out = s.schedule()
+        s.update_from_output(out, model_output(s, out))
+    s.kv_event_publisher.events = []
+    assert s.reset_prefix_cache() is True
+    out = s.schedule()
+    s.update_from_output(out, model_output(s, out))  # publishes the step's events
+    return [type(e).__name__ for e in s.kv_event_publisher.events]
+
+
+def _benchmark(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/NAME.py as a module (the folder on the path: they import each other)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_prompt_embeddings_are_refused_at_construction() -> None:
@@ -186,31 +280,6 @@ def test_a_refused_model_is_told_to_use_vllms_own_scheduler_not_to_unset_itself(
     assert "2 groups" in message and "SlidingWindowSpec" in message
 
 
-def _ec(vc: Any) -> None:
-    from vllm.config import ECTransferConfig
-
-    object.__setattr__(vc, "ec_transfer_config",
-                       ECTransferConfig(ec_connector="ECExampleConnector", ec_role="ec_both"))
-
-
-def _lora(vc: Any) -> None:
-    from vllm.config import LoRAConfig
-
-    object.__setattr__(vc, "lora_config", LoRAConfig())
-
-
-def _metrics(vc: Any) -> None:
-    obs = copy.copy(vc.observability_config)
-    object.__setattr__(obs, "kv_cache_metrics", True)
-    object.__setattr__(vc, "observability_config", obs)
-
-
-def _aux(vc: Any) -> None:
-    aux = copy.copy(vc.aux_output_config)
-    aux.enable_return_routed_experts = True
-    object.__setattr__(vc, "aux_output_config", aux)
-
-
 @pytest.mark.parametrize(("mutate", "named"), [
     (_ec, "ec_transfer_config"),
     (_lora, "lora_config"),
@@ -257,9 +326,6 @@ def test_multimodal_and_resumable_requests_are_refused_and_change_nothing(what: 
     assert not d.sched.requests and not d.sched.has_requests()
 
 
-# -- "cache_salt (kvmem's namespace)": the same prefix hits as vLLM's ------------------------
-
-
 def test_an_empty_cache_salt_is_no_salt_as_in_vllm() -> None:
     """vLLM adds a salt to a block's keys only when it is non-empty, so ``cache_salt=""``
     shares the unsalted prefix (offline ``LLM.generate`` passes it through); kvmem made it a
@@ -276,9 +342,6 @@ def test_an_empty_cache_salt_is_no_salt_as_in_vllm() -> None:
     assert new["b"] == 8 and new["c"] == 0
 
 
-# -- the paranoid check: "or KVMEM_VLLM_VERIFY_BLOCK_TABLES=1" -------------------------------
-
-
 def test_the_environment_variable_turns_the_paranoid_check_on_after_import(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The variable was read once, when the module was imported: set afterwards (in the
@@ -292,11 +355,6 @@ def test_the_environment_variable_turns_the_paranoid_check_on_after_import(
     vc, kc = make_vllm_config(SPEC)
     plain = _build(vc, kc)
     assert plain.kv_cache_manager.worker_block_table is None
-
-
-# -- VllmKVCacheAdapter(...): the error contract ------------------------------------------------
-
-_ADAPTER = {"num_blocks": 16, "block_size": 4, "max_model_len": 64, "max_num_seqs": 4}
 
 
 @pytest.mark.parametrize(("name", "value", "kind"), [
@@ -358,9 +416,6 @@ def test_a_running_request_given_no_tokens_is_a_kvmem_value_error_and_nothing_qu
     adapter.check()
 
 
-# -- python -m kvmem.integrations.vllm conformance: bad options ---------------------------------
-
-
 @pytest.mark.parametrize(("argv", "named"), [
     (["conformance", "--streams", "-1"], "--streams"),
     (["conformance", "--streams", "0"], "--streams"),
@@ -383,9 +438,6 @@ def test_a_bad_option_is_one_line_and_status_2_before_any_work(
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and named in lines[0]
-
-
-# -- the conformance harness: its specs and functions keep the error contract -----------------
 
 
 @pytest.mark.parametrize(("build", "named", "kind"), [
@@ -452,15 +504,6 @@ def test_the_json_keys_are_there_without_timing(capsys: pytest.CaptureFixture[st
     assert result["step_speedup"] is None and result["timed_stream"] is None
 
 
-def _fake_vllm(tmp_path: Path) -> dict[str, str]:
-    """An environment whose ``vllm`` is a broken install raising a multi-line ImportError."""
-    pkg = tmp_path / "vllm"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(
-        'raise ImportError("\\nIMPORTANT: PLEASE READ THIS\\n\\nthe C extension failed\\n")\n')
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
-
-
 def test_a_broken_vllm_install_is_still_one_line(tmp_path: Path) -> None:
     """``vllm_import_error`` promises one line, and the command prints it as its one line;
     a broken install's multi-line message made it four."""
@@ -496,3 +539,242 @@ def test_a_name_that_needs_vllm_says_how_to_get_it(tmp_path: Path) -> None:
     assert len(lines) == 2, proc.stdout
     assert "KVMemScheduler needs vLLM" in lines[0] and "setup_vllm_cpu.sh" in lines[0]
     assert "VllmKVCacheAdapter needs vLLM" in lines[1] and "setup_vllm_cpu.sh" in lines[1]
+
+
+def test_duplicates_are_cached_and_the_first_is_found_first() -> None:
+    mgr = _mgr()
+    prompt = list(range(10, 19))  # two full pages and one token
+    # Both compute the same two pages before either is cached: vLLM caches both copies.
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.array(prompt))
+    for rid in ("a", "b"):
+        mgr.reserve([rid], len(prompt))
+        mgr.commit(rid, prompt)
+    cache = mgr.cache
+    assert cache is not None
+    assert cache.num_cached == 4
+    a_pages, b_pages = mgr.pages_of("a")[:2], mgr.pages_of("b")[:2]
+    match = cache.match(np.array(prompt), None, 2)
+    assert match.pages.tolist() == a_pages.tolist()
+    # Once a's copies are gone, b's still serve the prefix.
+    mgr.release("a")
+    mgr.release("b")
+    evicted, _ = cache.evict(2)
+    assert sorted(evicted.tolist()) == sorted(a_pages.tolist())
+    assert cache.match(np.array(prompt), None, 2).pages.tolist() == b_pages.tolist()
+    mgr.check()
+
+
+def test_eviction_follows_release_order_deepest_page_first() -> None:
+    mgr = _mgr()
+    _run(mgr, "a", list(range(100, 109)))
+    _run(mgr, "b", list(range(200, 209)))
+    a, b = mgr.pages_of("a")[:2].tolist(), mgr.pages_of("b")[:2].tolist()
+    mgr.release("b")  # b first: its pages are older in the free queue
+    mgr.release("a")
+    cache = mgr.cache
+    assert cache is not None
+    order = [int(cache.evict(1)[0][0]) for _ in range(4)]
+    assert order == [b[1], b[0], a[1], a[0]]
+
+
+def test_a_hit_takes_pages_out_of_the_queue_and_a_release_puts_them_last() -> None:
+    mgr = _mgr()
+    _run(mgr, "a", list(range(100, 109)))
+    _run(mgr, "b", list(range(200, 209)))
+    mgr.release("a")
+    mgr.release("b")
+    cache = mgr.cache
+    assert cache is not None
+    assert cache.num_evictable == 4
+    assert _run(mgr, "a2", list(range(100, 109))) == 8  # hits a's pages
+    assert cache.num_evictable == 2
+    hit = mgr.pages_of("a2")[:2].tolist()
+    mgr.release("a2")
+    order = [int(cache.evict(1)[0][0]) for _ in range(4)]
+    assert order[2:] == [hit[1], hit[0]]
+
+
+def test_namespaces_never_share() -> None:
+    mgr = _mgr()
+    prompt = list(range(10, 19))
+    _run(mgr, "a", prompt, ns="tenant-a")
+    assert _run(mgr, "b", prompt, ns="tenant-b") == 0
+    assert _run(mgr, "c", prompt, ns="tenant-a") == 8
+
+
+def test_a_bound_cache_cannot_be_bound_again() -> None:
+    cache = VllmOrderPrefixCache()
+    KVCacheManager(8, page_size=4, max_seqs=2, prefix_cache=cache)
+    with pytest.raises(KVMemError):
+        KVCacheManager(8, page_size=4, max_seqs=2, prefix_cache=cache)
+
+
+def test_the_package_imports_without_vllm_and_says_how_to_get_it() -> None:
+    error = vllm_import_error()
+    assert error is None or "setup_vllm_cpu.sh" in error
+
+
+TestVllmOrderMachine = VllmOrderMachine.TestCase
+
+
+TestVllmOrderMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_the_package_names_are_exactly_the_intended_ones() -> None:
+    import kvmem.integrations.vllm as pkg
+
+    assert set(pkg.__all__) == {
+        "VLLM_VERSION", "KVMemAsyncScheduler", "KVMemBlocks", "KVMemScheduler",
+        "VllmKVCacheAdapter", "VllmOrderPrefixCache", "check_supported", "vllm_import_error"}
+    assert pkg.VLLM_VERSION == "0.33.0"
+    if vllm_import_error() is None:  # the lazy names load on first use
+        for name in pkg.__all__:
+            assert getattr(pkg, name) is not None
+    with pytest.raises(AttributeError):
+        pkg.NoSuchName  # noqa: B018
+
+
+@pytest.mark.parametrize("cls", [VllmOrderPrefixCache, HashedPrefixCache])
+def test_a_cache_refuses_a_bad_seed_and_a_second_manager(cls: type) -> None:
+    for seed, error in (("x", ArgumentTypeError), (1.5, ArgumentTypeError), (True,
+                        ArgumentTypeError), (-1, ArgumentError)):
+        with pytest.raises(error, match="seed"):
+            cls(seed=seed)
+    cache = cls(seed=7)
+    with pytest.raises(ConfigError, match="not bound"):
+        _ = cache.allocator
+    KVCacheManager(16, page_size=4, prefix_cache=cache)
+    with pytest.raises(ConfigError, match="already bound"):
+        KVCacheManager(16, page_size=4, prefix_cache=cache)
+    assert cache.allocator.num_pages == 16
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+def test_a_reset_reports_all_blocks_cleared_as_vllm_does_with_caching_on_or_off(
+        caching: bool) -> None:
+    """KV events and prefix caching off are both supported: vLLM's block pool reports
+    ``AllBlocksCleared`` on every successful reset, cache or not; kvmem's adapter reported
+    nothing without a prefix cache."""
+    assert _events_of_a_reset(False, caching) == ["AllBlocksCleared"]
+    assert _events_of_a_reset(True, caching) == ["AllBlocksCleared"]
+
+
+def test_an_empty_prompt_is_refused_in_add_request_and_changes_nothing() -> None:
+    """vLLM's engine refuses an empty prompt before its scheduler; given to kvmem's scheduler
+    directly it was queued, then every ``schedule()`` raised the manager's ``max_pages=-1``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    d = Driver(SPEC, kvmem=True)
+    empty = Request(request_id="e", prompt_token_ids=[], sampling_params=SamplingParams(
+        max_tokens=2), pooling_params=None)
+    with pytest.raises(KVMemError, match=r"'e'.*empty prompt") as info:
+        d.sched.add_request(empty)
+    assert isinstance(info.value, ValueError)
+    assert not d.sched.requests and not d.sched.has_requests()
+    d.add(StreamRequest("a", (11, 12, 13), 2))
+    d.run()
+    assert d.requests["a"].is_finished()
+
+
+def test_a_salt_past_the_namespace_limit_is_refused_in_add_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvmem's manager tells apart ``MAX_NAMESPACES`` namespaces in its life (2**20; 3 here).
+    The request with one salt too many was queued and its admission inside ``schedule()``
+    raised, every step after (it stayed at the head of the queue): the scheduler served no
+    one. Now ``add_request`` refuses it, naming the request and the salt, and the rest run."""
+    import kvmem.allocator._admission as admission
+
+    monkeypatch.setattr(admission, "MAX_NAMESPACES", 3)  # None and two salts
+    d = Driver(SPEC, kvmem=True)
+    d.add(StreamRequest("a", (11, 12, 13), 2, salt="t1"))
+    d.add(StreamRequest("b", (11, 12, 13), 2, salt="t2"))
+    with pytest.raises(KVMemError, match=r"'c'.*cache_salt='t3'"):
+        d.add(StreamRequest("c", (11, 12, 13), 2, salt="t3"))
+    assert "c" not in d.sched.requests
+    d.add(StreamRequest("d", (11, 12, 13), 2, salt="t1"))  # a salt it knows is still served
+    d.run()
+    assert all(d.requests[rid].is_finished() for rid in "abd")
+    d.sched.kv_cache_manager.check()
+
+
+def test_a_max_model_len_too_long_for_the_page_table_is_named_as_max_model_len() -> None:
+    """docs/vllm.md: the adapter's arguments are checked by their own names. A context whose
+    blocks overflow int32 was refused as the manager's ``max_pages_per_seq``, which the caller
+    never passed."""
+    args = {"num_blocks": 16, "block_size": 4, "max_num_seqs": 4}
+    with pytest.raises(KVMemError, match=r"^max_model_len=1099511627776: .*block_size=4") as info:
+        VllmKVCacheAdapter(max_model_len=1 << 40, **args)
+    assert isinstance(info.value, ValueError)
+    assert "max_pages_per_seq" not in str(info.value)
+
+
+def test_a_long_prefill_threshold_past_max_model_len_is_refused_when_the_spec_is_built() -> None:
+    """docs/vllm.md: the specs are checked when built, before vLLM sees them, with vLLM's own
+    limits; this one reached vLLM as a pydantic ValidationError when the scheduler was built."""
+    with pytest.raises(KVMemError, match=r"long_prefill_token_threshold=100.*max_model_len=64"
+                       ) as info:
+        SchedulerSpec(max_model_len=64, long_prefill_token_threshold=100)
+    assert isinstance(info.value, ValueError)
+    spec = SchedulerSpec(max_model_len=64, long_prefill_token_threshold=64)  # vLLM's bound
+    Driver(spec, kvmem=True)
+
+
+def test_the_readme_says_what_the_scenario_table_says() -> None:
+    """The README said one of vLLM's scenarios re-created differs; docs/vllm.md's table (and
+    tests/test_vllm_conformance.py) has every one agree."""
+    doc = (ROOT / "docs" / "vllm.md").read_text()
+    table = doc.split("### vLLM's own scenarios", 1)[1].split("\n\n")[2]
+    results = [row.rsplit("|", 2)[1].strip() for row in table.splitlines()[2:]]
+    assert len(results) >= 10 and all(r.startswith("agree") for r in results), results
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "scenarios re-created (all agree)" in readme
+    assert "one differs" not in readme
+
+
+def test_the_churn_benchmark_prints_the_documented_keys(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    churn = _benchmark("bench_vllm_churn", monkeypatch)
+    assert churn.main(["--requests", "8", "--steps", "3", "--warmup", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("mismatched_steps", "vllm_step_us_median", "kvmem_step_us_median",
+                "step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
+                "kvmem_flush_us_median", "verify_paths"):
+        assert key in result, key
+    assert result["steps"] == 3 and result["mismatched_steps"] == 0
+
+
+@pytest.mark.parametrize(("script", "argv", "named"), [
+    ("bench_vllm_churn", ["--steps", "0"], "--steps"),  # was a StatisticsError after the run
+    ("bench_vllm_churn", ["--requests", "0"], "--requests"),  # was the SchedulerSpec's traceback
+    ("bench_vllm_churn", ["--requests", "9000"], "--requests"),  # past vLLM's 8192-token step
+    ("bench_vllm_churn", ["--warmup", "-1"], "--warmup"),
+    ("bench_vllm_floor", ["--decode-steps", "0"], "--decode-steps"),
+    ("bench_vllm_floor", ["--requests", "0"], "--requests"),
+])
+def test_a_bad_vllm_benchmark_option_is_one_line_and_status_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], script: str,
+        argv: list[str], named: str) -> None:
+    # (not "benchmark": that name is pytest-benchmark's fixture where the plugin is installed)
+    assert _benchmark(script, monkeypatch).main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and named in err
+
+
+def test_the_floor_benchmark_prints_the_documented_keys_and_its_bound(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    floor = _benchmark("bench_vllm_floor", monkeypatch)
+    assert floor.main(["--requests", "8", "--decode-steps", "20"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["batch"] == 8 and r["decode_steps"] == 20 and r["mismatched_steps"] == 0
+    assert 0 < r["kvmem_flush_us"] < r["kvmem_kv_us"]
+    assert 0 < r["kvmem_per_request_us"] < r["kvmem_kv_us"]  # (a median of the differences)
+    assert r["kv_speedup_bound"] == pytest.approx(
+        r["vllm_kv_us"] / (r["floor_step_us"] + r["kvmem_per_request_us"]), rel=0.01)
+    assert r["floor_step_us"] > 0 and r["floor_step_warm_us"] > 0

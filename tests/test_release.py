@@ -1,0 +1,124 @@
+"""release, release_batch, preemption and resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvmem import (
+    ArgumentTypeError,
+    KVMemError,
+    OutOfPagesError,
+)
+from kvmem.manager import (
+    KVCacheManager,
+    ManagerEvent,
+)
+from kvmem.testing import ToyEngine
+
+
+def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
+    """Admit, prefill in one chunk, commit; returns the cached token count."""
+    res = eng.admit(rid, prompt, ns)
+    eng.step([rid], len(prompt) - res.num_cached_tokens)
+    eng.commit([rid])
+    return res.num_cached_tokens
+
+
+def _finished_batch(mgr: KVCacheManager) -> list[Any]:
+    """Requests sharing prefixes (two namespaces), a fork, a preempted one: the ids to release."""
+    eng = ToyEngine(mgr)
+    system = list(range(9))
+    for i in range(5):
+        run_prompt(eng, i, system + [100 + i] * (3 + i), ns="t" if i % 2 else None)
+    eng.fork(1, "1b")
+    for _ in range(3):
+        eng.step([0, 1, "1b", 2, 3, 4], 1)
+        eng.commit([0, 1, "1b", 2, 3, 4])
+    eng.preempt(3)
+    return [2, "1b", 0, 3, 1]
+
+
+def test_a_failed_resume_keeps_the_preempted_order(make_manager: Any, snapshot: Any) -> None:
+    mgr = make_manager(num_pages=8, prefix_cache=None, max_seqs=6, max_pages_per_seq=8)
+    for rid in ("a", "b", "c"):
+        mgr.admit(rid, [1] * 8)
+    for rid in ("a", "b", "c"):
+        mgr.preempt(rid)
+    mgr.admit("hog", [2] * 28)  # 7 of 8 pages: nobody resumes
+    before = snapshot(mgr)
+    with pytest.raises(OutOfPagesError):
+        mgr.resume("b")
+    assert mgr.preempted == ("a", "b", "c") and snapshot(mgr) == before
+
+
+def test_a_failed_resume_of_committed_requests_keeps_the_preempted_order(snapshot: Any) -> None:
+    m = KVCacheManager(8, page_size=4, max_seqs=4, prefix_cache=None)
+    for r in "ab":
+        m.admit(r, list(range(1, 9)))
+        m.reserve([r], 8)
+        m.commit(r, list(range(1, 9)))
+    m.preempt("a")
+    m.preempt("b")
+    m.admit("c", list(range(1, 29)))  # takes the pages a resume would need
+    before = snapshot(m)
+    with pytest.raises(KVMemError):
+        m.resume("a")
+    assert snapshot(m) == before
+
+
+def test_release_batch_refuses_a_string() -> None:
+    m = KVCacheManager(64, page_size=4, max_seqs=4)
+    m.admit("A", [1])
+    m.admit("B", [2])
+    with pytest.raises(ArgumentTypeError):
+        m.release_batch("AB")
+    assert set(m.running) == {"A", "B"}
+
+
+def test_out_of_pages_on_reserve_then_preempt_and_retry(make_manager: Any, snapshot: Any) -> None:
+    mgr = make_manager(num_pages=4, prefix_cache=None)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", [1] * 8)
+    run_prompt(eng, "b", [2] * 8)
+    assert not mgr.can_reserve(["a", "b"], 1)
+    before = snapshot(mgr)
+    with pytest.raises(OutOfPagesError):
+        mgr.reserve(["a", "b"], 1)
+    assert snapshot(mgr) == before
+    eng.preempt("b")
+    eng.step(["a"], 1)
+    eng.commit(["a"])
+    eng.check_kv()
+    assert mgr.preempted == ("b",) and not mgr.can_resume("b")
+    eng.release("a")
+    res = eng.resume("b")
+    assert res.num_prompt_tokens == 8 and mgr.stats().num_preemptions == 1
+    eng.step(["b"], 8)
+    eng.check_kv()
+
+
+def test_release_batch_equals_releasing_one_by_one(make_manager: Any) -> None:
+    one, many = make_manager(num_pages=64), make_manager(num_pages=64)
+    ids = _finished_batch(one)
+    assert _finished_batch(many) == ids
+    freed: dict[KVCacheManager, list[ManagerEvent]] = {one: [], many: []}
+    for mgr in (one, many):
+        mgr.add_hook("free", freed[mgr].append)
+    for rid in ids:
+        one.release(rid)
+    many.release_batch(ids)
+    for mgr in (one, many):
+        mgr.check()
+        assert mgr.running == (4,) and mgr.preempted == ()
+    assert one.stats() == many.stats()
+    assert (one.allocator.refcounts == many.allocator.refcounts).all()
+    assert len(freed[many]) == 1  # one free for the batch
+    assert sorted(np.concatenate([e.pages for e in freed[one]]).tolist()) == sorted(
+        freed[many][0].pages.tolist())
+    assert one.cache is not None and many.cache is not None
+    n = one.cache.num_evictable
+    assert n > 0  # the least recently used first, in the same order
+    assert one.cache.evict(n)[0].tolist() == many.cache.evict(n)[0].tolist()

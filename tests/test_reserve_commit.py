@@ -1,0 +1,371 @@
+"""reserve and commit: chunked, speculative and decode steps, token checks, the step metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem import (
+    ArgumentError,
+    ArgumentTypeError,
+    KVMemError,
+)
+from kvmem.manager import (
+    KVCacheManager,
+)
+from kvmem.testing import ToyEngine
+
+
+def manager() -> KVCacheManager:
+    mgr = KVCacheManager(64, page_size=4, max_seqs=8, tracker="checking")
+    mgr.admit("a", list(range(10)))
+    return mgr
+
+
+P = 4
+
+
+def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
+    """Admit, prefill in one chunk, commit; returns the cached token count."""
+    res = eng.admit(rid, prompt, ns)
+    eng.step([rid], len(prompt) - res.num_cached_tokens)
+    eng.commit([rid])
+    return res.num_cached_tokens
+
+
+def decoding(
+        make_manager: Any, num_steps: int = 3, **kw: Any) -> tuple[KVCacheManager, ToyEngine,
+                                                                   list[str]]:
+    """Five requests (two share a prefix) that decoded and verified a few steps: verify holds
+    a proven snapshot and reserve a CSR base."""
+    mgr = make_manager(num_pages=64, **kw)
+    eng = ToyEngine(mgr)
+    ids = ["a", "b", "c", "d", "e"]
+    for i, rid in enumerate(ids):
+        run_prompt(eng, rid, list(range(10)) if rid in "ab" else [i] * (5 + 3 * i))
+    for _ in range(num_steps):
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    stats = mgr.verifier.stats
+    assert stats.spliced_proved + stats.incremental_proved == num_steps  # a proof is held
+    return mgr, eng, ids
+
+
+def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:
+    res = m.admit(rid, prompt, namespace=ns)
+    m.reserve([rid], len(prompt) - res.num_cached_tokens)
+    m.commit(rid, prompt[res.num_cached_tokens:])
+    return res.num_cached_tokens
+
+
+def _busy(make_manager: Any) -> KVCacheManager:
+    mgr = make_manager(num_pages=64, max_seqs=10, tracker="paranoid")
+    for rid, prompt in (("a", list(range(9))), ("b", list(range(9))), ("c", [7] * 5),
+                        ("p", [3] * 6)):
+        res = mgr.admit(rid, prompt)
+        mgr.reserve([rid], len(prompt) - res.num_cached_tokens)
+        mgr.commit(rid, prompt[res.num_cached_tokens:])
+    mgr.preempt("p")
+    mgr.reserve(["a", "c"], 1)  # a decode step reserved: the fast paths' records exist
+    return mgr
+
+
+BOOL_TOKENS = [[5, True], (np.True_, 3, 4), [1, 2, False]]
+
+
+CALLS = {
+    "admit": lambda m, v: m.admit("new", v),
+    "can_admit": lambda m, v: m.can_admit(v),
+    "match_prefix": lambda m, v: m.match_prefix(v),
+    "resume": lambda m, v: m.resume("p", v),
+    "commit": lambda m, v: m.commit("a", v),
+    "commit_batch ragged": lambda m, v: m.commit_batch(["a", "c"], [v, [1]]),
+}
+
+
+def test_commit_batch_takes_a_plain_list_and_a_tensor_of_one_token_each(make_manager: Any) -> None:
+    import torch
+
+    mgr = make_manager(max_seqs=6, max_pages_per_seq=8)
+    for rid in ("a", "b"):
+        mgr.admit(rid, [1, 2, 3])
+        mgr.reserve([rid], 3)
+        mgr.commit(rid, [1, 2, 3])
+    mgr.reserve(["a", "b"], 1)
+    mgr.commit_batch(["a", "b"], [5, 7])
+    mgr.reserve(["a", "b"], 1)
+    mgr.commit_batch(["a", "b"], torch.tensor([6, 8]))
+    assert mgr.tokens_of("a").tolist() == [1, 2, 3, 5, 6]
+    assert mgr.tokens_of("b").tolist() == [1, 2, 3, 7, 8]
+
+
+@pytest.mark.parametrize("chunk", [1, 18, 100, 256])
+def test_reserve_takes_any_chunk_up_to_the_rows_room(chunk: int) -> None:
+    """A chunk longer than max(max_pages_per_seq, max_seqs) + 1 but at most page_size raised a
+    raw numpy error after it had advanced num_tokens."""
+    mgr = KVCacheManager(64, page_size=256, max_pages_per_seq=16, max_seqs=8)
+    mgr.admit("a", np.arange(300))
+    step = mgr.reserve(["a"], chunk)
+    assert step.slot_mapping.size == chunk and mgr.num_tokens("a") == chunk
+    mgr.commit("a", np.arange(chunk))
+    before = mgr.num_tokens("a")
+    with pytest.raises(ArgumentError):
+        mgr.reserve(["a"], 2**63 - 256)
+    assert mgr.num_tokens("a") == before
+
+
+def test_speculative_reserve_longer_than_the_rows() -> None:
+    mgr = KVCacheManager(16, page_size=16, max_pages_per_seq=4, max_seqs=2)
+    mgr.admit("a", [1, 2])
+    mgr.reserve(["a"], 2)
+    assert mgr.reserve(["a"], 8).slot_mapping.size == 8
+
+
+def test_reserve_between_the_table_bounds_and_a_page_is_atomic(snapshot: Any) -> None:
+    m = KVCacheManager(64, page_size=16, max_seqs=2, max_pages_per_seq=2)
+    m.admit("a", [1, 2, 3])
+    before = snapshot(m)
+    try:
+        m.reserve(["a"], 5)
+    except KVMemError:
+        assert snapshot(m) == before
+    else:
+        assert m.num_tokens("a") == 5
+
+
+@pytest.mark.parametrize("k", [2**63 - 16, 2**63 - 1])
+@pytest.mark.parametrize("form", ["int", "list"])
+def test_a_huge_reserve_is_refused_and_changes_nothing(snapshot: Any, k: int, form: str) -> None:
+    m = KVCacheManager(64, page_size=16, max_seqs=2)
+    m.admit("a", [1, 2, 3])
+    m.reserve(["a"], 3)
+    m.commit("a", [1, 2, 3])
+    before = snapshot(m)
+    with pytest.raises(KVMemError):
+        m.reserve(["a"], k if form == "int" else [k])
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("form", ["list", "tensor"])
+def test_commit_batch_takes_one_token_per_request(form: str) -> None:
+    m = KVCacheManager(64, page_size=4, max_seqs=4)
+    m.admit("a", [1, 2])
+    m.admit("b", [3, 4])
+    m.reserve(["a", "b"], 2)
+    m.commit_batch(["a", "b"], [[1, 2], [3, 4]])
+    m.reserve(["a", "b"], 1)
+    if form == "list":
+        tokens: Any = [5, 7]
+    else:
+        import torch
+
+        tokens = torch.tensor([5, 7])
+    m.commit_batch(["a", "b"], tokens)
+    assert m.num_committed("a") == m.num_committed("b") == 3
+
+
+@pytest.mark.parametrize("call", ["admit", "can_admit", "match_prefix", "commit", "resume"])
+def test_ragged_token_ids_are_an_argument_error(snapshot: Any, call: str) -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 2)
+    mgr.preempt("a") if call == "resume" else None
+    before = snapshot(mgr)
+    ragged = [[1], [2, 3]]
+    with pytest.raises(ArgumentError, match="token_ids"):
+        {"admit": lambda: mgr.admit("b", ragged), "can_admit": lambda: mgr.can_admit(ragged),
+         "match_prefix": lambda: mgr.match_prefix(ragged),
+         "commit": lambda: mgr.commit("a", ragged),
+         "resume": lambda: mgr.resume("a", ragged)}[call]()
+    assert snapshot(mgr) == before
+
+
+@pytest.mark.parametrize("tokens", [[True, False], [1.0, 2.0], np.array([1.5]), ["1", "2"]])
+def test_token_ids_of_the_wrong_type_are_a_type_error(snapshot: Any, tokens: Any) -> None:
+    mgr = manager()
+    before = snapshot(mgr)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        mgr.admit("b", tokens)
+    assert snapshot(mgr) == before
+
+
+@pytest.mark.parametrize("tokens", [[1.5], [True], np.array([2.0])])
+def test_commit_batch_refuses_non_integer_tokens_by_type(snapshot: Any, tokens: Any) -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 1)
+    before = snapshot(mgr)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        mgr.commit_batch(["a"], tokens)
+    assert snapshot(mgr) == before
+
+
+def test_commit_batch_with_the_wrong_count_names_token_ids() -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 1)
+    with pytest.raises(ArgumentError, match=r"token_ids=\[1, 2\].*2 token lists for 1 requests"):
+        mgr.commit_batch(["a"], [1, 2])
+
+
+def test_a_reserve_past_max_pages_per_seq_is_an_argument_error(snapshot: Any) -> None:
+    mgr = manager()
+    mgr.reserve(["a"], 200)
+    before = snapshot(mgr)
+    with pytest.raises(ArgumentError, match="max_pages_per_seq"):
+        mgr.reserve(["a"], 100)
+    assert snapshot(mgr) == before
+
+
+def test_step_metadata_shapes_and_dtypes_are_the_documented_ones() -> None:
+    mgr = manager()  # "a": 10 prompt tokens, page size 4
+    mgr.admit("b", [7, 8])
+    step = mgr.reserve(["a", "b"], [10, 2])
+    assert step.slot_mapping.dtype == np.int64 and step.slot_mapping.shape == (12,)
+    for name, shape in (("qo_indptr", (3,)), ("kv_indptr", (3,)), ("kv_indices", (4,)),
+                        ("kv_last_page_len", (2,)), ("seq_lens", (2,))):
+        field = getattr(step, name)
+        assert field.dtype == np.int32 and field.shape == shape, name
+    assert step.kv_last_page_len.tolist() == [2, 2] and step.seq_lens.tolist() == [10, 2]
+    assert step.block_table.dtype == np.int32
+    assert step.block_table.tolist() == [mgr.pages_of("a").tolist(),
+                                         [*mgr.pages_of("b").tolist(), -1, -1]]
+    tensors = step.tensors("cpu")
+    assert str(tensors["slot_mapping"].dtype) == "torch.int64"
+    assert all(str(t.dtype) == "torch.int32" for k, t in tensors.items() if k != "slot_mapping")
+
+
+@pytest.mark.parametrize("device", ["tpu", 3, object()])
+def test_step_tensors_on_a_device_torch_cannot_use_is_an_argument_error(device: Any) -> None:
+    step = manager().reserve(["a"], 1)
+    with pytest.raises(ArgumentError, match="device"):
+        step.tensors(device)
+
+
+def test_decode_step_metadata_for_a_batch(make_manager: Any) -> None:
+    mgr = make_manager()
+    for rid, n in (("a", 4), (7, 5), ("c", 1)):
+        assert mgr.admit(rid, np.arange(n) + 10 * n).num_cached_tokens == 0
+        mgr.reserve([rid], n)
+        mgr.commit(rid, np.arange(n) + 10 * n)
+    step = mgr.reserve(["a", 7, "c"], 1)
+    assert step.request_ids == ("a", 7, "c")
+    assert step.seq_lens.tolist() == [5, 6, 2] and step.qo_indptr.tolist() == [0, 1, 2, 3]
+    assert step.kv_indptr.tolist() == [0, 2, 4, 5]
+    assert step.kv_last_page_len.tolist() == [1, 2, 2]
+    # "a" crossed a page boundary: its new token opens its second page.
+    assert step.slot_mapping[0] == mgr.pages_of("a")[1] * P
+    table = step.block_table
+    assert table.dtype == np.int32 and table.shape == (3, 2)
+    assert table.tolist() == [mgr.pages_of("a").tolist(), mgr.pages_of(7).tolist(),
+                              [mgr.pages_of("c")[0], -1]]
+    assert step.num_pages.tolist() == [2, 2, 1]
+
+
+def test_speculative_and_per_request_token_counts(make_manager: Any) -> None:
+    mgr = make_manager()
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.arange(3))
+        mgr.reserve([rid], 3)
+    step = mgr.reserve(["a", "b"], [4, 0])
+    assert step.qo_indptr.tolist() == [0, 4, 4] and step.seq_lens.tolist() == [7, 3]
+    assert step.slot_mapping.size == 4
+
+
+def test_the_manager_keeps_its_own_copy_of_token_ids(make_manager: Any) -> None:
+    mgr = make_manager()
+    prompt = np.arange(6)
+    mgr.admit("a", prompt)
+    prompt[:] = 77  # the engine reuses its buffer
+    mgr.preempt("a")
+    assert mgr.resume("a").num_prompt_tokens == 6
+    mgr.reserve(["a"], 6)
+    mgr.commit("a", np.arange(6))
+    assert mgr.tokens_of("a").tolist() == list(range(6))
+
+
+def test_commit_batch_takes_one_token_each_k_each_or_ragged_lists(make_manager: Any) -> None:
+    mgr = make_manager()
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.arange(2) + (10 if rid == "b" else 0))
+    mgr.reserve(["a", "b"], 2)
+    mgr.commit_batch(["a", "b"], np.array([[0, 1], [10, 11]]))
+    mgr.reserve(["a", "b"], [3, 1])
+    mgr.commit_batch(["a", "b"], [np.array([2, 3, 4]), [12]])
+    mgr.reserve(["a", "b"], 1)
+    mgr.commit_batch(["a", "b"], np.array([5, 13], dtype=np.int32))
+    assert mgr.tokens_of("a").tolist() == [0, 1, 2, 3, 4, 5]
+    assert mgr.tokens_of("b").tolist() == [10, 11, 12, 13]
+    with pytest.raises(KVMemError, match="token lists"):
+        mgr.commit_batch(["a", "b"], [[1]])
+    with pytest.raises(KVMemError):
+        mgr.commit_batch(["a", "b"], np.array([-1, 2]))
+
+
+def test_speculative_and_chunked_steps_of_a_decoding_batch(make_manager: Any) -> None:
+    mgr, eng, ids = decoding(make_manager)
+    for n in (3, 1, [2, 0, 5, 1, 4], 16, 1):
+        step = eng.step(ids, n)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    eng.check_kv()
+    assert mgr.verify(ids).ok
+
+
+@pytest.mark.parametrize("call", ["reserve", "can_reserve"])
+def test_ragged_token_counts_are_an_argument_error(
+        make_manager: Any, snapshot: Any, call: str) -> None:
+    m = make_manager(max_pages_per_seq=8)
+    m.admit("a", [1, 2, 3])
+    before = snapshot(m)
+    with pytest.raises(KVMemError, match="num_tokens") as info:
+        getattr(m, call)(["a"], [[1, 2], [3]])
+    assert isinstance(info.value, (ArgumentError, ArgumentTypeError))
+    assert snapshot(m) == before
+
+
+def test_the_managers_out_of_pages_error_says_what_an_engine_does(
+        make_manager: Any, snapshot: Any) -> None:
+    from kvmem.errors import OutOfPagesError
+
+    m = make_manager(num_pages=6, prefix_cache=None, max_pages_per_seq=8)
+    prefill(m, "a", list(range(10)))  # 3 pages
+    m.admit("b", [1, 2, 3, 4, 5])  # 2 pages: 1 free
+    m.reserve(["b"], 5)
+    m.commit("b", [1, 2, 3, 4, 5])
+    m.fork("b", "f")  # promises the shared tail's copy: nothing left
+    before = snapshot(m)
+    for call in (lambda: m.admit("c", list(range(9))), lambda: m.reserve(["a", "b"], 4),
+                 lambda: m.fork("a", "g")):
+        with pytest.raises(OutOfPagesError, match=r"can_admit\(\), can_reserve\(\)") as info:
+            call()
+        assert "can_allocate" not in str(info.value)
+        assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+@pytest.mark.parametrize("tokens", BOOL_TOKENS, ids=["int-bool", "npbool-int", "int-false"])
+def test_a_token_list_holding_a_bool_is_refused(
+        make_manager: Any, snapshot: Any, call: str, tokens: Any) -> None:
+    """errors.md: integer-like is never a bool, and a list holding a bool is refused; numpy
+    reads [5, True] as [5, 1], so it was taken as token 1."""
+    mgr = _busy(make_manager)
+    before = snapshot(mgr)
+    with pytest.raises(ArgumentTypeError, match="bool"):
+        CALLS[call](mgr, tokens)
+    assert snapshot(mgr) == before
+    mgr.check()
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(5), np.array(5), np.int64(5), 5],
+                         ids=["0-d tensor", "0-d array", "numpy scalar", "int"])
+def test_commit_batch_refuses_one_scalar_for_a_batch(
+        make_manager: Any, snapshot: Any, bad: Any) -> None:
+    """A 0-d tensor (or array) raised numpy's 'len() of unsized object' TypeError."""
+    mgr = _busy(make_manager)
+    before = snapshot(mgr)
+    with pytest.raises(ArgumentTypeError, match="token_ids"):
+        mgr.commit_batch(["a", "c"], bad)
+    assert snapshot(mgr) == before
+    mgr.commit_batch(["a", "c"], torch.tensor([5, 6]))  # ... and the batch still commits
