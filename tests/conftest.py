@@ -97,6 +97,13 @@ def _fields(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _registry(requests: Any) -> tuple[Any, ...]:
+    """Every known request (its namespace, prompt and saved tokens) and the running rows."""
+    known = tuple((repr(rid), repr(r.namespace), r.namespace_id, _freeze(r.prompt),
+                   _freeze(r.saved)) for rid, r in requests.known.items())
+    return known, _freeze(requests.rows), _freeze(requests._ids)
+
+
 def full_snapshot(manager: KVCacheManager) -> dict[str, Any]:
     """The manager's whole state: allocator arrays, page table, page tokens, tracker, prefix
     cache, fences, namespaces, the request registry, the counters and the stats. Two snapshots
@@ -112,8 +119,7 @@ def full_snapshot(manager: KVCacheManager) -> dict[str, Any]:
         "prefix cache": _fields(m.cache),
         "fences": _fields(m.fences),
         "namespaces": _fields(m.namespaces),
-        "registry": (tuple(m.running), tuple(m.preempted), _freeze(m._rows),
-                     _freeze(m._row_ids), tuple(sorted(map(repr, m._requests)))),
+        "registry": (tuple(m.running), tuple(m.preempted), *_registry(m._requests)),
         "counters": _freeze(m._counters),
         "stats": m.stats(),
     }

@@ -72,7 +72,7 @@ class ValueOracles:
         self.width = width = -(-max_len // P) + 1
         self.pages = np.full((max_requests, width), -1, dtype=np.int64)  # last pages seen
         self.num_pages = np.zeros(max_requests, dtype=np.int64)
-        self._flat = self.pages.reshape(-1)
+        self._held_flat = self.pages.reshape(-1)
         self._arange = np.arange(max_requests * width, dtype=np.int64)
         self.counts = {"prefix_queries": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
                        "forks": 0, "preemptions": 0, "cow_copies": 0, "integrity_failures": 0}
@@ -170,7 +170,7 @@ class ValueOracles:
             ar = self._arange if nnz <= self._arange.size else np.arange(nnz)
             flat = (slots * self.width - indptr[:-1]).repeat(counts)
             flat += ar[:nnz]
-            changed = (self._flat.take(flat) != indices).nonzero()[0]
+            changed = (self._held_flat.take(flat) != indices).nonzero()[0]
             if changed.size:
                 rb = indptr.searchsorted(changed, side="right") - 1
                 cols = changed - indptr[rb]
@@ -182,9 +182,9 @@ class ValueOracles:
                     raise FuzzFailure(
                         "step_metadata", f"reserve moved page {int(cols[i])} of the request "
                         f"at slot {int(slots[rb[i]])} from page "
-                        f"{int(self._flat[flat[changed[i]]])} to {int(indices[changed[i]])} "
+                        f"{int(self._held_flat[flat[changed[i]]])} to {int(indices[changed[i]])} "
                         "without a copy-on-write copy")
-                self._flat[flat[changed]] = indices[changed]
+                self._held_flat[flat[changed]] = indices[changed]
             self.num_pages[slots] = np.maximum(self.num_pages[slots], counts)
         self.counts["cow_copies"] += int(copy_dst.size)
 
