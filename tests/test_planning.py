@@ -9,9 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
+from adversarial import (  # the shared menagerie of bad arguments
+    BAD,
+    SETTINGS,
+    contracted,
+    is_not_integer,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,99 +51,6 @@ from kvmem.planning import (
     weight_bytes,
     weight_scheme,
 )
-
-# Kept small enough for CI (a clean 2-core machine): the menagerie is drawn afresh each run.
-SETTINGS = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-
-
-NOT_INTEGERS = st.one_of(
-    st.booleans(),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=3),
-    st.sampled_from([np.bool_(True), np.float32(1.0), np.float64(2.0), b"1", 1j]),
-)
-
-
-SCALARS = st.one_of(
-    NOT_INTEGERS,
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.sampled_from(
-        [np.int64(-1), np.int64(2**40), np.uint64(2**63 + 5), np.int8(3), np.int32(-2**31)]
-    ),
-    st.sampled_from([None, object(), {}, (), [], ...]),
-)
-
-
-TENSORS = st.sampled_from(
-    [
-        torch.zeros(3),
-        torch.zeros(3, dtype=torch.bool),
-        torch.zeros(2, 2, dtype=torch.int64),
-        torch.tensor([-1, 0]),
-        torch.tensor([0, 2**40]),
-        torch.zeros(0, dtype=torch.int32),
-        torch.zeros(3, 2, 8),
-        torch.zeros(3, 2, 8, dtype=torch.float64),
-        torch.zeros(3, 2, 8, dtype=torch.int32),
-        torch.zeros(1, 1, 1, 1),
-    ]
-)
-
-
-ARRAYS = st.sampled_from(
-    [
-        np.array([1.5]),
-        np.array([True, False]),
-        np.array([[0, 1]]),
-        np.array([-1]),
-        np.array([2**63 + 5], dtype=np.uint64),
-        np.array(["a"]),
-        np.zeros(0),
-    ]
-)
-
-
-LISTS = st.lists(SCALARS, max_size=4)
-
-
-BAD = st.one_of(SCALARS, TENSORS, ARRAYS, LISTS)
-
-
-def _contracted(fn: Callable[[], Any], snapshot: Callable[[], Any] | None = None) -> Any:
-    """Run ``fn``: it succeeds, or raises a KVMemError of the right kind with nothing changed.
-
-    Returns the exception (None on success).
-    """
-    before = snapshot() if snapshot else None
-    try:
-        fn()
-    except KVMemError as exc:
-        if isinstance(exc, (ArgumentError, ArgumentTypeError)):
-            assert isinstance(exc, (ValueError, TypeError))
-        assert str(exc), "an error says what was asked, found and expected"
-        if snapshot is not None:
-            _assert_same(before, snapshot())
-        return exc
-    return None
-
-
-def _assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_same(a[key], b[key])
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
-
-
-def _is_not_integer(value: Any) -> bool:
-    """Values the contract refuses wherever an integer is expected."""
-    return isinstance(value, (bool, np.bool_, float, np.floating, str, bytes, complex))
-
 
 PLAN_ARGS: dict[str, Any] = {
     "model": "llama-3.1-8b", "gpu": "h100-80g", "tp": 2, "dp": 2, "kv_dtype": "fp8_e4m3",
@@ -230,8 +141,8 @@ def test_plan_capacity(param: str, bad: Any) -> None:
     model, gpu = args.pop("model"), args.pop("gpu")
     plan_capacity(model, gpu, **args)  # valid as built
     call = {"model": model, "gpu": gpu, **args, param: bad}
-    exc = _contracted(lambda: plan_capacity(**call))
-    if param in PLAN_INTEGERS and _is_not_integer(bad):
+    exc = contracted(lambda: plan_capacity(**call))
+    if param in PLAN_INTEGERS and is_not_integer(bad):
         assert isinstance(exc, ArgumentTypeError) and param in str(exc), (bad, exc)
 
 
@@ -281,7 +192,7 @@ def test_planning_functions(bad: Any) -> None:
         lambda: load_hf_config(bad) if not isinstance(bad, str) else None,
     ]
     for call in calls:
-        _contracted(call)
+        contracted(call)
 
 
 @pytest.mark.parametrize(
@@ -294,7 +205,7 @@ def test_planning_functions(bad: Any) -> None:
 def test_planning_specs(cls: Callable[..., Any], field: str, bad: Any) -> None:
     fields = dict(next(f for c, f in SPEC_CASES if c is cls))
     cls(**fields)  # valid as built
-    exc = _contracted(lambda: cls(**{**fields, field: bad}))
+    exc = contracted(lambda: cls(**{**fields, field: bad}))
     if isinstance(bad, (str, bytes)) and field != "name":
         assert isinstance(exc, ArgumentTypeError) and field in str(exc), (bad, exc)
 
