@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from adversarial import (  # the shared menagerie of bad arguments
 )
 from hypothesis import given
 from model_fixtures import TINY_VOCAB  # noqa: F401 (fixtures)
+from pool_fixtures import calibrated_pool, pool_state
 
 from kvmem.attention import paged_attention
 from kvmem.cuda import PagePool, PoolSpec
@@ -168,25 +168,6 @@ def outliers() -> dict[str, Any]:
 
 
 
-def _calibrated_pool(**kw: Any) -> PagePool:
-    spec = PoolSpec(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8,
-                    device="cpu", **kw)
-    pool = PagePool(spec)
-    k = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(0))
-    pool.write(0, [0, 1, 2, 5, 9, 30], k, -k)  # calibrates layer 0's tensor scales
-    pool.load_tags(np.arange(8) * 3)
-    return pool
-
-
-def _pool_state(pool: PagePool) -> Callable[[], dict[str, Any]]:
-    def snap() -> dict[str, Any]:
-        state: dict[str, Any] = {n: t.clone() for n, t in pool.storage_tensors().items()}
-        state["tags"] = pool.tags.clone()
-        state["stats"] = pool.stats()
-        state["calibrated"] = list(pool._calibrated)
-        return state
-
-    return snap
 
 
 def _attention_call(pool: PagePool) -> dict[str, Any]:
@@ -324,14 +305,14 @@ def test_bad_metadata_is_rejected() -> None:
         call(qo_indptr=np.array([0.0, 2.0, 3.0]))
 
 
-@pytest.mark.parametrize("param", list(_attention_call(_calibrated_pool(dtype="bf16"))))
+@pytest.mark.parametrize("param", list(_attention_call(calibrated_pool(dtype="bf16"))))
 @SETTINGS
 @given(bad=BAD)
 def test_paged_attention(param: str, bad: Any) -> None:
-    pool = _calibrated_pool(dtype="fp8_e4m3", scales="tensor")
+    pool = calibrated_pool(dtype="fp8_e4m3", scales="tensor")
     kwargs = _attention_call(pool)
     paged_attention(**kwargs)  # valid as built
-    exc = contracted(lambda: paged_attention(**{**kwargs, param: bad}), _pool_state(pool))
+    exc = contracted(lambda: paged_attention(**{**kwargs, param: bad}), pool_state(pool))
     if param == "layer" and is_not_integer(bad):
         assert isinstance(exc, ArgumentTypeError) and "layer" in str(exc)
 

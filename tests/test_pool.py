@@ -16,6 +16,7 @@ from adversarial import (  # the shared menagerie of bad arguments
     is_not_integer,
 )
 from hypothesis import given
+from pool_fixtures import DTYPES, GQA, MLA, calibrated_pool, pool_state
 
 from kvmem import (
     ArgumentError,
@@ -40,25 +41,6 @@ POOL_KINDS = [  # per-layer scales set by a first write, and per-token scales
 ]
 
 
-def _calibrated_pool(**kw: Any) -> PagePool:
-    spec = PoolSpec(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8,
-                    device="cpu", **kw)
-    pool = PagePool(spec)
-    k = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(0))
-    pool.write(0, [0, 1, 2, 5, 9, 30], k, -k)  # calibrates layer 0's tensor scales
-    pool.load_tags(np.arange(8) * 3)
-    return pool
-
-
-def _pool_state(pool: PagePool) -> Callable[[], dict[str, Any]]:
-    def snap() -> dict[str, Any]:
-        state: dict[str, Any] = {n: t.clone() for n, t in pool.storage_tensors().items()}
-        state["tags"] = pool.tags.clone()
-        state["stats"] = pool.stats()
-        state["calibrated"] = list(pool._calibrated)
-        return state
-
-    return snap
 
 
 def _pool_calls(pool: PagePool) -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
@@ -92,7 +74,7 @@ class _Alloc:
 
 POOL_PARAMS = [
     (method, param)
-    for method, (_, kwargs) in _pool_calls(_calibrated_pool(dtype="bf16")).items()
+    for method, (_, kwargs) in _pool_calls(calibrated_pool(dtype="bf16")).items()
     for param in kwargs
 ]
 
@@ -123,35 +105,6 @@ def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> i
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-GQA: dict[str, Any] = {
-    "num_layers": 2,
-    "num_pages": 12,
-    "page_size": 4,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-}
-
-
-MLA: dict[str, Any] = {
-    "num_layers": 2,
-    "num_pages": 12,
-    "page_size": 4,
-    "attention": "mla",
-    "kv_lora_rank": 24,
-    "qk_rope_head_dim": 8,
-}
-
-
-DTYPES = [
-    ("fp32", None),
-    ("bf16", None),
-    ("fp16", None),
-    ("fp8_e4m3", "tensor"),
-    ("fp8_e4m3", "head"),
-    ("fp8_e4m3", "token_head"),
-    ("fp8_e5m2", "tensor"),
-    ("fp8_e5m2", "token_head"),
-]
 
 
 def _pool(device: str = "cpu", **kw: Any) -> PagePool:
@@ -260,9 +213,9 @@ def test_a_pool_of_other_pages_or_page_size_is_refused(num_pages: int, page_size
 def test_pool_methods_refuse_bad_arguments_and_change_nothing(
     kind: dict[str, Any], method: str, param: str, bad: Any
 ) -> None:
-    pool = _calibrated_pool(**kind)
+    pool = calibrated_pool(**kind)
     fn, kwargs = _pool_calls(pool)[method]
-    exc = contracted(lambda: fn(**{**kwargs, param: bad}), _pool_state(pool))
+    exc = contracted(lambda: fn(**{**kwargs, param: bad}), pool_state(pool))
     if param in INTEGER_PARAMS and is_not_integer(bad):
         assert isinstance(exc, ArgumentTypeError) and param in str(exc), (bad, exc)
     if param in ID_LIST_PARAMS and not isinstance(bad, (list, tuple, np.ndarray, torch.Tensor)):
@@ -272,14 +225,14 @@ def test_pool_methods_refuse_bad_arguments_and_change_nothing(
 @pytest.mark.parametrize("kind", [{"dtype": "bf16"}, *POOL_KINDS], ids=lambda k: k["dtype"])
 def test_pool_valid_calls_succeed(kind: dict[str, Any]) -> None:
     """The calls the property test corrupts are valid as built."""
-    pool = _calibrated_pool(**kind)
+    pool = calibrated_pool(**kind)
     for fn, kwargs in _pool_calls(pool).values():
         fn(**kwargs)
 
 
 def test_page_ids_never_wrap_or_index_from_the_end() -> None:
-    pool = _calibrated_pool(dtype="bf16")
-    snap = _pool_state(pool)
+    pool = calibrated_pool(dtype="bf16")
+    snap = pool_state(pool)
     before = snap()
     for ids in ([-1], np.array([-8]), torch.tensor([-1]), [8], [2**32 + 1],
                 np.array([2**32 + 1], dtype=np.int64), [np.int64(2**63 - 1)]):
@@ -297,7 +250,7 @@ def test_a_write_that_fails_late_changes_nothing() -> None:
     """NaN input with nonfinite='raise' is refused after every shape check passed."""
     pool = PagePool(PoolSpec(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1,
                              head_dim=4, dtype="fp8_e4m3", device="cpu", nonfinite="raise"))
-    snap = _pool_state(pool)
+    snap = pool_state(pool)
     before = snap()
     k = torch.ones(2, 1, 4)
     k[1, 0, 0] = float("nan")

@@ -14,6 +14,7 @@ from adversarial import (  # the shared menagerie of bad arguments
     is_not_integer,
 )
 from hypothesis import given
+from pool_fixtures import DTYPES, GQA, MLA
 
 from kvmem.cuda import PagePool, PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
@@ -55,35 +56,6 @@ def _doc_formulas() -> dict[str, str]:
     return out
 
 
-GQA: dict[str, Any] = {
-    "num_layers": 2,
-    "num_pages": 12,
-    "page_size": 4,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-}
-
-
-MLA: dict[str, Any] = {
-    "num_layers": 2,
-    "num_pages": 12,
-    "page_size": 4,
-    "attention": "mla",
-    "kv_lora_rank": 24,
-    "qk_rope_head_dim": 8,
-}
-
-
-DTYPES = [
-    ("fp32", None),
-    ("bf16", None),
-    ("fp16", None),
-    ("fp8_e4m3", "tensor"),
-    ("fp8_e4m3", "head"),
-    ("fp8_e4m3", "token_head"),
-    ("fp8_e5m2", "tensor"),
-    ("fp8_e5m2", "token_head"),
-]
 
 
 @pytest.mark.parametrize("field", list(SPEC_FIELDS))
