@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_helpers import run_prompt
 
 from kvmem import (
     KVMemError,
@@ -21,14 +22,6 @@ from kvmem.manager import (
 from kvmem.testing import ToyEngine
 
 P = 4
-
-
-def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
-    """Admit, prefill in one chunk, commit; returns the cached token count."""
-    res = eng.admit(rid, prompt, ns)
-    eng.step([rid], len(prompt) - res.num_cached_tokens)
-    eng.commit([rid])
-    return res.num_cached_tokens
 
 
 def pooled(make_manager: Any, num_pages: int = 16) -> tuple[KVCacheManager, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_helpers import run_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -123,14 +124,6 @@ def manager() -> KVCacheManager:
     mgr = KVCacheManager(64, page_size=4, max_seqs=8, tracker="checking")
     mgr.admit("a", list(range(10)))
     return mgr
-
-
-def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
-    """Admit, prefill in one chunk, commit; returns the cached token count."""
-    res = eng.admit(rid, prompt, ns)
-    eng.step([rid], len(prompt) - res.num_cached_tokens)
-    eng.commit([rid])
-    return res.num_cached_tokens
 
 
 def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:

@@ -15,6 +15,7 @@ from adversarial import (  # the shared menagerie of bad arguments
     contracted,
     is_not_integer,
 )
+from engine_helpers import run_prompt
 from hypothesis import given
 from pool_fixtures import DTYPES, GQA, MLA, calibrated_pool, pool_state
 
@@ -92,14 +93,6 @@ SMALL_GQA: dict[str, Any] = {
     "num_kv_heads": 2,
     "head_dim": 8,
 }
-
-
-def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
-    """Admit, prefill in one chunk, commit; returns the cached token count."""
-    res = eng.admit(rid, prompt, ns)
-    eng.step([rid], len(prompt) - res.num_cached_tokens)
-    eng.commit([rid])
-    return res.num_cached_tokens
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from engine_helpers import run_prompt
 
 from kvmem import (
     ArgumentTypeError,
@@ -17,14 +18,6 @@ from kvmem.manager import (
     ManagerEvent,
 )
 from kvmem.testing import ToyEngine
-
-
-def run_prompt(eng: ToyEngine, rid: Any, prompt: list[int], ns: Any = None) -> int:
-    """Admit, prefill in one chunk, commit; returns the cached token count."""
-    res = eng.admit(rid, prompt, ns)
-    eng.step([rid], len(prompt) - res.num_cached_tokens)
-    eng.commit([rid])
-    return res.num_cached_tokens
 
 
 def _finished_batch(mgr: KVCacheManager) -> list[Any]:
