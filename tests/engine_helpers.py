@@ -33,3 +33,36 @@ def decoding(
     stats = mgr.verifier.stats
     assert stats.spliced_proved + stats.incremental_proved == num_steps  # a proof is held
     return mgr, eng, ids
+
+
+def finished_batch(mgr: KVCacheManager) -> list[Any]:
+    """Requests sharing prefixes (two namespaces), a fork, a preempted one: the ids to release."""
+    eng = ToyEngine(mgr)
+    system = list(range(9))
+    for i in range(5):
+        run_prompt(eng, i, system + [100 + i] * (3 + i), ns="t" if i % 2 else None)
+    eng.fork(1, "1b")
+    for _ in range(3):
+        eng.step([0, 1, "1b", 2, 3, 4], 1)
+        eng.commit([0, 1, "1b", 2, 3, 4])
+    eng.preempt(3)
+    return [2, "1b", 0, 3, 1]
+
+
+def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:
+    res = m.admit(rid, prompt, namespace=ns)
+    m.reserve([rid], len(prompt) - res.num_cached_tokens)
+    m.commit(rid, prompt[res.num_cached_tokens:])
+    return res.num_cached_tokens
+
+
+def busy_manager(make_manager: Any) -> KVCacheManager:
+    mgr = make_manager(num_pages=64, max_seqs=10, tracker="paranoid")
+    for rid, prompt in (("a", list(range(9))), ("b", list(range(9))), ("c", [7] * 5),
+                        ("p", [3] * 6)):
+        res = mgr.admit(rid, prompt)
+        mgr.reserve([rid], len(prompt) - res.num_cached_tokens)
+        mgr.commit(rid, prompt[res.num_cached_tokens:])
+    mgr.preempt("p")
+    mgr.reserve(["a", "c"], 1)  # a decode step reserved: the fast paths' records exist
+    return mgr

@@ -61,3 +61,16 @@ def pool_state(pool: PagePool) -> Callable[[], dict[str, Any]]:
         return state
 
     return snap
+
+
+SMALL_GQA: dict[str, Any] = {
+    "num_layers": 1,
+    "num_pages": 4,
+    "page_size": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+}
+
+
+def small_pool(**kw: Any) -> PagePool:
+    return PagePool(PoolSpec(**{**SMALL_GQA, "device": "cpu", **kw}))

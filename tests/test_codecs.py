@@ -15,8 +15,9 @@ from adversarial import (  # the shared menagerie of bad arguments
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pool_fixtures import SMALL_GQA, small_pool
 
-from kvmem.cuda import PagePool, PoolSpec
+from kvmem.cuda import PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 from kvmem.planning import (
     WeightFormat,
@@ -39,19 +40,6 @@ from kvmem.quant.int4 import (
     quantize_int4,
     unpack_int4,
 )
-
-SMALL_GQA: dict[str, Any] = {
-    "num_layers": 1,
-    "num_pages": 4,
-    "page_size": 2,
-    "num_kv_heads": 2,
-    "head_dim": 8,
-}
-
-
-def _small_pool(**kw: Any) -> PagePool:
-    return PagePool(PoolSpec(**{**SMALL_GQA, "device": "cpu", **kw}))
-
 
 _FP8_NAN_BYTES = {"fp8_e4m3": (0x7F, 0xFF), "fp8_e5m2": (0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF)}
 
@@ -168,7 +156,7 @@ def test_static_scales_a_float32_cannot_hold_are_refused(scale: float) -> None:
 
 def test_static_scales_at_the_float32_limits_read_back_finite() -> None:
     for scale in (3e38, 1e-44):
-        pool = _small_pool(dtype="fp8_e4m3", static_scales=scale)
+        pool = small_pool(dtype="fp8_e4m3", static_scales=scale)
         assert pool.static_scales is not None and bool((pool.static_scales > 0).all())
         assert bool(torch.isfinite(pool.static_scales).all())
         k = torch.randn(2, 2, 8)
@@ -213,7 +201,7 @@ def test_a_token_whose_scale_underflows_is_stored_without_nan(dtype: str) -> Non
     """A (token, head) row of fp32 values below ~6e-43 has ``amax / max_finite`` == 0 in fp32:
     the row was divided by 0 and its zeros (0 / 0) were stored as fp8 NaN bytes, with scale 0.
     e5m2 pages then read back NaN, silently. Such a row gets scale 1, as an all-zero row does."""
-    pool = _small_pool(dtype=dtype, scales="token_head")
+    pool = small_pool(dtype=dtype, scales="token_head")
     k = torch.zeros(2, 2, 8)
     k[0, 0, :3] = torch.tensor([1e-44, -3e-44, 0.0])  # head 0 of token 0: a tiny row
     k[1] = torch.randn(2, 8)  # an ordinary token beside it

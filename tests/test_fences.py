@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_helpers import run_prompt
+from engine_helpers import finished_batch, run_prompt
 
 from kvmem import (
     ArgumentError,
@@ -27,20 +27,6 @@ def manager() -> KVCacheManager:
     mgr = KVCacheManager(64, page_size=4, max_seqs=8, tracker="checking")
     mgr.admit("a", list(range(10)))
     return mgr
-
-
-def _finished_batch(mgr: KVCacheManager) -> list[Any]:
-    """Requests sharing prefixes (two namespaces), a fork, a preempted one: the ids to release."""
-    eng = ToyEngine(mgr)
-    system = list(range(9))
-    for i in range(5):
-        run_prompt(eng, i, system + [100 + i] * (3 + i), ns="t" if i % 2 else None)
-    eng.fork(1, "1b")
-    for _ in range(3):
-        eng.step([0, 1, "1b", 2, 3, 4], 1)
-        eng.commit([0, 1, "1b", 2, 3, 4])
-    eng.preempt(3)
-    return [2, "1b", 0, 3, 1]
 
 
 def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:
@@ -178,7 +164,7 @@ def test_pages_released_during_a_step_are_freed_when_it_retires(make_manager: An
 
 def test_release_batch_is_all_or_nothing_and_fenced(make_manager: Any, snapshot: Any) -> None:
     mgr = make_manager(num_pages=64)
-    ids = _finished_batch(mgr)
+    ids = finished_batch(mgr)
     before = snapshot(mgr)
     with pytest.raises(KVMemError, match="unknown"):
         mgr.release_batch([2, "nope", 0])

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_helpers import run_prompt
+from engine_helpers import busy_manager, prefill, run_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -123,25 +123,6 @@ class _BlockingPool(PagePool):
 def manager() -> KVCacheManager:
     mgr = KVCacheManager(64, page_size=4, max_seqs=8, tracker="checking")
     mgr.admit("a", list(range(10)))
-    return mgr
-
-
-def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:
-    res = m.admit(rid, prompt, namespace=ns)
-    m.reserve([rid], len(prompt) - res.num_cached_tokens)
-    m.commit(rid, prompt[res.num_cached_tokens:])
-    return res.num_cached_tokens
-
-
-def _busy(make_manager: Any) -> KVCacheManager:
-    mgr = make_manager(num_pages=64, max_seqs=10, tracker="paranoid")
-    for rid, prompt in (("a", list(range(9))), ("b", list(range(9))), ("c", [7] * 5),
-                        ("p", [3] * 6)):
-        res = mgr.admit(rid, prompt)
-        mgr.reserve([rid], len(prompt) - res.num_cached_tokens)
-        mgr.commit(rid, prompt[res.num_cached_tokens:])
-    mgr.preempt("p")
-    mgr.reserve(["a", "c"], 1)  # a decode step reserved: the fast paths' records exist
     return mgr
 
 
@@ -571,7 +552,7 @@ def test_a_request_id_is_a_str_or_an_int(
         make_manager: Any, snapshot: Any, call: str, bad: Any) -> None:
     """errors.md, manager.md: request ids are the engine's, str or int. A float, None, a
     bool (True is not request 1 here), bytes, a tuple, a tensor or an object were admitted."""
-    mgr = _busy(make_manager)
+    mgr = busy_manager(make_manager)
     before = snapshot(mgr)
     with pytest.raises(ArgumentTypeError, match="request_id"):
         if call == "admit":

@@ -14,7 +14,7 @@ from adversarial import (  # the shared menagerie of bad arguments
     is_not_integer,
 )
 from hypothesis import given
-from pool_fixtures import DTYPES, GQA, MLA
+from pool_fixtures import DTYPES, GQA, MLA, SMALL_GQA, small_pool
 
 from kvmem.cuda import PagePool, PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
@@ -30,17 +30,6 @@ SPEC_FIELDS = {
 SPEC_INTEGER_FIELDS = ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim")
 
 
-SMALL_GQA: dict[str, Any] = {
-    "num_layers": 1,
-    "num_pages": 4,
-    "page_size": 2,
-    "num_kv_heads": 2,
-    "head_dim": 8,
-}
-
-
-def _small_pool(**kw: Any) -> PagePool:
-    return PagePool(PoolSpec(**{**SMALL_GQA, "device": "cpu", **kw}))
 
 
 def _doc_formulas() -> dict[str, str]:
@@ -158,7 +147,7 @@ def test_the_byte_formulas_in_the_doc_evaluate_to_the_spec(dtype: str, scales: s
     assert fixed == spec.fixed_nbytes
     names.update(bytes_per_page=bytes_per_page, fixed_nbytes=fixed)
     nbytes = eval(formulas["nbytes"], {}, names)
-    assert nbytes == spec.nbytes == _small_pool(dtype=dtype, scales=scales).nbytes
+    assert nbytes == spec.nbytes == small_pool(dtype=dtype, scales=scales).nbytes
 
 
 @pytest.mark.parametrize(

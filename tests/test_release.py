@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_helpers import run_prompt
+from engine_helpers import finished_batch, run_prompt
 
 from kvmem import (
     ArgumentTypeError,
@@ -18,20 +18,6 @@ from kvmem.manager import (
     ManagerEvent,
 )
 from kvmem.testing import ToyEngine
-
-
-def _finished_batch(mgr: KVCacheManager) -> list[Any]:
-    """Requests sharing prefixes (two namespaces), a fork, a preempted one: the ids to release."""
-    eng = ToyEngine(mgr)
-    system = list(range(9))
-    for i in range(5):
-        run_prompt(eng, i, system + [100 + i] * (3 + i), ns="t" if i % 2 else None)
-    eng.fork(1, "1b")
-    for _ in range(3):
-        eng.step([0, 1, "1b", 2, 3, 4], 1)
-        eng.commit([0, 1, "1b", 2, 3, 4])
-    eng.preempt(3)
-    return [2, "1b", 0, 3, 1]
 
 
 def test_a_failed_resume_keeps_the_preempted_order(make_manager: Any, snapshot: Any) -> None:
@@ -95,8 +81,8 @@ def test_out_of_pages_on_reserve_then_preempt_and_retry(make_manager: Any, snaps
 
 def test_release_batch_equals_releasing_one_by_one(make_manager: Any) -> None:
     one, many = make_manager(num_pages=64), make_manager(num_pages=64)
-    ids = _finished_batch(one)
-    assert _finished_batch(many) == ids
+    ids = finished_batch(one)
+    assert finished_batch(many) == ids
     freed: dict[KVCacheManager, list[ManagerEvent]] = {one: [], many: []}
     for mgr in (one, many):
         mgr.add_hook("free", freed[mgr].append)

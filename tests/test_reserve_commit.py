@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_helpers import decoding
+from engine_helpers import busy_manager, decoding, prefill
 
 from kvmem import (
     ArgumentError,
@@ -26,25 +26,6 @@ def manager() -> KVCacheManager:
 
 
 P = 4
-
-
-def prefill(m: KVCacheManager, rid: Any, prompt: list[int], ns: Any = None) -> int:
-    res = m.admit(rid, prompt, namespace=ns)
-    m.reserve([rid], len(prompt) - res.num_cached_tokens)
-    m.commit(rid, prompt[res.num_cached_tokens:])
-    return res.num_cached_tokens
-
-
-def _busy(make_manager: Any) -> KVCacheManager:
-    mgr = make_manager(num_pages=64, max_seqs=10, tracker="paranoid")
-    for rid, prompt in (("a", list(range(9))), ("b", list(range(9))), ("c", [7] * 5),
-                        ("p", [3] * 6)):
-        res = mgr.admit(rid, prompt)
-        mgr.reserve([rid], len(prompt) - res.num_cached_tokens)
-        mgr.commit(rid, prompt[res.num_cached_tokens:])
-    mgr.preempt("p")
-    mgr.reserve(["a", "c"], 1)  # a decode step reserved: the fast paths' records exist
-    return mgr
 
 
 BOOL_TOKENS = [[5, True], (np.True_, 3, 4), [1, 2, False]]
@@ -323,7 +304,7 @@ def test_a_token_list_holding_a_bool_is_refused(
         make_manager: Any, snapshot: Any, call: str, tokens: Any) -> None:
     """errors.md: integer-like is never a bool, and a list holding a bool is refused; numpy
     reads [5, True] as [5, 1], so it was taken as token 1."""
-    mgr = _busy(make_manager)
+    mgr = busy_manager(make_manager)
     before = snapshot(mgr)
     with pytest.raises(ArgumentTypeError, match="bool"):
         CALLS[call](mgr, tokens)
@@ -336,7 +317,7 @@ def test_a_token_list_holding_a_bool_is_refused(
 def test_commit_batch_refuses_one_scalar_for_a_batch(
         make_manager: Any, snapshot: Any, bad: Any) -> None:
     """A 0-d tensor (or array) raised numpy's 'len() of unsized object' TypeError."""
-    mgr = _busy(make_manager)
+    mgr = busy_manager(make_manager)
     before = snapshot(mgr)
     with pytest.raises(ArgumentTypeError, match="token_ids"):
         mgr.commit_batch(["a", "c"], bad)

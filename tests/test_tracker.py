@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from pool_fixtures import small_pool
 
 from kvmem import PAD, CheckingTracker, NoOpTracker, PageAllocator, PageTable, Tracker
-from kvmem.cuda import PagePool, PoolSpec
 from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
 from kvmem.integrity import (
     BadEntries,
@@ -19,18 +19,6 @@ from kvmem.integrity import (
     check_csr,
     check_csr_torch,
 )
-
-SMALL_GQA: dict[str, Any] = {
-    "num_layers": 1,
-    "num_pages": 4,
-    "page_size": 2,
-    "num_kv_heads": 2,
-    "head_dim": 8,
-}
-
-
-def _small_pool(**kw: Any) -> PagePool:
-    return PagePool(PoolSpec(**{**SMALL_GQA, "device": "cpu", **kw}))
 
 
 class Batch:
@@ -140,7 +128,7 @@ def test_the_tag_mirror_takes_every_non_negative_int64() -> None:
     0..2**63 - 2")."""
     import numpy as np
 
-    pool = _small_pool()
+    pool = small_pool()
     top = 2**63 - 1
     pool.update_tags([1], [top])
     assert int(pool.tags[1]) == top
