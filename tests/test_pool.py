@@ -17,7 +17,7 @@ from adversarial import (  # the shared menagerie of bad arguments
 )
 from engine_helpers import run_prompt
 from hypothesis import given
-from pool_fixtures import DTYPES, GQA, MLA, calibrated_pool, pool_state
+from pool_fixtures import DTYPES, GQA, MLA, SMALL_GQA, calibrated_pool, pool_state
 
 from kvmem import (
     ArgumentError,
@@ -84,15 +84,6 @@ INTEGER_PARAMS = {"layer"}
 
 
 ID_LIST_PARAMS = {"slot_mapping", "page_ids", "src_page_ids", "dst_page_ids", "tags"}
-
-
-SMALL_GQA: dict[str, Any] = {
-    "num_layers": 1,
-    "num_pages": 4,
-    "page_size": 2,
-    "num_kv_heads": 2,
-    "head_dim": 8,
-}
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
