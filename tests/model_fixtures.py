@@ -119,3 +119,17 @@ def tiny_llama() -> Any:
         attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def example(name: str) -> Any:
+    """The script ``examples/<name>.py`` imported as a module (its ``main`` not run)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parent.parent / "examples")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

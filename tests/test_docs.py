@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_fixtures import TINY_VOCAB, model_threads, smollm2  # noqa: F401 (fixtures)
+from model_fixtures import TINY_VOCAB, example, model_threads, smollm2  # noqa: F401 (fixtures)
 
 from kvmem.cli import main
 from kvmem.cuda import PoolSpec
@@ -80,19 +80,6 @@ def _doc_block(path: str, heading: str | None = None) -> str:
     if heading is not None:
         text = text[text.index(heading):]
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
-
-
-def _example(name: str) -> Any:
-    import importlib
-    import sys
-    from pathlib import Path
-
-    folder = str(Path(__file__).resolve().parent.parent / "examples")
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(folder)
 
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -297,7 +284,7 @@ def test_serve_example_makes_room_for_its_max_new_tokens() -> None:
 
     from kvmem.integrations.hf import smollm2_gguf_path
 
-    serve = _example("serve_smollm2")
+    serve = example("serve_smollm2")
     path = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
                                               local_files_only=True)

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
-from model_fixtures import TINY_VOCAB, model_threads, rounded_kv_logits, smollm2  # noqa: E402, F401 (fixtures)
+from model_fixtures import TINY_VOCAB, example, model_threads, rounded_kv_logits, smollm2  # noqa: E402, F401 (fixtures)
 
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError, OutOfPagesError  # noqa: E402
 from kvmem.integrations.corpus import STDLIB_MODULES, stdlib_docstrings  # noqa: E402
@@ -99,19 +99,6 @@ def _paged_no_prefix_cache(
         model: Any, num_pages: int = 16, **manager_kw: Any) -> tuple[Any, KVCacheManager]:
     lm = PagedCausalLM.build(model, num_pages, "fp32", page_size=4, device="cpu")
     return lm, KVCacheManager(num_pages, page_size=4, pool=lm.pool, **manager_kw)
-
-
-def _example(name: str) -> Any:
-    import importlib
-    import sys
-    from pathlib import Path
-
-    folder = str(Path(__file__).resolve().parent.parent / "examples")
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(folder)
 
 
 class _NotAPagedModel:
@@ -637,7 +624,7 @@ def test_requests_that_outgrow_the_pool_raise_out_of_pages_saying_what_to_do(tin
 def test_perplexity_window_longer_than_the_text_sizes_the_pool_for_the_text(tiny: Any) -> None:
     # `perplexity.py --window 100000000` built a pool for the window, not for the text: the
     # pool refused the terabytes (a traceback after the model load).
-    perplexity = _example("perplexity")
+    perplexity = example("perplexity")
     ids = list(range(1, 21))
     whole = perplexity.measure(tiny, ids, "bf16", None, len(ids), 4)
     huge = perplexity.measure(tiny, ids, "bf16", None, 10**9, 4)
