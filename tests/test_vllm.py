@@ -565,6 +565,28 @@ def test_duplicates_are_cached_and_the_first_is_found_first() -> None:
     mgr.check()
 
 
+def test_a_stale_first_duplicate_falls_back_to_the_next_one_under_its_key() -> None:
+    """match() confirms the first page under each key for the whole prompt at once; a key
+    whose first page fails (here: its cached lifetime no longer the page's) is walked, and a
+    duplicate that still holds the tokens serves the hit, as vLLM's block pool would."""
+    mgr = _mgr()
+    prompt = list(range(10, 19))
+    for rid in ("a", "b"):
+        mgr.admit(rid, np.array(prompt))
+    for rid in ("a", "b"):
+        mgr.reserve([rid], len(prompt))
+        mgr.commit(rid, prompt)
+    cache = mgr.cache
+    assert isinstance(cache, VllmOrderPrefixCache)
+    a_pages, b_pages = mgr.pages_of("a")[:2].tolist(), mgr.pages_of("b")[:2].tolist()
+    assert cache.match(np.array(prompt), None, 2).pages.tolist() == a_pages
+    for i, expected in ((1, [a_pages[0], b_pages[1]]), (0, b_pages)):
+        cache._tag[a_pages[i]] += 1  # a's page i: no longer the lifetime that was cached
+        assert cache.match(np.array(prompt), None, 2).pages.tolist() == expected
+    cache._tag[b_pages[0]] += 1  # and no copy of page 0 left: no hit at all
+    assert cache.match(np.array(prompt), None, 2).pages.size == 0
+
+
 def test_eviction_follows_release_order_deepest_page_first() -> None:
     mgr = _mgr()
     _run(mgr, "a", list(range(100, 109)))

@@ -98,6 +98,42 @@ class VllmOrderPrefixCache(PrefixCache):
                 return page
         return None
 
+    def _confirmed(self, keys: KeyArray, tokens: npt.NDArray[np.integer],
+                   namespace_id: int | None) -> list[int]:
+        """The pages of the prompt's longest cached prefix: page ``i`` the first cached under
+        ``keys[i]`` that holds ``tokens[i]`` (and the namespace), in its cached lifetime.
+
+        The first page cached under each key is confirmed for all keys at once (a handful of
+        numpy calls); only a key whose first page fails is walked page by page."""
+        index = self._index
+        firsts: list[int] = []
+        for key in map(tuple, keys.tolist()):
+            pages = index.get(key)
+            if not pages:
+                break
+            firsts.append(next(iter(pages)))
+        n = len(firsts)
+        if not n:
+            return firsts
+        idx = np.array(firsts, dtype=np.intp)
+        ok = self.allocator.tags[idx] == self._tag[idx]
+        if namespace_id is not None:
+            ok &= self._namespace[idx] == namespace_id
+        ok &= (self.page_tokens[idx] == tokens[:n]).all(axis=1)
+        if np.count_nonzero(ok) == n:
+            return firsts
+        bad = int(np.argmin(ok))  # a duplicate cached under the same key may still hold it
+        page = self._first_live(tuple(keys[bad].tolist()), tokens[bad], namespace_id)
+        if page is None:
+            return firsts[:bad]
+        found = firsts[:bad] + [page]
+        for i in range(bad + 1, n):  # (rare: walk the rest one key at a time)
+            page = self._first_live(tuple(keys[i].tolist()), tokens[i], namespace_id)
+            if page is None:
+                break
+            found.append(page)
+        return found
+
     def match(self, token_ids: npt.NDArray[np.integer], namespace: Namespace,
               max_pages: int, namespace_id: int | None = None) -> PrefixMatch:
         root = self.root_key(namespace)
@@ -111,12 +147,7 @@ class VllmOrderPrefixCache(PrefixCache):
         if self._index.get((int(first[0, 0]), int(first[0, 1]))) is None:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         keys = self._keyer.prompt_keys(tokens.reshape(-1), root, k)
-        found: list[int] = []
-        for i, (k0, k1) in enumerate(keys.tolist()):
-            page = self._first_live((k0, k1), tokens[i], namespace_id)
-            if page is None:
-                break
-            found.append(page)
+        found = self._confirmed(keys, tokens, namespace_id)
         if not found:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         pages = np.array(found, dtype=np.int32)
