@@ -6,9 +6,9 @@
 mutmut (PyPI, 3.x; installed with pip into the running environment when missing) writes every
 mutant of the modules under ``--paths`` into a scratch copy of the repository (``--workdir``)
 and runs a fast subset of the tests (``--tests``) against each: the first killer. Each mutant
-the tests leave alive is then applied to the scratch copy's source, and ``kvmem fuzz`` on the
-manager engine (``--fuzz-moves`` fault-free moves per seed, ``--fuzz-seeds`` seeds) runs on it:
-the second killer. The repository itself is never changed.
+the tests leave alive then meets ``kvmem fuzz`` on the manager engine, run on mutmut's mutated
+copy with that mutant switched on (``--fuzz-moves`` fault-free moves per seed, ``--fuzz-seeds``
+seeds, ``--fuzz-jobs`` side by side): the second killer. The repository itself is never changed.
 
 Prints one JSON object: ``mutants``, ``killed_by_tests``, ``killed_by_fuzz``, the scores, and
 ``survivors`` (each with ``name``, ``file``, ``line`` and ``diff``), to review by hand: a
@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -140,31 +141,27 @@ def where(workdir: Path, name: str, diff: str) -> tuple[str, int]:
 
 def fuzz_kills(workdir: Path, name: str, moves: int, seeds: int, timeout_s: float
                ) -> str | None:
-    """The second killer: apply the mutant to the scratch copy's source, run ``kvmem fuzz``
-    on the manager engine, restore the source. Returns what killed it (None: survived)."""
-    path = workdir / (module_of(name).replace(".", "/") + ".py")
-    original = path.read_text()
-    try:
-        subprocess.run([sys.executable, "-m", "mutmut", "apply", name], cwd=workdir,
-                       check=True, capture_output=True)
-        for seed in range(seeds):
+    """The second killer: ``kvmem fuzz`` on the manager engine, run on mutmut's mutated copy
+    of the package with ``MUTANT_UNDER_TEST`` naming the mutant (mutmut's trampolines then call
+    it in place of the original; no source is rewritten, so any number run side by side).
+    Returns what killed it (None: survived)."""
+    env = {**os.environ, **ONE_THREAD, "MUTANT_UNDER_TEST": name}
+    for seed in range(seeds):
+        try:
+            r = subprocess.run([sys.executable, "-m", "kvmem.cli", "fuzz", "--engine",
+                                "manager", "--moves", str(moves), "--seed", str(seed),
+                                "--json"], cwd=workdir / "mutants", capture_output=True,
+                               text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        if r.returncode == 1:
             try:
-                r = subprocess.run([sys.executable, "-m", "kvmem.cli", "fuzz", "--engine",
-                                    "manager", "--moves", str(moves), "--seed", str(seed),
-                                    "--json"], cwd=workdir, capture_output=True, text=True,
-                                   timeout=timeout_s, env={**os.environ, **ONE_THREAD})
-            except subprocess.TimeoutExpired:
-                return "timeout"
-            if r.returncode == 1:
-                try:
-                    return str(json.loads(r.stdout)[0]["detected_by"])
-                except (ValueError, LookupError, TypeError):
-                    return "crash"
-            if r.returncode != 0:
-                return f"crash (exit {r.returncode})"
-        return None
-    finally:
-        path.write_text(original)
+                return str(json.loads(r.stdout)[0]["detected_by"])
+            except (ValueError, LookupError, TypeError):
+                return "crash"
+        if r.returncode != 0:
+            return f"crash (exit {r.returncode})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the scratch copy (deleted and made anew)")
     p.add_argument("--report-only", action="store_true",
                    help="summarize the mutmut run already in --workdir (and run the fuzz killer)")
+    p.add_argument("--fuzz-jobs", type=number(int, 1), default=2,
+                   help="fuzz runs side by side")
+    p.add_argument("--no-fuzz", action="store_true", help="the test killer only")
     p.add_argument("--resume", action="store_true",
                    help="keep --workdir and check only the mutants it has not checked yet")
     args = p.parse_args(argv)
@@ -204,12 +204,14 @@ def main(argv: list[str] | None = None) -> int:
              if n not in killed and n not in alive and s != "not checked"}
     by_fuzz: dict[str, str] = {}
     survivors: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(args.fuzz_jobs) as jobs:
+        oracles = {} if args.no_fuzz else dict(zip(alive, jobs.map(
+            lambda n: fuzz_kills(args.workdir, n, args.fuzz_moves, args.fuzz_seeds, 300),
+            alive)))
     for name in alive:
-        print(f"fuzz killer: {name}", file=sys.stderr)
         diff = diff_of(args.workdir, name)
-        oracle = fuzz_kills(args.workdir, name, args.fuzz_moves, args.fuzz_seeds, 300)
-        if oracle is not None:
-            by_fuzz[name] = oracle
+        if oracles.get(name) is not None:
+            by_fuzz[name] = str(oracles[name])
             continue
         file, line = where(args.workdir, name, diff)
         survivors.append({"name": name, "tests_status": status[name], "file": file,
