@@ -2,6 +2,8 @@
 
     python benchmarks/mutation_campaign.py             # kvmem/allocator and kvmem/integrity
     python benchmarks/mutation_campaign.py --paths kvmem/integrity/_tags.py --max-minutes 8
+    python benchmarks/mutation_campaign.py --resume --sample 0.1   # a tenth of what is left
+    python benchmarks/mutation_campaign.py --report-only --triage triage.json
 
 mutmut (PyPI, 3.x; installed with pip into the running environment when missing) writes every
 mutant of the modules under ``--paths`` into a scratch copy of the repository (``--workdir``)
@@ -10,6 +12,13 @@ the tests leave alive then meets ``kvmem fuzz`` on the manager engine, run on mu
 copy with that mutant switched on (``--fuzz-moves`` fault-free moves per seed, ``--fuzz-seeds``
 seeds, ``--fuzz-jobs`` side by side): the second killer. The repository itself is never changed.
 
+Every mutant costs the tests that reach its function (a survivor all of them): all 8,000 take
+hours on 2 cores, cheapest first. ``--sample F`` checks a seeded fraction of each module's
+mutants not yet checked; ``estimate`` then weighs each sampled mutant by its module's pool.
+``--triage`` files (``[{"name", "verdict"}]``) mark survivors judged equivalent or dead (out of
+the score) or killed by a test written after the run (checked against the mutated copy with
+``MUTANT_UNDER_TEST``).
+
 Prints one JSON object: ``mutants``, ``killed_by_tests``, ``killed_by_fuzz``, the scores, and
 ``survivors`` (each with ``name``, ``file``, ``line`` and ``diff``), to review by hand: a
 survivor is either equivalent (no behaviour changed) or a gap a test must close.
@@ -17,14 +26,18 @@ survivor is either equivalent (no behaviour changed) or a gap a test must close.
 
 from __future__ import annotations
 
+import ast
+import difflib
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,16 +94,56 @@ def write_config(workdir: Path, paths: list[str], tests: list[str]) -> None:
 ONE_THREAD = {"PYTHONPATH": "", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def run_mutmut(workdir: Path, max_children: int, budget_s: float) -> None:
-    """The first killer: the tests, against every mutant (cut at ``budget_s``)."""
+def run_mutmut(workdir: Path, max_children: int, budget_s: float,
+               names: list[str] | None = None) -> None:
+    """The first killer: the tests, against every mutant not yet checked, or against
+    ``names`` (cut at ``budget_s``)."""
     env = {**os.environ, **ONE_THREAD}
     try:
         subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children",
-                        str(max_children)], cwd=workdir, env=env, timeout=budget_s,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        str(max_children), *(names or [])], cwd=workdir, env=env,
+                       timeout=budget_s, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         print(f"mutmut run cut after {budget_s:.0f} s; unchecked mutants are reported as such",
               file=sys.stderr)
+
+
+def module_of(name: str) -> str:
+    """The module of a mutant (mutmut names them ``module.x_func__mutmut_N`` or
+    ``module.x\u01c1Class\u01c1method__mutmut_N``)."""
+    return re.split("\\.x[_\u01c1]", name)[0]
+
+
+def generate(workdir: Path) -> None:
+    """mutmut's mutants and per-test stats, without checking any mutant (a name that matches
+    none stops mutmut right after it wrote them)."""
+    subprocess.run([sys.executable, "-m", "mutmut", "run", "kvmem.__no_such_mutant__"],
+                   cwd=workdir, env={**os.environ, **ONE_THREAD}, capture_output=True)
+
+
+def sample_unchecked(status: dict[str, str], fraction: float, seed: int) -> list[str]:
+    """A seeded uniform sample (``fraction``, at least one per module that has any) of each
+    module's mutants not yet checked."""
+    by_module: dict[str, list[str]] = {}
+    for name, s in sorted(status.items()):
+        if s == "not checked":
+            by_module.setdefault(module_of(name), []).append(name)
+    rng = random.Random(seed)
+    return [n for names in by_module.values()
+            for n in rng.sample(names, max(1, round(fraction * len(names))))]
+
+
+def weights(workdir: Path, status: dict[str, str]) -> dict[str, float]:
+    """How many mutants each stands for: 1, or for a mutant of the latest ``--sample``, its
+    module's unchecked pool over the module's sample size."""
+    path = workdir / "sample.json"
+    if not path.exists():
+        return dict.fromkeys(status, 1.0)
+    sample = json.loads(path.read_text())
+    sampled = Counter(module_of(n) for n in sample["names"])
+    names = set(sample["names"])
+    return {n: sample["pool"][module_of(n)] / sampled[module_of(n)] if n in names else 1.0
+            for n in status}
 
 
 def statuses(workdir: Path) -> dict[str, str]:
@@ -105,38 +158,32 @@ def statuses(workdir: Path) -> dict[str, str]:
     return found
 
 
-def diff_of(workdir: Path, name: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=workdir,
-                         capture_output=True, text=True).stdout
-    return "\n".join(out.splitlines()[1:]).strip()
-
-
-def module_of(name: str) -> str:
-    """The module of a mutant (mutmut names them ``module.x_func__mutmut_N`` or
-    ``module.x\u01c1Class\u01c1method__mutmut_N``)."""
-    return re.split("\\.x[_\u01c1]", name)[0]
-
-
-def where(workdir: Path, name: str, diff: str) -> tuple[str, int]:
-    """``file, line`` of a mutant's first changed line (mutmut's diff counts lines from its
-    function's ``def``)."""
-    module = module_of(name)
-    file = module.replace(".", "/") + ".py"
-    rest = name[len(module) + 2 : name.rindex("__mutmut_")]  # (after "module.x")
-    func = [rest[1:]] if rest.startswith("_") else rest.split("\u01c1")
-    lines = (workdir / file).read_text().splitlines()
-    start = 0
-    for part in func if len(func) == 1 else func[1:]:  # (class, then method)
-        pattern = re.compile(rf"\s*(?:async\s+)?(?:def|class)\s+{re.escape(part)}\b")
-        start = next((i for i in range(start, len(lines)) if pattern.match(lines[i])), start)
-    hunk = re.search(r"^@@ -(\d+)", diff, flags=re.M)
-    offset = int(hunk.group(1)) if hunk else 1
-    if hunk:  # (the hunk starts with context lines)
-        for text in diff[hunk.end():].splitlines()[1:]:
-            if text.startswith(("-", "+")):
-                break
-            offset += 1
-    return file, start + offset
+def diffs(workdir: Path, names: list[str]) -> dict[str, tuple[str, int, str]]:
+    """``file, line, diff`` of each mutant: its function in mutmut's mutated copy against the
+    original's copy there (the ``-``/``+`` lines only), and the first changed line's number in
+    the original file."""
+    found: dict[str, tuple[str, int, str]] = {}
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        by_module.setdefault(module_of(name), []).append(name)
+    for module, members in by_module.items():
+        file = module.replace(".", "/") + ".py"
+        text = (workdir / "mutants" / file).read_text()
+        lines = text.splitlines()
+        funcs = {node.name: lines[node.lineno - 1 : node.end_lineno]
+                 for node in ast.walk(ast.parse(text))
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        original = (workdir / file).read_text().splitlines()
+        for name in members:
+            func = name[len(module) + 1 :]
+            mutant = funcs.get(func, [])
+            orig = funcs.get(re.sub(r"__mutmut_\d+$", "__mutmut_orig", func), [])
+            changed = [d for d in difflib.unified_diff(orig[1:], mutant[1:], lineterm="", n=0)
+                       if d[:1] in "+-" and not d.startswith(("+++", "---"))]
+            first = next((d[1:] for d in changed if d.startswith("-")), "")
+            line = next((i + 1 for i, text in enumerate(original) if first and text == first), 0)
+            found[name] = (file, line, "\n".join(changed))
+    return found
 
 
 def fuzz_kills(workdir: Path, name: str, moves: int, seeds: int, timeout_s: float
@@ -184,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="summarize the mutmut run already in --workdir (and run the fuzz killer)")
     p.add_argument("--fuzz-jobs", type=number(int, 1), default=2,
                    help="fuzz runs side by side")
+    p.add_argument("--sample", type=number(float, 0, above=True, maximum=1), default=1.0,
+                   help="check only this seeded fraction of each module's unchecked mutants "
+                        "(scores become stratified estimates)")
+    p.add_argument("--seed", type=number(int), default=0, help="the sample's seed")
+    p.add_argument("--triage", type=Path, nargs="*", default=[],
+                   help="JSON lists of {name, verdict}: verdict 'equivalent' or 'dead' (taken "
+                        "out of the score), 'killed' (by a test added after the run)")
     p.add_argument("--no-fuzz", action="store_true", help="the test killer only")
     p.add_argument("--resume", action="store_true",
                    help="keep --workdir and check only the mutants it has not checked yet")
@@ -194,7 +248,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             scratch_copy(args.workdir)
             write_config(args.workdir, args.paths, args.tests)
-        run_mutmut(args.workdir, args.max_children, args.max_minutes * 60)
+        names = None
+        if args.sample < 1:
+            if not args.resume:
+                generate(args.workdir)
+            before = statuses(args.workdir)
+            names = sample_unchecked(before, args.sample, args.seed)
+            pool = Counter(module_of(n) for n, st in before.items() if st == "not checked")
+            (args.workdir / "sample.json").write_text(json.dumps({"pool": pool,
+                                                                  "names": names}))
+            print(f"checking a sample of {len(names)} unchecked mutants", file=sys.stderr)
+        run_mutmut(args.workdir, args.max_children, args.max_minutes * 60, names)
     status = statuses(args.workdir)
     # A timeout is a kill (the tests did not pass; a failing hypothesis test shrinks long).
     killed = sorted(n for n, s in status.items() if s in ("killed", "timeout"))
@@ -208,15 +272,22 @@ def main(argv: list[str] | None = None) -> int:
         oracles = {} if args.no_fuzz else dict(zip(alive, jobs.map(
             lambda n: fuzz_kills(args.workdir, n, args.fuzz_moves, args.fuzz_seeds, 300),
             alive)))
+    where = diffs(args.workdir, alive)
     for name in alive:
-        diff = diff_of(args.workdir, name)
         if oracles.get(name) is not None:
             by_fuzz[name] = str(oracles[name])
             continue
-        file, line = where(args.workdir, name, diff)
+        file, line, diff = where[name]
         survivors.append({"name": name, "tests_status": status[name], "file": file,
                           "line": line, "diff": diff})
     total = len(status) - len(unchecked)
+    weight = weights(args.workdir, status)
+    verdicts = {t["name"]: t["verdict"] for f in args.triage for t in json.loads(f.read_text())}
+    gone = [n for n in status if verdicts.get(n) in ("equivalent", "dead")]
+    late = [n for n in alive if verdicts.get(n) == "killed"]
+
+    def counted(names: list[str]) -> float:
+        return sum(weight[n] for n in names if n not in unchecked)
     summary = {
         "paths": args.paths, "tests": args.tests,
         "fuzz": f"kvmem fuzz --engine manager --moves {args.fuzz_moves} x {args.fuzz_seeds} "
@@ -228,6 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         "fuzz_kills": by_fuzz, "other": other,
         "test_score": round(len(killed) / total, 4) if total else None,
         "combined_score": round((len(killed) + len(by_fuzz)) / total, 4) if total else None,
+        "estimate": {  # (sampled mutants stand for their module's unchecked pool)
+            "mutants": round(counted(list(status))),
+            "test_score": round(counted(killed) / counted(list(status)), 4) if total else None,
+            "combined_score": round(counted(killed + list(by_fuzz)) / counted(list(status)), 4)
+            if total else None,
+        },
+        "triage": {  # (--triage: survivors judged equivalent or dead, or killed by new tests)
+            "equivalent_or_dead": len(gone), "killed_by_new_tests": len(late),
+            "test_score_of_non_equivalent": round(
+                counted(killed + late) / (counted(list(status)) - counted(gone)), 4)
+            if total and args.triage else None,
+        },
         "survivors": survivors, "seconds": round(time.monotonic() - t0, 1),
     }
     print(json.dumps(summary, indent=1))
