@@ -17,6 +17,8 @@ manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts
 * ``kvmem_flush_us_median``: the adapter's flush (reserve, verify, commit), per call;
 * ``verify_paths``: which path of kvmem's verifier answered (``VerifierStats``): a decode step
   proved spliced checks only its new pages, one restarted checks every entry;
+* ``paired_step_speedup`` / ``paired_kv_speedup``: the median over steps of the same step's
+  ratio (vLLM's over kvmem's): a shared machine's slow spell slows both steps of a pair;
 * ``joined_per_step``: requests added per measured step.
 
 ``--sweep`` runs instead a grid of churn rates (0, 1, 2, 8 requests joining per step) and
@@ -195,17 +197,21 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
     after = adapter.manager.verifier.stats
     for u in undo:
         u()
-    vllm_kv, kvmem_kv = (statistics.median(kv[w]) / 1e3 for w in ("vllm", "kvmem"))
-    vllm_us, kvmem_us = (statistics.median(step_times[w]) * 1e6 for w in ("vllm", "kvmem"))
+    med = statistics.median
+    vllm_kv, kvmem_kv = (med(kv[w]) / 1e3 for w in ("vllm", "kvmem"))
+    vllm_us, kvmem_us = (med(step_times[w]) * 1e6 for w in ("vllm", "kvmem"))
     return {
         "requests": n, "steps": steps, "requests_added": added["kvmem"],
         "joined_per_step": round((added["kvmem"] - added_before) / steps, 3),
         "mismatched_steps": mismatched,
         "vllm_step_us_median": round(vllm_us, 1), "kvmem_step_us_median": round(kvmem_us, 1),
         "step_speedup": round(vllm_us / kvmem_us, 3),
+        "paired_step_speedup": round(med(
+            v / k for v, k in zip(step_times["vllm"], step_times["kvmem"])), 3),
         "vllm_kv_us_median": round(vllm_kv, 1), "kvmem_kv_us_median": round(kvmem_kv, 1),
         "kv_speedup": round(vllm_kv / kvmem_kv, 3),
-        "kvmem_flush_us_median": round(statistics.median(flushes) * 1e6, 1),
+        "paired_kv_speedup": round(med(v / k for v, k in zip(kv["vllm"], kv["kvmem"])), 3),
+        "kvmem_flush_us_median": round(med(flushes) * 1e6, 1),
         "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
     }
 

@@ -765,7 +765,8 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     result = json.loads(capsys.readouterr().out)
     for key in ("mismatched_steps", "vllm_step_us_median", "kvmem_step_us_median",
                 "step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
-                "kvmem_flush_us_median", "verify_paths"):
+                "paired_step_speedup", "paired_kv_speedup", "kvmem_flush_us_median",
+                "verify_paths", "joined_per_step"):
         assert key in result, key
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
@@ -788,8 +789,8 @@ def test_the_churn_sweep_prints_one_cell_per_rate_and_length_at_its_exact_rate(
         assert c["mismatched_steps"] == 0 and c["steps"] == 2 and c["requests"] == 8, c
         assert c["joined_per_step"] == c["churn_per_step"], c
         for key in ("vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
-                    "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
-                    "kvmem_flush_us_median"):
+                    "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median",
+                    "kv_speedup", "paired_kv_speedup", "kvmem_flush_us_median"):
             assert c[key] > 0, (key, c)
     # Rate 0 never replaces a request; rate r adds r a step through the fill and the steps.
     assert {c["requests_added"] for c in cells if c["churn_per_step"] == 0} == {8}
