@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     ("bench_fuzz_lockstep.py", ["--slices", "-1"], "--slices"),
     ("bench_manager.py", ["--seed", "-1"], "--seed"),
     ("bench_pool.py", ["--device", "nope"], "--device"),
+    ("bench_prompt_hash.py", ["--repeats", "0"], "--repeats"),
     ("bench_vllm_scheduler.py", ["--decode-steps", "0"], "--decode-steps"),
     ("bench_vllm_floor.py", ["--requests", "0"], "--requests"),
     ("mutation_campaign.py", ["--fuzz-moves", "0"], "--fuzz-moves"),
@@ -61,6 +63,28 @@ def test_a_bad_benchmark_option_is_one_line_and_status_2(script: str, argv: list
     assert run.stdout == ""
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_prompt_hash_benchmark_prints_kvmem_figures_per_length() -> None:
+    """bench_prompt_hash.py (docs/benchmarks.md): a row per prompt length with kvmem's medians;
+    vLLM's figures and the ratios exactly when vLLM imports (this checkout's kvmem, the
+    environment's vLLM if any)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "bench_prompt_hash.py"),
+                          "--repeats", "3"], cwd=BENCHMARKS, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    rows = result["lengths"]
+    assert [(r["prompt_len"], r["pages"]) for r in rows] == [
+        (128, 8), (512, 32), (2048, 128), (4096, 256)]
+    with_vllm = result["vllm_hash"] is not None
+    for row in rows:
+        assert row["kvmem_us"] > 0 and row["kvmem_from_list_us"] > 0, row
+        assert ("vllm_us" in row) == ("speedup" in row) == with_vllm, row
+        if with_vllm:
+            assert row["speedup"] > 0 and row["speedup_from_list"] > 0, row
 
 
 def test_plan_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:

@@ -765,13 +765,41 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     result = json.loads(capsys.readouterr().out)
     for key in ("mismatched_steps", "vllm_step_us_median", "kvmem_step_us_median",
                 "step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
-                "kvmem_flush_us_median", "verify_paths"):
+                "paired_step_speedup", "paired_kv_speedup", "kvmem_flush_us_median",
+                "verify_paths", "joined_per_step"):
         assert key in result, key
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
 
+def test_the_churn_sweep_prints_one_cell_per_rate_and_length_at_its_exact_rate(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_vllm_churn.py --sweep (docs/benchmarks.md): a cell per churn rate and prompt
+    length with the default run's figures, both managers scheduling alike in every cell, and
+    exactly the cell's rate of requests joining each measured step (0: a steady batch)."""
+    import json
+
+    churn = _benchmark("bench_vllm_churn", monkeypatch)
+    assert churn.main(["--sweep", "--requests", "8", "--steps", "2", "--warmup", "0"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "step_speedup" not in result  # the top-level figures are the default run's only
+    cells = result["sweep"]
+    assert [(c["churn_per_step"], c["prompt_len"]) for c in cells] == [
+        (rate, length) for rate in (0, 1, 2, 8) for length in (128, 512, 1024, 4096)]
+    for c in cells:
+        assert c["mismatched_steps"] == 0 and c["steps"] == 2 and c["requests"] == 8, c
+        assert c["joined_per_step"] == c["churn_per_step"], c
+        for key in ("vllm_step_us_median", "kvmem_step_us_median", "step_speedup",
+                    "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median",
+                    "kv_speedup", "paired_kv_speedup", "kvmem_flush_us_median"):
+            assert c[key] > 0, (key, c)
+    # Rate 0 never replaces a request; rate r adds r a step through the fill and the steps.
+    assert {c["requests_added"] for c in cells if c["churn_per_step"] == 0} == {8}
+    assert {c["requests_added"] for c in cells if c["churn_per_step"] == 2} == {8 + 2 * 2}
+
+
 @pytest.mark.parametrize(("script", "argv", "named"), [
     ("bench_vllm_churn", ["--steps", "0"], "--steps"),  # was a StatisticsError after the run
+    ("bench_vllm_churn", ["--sweep", "--requests", "4"], "--requests"),  # below rate 8
     ("bench_vllm_churn", ["--requests", "0"], "--requests"),  # was the SchedulerSpec's traceback
     ("bench_vllm_churn", ["--requests", "9000"], "--requests"),  # past vLLM's 8192-token step
     ("bench_vllm_churn", ["--warmup", "-1"], "--warmup"),

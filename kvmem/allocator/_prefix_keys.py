@@ -133,9 +133,10 @@ class PrefixKeys:
         return root
 
     def _page_values(self, token_ids: npt.NDArray[np.integer],
-                     positions: npt.NDArray[np.integer]) -> KeyArray:
-        """``g`` of each page: ``token_ids [k, page_size]``, ``positions [k]`` -> ``[k, 2]``
-        (a fresh array)."""
+                     position_values: KeyArray) -> KeyArray:
+        """``g`` of each page: ``token_ids [k, page_size]`` and its pages' ``(position + 1) *
+        Q`` (``position_values [k, 2]``, :meth:`_position_values`) -> ``[k, 2]`` (a fresh
+        array)."""
         k, p = token_ids.shape
         x, y, k_rows = self._hash_buffers(k)
         # A row per page: its tokens once per lane, so that no operation broadcasts (a
@@ -147,7 +148,7 @@ class PrefixKeys:
         x ^= y
         # The sum per page and lane, [k, 2]: a matmul with ones costs less than np.add.reduce.
         s = np.matmul(x.reshape(k, 2, p), self._ones)
-        s += self._position_values(positions)
+        s += position_values
         return _fmix(s, np.empty_like(s))
 
     def _hash_buffers(self, k: int) -> tuple[KeyArray, KeyArray, KeyArray]:
@@ -173,6 +174,13 @@ class PrefixKeys:
             self._pq = self._position_table(max(2 * self._pq.size, int(np.max(positions)) + 1))
             return self._pq[positions].view(np.uint64).reshape(-1, 2)
 
+    def _first_position_values(self, k: int) -> KeyArray:
+        """:meth:`_position_values` of positions ``0 .. k-1``: a view of the table's first
+        ``k`` rows, ``[k, 2]`` (a prompt's pages: no gather)."""
+        if k > self._pq.size:
+            self._pq = self._position_table(max(2 * self._pq.size, k))
+        return self._pq[:k].view(np.uint64).reshape(k, 2)
+
     def _position_table(self, size: int) -> npt.NDArray[np.void]:
         """``(position + 1) * Q`` for positions ``0 .. size-1``, a row per position as one
         item (gathering ``[k]`` items costs half gathering ``[k, 2]`` rows)."""
@@ -192,9 +200,11 @@ class PrefixKeys:
         k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
         if k <= 0:
             return np.empty((0, 2), dtype=np.uint64)
-        keys = self._page_values(token_ids[: k * p].reshape(k, p), np.arange(k))
-        np.cumsum(keys, axis=0, out=keys)
-        keys += root
+        keys = self._page_values(token_ids[: k * p].reshape(k, p), self._first_position_values(k))
+        # key_i = root + g_0 + ... + g_i: root added to one row, then a running sum
+        # (np.add.accumulate itself: np.cumsum's wrapper costs as much again on a prompt).
+        keys[0] += root
+        np.add.accumulate(keys, axis=0, out=keys)
         return keys
 
     def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
@@ -205,7 +215,8 @@ class PrefixKeys:
         counts = np.asarray(counts)
         if token_ids.size == counts.size * self.page_size:
             # One page per run (the decode step): no segmented sum.
-            keys = self._page_values(token_ids.reshape(-1, self.page_size), first_positions)
+            keys = self._page_values(token_ids.reshape(-1, self.page_size),
+                                     self._position_values(first_positions))
             keys += np.asarray(parent_keys, dtype=np.uint64)
             return keys
         counts = counts.astype(np.int64, copy=False)
@@ -215,7 +226,8 @@ class PrefixKeys:
         starts = np.cumsum(counts) - counts
         within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
         positions = np.repeat(np.asarray(first_positions, dtype=np.int64), counts) + within
-        g = self._page_values(token_ids.reshape(total, self.page_size), positions)
+        g = self._page_values(token_ids.reshape(total, self.page_size),
+                              self._position_values(positions))
         # Segmented cumulative sum (mod 2**64): the global one, less the sum before each run,
         # plus the run's parent key. sums[i]: the sum of g before page i.
         sums = np.zeros((total + 1, 2), dtype=np.uint64)
