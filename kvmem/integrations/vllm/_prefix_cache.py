@@ -126,7 +126,7 @@ class VllmOrderPrefixCache(PrefixCache):
         page = self._first_live(tuple(keys[bad].tolist()), tokens[bad], namespace_id)
         if page is None:
             return firsts[:bad]
-        found = firsts[:bad] + [page]
+        found = [*firsts[:bad], page]
         for i in range(bad + 1, n):  # (rare: walk the rest one key at a time)
             page = self._first_live(tuple(keys[i].tolist()), tokens[i], namespace_id)
             if page is None:
