@@ -256,7 +256,15 @@ class PageTable:
         self._flat_pages[flat_at] = pages
         self.num_pages[rows] = cols + 1
 
-    def advance(self, rows: IntpArray, start: Int64Array, end: npt.ArrayLike) -> None:
+    def append_run(self, row: int, pages: Int32Array) -> None:
+        """Map ``pages`` (held by the caller) at one row's next columns: a prefill chunk's
+        growth."""
+        mapped = int(self.num_pages[row])
+        self.pages[row, mapped : mapped + pages.size] = pages
+        self.num_pages[row] = mapped + pages.size
+
+    def advance(self, rows: IntpArray | int, start: Int64Array | int,
+                end: npt.ArrayLike) -> None:
         """Rows that held ``start`` tokens hold ``end``, the slots from ``start`` on handed out
         by this step (the caller checked that their pages hold them)."""
         self.num_tokens[rows] = end
