@@ -96,6 +96,7 @@ class Admission:
         # (stamp, allocator.changes.num_logged, namespace encoding, the matched pages' tokens
         # (a copy), the match) of the latest lookup that found pages
         self._matched: tuple[int, int, bytes, Int64Array, PrefixMatch] | None = None
+        self.reuse_lookups = True  # False: every admission matches (for a differential test)
 
     def match(self, tokens: Int64Array, namespace: Any, max_pages: int,
               stamp: int | None = None) -> PrefixMatch:
@@ -110,7 +111,7 @@ class Admission:
             return PrefixMatch(_EMPTY_PAGES, np.empty((0, 2), dtype=np.uint64),
                                np.zeros(2, dtype=np.uint64), 0)
         match = cache.match(tokens, namespace, max_pages, ns)
-        if stamp is not None and match.pages.size:
+        if stamp is not None and match.pages.size and self.reuse_lookups:
             self._matched = (stamp, self.pages.allocator.changes.num_logged, data,
                              tokens[: match.pages.size * self.table.page_size].copy(), match)
         return match

@@ -117,7 +117,7 @@ class PageTable:
         self.epoch = 0  # generation changes so far, over all rows
         self._free_rows = list(range(self.max_seqs - 1, -1, -1))
         self._live = np.zeros(self.max_seqs, dtype=bool)
-        self._stamp = np.zeros(self.max_seqs, dtype=np.int64)  # scratch for the distinct check
+        self._row_marks = np.zeros(self.max_seqs, dtype=np.int64)  # scratch: the distinct check
         self._arange = np.arange(max(self.max_seqs, self.max_pages_per_seq, self.page_size) + 1,
                                  dtype=np.int64)
 
@@ -543,6 +543,6 @@ class PageTable:
         # Distinct rows: stamping each row with its batch index reads every index back only
         # when no row appears twice (cheaper than np.unique on the per-step path).
         index = self._arange[: rows.size]
-        self._stamp[rows] = index
-        if np.count_nonzero(self._stamp[rows] != index):
+        self._row_marks[rows] = index
+        if np.count_nonzero(self._row_marks[rows] != index):
             raise ArgumentError(f"rows must be distinct, got {rows.tolist()[:16]}")
