@@ -1,8 +1,9 @@
 """The per-request paths against the batched ones: the same calls, the same state.
 
 One request's admission reuses the ``match_prefix`` lookup right before it
-(``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one`` and
-committed by ``Committer.commit_one`` (``per_request``): sized for one row. A manager with those
+(``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one``,
+verified by the verifier's one-row checks and committed by ``Committer.commit_one``
+(``per_request``): sized for one row. A manager with those
 switches off takes the batched paths for everything. Two managers, one of each, run the same
 seeded random workload (admissions with shared prefixes and namespaces, chunks, commits,
 verifies, forks, preemptions, fences, releases, and calls that must fail); after every call
@@ -34,6 +35,7 @@ def batched(mgr: KVCacheManager) -> KVCacheManager:
     mgr._admission.reuse_lookups = False
     mgr._reserver.per_request = False
     mgr._committer.per_request = False
+    mgr.verifier.per_request = False
     return mgr
 
 
