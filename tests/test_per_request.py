@@ -25,6 +25,7 @@ from conftest import full_snapshot
 
 from kvmem import KVCacheManager, KVMemError
 from kvmem.allocator import HashedPrefixCache
+from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 from kvmem.manager import StepMetadata
 
 P = 4
@@ -137,15 +138,20 @@ def fence(mgr: KVCacheManager, handles: list[Any]) -> tuple[str, Any]:
     return "ok", None
 
 
+CACHES = {"hashed": HashedPrefixCache, "vllm order": VllmOrderPrefixCache}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("tracker", ["checking", "paranoid"])
 @pytest.mark.parametrize("seed", range(6))
 def test_per_request_paths_leave_the_state_the_batched_paths_leave(
-        make_manager: Any, tracker: str, seed: int) -> None:
-    """Guards every per-request path (admission's reuse of a lookup, reserve_one, commit_one):
-    a workload through them and through the batched paths gives equal results, errors and
-    state after every call."""
+        make_manager: Any, tracker: str, seed: int, cache: str) -> None:
+    """Guards every per-request path (admission's reuse of a lookup, reserve_one, the
+    verifier's one-row checks, commit_one with its run of keys): a workload through them and
+    through the batched paths gives equal results, errors and state after every call, with
+    either prefix cache."""
     fast, slow = (make_manager(40, page_size=P, max_seqs=5, max_pages_per_seq=12,
-                               tracker=tracker, prefix_cache=HashedPrefixCache(seed=seed))
+                               tracker=tracker, prefix_cache=CACHES[cache](seed=seed))
                   for _ in range(2))
     batched(slow)
     work = Workload(seed)
