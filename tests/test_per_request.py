@@ -95,8 +95,8 @@ class Workload:
             some = r.choice(known) if known and r.random() < 0.95 else "nobody"
         kind = r.choices(["admit", "lookup_admit", "reserve", "reserve_batch", "commit",
                           "commit_batch", "verify", "release", "preempt", "resume", "fork",
-                          "fence", "retire", "can_admit"],
-                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1])[0]
+                          "fence", "retire", "can_admit", "take_events"],
+                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1])[0]
         ns = r.choice([None, None, "t"])
         if kind in ("admit", "lookup_admit", "fork"):
             rid = f"r{self.next_id}" if r.random() < 0.95 else some
@@ -130,7 +130,7 @@ class Workload:
             return ("can_admit", self.prompt(), ns)
         if kind in ("release", "preempt", "resume"):
             return (kind, some)
-        return (kind,)
+        return (kind,)  # fence, retire, take_events
 
 
 def fence(mgr: KVCacheManager, handles: list[Any]) -> tuple[str, Any]:
@@ -138,7 +138,8 @@ def fence(mgr: KVCacheManager, handles: list[Any]) -> tuple[str, Any]:
     return "ok", None
 
 
-CACHES = {"hashed": HashedPrefixCache, "vllm order": VllmOrderPrefixCache}
+CACHES = {"hashed": HashedPrefixCache, "vllm order": VllmOrderPrefixCache,
+          "hashed, KV events": HashedPrefixCache}
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
@@ -149,9 +150,10 @@ def test_per_request_paths_leave_the_state_the_batched_paths_leave(
     """Guards every per-request path (admission's reuse of a lookup, reserve_one, the
     verifier's one-row checks, commit_one with its run of keys): a workload through them and
     through the batched paths gives equal results, errors and state after every call, with
-    either prefix cache."""
+    either prefix cache, and with KV events (``take_events`` calls compare them)."""
     fast, slow = (make_manager(40, page_size=P, max_seqs=5, max_pages_per_seq=12,
-                               tracker=tracker, prefix_cache=CACHES[cache](seed=seed))
+                               tracker=tracker, prefix_cache=CACHES[cache](seed=seed),
+                               kv_events="events" in cache)
                   for _ in range(2))
     batched(slow)
     work = Workload(seed)
