@@ -275,7 +275,8 @@ class KVCacheManager:
         tokens = token_array(token_ids, "token_ids")
         return self._admission.match(tokens, namespace, (tokens.size - 1) // self.page_size
                                      if max_pages is None else integer(max_pages, "max_pages",
-                                                                       minimum=0))
+                                                                       minimum=0),
+                                     self._mutations)  # (an admit right after may reuse it)
 
     @public
     def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> AdmitResult:
@@ -298,11 +299,12 @@ class KVCacheManager:
         if self._requests.is_known(request_id):
             raise ArgumentError(f"request {request_id!r} is already known to the manager; release "
                              "it first or use a new id")
-        # The counter moved once since a can_admit of this prompt: for this admit.
+        # The counter moved once since a can_admit of this prompt (or a match_prefix, which
+        # does not count): for this admit.
         plan = self._admission.recall(self._mutations - 1, token_ids, namespace)
         if plan is None:
             plan = self._admission.plan(token_array(token_ids, "token_ids"), namespace, True,
-                                        f"request {request_id!r}")
+                                        f"request {request_id!r}", self._mutations - 1)
         return self._admit(request_id, plan, namespace)
 
     def _admit(self, request_id: Any, plan: Plan, namespace: Any) -> AdmitResult:

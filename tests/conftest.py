@@ -79,7 +79,8 @@ def _freeze(value: Any) -> Any:
 
 _SKIP = object()
 # Memo tables and scratch buffers: they cache what the state determines, they are not state.
-_NOT_STATE = {"_memo", "_arange", "_flat_pages", "_slot_offsets", "_tokens_flat", "_flat"}
+_NOT_STATE = {"_memo", "_arange", "_flat_pages", "_slot_offsets", "_tokens_flat", "_flat",
+              "_row_marks"}
 
 
 def _fields(obj: Any) -> dict[str, Any]:

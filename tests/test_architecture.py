@@ -20,7 +20,7 @@ ROOT = Path(kvmem.__file__).parent
 # PageTable's arrays and counters (kvmem/allocator/_page_table.py)
 TABLE_OWNER = "allocator/_page_table.py"
 TABLE_ARRAYS = {"pages", "_flat_pages", "num_pages", "num_tokens", "num_committed", "write_from",
-                "namespace_ids", "prefix_keys", "forked", "generation", "_live", "_stamp"}
+                "namespace_ids", "prefix_keys", "forked", "generation", "_live", "_row_marks"}
 TABLE_COUNTERS = {"num_forked", "epoch"}
 # A tracker's arrays, and the read-only views others keep of them (writes through any of
 # these names are writes into the tracker's arrays)

@@ -11,6 +11,9 @@
 
 ``can_admit`` plans and checks; the ``admit`` right after it (no manager call in between, and
 no page allocated or freed: BUGS.md 7) reuses that plan instead of matching the prompt again.
+Likewise an ``admit`` right after a ``match_prefix`` lookup (an engine that schedules itself,
+e.g. vLLM's, looks the prefix up first), of the same leading tokens in the same namespace and
+asking for exactly the pages that lookup found, reuses its match.
 """
 
 from __future__ import annotations
@@ -90,21 +93,51 @@ class Admission:
         self.namespaces = namespaces
         # (stamp, plan, allocator.changes.num_logged then) of the latest can_admit
         self._memo: tuple[int, Plan, int] | None = None
+        # (stamp, allocator.changes.num_logged, namespace encoding, the matched pages' tokens
+        # (a copy), the match) of the latest lookup that found pages
+        self._matched: tuple[int, int, bytes, Int64Array, PrefixMatch] | None = None
+        self.reuse_lookups = True  # False: every admission matches (for a differential test)
 
-    def match(self, tokens: Int64Array, namespace: Any, max_pages: int) -> PrefixMatch:
+    def match(self, tokens: Int64Array, namespace: Any, max_pages: int,
+              stamp: int | None = None) -> PrefixMatch:
         """The cached pages holding ``tokens``' leading full pages in ``namespace`` (at most
-        ``max_pages``), each confirmed; a lookup that changes nothing."""
-        ns = self.namespaces.id_of(namespace, register=False)
+        ``max_pages``), each confirmed; a lookup that changes nothing. ``stamp``: the
+        manager's call counter, to remember the match for the admission right after."""
+        data = namespace_bytes(namespace)
+        ns = self.namespaces.id_of(namespace, False, data)
         cache = self.pages.cache
+        self._matched = None
         if cache is None or ns < 0 or max_pages <= 0:
             return PrefixMatch(_EMPTY_PAGES, np.empty((0, 2), dtype=np.uint64),
                                np.zeros(2, dtype=np.uint64), 0)
-        return cache.match(tokens, namespace, max_pages, ns)
+        match = cache.match(tokens, namespace, max_pages, ns)
+        if stamp is not None and match.pages.size and self.reuse_lookups:
+            self._matched = (stamp, self.pages.allocator.changes.num_logged, data,
+                             tokens[: match.pages.size * self.table.page_size].copy(), match)
+        return match
+
+    def _recall_match(self, stamp: int | None, tokens: Int64Array, data: bytes,
+                      max_pages: int) -> PrefixMatch | None:
+        """The latest lookup's match (once) if it was remembered at ``stamp``, no page changed
+        lifetime since, and it is for this namespace and these leading tokens and found
+        exactly ``max_pages`` pages: then matching again would find the same pages (a walk
+        asked for no more pages than it confirmed before cannot find fewer or others)."""
+        memo, self._matched = self._matched, None
+        if (memo is None or memo[0] != stamp or memo[2] != data
+                or memo[1] != self.pages.allocator.changes.num_logged):
+            return None
+        match = memo[4]
+        head = memo[3]
+        if (match.pages.size != max_pages or tokens.size < head.size
+                or np.count_nonzero(tokens[: head.size] != head)):
+            return None
+        return match
 
     def plan(self, tokens: Int64Array, namespace: Any, register: bool,
-             who: str = "a request") -> Plan:
+             who: str = "a request", stamp: int | None = None) -> Plan:
         """The prompt's plan; raises if it can never fit (empty, longer than a row), naming
-        the request as ``who`` (e.g. ``"request 'r1'"``)."""
+        the request as ``who`` (e.g. ``"request 'r1'"``). ``stamp``: the manager's call
+        counter when a lookup right before it (:meth:`match`) may be reused."""
         t = self.table
         n = tokens.size
         if n == 0:
@@ -122,7 +155,10 @@ class Admission:
         cache = self.pages.cache
         if cache is None:
             return Plan(tokens, namespace, data, ns, num_pages, None, 0, 0)
-        match = cache.match(tokens, namespace, (n - 1) // t.page_size, ns)
+        max_pages = (n - 1) // t.page_size
+        match = self._recall_match(stamp, tokens, data, max_pages) if stamp is not None else None
+        if match is None:
+            match = cache.match(tokens, namespace, max_pages, ns)
         return Plan(tokens, namespace, data, ns, num_pages, match, int(match.pages.size),
                     match.num_evictable)
 

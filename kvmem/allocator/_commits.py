@@ -4,7 +4,9 @@ A row's committed tokens are recorded in the page-token store (``Pages.tokens``,
 here) and every page that a commit fills is offered to the prefix cache, chained from the
 row's last offered page (``PageTable.prefix_keys``). A page is never offered before all its
 tokens are committed, so a same-step prefix hit can never map a page whose K/V is not written
-yet (BUGS 6)::
+yet (BUGS 6). One request's commit (a prefill chunk) takes :meth:`Committer.commit_one`, sized
+for one row (Python ints, slices of the row), a batch :meth:`Committer.commit`; both give the
+same state and raise the same errors (``Committer.per_request`` switches the first off)::
 
     row    | full p0 | full p1 | p2 (5/16) |        commit 11 more tokens
     row    | full p0 | full p1 | full p2 | p3 (0/16) ...   -> p2 offered: key(p2) = f(key(p1), p2)
@@ -60,6 +62,8 @@ class Committer:
         self._ones = np.ones(table.max_seqs, dtype=np.int64)
         self._ones.flags.writeable = False
         self._arange = np.arange(table.max_seqs + 1, dtype=np.int64)
+        # One row's commit takes commit_one (False: the batch path, for a differential test).
+        self.per_request = True
 
     def commit_batch(self, ids: tuple[Any, ...], rows: IntpArray, counts: Int64Array | int,
                      flat: npt.NDArray[np.integer]) -> None:
@@ -76,6 +80,9 @@ class Committer:
                ids: Sequence[Any]) -> None:
         """Tokens ``flat`` (row by row, ``counts`` each) are the rows' next committed ones.
         Raises, changing nothing, if a row commits more than it reserved."""
+        if rows.size == 1 and self.per_request:
+            self.commit_one(int(rows[0]), flat.size, flat, ids[0])
+            return
         t = self.table
         start = t.num_committed[rows]
         end = start + counts
@@ -100,6 +107,42 @@ class Committer:
             some = full.nonzero()[0]
             if some.size:
                 self.offer(rows[some], first[some], full[some])
+
+    def commit_one(self, row: int, count: int, flat: npt.NDArray[np.integer],
+                   request_id: Any) -> None:
+        """:meth:`commit` of one row's ``count`` tokens ``flat``: the same checks and state,
+        in Python ints and slices of the row (numpy's fixed cost per call is what one request
+        pays)."""
+        t = self.table
+        start = int(t.num_committed[row])
+        end = start + count
+        reserved = int(t.num_tokens[row])
+        if end > reserved:
+            raise ArgumentError(
+                f"request {request_id!r} commits {count} tokens after {start} but only "
+                f"{reserved} slots are reserved; reserve() them first (nothing was committed)"
+            )
+        if count:
+            self.pages.write_tokens(t.row_slots(row, start, count), flat)
+        t.set_committed(row, end)
+        first = start // t.page_size
+        full = end // t.page_size - first  # pages that just became full
+        if full > 0 and self.pages.cache is not None:
+            if self.on_stored is not None:  # (the events' path is the batch's)
+                self.offer(np.array([row], dtype=np.intp), np.array([first], dtype=np.int64),
+                           np.array([full], dtype=np.int64))
+                return
+            self.offer_run(row, first, full)
+
+    def offer_run(self, row: int, first: int, count: int) -> None:
+        """:meth:`offer` of one row's ``count`` newly full pages from column ``first``."""
+        t = self.table
+        cache = self.pages.cache
+        assert cache is not None
+        pages = t.pages[row, first : first + count].copy()
+        keys = cache.run_keys(t.prefix_keys[row], first, self.pages.tokens[pages])
+        cache.insert(keys, pages, np.full(count, t.namespace_ids[row], dtype=np.int64))
+        t.set_prefix_keys(row, keys[-1])
 
     def commit_decode(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
         """:meth:`commit` of one token per row of ``b``, the latest reserve's batch, when

@@ -107,6 +107,10 @@ class HashedPrefixCache(PrefixCache):
                   token_ids: npt.NDArray[np.integer]) -> KeyArray:
         return self.keys.page_keys(parent_keys, counts, first_positions, token_ids)
 
+    def run_keys(self, parent_key: KeyArray, first_position: int,
+                 token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        return self.keys.run_keys(parent_key, first_position, token_ids)
+
     # -- match -------------------------------------------------------------------------------
 
     def _entry_live(self, key0: int, page: int) -> bool:

@@ -117,7 +117,7 @@ class PageTable:
         self.epoch = 0  # generation changes so far, over all rows
         self._free_rows = list(range(self.max_seqs - 1, -1, -1))
         self._live = np.zeros(self.max_seqs, dtype=bool)
-        self._stamp = np.zeros(self.max_seqs, dtype=np.int64)  # scratch for the distinct check
+        self._row_marks = np.zeros(self.max_seqs, dtype=np.int64)  # scratch: the distinct check
         self._arange = np.arange(max(self.max_seqs, self.max_pages_per_seq, self.page_size) + 1,
                                  dtype=np.int64)
 
@@ -256,7 +256,15 @@ class PageTable:
         self._flat_pages[flat_at] = pages
         self.num_pages[rows] = cols + 1
 
-    def advance(self, rows: IntpArray, start: Int64Array, end: npt.ArrayLike) -> None:
+    def append_run(self, row: int, pages: Int32Array) -> None:
+        """Map ``pages`` (held by the caller) at one row's next columns: a prefill chunk's
+        growth."""
+        mapped = int(self.num_pages[row])
+        self.pages[row, mapped : mapped + pages.size] = pages
+        self.num_pages[row] = mapped + pages.size
+
+    def advance(self, rows: IntpArray | int, start: Int64Array | int,
+                end: npt.ArrayLike) -> None:
         """Rows that held ``start`` tokens hold ``end``, the slots from ``start`` on handed out
         by this step (the caller checked that their pages hold them)."""
         self.num_tokens[rows] = end
@@ -266,11 +274,11 @@ class PageTable:
         """The row's reserved slots were all written (a fork, between steps)."""
         self.write_from[row] = self.num_tokens[row]
 
-    def set_committed(self, rows: IntpArray, num_committed: npt.ArrayLike) -> None:
+    def set_committed(self, rows: IntpArray | int, num_committed: npt.ArrayLike) -> None:
         """Tokens of each row whose K/V the engine wrote (at most its ``num_tokens``)."""
         self.num_committed[rows] = num_committed
 
-    def set_prefix_keys(self, rows: IntpArray, keys: npt.NDArray[np.uint64]) -> None:
+    def set_prefix_keys(self, rows: IntpArray | int, keys: npt.NDArray[np.uint64]) -> None:
         """Each row's prefix-cache key of its last committed full page (``[B, 2]``, uint64)."""
         self.prefix_keys[rows] = keys
 
@@ -434,19 +442,26 @@ class PageTable:
         """:meth:`token_slots` of tokens the caller knows are mapped."""
         rows = np.asarray(rows, dtype=np.intp).reshape(-1)
         if rows.size == 1 and np.size(start) == 1 and np.size(count) == 1:
-            # One request's chunk (a prefill): its pages are one slice of its row.
-            P = self.page_size
-            first, skip = divmod(int(np.asarray(start).reshape(-1)[0]), P)
-            num = int(np.asarray(count).reshape(-1)[0])
-            num_pages = (skip + num + P - 1) // P
-            if first + num_pages <= self.max_pages_per_seq:
-                at = int(rows[0]) * self.max_pages_per_seq + first
-                pages = self._flat_pages[at : at + num_pages]
-                slots = np.multiply(pages[:, None], P, dtype=np.int64) + self._slot_offsets
-                return slots.reshape(-1)[skip : skip + num]
+            return self.row_slots(int(rows[0]), int(np.asarray(start).reshape(-1)[0]),
+                                  int(np.asarray(count).reshape(-1)[0]))
         start = np.broadcast_to(np.asarray(start, dtype=np.int64), rows.shape)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), rows.shape)
         return self._slots(*self._token_positions(rows, start, count))
+
+    def row_slots(self, row: int, start: int, count: int) -> Int64Array:
+        """:meth:`_token_slots` of one row (a prefill chunk): its pages are one slice of the
+        row. ``[count]``, int64."""
+        P = self.page_size
+        first, skip = divmod(start, P)
+        num_pages = (skip + count + P - 1) // P
+        if first + num_pages > self.max_pages_per_seq:  # (past the row: the general path)
+            one = np.array([row], dtype=np.intp)
+            return self._slots(*self._token_positions(one, np.array([start], dtype=np.int64),
+                                                      np.array([count], dtype=np.int64)))
+        at = row * self.max_pages_per_seq + first
+        pages = self._flat_pages[at : at + num_pages]
+        slots = np.multiply(pages[:, None], P, dtype=np.int64) + self._slot_offsets
+        return slots.reshape(-1)[skip : skip + count]
 
     @staticmethod
     def _token_positions(
@@ -528,6 +543,6 @@ class PageTable:
         # Distinct rows: stamping each row with its batch index reads every index back only
         # when no row appears twice (cheaper than np.unique on the per-step path).
         index = self._arange[: rows.size]
-        self._stamp[rows] = index
-        if np.count_nonzero(self._stamp[rows] != index):
+        self._row_marks[rows] = index
+        if np.count_nonzero(self._row_marks[rows] != index):
             raise ArgumentError(f"rows must be distinct, got {rows.tolist()[:16]}")

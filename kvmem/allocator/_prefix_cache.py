@@ -145,6 +145,15 @@ class PrefixCache(ABC):
         keys: ``[sum(counts), 2]``, uint64
         """
 
+    def run_keys(self, parent_key: KeyArray, first_position: int,
+                 token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        """:meth:`page_keys` of one run (one request's newly full pages): ``parent_key``
+        ``[2]``, its first page's position, ``token_ids`` ``[k, page_size]`` -> ``[k, 2]``,
+        uint64. A cache may answer it faster; the keys must be the same."""
+        k = int(token_ids.shape[0])
+        return self.page_keys(np.asarray(parent_key, dtype=np.uint64).reshape(1, 2),
+                              np.array([k]), np.array([first_position]), token_ids)
+
     @abstractmethod
     def insert(self, keys: KeyArray, pages: Int32Array,
                namespace_ids: npt.NDArray[np.integer]) -> Int32Array:

@@ -237,6 +237,17 @@ class PrefixKeys:
         keys -= np.repeat(offsets, counts, axis=0)
         return keys
 
+    def run_keys(self, parent_key: KeyArray, first_position: int,
+                 token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        """:meth:`page_keys` of one run: ``token_ids [k, page_size]`` from page position
+        ``first_position``, chained from ``parent_key [2]`` -> ``[k, 2]``, uint64 (a plain
+        cumulative sum: no segments to cut)."""
+        k = token_ids.shape[0]
+        keys = self._page_values(token_ids, np.arange(first_position, first_position + k))
+        np.cumsum(keys, axis=0, out=keys)
+        keys += parent_key
+        return keys
+
     def key_ints(self, parent0: int, parent1: int, tokens: npt.ArrayLike,
                   position: int) -> tuple[int, int]:
         """The key of one page (``tokens``: its ``page_size`` ids) as two Python ints (the

@@ -9,9 +9,12 @@ about to write into a partly filled page it shares with a fork first gets a copy
     after    | p0 | p1' (copy, 9/16) | p2 |      reserve(ids, 20): p1 copied, p2 allocated
 
 All or nothing: everything that can fail (a request too long, too few pages) is checked
-before the first change. Two paths, one result: :meth:`Reserver.reserve_small` is the decode
+before the first change. Three paths, one result: :meth:`Reserver.reserve_small` is the decode
 step's (every row gains ``k <= page_size`` tokens, no fork to copy: a constant number of numpy
-calls), :meth:`Reserver.reserve_any` the general one.
+calls), :meth:`Reserver.reserve_one` one request's prefill chunk (Python ints and slices of its
+row: numpy's fixed cost per call is what one request pays), :meth:`Reserver.reserve_any` the
+general one. ``Reserver.per_request = False`` sends one request to the general path (a
+differential test compares them).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Reserver:
         self.copy_pages = copy_pages
         self.on_allocate = on_allocate
         self.num_cow_copies = 0
+        self.per_request = True  # one request's chunk takes reserve_one (False: reserve_any)
         self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs, table.page_size) + 1,
                                  dtype=np.int64)
 
@@ -100,7 +104,7 @@ class Reserver:
         return qualify_live(self.pages.allocator.tags[pages], namespace_ids)
 
     def _record_new(self, rows: IntpArray, cols: Int64Array, flat_at: Int64Array,
-                    pages: npt.NDArray[np.integer], ns: Int64Array) -> None:
+                    pages: npt.NDArray[np.integer], ns: Int64Array | int) -> None:
         """Record pages rows gained past the ones they had."""
         if self.recorder.enabled:
             self.recorder.append(rows, cols, flat_at, self.expected(pages, ns))
@@ -112,9 +116,11 @@ class Reserver:
         """Give every row ``n`` more token slots (checked counts) and return the step's
         metadata: the decode step's path when it can (one count of at most a page, no fork
         to copy, no copy pending), else the general one. All or nothing."""
-        if isinstance(n, int) and n <= self.table.page_size and not self.table.num_forked and (
-                not self.pages.fences.copies_pending):
-            return self.reserve_small(ids, rows, n)
+        if not self.table.num_forked and not self.pages.fences.copies_pending:
+            if isinstance(n, int) and n <= self.table.page_size:
+                return self.reserve_small(ids, rows, n)
+            if rows.size == 1 and self.per_request:
+                return self.reserve_one(ids, rows, n)
         return self.reserve_any(ids, rows, n)
 
     # -- the decode step ----------------------------------------------------------------------
@@ -153,6 +159,42 @@ class Reserver:
         return self._finish(ids, rows, rows_w, rows32, start, end, 1, slots, None,
                             DecodeSlots(token_pages, offset, col), col + 1,
                             np.add(offset, 1, dtype=np.int32))
+
+    # -- one request's chunk ------------------------------------------------------------------
+
+    def reserve_one(self, ids: tuple[Any, ...], rows: IntpArray, n: Int64Array | int
+                    ) -> StepMetadata:
+        """:meth:`reserve_any` of one row (``rows`` ``[1]``) and no fork to copy: the same
+        checks, state and metadata, in Python ints and slices of the row."""
+        t = self.table
+        P = t.page_size
+        row = int(rows[0])
+        count = n if isinstance(n, int) else int(n[0])
+        mapped = int(t.num_pages[row])
+        start = int(t.num_tokens[row])
+        end = start + count
+        used = -(-end // P)  # pages holding the row's tokens after this step
+        need = max(used - mapped, 0)
+        if mapped + need > t.max_pages_per_seq:
+            self._too_long(ids, np.zeros(1, dtype=np.intp))
+        self.pages.require(need)
+        # Nothing can fail from here on.
+        if need:
+            ns = int(t.namespace_ids[row])
+            new = self.pages.allocate(need, ns)
+            t.append_run(row, new)
+            if self.recorder.enabled:
+                cols = np.arange(mapped, mapped + need, dtype=np.int64)
+                self._record_new(np.full(need, row, dtype=np.intp), cols,
+                                 cols + row * t.max_pages_per_seq, new, ns)
+            self.on_allocate(new)
+        slots = t.row_slots(row, start, count)
+        t.advance(row, start, end)
+        rows_w, rows32 = self.steps.row_arrays(rows)
+        return self._finish(ids, rows, rows_w, rows32, np.array([start], dtype=np.int64),
+                            np.array([end], dtype=np.int64), n if isinstance(n, int) else -1,
+                            slots, None, counts=np.array([used], dtype=np.int64),
+                            last_len=np.array([(end - 1) % P + 1], dtype=np.int32))
 
     # -- the general step ---------------------------------------------------------------------
 

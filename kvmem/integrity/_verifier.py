@@ -116,6 +116,10 @@ class Verifier(FullCheck):
         self._proof: _Proof | None = None
         self._refs = np.zeros(self.num_pages, dtype=np.int32)  # proven entries per page
         self._counts = dict.fromkeys(VerifierStats._fields, 0)
+        self._offsets = np.arange(self.page_size, dtype=np.int64)  # a slot's offset in its page
+        # One request's step takes the checks sized for one row (False: the batch's, for a
+        # differential test).
+        self.per_request = True
 
     @property
     def stats(self) -> VerifierStats:
@@ -253,11 +257,28 @@ class Verifier(FullCheck):
             return self._writes_ok(b.rows, fields, b.indptr, b.indices)
         # reserve's slots come from the page table and its CSR partly from the base step's: a
         # row entry changed behind the manager's back since would make them disagree.
+        if b.rows.size == 1 and self.per_request:
+            return self._one_row_writes_ok(b)
         return not (b.slots.size and (np.count_nonzero(self.writers(b.slots // P) != 1)
                                       or slot_mismatches({"kv_indptr": b.indptr,
                                                           "kv_indices": b.indices,
                                                           "slot_mapping": b.slots},
                                                          b.start, b.end - b.start, P)[0].size))
+
+    def _one_row_writes_ok(self, b: SplicedStep) -> bool:
+        """The last check of :meth:`_step_ok` for one request's step (a prefill chunk): its
+        slots are its CSR row's pages at the tokens' offsets, and each page it writes has one
+        writer. The same answer as the batch's ``slot_mismatches`` and ``writers`` over every
+        slot, from a slice of the row: the slots equal, they land in exactly these pages."""
+        P = self.page_size
+        start, end = int(b.start[0]), int(b.end[0])
+        if end == start:
+            return True
+        first, skip = divmod(start, P)
+        pages = b.indices[first : -(-end // P)]
+        want = (np.multiply(pages[:, None], P, dtype=np.int64) + self._offsets).reshape(-1)
+        return (_equal(b.slots, want[skip : skip + end - start])
+                and not np.count_nonzero(self.writers(pages) != 1))
 
     # -- the incremental check ----------------------------------------------------------------
 
@@ -281,8 +302,11 @@ class Verifier(FullCheck):
         if p is not None and checked_beside(rows.size, p.rows.size):
             # A small batch beside the proven one (a prefill chunk between decode steps):
             # checked alone, in full, and the proof (and its change-log cursor) kept.
-            want = self._expected[np.repeat(rows, counts),
-                                  np.arange(indices.size) - np.repeat(indptr[:-1], counts)]
+            if rows.size == 1 and self.per_request:  # (one request: a slice of its row)
+                want = self._expected[int(rows[0]), : indices.size]
+            else:
+                want = self._expected[np.repeat(rows, counts),
+                                      np.arange(indices.size) - np.repeat(indptr[:-1], counts)]
             return self._fresh_ok(indices, want, count=False)
         gens = t.generation[rows]
         changes = self._changes_now()

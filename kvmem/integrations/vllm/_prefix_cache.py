@@ -82,6 +82,10 @@ class VllmOrderPrefixCache(PrefixCache):
                   token_ids: npt.NDArray[np.integer]) -> KeyArray:
         return self._keyer.page_keys(parent_keys, counts, first_positions, token_ids)
 
+    def run_keys(self, parent_key: KeyArray, first_position: int,
+                 token_ids: npt.NDArray[np.integer]) -> KeyArray:
+        return self._keyer.run_keys(parent_key, first_position, token_ids)
+
     # -- match ---------------------------------------------------------------------------------
 
     def _first_live(self, key: tuple[int, int], tokens: npt.NDArray[np.integer],
