@@ -174,12 +174,12 @@ class PrefixKeys:
             self._pq = self._position_table(max(2 * self._pq.size, int(np.max(positions)) + 1))
             return self._pq[positions].view(np.uint64).reshape(-1, 2)
 
-    def _first_position_values(self, k: int) -> KeyArray:
-        """:meth:`_position_values` of positions ``0 .. k-1``: a view of the table's first
-        ``k`` rows, ``[k, 2]`` (a prompt's pages: no gather)."""
-        if k > self._pq.size:
-            self._pq = self._position_table(max(2 * self._pq.size, k))
-        return self._pq[:k].view(np.uint64).reshape(k, 2)
+    def _run_position_values(self, first: int, k: int) -> KeyArray:
+        """:meth:`_position_values` of positions ``first .. first+k-1``: a view of ``k`` rows
+        of the table, ``[k, 2]`` (a run of pages: no gather)."""
+        if first + k > self._pq.size:
+            self._pq = self._position_table(max(2 * self._pq.size, first + k))
+        return self._pq[first : first + k].view(np.uint64).reshape(k, 2)
 
     def _position_table(self, size: int) -> npt.NDArray[np.void]:
         """``(position + 1) * Q`` for positions ``0 .. size-1``, a row per position as one
@@ -200,7 +200,7 @@ class PrefixKeys:
         k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
         if k <= 0:
             return np.empty((0, 2), dtype=np.uint64)
-        keys = self._page_values(token_ids[: k * p].reshape(k, p), self._first_position_values(k))
+        keys = self._page_values(token_ids[: k * p].reshape(k, p), self._run_position_values(0, k))
         # key_i = root + g_0 + ... + g_i: root added to one row, then a running sum
         # (np.add.accumulate itself: np.cumsum's wrapper costs as much again on a prompt).
         keys[0] += root
@@ -243,7 +243,7 @@ class PrefixKeys:
         ``first_position``, chained from ``parent_key [2]`` -> ``[k, 2]``, uint64 (a plain
         cumulative sum: no segments to cut)."""
         k = token_ids.shape[0]
-        keys = self._page_values(token_ids, np.arange(first_position, first_position + k))
+        keys = self._page_values(token_ids, self._run_position_values(first_position, k))
         np.cumsum(keys, axis=0, out=keys)
         keys += parent_key
         return keys
