@@ -48,8 +48,6 @@ def test_map_pages_refuses_a_negative_page() -> None:
 
 
 @pytest.mark.parametrize("call, kind", [
-    (lambda t, r: t.remove_rows(r), ArgumentTypeError),  # one row where a list is expected
-    (lambda t, r: t.remove_rows([0.0]), ArgumentTypeError),
     (lambda t, r: t.remove_row(True), ArgumentTypeError),
     (lambda t, r: t.remove_row(3), ArgumentError),
     (lambda t, r: t.add_rows(-1), ArgumentError),
