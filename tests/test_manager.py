@@ -691,3 +691,14 @@ def test_check_passes_on_the_allocators_own_findings(make_manager: Any) -> None:
     mgr.allocator._tags[free_page] = 7
     assert _check_message(mgr) == ("KVCacheManager.check() failed: PageAllocator.check() "
                                    f"failed: free pages [{free_page}] have tag != 0")
+
+
+def test_tokens_of_is_a_copy_of_the_committed_ids_as_int64(make_manager: Any) -> None:
+    """tokens_of() returns ``[k]`` int64 token ids (not floats that compare equal), a copy
+    that the caller may change."""
+    mgr = make_manager()
+    prefill(mgr, "a", [3, 1, 4, 1, 5, 9])
+    got = mgr.tokens_of("a")
+    assert got.dtype == np.int64 and got.tolist() == [3, 1, 4, 1, 5, 9]
+    got[0] = 7
+    assert mgr.tokens_of("a")[0] == 3
