@@ -572,3 +572,13 @@ def test_pop_changed_pages_returns_every_page_when_it_fell_behind() -> None:
     assert none.dtype == np.int32 and none.size == 0
     alloc.allocate(2)
     assert alloc.pop_changed_pages().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("call", ["free", "share"])
+def test_an_out_of_range_page_error_gives_the_valid_range(call: str) -> None:
+    """free() and share() of an id outside the pool name the id and the valid range."""
+    alloc = PageAllocator(8)
+    alloc.allocate(2)
+    with pytest.raises(InvalidFreeError, match=rf"^{call}\(\) got page ids \[8\] outside 0\.\.7; "
+                       "nothing changed"):
+        getattr(alloc, call)([8])

@@ -232,6 +232,9 @@ def test_generations_change_unless_a_row_only_appends() -> None:
     (lambda t, r: t.pages_needed([r], 1.5), "num_new_tokens"),
     (lambda t, r: t.grow([r], [-5], None), "num_new_tokens"),
     (lambda t, r: t.slot_mapping(1.5, [0]), "token_rows"),
+    (lambda t, r: t.block_table([r], width=0), "width"),
+    (lambda t, r: t.csr([r], 1.5), "seq_lens"),
+    (lambda t, r: t.row_pages(1.5), "row"),
 ])
 def test_argument_errors_name_the_argument(call: Any, name: str) -> None:
     """An argument error names the argument the caller got wrong (word for word), so that
@@ -384,3 +387,17 @@ def test_num_forked_counts_the_rows_marked_forked() -> None:
     assert table.num_forked == 1
     table.remove_row(b)
     assert table.num_forked == 0 and not table.forked.any()
+
+
+def test_csr_and_block_table_take_seq_lens_from_one_to_the_mapped_slots() -> None:
+    """A row's seq_len may be 1 (one token read) up to its mapped slots; 0 or past them
+    raises, saying the range."""
+    table, row = table_with_a_row()  # 2 pages of 4
+    first = int(table.pages[row, 0])
+    assert table.csr([row], [1]).kv_indices.tolist() == [first]
+    assert table.block_table([row], [1]).tolist() == [[first]]
+    assert table.csr([row], [8]).kv_last_page_len.tolist() == [4]
+    for bad in (0, 9):
+        with pytest.raises(ArgumentError, match=r"each must be in 1\.\.the row's mapped slots "
+                           r"\(num_pages \* page_size\)"):
+            table.csr([row], [bad])
