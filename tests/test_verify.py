@@ -973,3 +973,26 @@ def test_fast_paths_agree_with_plain_ones_under_an_engines_sequences(
         logging.disable(logging.NOTSET)
     stats = drive.fast.verifier.stats
     assert stats.spliced_proved > 0 and stats.paranoid_checks >= stats.spliced_proved
+
+
+def test_a_request_joining_at_the_front_keeps_the_proof_of_the_first_kept_page(
+        make_manager: Any) -> None:
+    """When a new request joins a verified decode batch at its front, reserve's spliced CSR
+    cuts nothing from the batch it spliced from: the proof still counts the first request's
+    first page, so a fault on that page afterwards is caught by the next verify."""
+    mgr = make_manager(num_pages=64)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", [1] * 6)
+    run_prompt(eng, "b", [2] * 6)
+    for _ in range(2):
+        step = eng.step(["a", "b"], 1)
+        assert mgr.verify(["a", "b"], step).ok
+        eng.commit(["a", "b"])
+    run_prompt(eng, "z", [3] * 5)  # a prefill alone: checked beside, the proof stays
+    ids = ["z", "a", "b"]
+    step = eng.step(ids, 1)
+    assert mgr.verify(ids, step).ok
+    eng.commit(ids)
+    faults.free_behind_back(mgr, "a", 0)
+    report = mgr.verify(ids, eng.step(ids, 1))
+    assert list(report.aborted) == ["a"]
