@@ -996,3 +996,25 @@ def test_a_request_joining_at_the_front_keeps_the_proof_of_the_first_kept_page(
     faults.free_behind_back(mgr, "a", 0)
     report = mgr.verify(ids, eng.step(ids, 1))
     assert list(report.aborted) == ["a"]
+
+
+def test_a_page_grown_by_an_unverified_step_is_checked_by_the_next_verify(
+        make_manager: Any) -> None:
+    """A step reserved and committed without verify becomes the base the next step splices
+    from, while the proof still covers the step before it: the next verify must not take
+    the splice as proved against that older proof, so a fault on the page the unverified
+    step grew is caught."""
+    mgr = make_manager(num_pages=64)
+    eng = ToyEngine(mgr)
+    ids = ["a", "b"]
+    run_prompt(eng, "a", [1] * 6)
+    run_prompt(eng, "b", [2] * 6)
+    for _ in range(2):  # tokens 7 and 8: the proof covers two pages a row
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    eng.step(ids, 1)  # token 9: a third page each, not verified
+    eng.commit(ids)
+    step = eng.step(ids, 1)
+    faults.free_behind_back(mgr, "a", 2)
+    assert list(mgr.verify(ids, step).aborted) == ["a"]
