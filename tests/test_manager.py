@@ -702,3 +702,22 @@ def test_tokens_of_is_a_copy_of_the_committed_ids_as_int64(make_manager: Any) ->
     assert got.dtype == np.int64 and got.tolist() == [3, 1, 4, 1, 5, 9]
     got[0] = 7
     assert mgr.tokens_of("a")[0] == 3
+
+
+def test_evicting_ahead_stops_at_the_evictable_pages_and_frees_their_namespaces(
+        make_manager: Any) -> None:
+    """An allocation short of free pages evicts what it needs plus up to ``evict_ahead``
+    more least-recently-used pages, never more than the cache holds alone; evicted pages
+    that stay free hold no namespace (-1), like every free page."""
+    mgr = make_manager(num_pages=16, evict_ahead=8)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(16)))  # 4 full pages, cached
+    eng.release("a")
+    run_prompt(eng, "c", [7] * 40)  # 10 pages held
+    assert mgr.stats().num_free == 2 and mgr.stats().num_cached == 4
+    run_prompt(eng, "b", list(range(100, 112)))  # 3 pages: 1 short, the other 3 evicted ahead
+    stats = mgr.stats()
+    assert stats.num_evictions == 4 and stats.num_free == 3 and stats.page_size == 4
+    free = mgr.allocator.refcounts == 0
+    assert (mgr.pages.namespace_ids[free] == -1).all()
+    mgr.check()

@@ -401,3 +401,17 @@ def test_csr_and_block_table_take_seq_lens_from_one_to_the_mapped_slots() -> Non
         with pytest.raises(ArgumentError, match=r"each must be in 1\.\.the row's mapped slots "
                            r"\(num_pages \* page_size\)"):
             table.csr([row], [bad])
+
+
+@pytest.mark.parametrize("num_pages, num_tokens", [(5, 8), (2, 9), (2, -1)])
+def test_open_row_refuses_too_many_pages_or_tokens_they_cannot_hold(num_pages: int,
+                                                                    num_tokens: int) -> None:
+    """open_row() refuses more pages than max_pages_per_seq, and a token count outside
+    0 .. the pages' slots, each on its own; nothing changes."""
+    table = PageTable(2, 4, 4)
+    before = table_state(table)
+    with pytest.raises(KVMemError, match="cannot map"):
+        table.open_row(np.arange(num_pages, dtype=np.int32), num_tokens)
+    assert table_state(table) == before
+    row = table.open_row(np.arange(2, dtype=np.int32), 8)
+    assert table.row_pages(row).tolist() == [0, 1] and table.num_tokens[row] == 8
