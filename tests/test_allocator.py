@@ -574,11 +574,25 @@ def test_pop_changed_pages_returns_every_page_when_it_fell_behind() -> None:
     assert alloc.pop_changed_pages().tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("call", ["free", "share"])
+@pytest.mark.parametrize("call", ["free", "share", "share_distinct", "free_distinct"])
 def test_an_out_of_range_page_error_gives_the_valid_range(call: str) -> None:
-    """free() and share() of an id outside the pool name the id and the valid range."""
+    """free() and share() (and their distinct-page twins) of an id outside the pool name the
+    call, the id and the valid range."""
     alloc = PageAllocator(8)
     alloc.allocate(2)
-    with pytest.raises(InvalidFreeError, match=rf"^{call}\(\) got page ids \[8\] outside 0\.\.7; "
-                       "nothing changed"):
-        getattr(alloc, call)([8])
+    name = call.removesuffix("_distinct")
+    with pytest.raises(InvalidFreeError, match=rf"^{name}\(\) got page ids \[8\] outside "
+                       r"0\.\.7; nothing changed"):
+        getattr(alloc, call)(np.array([8]))
+
+
+def test_a_free_listing_a_page_too_often_names_only_that_page() -> None:
+    """free() of a page listed more times than it has holders names that page and its
+    holders, not the pages the call would free correctly."""
+    alloc = PageAllocator(8)
+    alloc.allocate(3)
+    alloc.share([2])
+    with pytest.raises(InvalidFreeError, match=r"lists pages \[0\] more times than they have "
+                       r"holders \(holders \[1\]\)"):
+        alloc.free([0, 0, 1, 2, 2])
+    assert alloc.refcounts.tolist()[:3] == [1, 1, 2]

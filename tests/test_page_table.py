@@ -415,3 +415,36 @@ def test_open_row_refuses_too_many_pages_or_tokens_they_cannot_hold(num_pages: i
     assert table_state(table) == before
     row = table.open_row(np.arange(2, dtype=np.int32), 8)
     assert table.row_pages(row).tolist() == [0, 1] and table.num_tokens[row] == 8
+
+
+def test_the_table_needs_at_least_one_row_column_and_slot() -> None:
+    """A table of 1 row, 1 column, 1 slot per page is fine; 0 of any is refused by name."""
+    table = PageTable(1, 1, 1)
+    assert table.pages.shape == (1, 1)
+    for i, name in enumerate(("max_seqs", "max_pages_per_seq", "page_size")):
+        args = [1, 1, 1]
+        args[i] = 0
+        with pytest.raises(ArgumentError, match=rf"^{name} must be a positive int, got 0$"):
+            PageTable(*args)
+
+
+def test_token_slots_of_several_rows_with_one_start_and_count() -> None:
+    """token_slots() with one start and count for several rows gives every row's slots, row
+    by row."""
+    alloc, table = make()
+    r0, r1 = table.add_row(), table.add_row()
+    table.grow([r0, r1], [6, 6], alloc)
+    assert table.token_slots([r0, r1], 3, 2).tolist() == (
+        reference_slots(table, r0, 3, 2) + reference_slots(table, r1, 3, 2))
+
+
+def test_slots_of_a_page_id_near_the_int32_limit_do_not_wrap() -> None:
+    """Slots are int64: page id * page_size past 2**31 does not wrap (page ids are int32,
+    slots are not)."""
+    table = PageTable(1, 2, 16)
+    row = table.add_row()
+    table.map_pages(row, [2**30, 2**30 + 1])
+    table.set_num_tokens(row, 20)
+    want = [2**34 + 15, 2**34 + 16, 2**34 + 17]
+    assert table.token_slots([row], 15, 3).tolist() == want
+    assert table.slot_mapping([row, row, row], [15, 16, 17]).tolist() == want
