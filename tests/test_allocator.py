@@ -596,3 +596,38 @@ def test_a_free_listing_a_page_too_often_names_only_that_page() -> None:
                        r"holders \(holders \[1\]\)"):
         alloc.free([0, 0, 1, 2, 2])
     assert alloc.refcounts.tolist()[:3] == [1, 1, 2]
+
+
+@pytest.mark.parametrize("call", ["free", "share"])
+@pytest.mark.parametrize("pages", [np.zeros((1, 1), dtype=np.int32), "01", 3])
+def test_page_ids_must_be_a_one_dimensional_sequence(call: str, pages: Any) -> None:
+    """free() and share() take a 1-D sequence of page ids: a 2-D array (even of int32), a
+    string or one id is refused, naming ``pages``, and nothing changes."""
+    alloc = PageAllocator(4)
+    alloc.allocate(2)
+    before = allocator_state(alloc)
+    with pytest.raises(ArgumentTypeError, match=r"^pages must be a 1-D sequence of page ids"):
+        getattr(alloc, call)(pages)
+    assert allocator_state(alloc) == before
+
+
+def test_the_change_log_counts_every_allocate_and_free() -> None:
+    """changes.num_logged counts the arrays logged: one per allocate and per free (sharing
+    changes no tag)."""
+    alloc = PageAllocator(4)
+    assert alloc.changes.num_logged == 0
+    pages = alloc.allocate(2)
+    alloc.share(pages)
+    assert alloc.changes.num_logged == 1
+    alloc.free(pages)
+    alloc.free(pages)
+    assert alloc.changes.num_logged == 3
+
+
+def test_the_pool_holds_one_page_up_to_int32_max() -> None:
+    """One page is a valid pool; more than int32 can number is refused by name, before any
+    array is made (2**40 here, so that a missing bound fails at once, not after 8 GiB)."""
+    alloc = PageAllocator(1)
+    assert alloc.allocate(1).tolist() == [0]
+    with pytest.raises(ArgumentError, match=r"^num_pages=1099511627776: expected an integer"):
+        PageAllocator(2**40)
