@@ -50,7 +50,7 @@ def run_kvmem(steps: list, prompts: np.ndarray) -> dict[str, list[float]]:
     for done, new_prompts in steps:
         t0 = time.perf_counter()
         if done.size:  # finished requests leave and new ones arrive, as one batch each
-            alloc.free(table.remove_rows(rows[done]))
+            alloc.free(np.concatenate([table.remove_row(r) for r in rows[done].tolist()]))
             rows[done] = table.add_rows(done.size)
             table.grow(rows[done], new_prompts, alloc)
         t1 = time.perf_counter()

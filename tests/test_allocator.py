@@ -506,3 +506,128 @@ def test_free_refuses_the_whole_call_naming_why(pages: list[Any], error: str) ->
     assert type(info.value).__name__ == error
     assert (a.refcounts.tolist(), a.tags.tolist(), a.num_free) == before
     a.check()
+
+
+def _pages(ids: Any) -> str:
+    return str([int(p) for p in ids][:16])
+
+
+@pytest.mark.parametrize("num_bad", [1, 2, 17])
+@pytest.mark.parametrize("how", ["out-of-range", "duplicate-free", "leak", "free-with-refcount",
+                                 "free-with-tag", "live-without-tag", "negative-refcount"])
+def test_check_names_each_broken_invariant_and_its_first_16_pages(how: str, num_bad: int) -> None:
+    """check() says exactly which invariant broke and lists the offending pages (the first
+    16), one sentence per broken invariant, joined by "; "; and nothing it does not see:
+    page 0 free, ids at both ends of the range, pages listed once, are all fine."""
+    alloc = PageAllocator(64)
+    live = alloc.allocate(40)  # pages 0..39
+    alloc.free(live[:1])  # page 0 is free too (ids at 0 are in range)
+    free = alloc._free_stack[: alloc._num_free].copy()  # 25 pages, top of the stack last
+    bad = live[1 : 1 + num_bad]
+    if how == "out-of-range":  # extra ids past the free pages, below 0 and at num_pages
+        ids = [(-1 - i // 2) if i % 2 == 0 else 64 + i // 2 for i in range(num_bad)]
+        alloc._free_stack[alloc._num_free : alloc._num_free + num_bad] = ids
+        alloc._num_free += num_bad
+        want = [f"free stack holds out-of-range ids {ids[:16]}"]
+    elif how == "duplicate-free":
+        alloc._free_stack[alloc._num_free : alloc._num_free + num_bad] = free[:num_bad]
+        alloc._num_free += num_bad
+        want = [f"pages {_pages(sorted(free[:num_bad]))} appear more than once in the free stack"]
+    elif how == "leak":  # neither free nor held
+        alloc._refcounts[bad] = 0
+        want = [f"conservation broken: 25 free + {39 - num_bad} live != 64 total; pages "
+                f"neither free nor held: {_pages(bad)}"]
+    elif how == "free-with-refcount":
+        alloc._refcounts[free[:num_bad]] = 1
+        want = [f"conservation broken: 25 free + {39 + num_bad} live != 64 total; pages "
+                "neither free nor held: []",
+                f"free pages {_pages(sorted(free[:num_bad]))} have refcount != 0"]
+    elif how == "free-with-tag":
+        alloc._tags[free[:num_bad]] = 7
+        want = [f"free pages {_pages(sorted(free[:num_bad]))} have tag != 0"]
+    elif how == "live-without-tag":
+        alloc._tags[bad] = 0
+        want = [f"live pages {_pages(bad)} have tag <= 0"]
+    else:
+        alloc._refcounts[bad] = -1
+        want = [f"conservation broken: 25 free + {39 - num_bad} live != 64 total; pages "
+                "neither free nor held: []",
+                f"pages {_pages(bad)} have negative refcounts"]
+    with pytest.raises(IntegrityError) as e:
+        alloc.check()
+    assert str(e.value) == "PageAllocator.check() failed: " + "; ".join(want)
+
+
+def test_pop_changed_pages_returns_every_page_when_it_fell_behind() -> None:
+    """A reader that let more changes pile up than the log keeps gets every page (int32,
+    ascending), then only what changed since; with no change, an empty int32 array."""
+    alloc = PageAllocator(8)
+    alloc.pop_changed_pages()
+    assert alloc.pop_changed_pages().dtype == np.int32
+    for _ in range(alloc.changes.limit):
+        alloc.free(alloc.allocate(1))
+    everything = alloc.pop_changed_pages()
+    assert everything.dtype == np.int32 and everything.tolist() == list(range(8))
+    none = alloc.pop_changed_pages()
+    assert none.dtype == np.int32 and none.size == 0
+    alloc.allocate(2)
+    assert alloc.pop_changed_pages().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("call", ["free", "share", "share_distinct", "free_distinct"])
+def test_an_out_of_range_page_error_gives_the_valid_range(call: str) -> None:
+    """free() and share() (and their distinct-page twins) of an id outside the pool name the
+    call, the id and the valid range."""
+    alloc = PageAllocator(8)
+    alloc.allocate(2)
+    name = call.removesuffix("_distinct")
+    with pytest.raises(InvalidFreeError, match=rf"^{name}\(\) got page ids \[8\] outside "
+                       r"0\.\.7; nothing changed"):
+        getattr(alloc, call)(np.array([8]))
+
+
+def test_a_free_listing_a_page_too_often_names_only_that_page() -> None:
+    """free() of a page listed more times than it has holders names that page and its
+    holders, not the pages the call would free correctly."""
+    alloc = PageAllocator(8)
+    alloc.allocate(3)
+    alloc.share([2])
+    with pytest.raises(InvalidFreeError, match=r"lists pages \[0\] more times than they have "
+                       r"holders \(holders \[1\]\)"):
+        alloc.free([0, 0, 1, 2, 2])
+    assert alloc.refcounts.tolist()[:3] == [1, 1, 2]
+
+
+@pytest.mark.parametrize("call", ["free", "share"])
+@pytest.mark.parametrize("pages", [np.zeros((1, 1), dtype=np.int32), "01", 3])
+def test_page_ids_must_be_a_one_dimensional_sequence(call: str, pages: Any) -> None:
+    """free() and share() take a 1-D sequence of page ids: a 2-D array (even of int32), a
+    string or one id is refused, naming ``pages``, and nothing changes."""
+    alloc = PageAllocator(4)
+    alloc.allocate(2)
+    before = allocator_state(alloc)
+    with pytest.raises(ArgumentTypeError, match=r"^pages must be a 1-D sequence of page ids"):
+        getattr(alloc, call)(pages)
+    assert allocator_state(alloc) == before
+
+
+def test_the_change_log_counts_every_allocate_and_free() -> None:
+    """changes.num_logged counts the arrays logged: one per allocate and per free (sharing
+    changes no tag)."""
+    alloc = PageAllocator(4)
+    assert alloc.changes.num_logged == 0
+    pages = alloc.allocate(2)
+    alloc.share(pages)
+    assert alloc.changes.num_logged == 1
+    alloc.free(pages)
+    alloc.free(pages)
+    assert alloc.changes.num_logged == 3
+
+
+def test_the_pool_holds_one_page_up_to_int32_max() -> None:
+    """One page is a valid pool; more than int32 can number is refused by name, before any
+    array is made (2**40 here, so that a missing bound fails at once, not after 8 GiB)."""
+    alloc = PageAllocator(1)
+    assert alloc.allocate(1).tolist() == [0]
+    with pytest.raises(ArgumentError, match=r"^num_pages=1099511627776: expected an integer"):
+        PageAllocator(2**40)

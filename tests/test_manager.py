@@ -18,6 +18,7 @@ from kvmem import (
     ArgumentTypeError,
     CheckingTracker,
     ConcurrentUseError,
+    IntegrityError,
     KVMemError,
     OutOfPagesError,
     PageAllocator,
@@ -604,3 +605,119 @@ def test_the_documented_defaults_dtypes_stats_and_hook_kinds(make_manager: Any) 
     mgr.commit("a", np.arange(9))
     again = mgr.admit("b", np.arange(9))  # two full pages cached, the last token computed
     assert again.num_cached_tokens == 8 and again.num_cached_tokens % P == 0
+
+
+def _first8(pages: Any) -> str:
+    return str([int(p) for p in pages][:8])
+
+
+def _check_message(mgr: KVCacheManager) -> str:
+    with pytest.raises(IntegrityError) as e:
+        mgr.check()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("num_bad", [1, 9])
+def test_check_names_the_request_and_pages_a_corrupt_row_maps(make_manager: Any,
+                                                               num_bad: int) -> None:
+    """check() reports a row that maps ids outside the pool (below 0 or at num_pages and
+    beyond: of no namespace) by request and page (the first 8), together with the refcounts
+    that no longer match their holders and the pages no holder keeps (leaked); and a row
+    committed past what it reserved."""
+    mgr = make_manager(num_pages=32, prefix_cache=None)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(40)))  # pages 0..9
+    mgr.check()
+    row = mgr._requests.row_of("a")
+    ids = [-5, 32, -6, 33, 34, 35, -7, 36, 37][:num_bad]
+    for col, page in enumerate(ids):
+        mgr.table.overwrite(row, col, page)
+    lost = list(range(num_bad))
+    message = _check_message(mgr)
+    assert message.startswith("KVCacheManager.check() failed: ")
+    assert f"request 'a' maps pages {_first8(ids)} of another namespace (or none)" in message
+    assert (f"refcounts {_first8([1] * num_bad)} of pages {_first8(lost)} differ from their "
+            f"holders {_first8([0] * num_bad)}") in message
+    assert f"pages {_first8(lost)} are held by no row, cache or fence (leaked)" in message
+    for col, page in enumerate(lost):
+        mgr.table.overwrite(row, col, page)
+    mgr.check()
+    mgr.table.num_committed[row] = mgr.table.num_tokens[row] + 1
+    assert _check_message(mgr) == ("KVCacheManager.check() failed: request 'a': committed 41 > "
+                                   "reserved 40 or beyond its pages")
+
+
+@pytest.mark.parametrize("num_bad", [1, 9])
+def test_check_names_pages_that_are_free_and_held(make_manager: Any, num_bad: int) -> None:
+    """A page freed behind its holders' backs, whether only the prefix cache keeps it or a
+    row maps it, is reported as free and held (the first 8 pages)."""
+    mgr = make_manager(num_pages=32)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(40)))
+    eng.release("a")  # the cache alone keeps a's pages
+    run_prompt(eng, "b", [7] * 40)
+    assert mgr.cache is not None
+    cached = mgr.cache.cached_pages()[:num_bad]
+    mgr.allocator.free(cached)  # behind the cache's back
+    assert f"pages {_first8(cached)} are free and held at once" in _check_message(mgr)
+    mapped = np.sort(mgr.table.row_pages(mgr._requests.row_of("b"))[:num_bad])
+    mgr.allocator.free(np.concatenate([mapped, mapped]))  # behind b's and the cache's backs
+    both = np.sort(np.concatenate([cached, mapped]))
+    assert f"pages {_first8(both)} are free and held at once" in _check_message(mgr)
+
+
+@pytest.mark.parametrize("num_bad", [1, 9])
+def test_check_names_cached_pages_whose_namespace_drifted(make_manager: Any,
+                                                          num_bad: int) -> None:
+    """A cached page whose namespace (the pages' record) disagrees with the prefix cache's
+    is reported (the first 8 pages)."""
+    mgr = make_manager(num_pages=32)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(40)))
+    eng.release("a")
+    assert mgr.cache is not None
+    drifted = mgr.cache.cached_pages()[:num_bad]
+    mgr.pages.namespace_ids[drifted] = 99
+    assert _check_message(mgr) == (f"KVCacheManager.check() failed: cached pages "
+                                   f"{_first8(drifted)} disagree on namespace")
+
+
+def test_check_passes_on_the_allocators_own_findings(make_manager: Any) -> None:
+    """check() includes the allocator's own check, word for word."""
+    mgr = make_manager(num_pages=32, prefix_cache=None)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(6)))
+    free_page = int(mgr.allocator._free_stack[0])
+    mgr.allocator._tags[free_page] = 7
+    assert _check_message(mgr) == ("KVCacheManager.check() failed: PageAllocator.check() "
+                                   f"failed: free pages [{free_page}] have tag != 0")
+
+
+def test_tokens_of_is_a_copy_of_the_committed_ids_as_int64(make_manager: Any) -> None:
+    """tokens_of() returns ``[k]`` int64 token ids (not floats that compare equal), a copy
+    that the caller may change."""
+    mgr = make_manager()
+    prefill(mgr, "a", [3, 1, 4, 1, 5, 9])
+    got = mgr.tokens_of("a")
+    assert got.dtype == np.int64 and got.tolist() == [3, 1, 4, 1, 5, 9]
+    got[0] = 7
+    assert mgr.tokens_of("a")[0] == 3
+
+
+def test_evicting_ahead_stops_at_the_evictable_pages_and_frees_their_namespaces(
+        make_manager: Any) -> None:
+    """An allocation short of free pages evicts what it needs plus up to ``evict_ahead``
+    more least-recently-used pages, never more than the cache holds alone; evicted pages
+    that stay free hold no namespace (-1), like every free page."""
+    mgr = make_manager(num_pages=16, evict_ahead=8)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(16)))  # 4 full pages, cached
+    eng.release("a")
+    run_prompt(eng, "c", [7] * 40)  # 10 pages held
+    assert mgr.stats().num_free == 2 and mgr.stats().num_cached == 4
+    run_prompt(eng, "b", list(range(100, 112)))  # 3 pages: 1 short, the other 3 evicted ahead
+    stats = mgr.stats()
+    assert stats.num_evictions == 4 and stats.num_free == 3 and stats.page_size == 4
+    free = mgr.allocator.refcounts == 0
+    assert (mgr.pages.namespace_ids[free] == -1).all()
+    mgr.check()

@@ -101,3 +101,32 @@ def test_release_batch_equals_releasing_one_by_one(make_manager: Any) -> None:
     n = one.cache.num_evictable
     assert n > 0  # the least recently used first, in the same order
     assert one.cache.evict(n)[0].tolist() == many.cache.evict(n)[0].tolist()
+
+
+def test_the_free_at_once_fault_hook_frees_only_the_drops_it_names(make_manager: Any) -> None:
+    """Fault injection's ``free_at_once(pages)``: with a step in flight, a release whose pages
+    it answers True for is freed at once (the bug it re-creates); the others wait for the
+    step, as without the hook. The hook sees the very pages dropped."""
+    mgr = make_manager(num_pages=32, prefix_cache=None)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(8)))
+    run_prompt(eng, "b", list(range(20, 28)))
+    a_pages = mgr.table.row_pages(mgr.row_of("a")).tolist()
+    b_pages = mgr.table.row_pages(mgr.row_of("b")).tolist()
+    seen: list[list[int]] = []
+
+    def free_at_once(pages: np.ndarray) -> bool:
+        seen.append(sorted(pages.tolist()))
+        return seen[-1] == sorted(a_pages)
+
+    mgr.fault_hooks.free_at_once = free_at_once
+    handle = mgr.begin_step()
+    free = mgr.allocator.num_free
+    mgr.release("a")
+    assert mgr.allocator.num_free == free + 2 and not mgr.allocator.refcounts[a_pages].any()
+    mgr.release("b")
+    assert mgr.allocator.num_free == free + 2 and mgr.allocator.refcounts[b_pages].all()
+    assert seen == [sorted(a_pages), sorted(b_pages)]
+    mgr.retire(handle)
+    assert mgr.allocator.num_free == free + 4
+    mgr.check()

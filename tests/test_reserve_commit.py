@@ -323,3 +323,21 @@ def test_commit_batch_refuses_one_scalar_for_a_batch(
         mgr.commit_batch(["a", "c"], bad)
     assert snapshot(mgr) == before
     mgr.commit_batch(["a", "c"], torch.tensor([5, 6]))  # ... and the batch still commits
+
+
+def test_a_decode_commit_never_lands_in_the_slots_of_a_closed_request_of_the_same_id() -> None:
+    """A one-token commit reuses a recent decode reserve's slots only while the rows are the
+    ones it reserved for (same generations). Here "a" reserved a decode token, was released
+    and admitted again under the same id with as many committed tokens: its next one-token
+    commit must land in its own next slot, not in the old reserve's."""
+    mgr = KVCacheManager(64, page_size=4, max_seqs=8, tracker="checking", prefix_cache=None)
+    prefill(mgr, "b", [9, 9])  # "a" gets another row the second time
+    prefill(mgr, "a", [1, 2, 3, 4, 5])
+    mgr.reserve(["a"], 1)  # a decode record for ("a",) with 5 committed
+    mgr.release("a")
+    mgr.admit("a", [6, 7])
+    mgr.reserve(["a"], 6)
+    mgr.commit_batch(["a"], [[6, 7, 8, 9, 10]])
+    mgr.commit_batch(["a"], [11])
+    assert mgr.tokens_of("a").tolist() == [6, 7, 8, 9, 10, 11]
+    mgr.check()

@@ -973,3 +973,48 @@ def test_fast_paths_agree_with_plain_ones_under_an_engines_sequences(
         logging.disable(logging.NOTSET)
     stats = drive.fast.verifier.stats
     assert stats.spliced_proved > 0 and stats.paranoid_checks >= stats.spliced_proved
+
+
+def test_a_request_joining_at_the_front_keeps_the_proof_of_the_first_kept_page(
+        make_manager: Any) -> None:
+    """When a new request joins a verified decode batch at its front, reserve's spliced CSR
+    cuts nothing from the batch it spliced from: the proof still counts the first request's
+    first page, so a fault on that page afterwards is caught by the next verify."""
+    mgr = make_manager(num_pages=64)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", [1] * 6)
+    run_prompt(eng, "b", [2] * 6)
+    for _ in range(2):
+        step = eng.step(["a", "b"], 1)
+        assert mgr.verify(["a", "b"], step).ok
+        eng.commit(["a", "b"])
+    run_prompt(eng, "z", [3] * 5)  # a prefill alone: checked beside, the proof stays
+    ids = ["z", "a", "b"]
+    step = eng.step(ids, 1)
+    assert mgr.verify(ids, step).ok
+    eng.commit(ids)
+    faults.free_behind_back(mgr, "a", 0)
+    report = mgr.verify(ids, eng.step(ids, 1))
+    assert list(report.aborted) == ["a"]
+
+
+def test_a_page_grown_by_an_unverified_step_is_checked_by_the_next_verify(
+        make_manager: Any) -> None:
+    """A step reserved and committed without verify becomes the base the next step splices
+    from, while the proof still covers the step before it: the next verify must not take
+    the splice as proved against that older proof, so a fault on the page the unverified
+    step grew is caught."""
+    mgr = make_manager(num_pages=64)
+    eng = ToyEngine(mgr)
+    ids = ["a", "b"]
+    run_prompt(eng, "a", [1] * 6)
+    run_prompt(eng, "b", [2] * 6)
+    for _ in range(2):  # tokens 7 and 8: the proof covers two pages a row
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, step).ok
+        eng.commit(ids)
+    eng.step(ids, 1)  # token 9: a third page each, not verified
+    eng.commit(ids)
+    step = eng.step(ids, 1)
+    faults.free_behind_back(mgr, "a", 2)
+    assert list(mgr.verify(ids, step).aborted) == ["a"]

@@ -200,18 +200,6 @@ class PageTable:
         self._free_rows.append(row)
         return pages
 
-    def remove_rows(self, rows: npt.ArrayLike) -> Int32Array:
-        """Close distinct rows; returns their pages, row by row (the caller frees them)."""
-        rows = self._rows_arg(rows)
-        self._require_live_rows(rows)
-        width = int(self.num_pages[rows].max()) if rows.size else 0
-        block = self.pages[rows, :width]
-        pages = block[block != PAD]  # mapped pages are never PAD, and PAD follows them
-        self.pages[rows, :width] = PAD
-        self._reset(rows)
-        self._free_rows.extend(rows.tolist())
-        return pages
-
     def _reset(self, rows: int | IntpArray) -> None:
         self.num_forked -= int(np.count_nonzero(self.forked[rows]))
         for arr in (self.num_pages, self.num_tokens, self.num_committed, self.write_from,

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import show
-from kvmem.allocator._page_table import CSRMetadata, PageTable
+from kvmem.allocator._page_table import PageTable
 from kvmem.errors import ArgumentError
 from kvmem.integrity import PAD, DecodeSlots, Splice, checked_beside, max_spliced_rows, splice
 
@@ -87,9 +87,6 @@ class StepMetadata:
     def num_pages(self) -> Int32Array:
         """Pages each request reads: ``[B]``, int32."""
         return np.diff(self.kv_indptr)
-
-    def csr(self) -> CSRMetadata:
-        return CSRMetadata(self.kv_indptr, self.kv_indices, self.kv_last_page_len)
 
     def fields(self) -> dict[str, Any]:
         """The arrays the kernels read, by the names :meth:`tensors` uses (no block table)."""
