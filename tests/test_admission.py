@@ -472,3 +472,52 @@ def test_clear_prefix_cache_counts_what_it_forgot_and_frees_only_unheld_pages(
     m.release("b")
     assert m.stats().num_free == 16
     m.check()
+
+
+class NamespaceBlindKeys(HashedPrefixCache):
+    """A weak key function: every namespace chains from the same root (BUGS 11's cache key
+    that misses an input), so only the namespace stored with each page tells tenants apart."""
+
+    def root_key(self, namespace: Any) -> Any:
+        return super().root_key(None)
+
+
+def test_match_prefix_confirms_the_namespace_even_when_the_keys_collide() -> None:
+    """With keys equal across namespaces, match_prefix in another (seen) namespace still finds
+    nothing: the manager hands the cache its namespace id to confirm every hit with."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, prefix_cache=NamespaceBlindKeys(seed=1),
+                       watermark=0.0)
+    prompt = list(range(9))
+    prefill(m, "a", prompt, ns="x")
+    prefill(m, "b", [7, 7, 7], ns="y")  # "y" is a namespace the manager has seen
+    assert m.match_prefix(prompt, "x").num_pages == 2
+    assert m.match_prefix(prompt, "y").num_pages == 0
+    assert m.admit("c", prompt, namespace="y").num_cached_tokens == 0
+
+
+def test_match_prefix_in_the_default_namespace_finds_cached_pages() -> None:
+    """Namespace None has id 0, a seen namespace like any other: its pages are found."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(9))
+    prefill(m, "a", prompt)
+    match = m.match_prefix(prompt)
+    assert match.num_pages == 2 and match.pages.tolist() == m.pages_of("a")[:2].tolist()
+
+
+@pytest.mark.parametrize("case", ["no cache", "unseen namespace", "max_pages 0"])
+def test_an_empty_prefix_match_has_the_documented_shapes(case: str) -> None:
+    """Where nothing can match (no prefix cache, a namespace the manager never saw, no page
+    asked for), match_prefix returns an empty match of the documented dtypes and shapes:
+    pages [0] int32, keys [0, 2] uint64, root_key [2] uint64, num_evictable 0."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0,
+                       prefix_cache=None if case == "no cache" else "hashed")
+    prompt = list(range(9))
+    prefill(m, "a", prompt)
+    match = m.match_prefix(prompt, "never seen" if case == "unseen namespace" else None,
+                           0 if case == "max_pages 0" else None)
+    assert match.pages.dtype == np.int32 and match.pages.shape == (0,)
+    assert match.keys.dtype == np.uint64 and match.keys.shape == (0, 2)
+    assert match.root_key.dtype == np.uint64 and match.root_key.shape == (2,)
+    assert match.last_key.shape == (2,)
+    assert type(match.num_evictable) is int and match.num_evictable == 0
+    assert match.num_pages == 0

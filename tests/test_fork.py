@@ -188,3 +188,33 @@ def test_a_forks_shared_page_committed_by_both_in_one_batch_is_stored_once(
     assert len(stored) == 1 == len(set(stored))
     assert Counter(stored) == _cached_hashes(m)
     m.check()
+
+
+def test_a_fork_of_a_full_tail_takes_exactly_its_reserved_room() -> None:
+    """A parent with two full pages and a third reserved: the fork needs one page (its own
+    room) and no copy, so it succeeds with exactly one free page (a copy counted for a full
+    tail refused it)."""
+    m = KVCacheManager(4, page_size=P, max_seqs=4, prefix_cache=None, watermark=0.0)
+    m.admit("p", list(range(12)))
+    m.reserve(["p"], 8)
+    m.commit("p", list(range(8)))
+    assert m.stats().num_free == 1
+    assert m.can_fork("p")
+    m.fork("p", "c")
+    assert m.stats().num_free == 0
+
+
+def test_a_forks_pages_chain_their_prefix_keys_from_the_parents() -> None:
+    """The child inherits the parent's last prefix key: the page it fills after the fork is
+    cached under the key of the whole prefix, so a later prompt with that prefix hits both
+    pages (one chained from nothing would hit only the first)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))  # page 0 cached; page 1 holds 2 tokens
+    m.fork("p", "c")
+    m.reserve(["c"], 2)
+    m.commit("c", [6, 7])  # the child's copy of page 1 fills and is cached
+    match = m.match_prefix([*range(8), 99])
+    assert match.num_pages == 2
+    assert match.pages[1] == m.pages_of("c")[1] != m.pages_of("p")[1]

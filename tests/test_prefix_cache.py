@@ -679,3 +679,61 @@ def test_a_huge_batch_hashes_into_temporaries_with_the_same_keys() -> None:
     tail = cache.page_keys(keys[k - 1001 : k - 1], np.ones(1000, np.int64),
                            np.arange(k - 1000, k), tokens[k - 1000 :, None])
     assert np.array_equal(keys[k - 1000 :], tail)
+
+
+def test_evict_of_no_page_returns_empty_arrays_and_too_many_is_refused_by_name() -> None:
+    """evict(0) frees nothing and returns ``[0]`` int32 pages and ``[0, 2]`` uint64 keys; an
+    eviction of more pages than only the cache holds says how many it could."""
+    cache, alloc = bound(num_pages=16)
+    store(cache, alloc, np.arange(8), None, 0)
+    freed, keys = cache.evict(0)
+    assert freed.dtype == np.int32 and freed.shape == (0,)
+    assert keys.dtype == np.uint64 and keys.shape == (0, 2)
+    assert cache.num_evictable == 2 and alloc.num_free == 14
+    with pytest.raises(ArgumentError, match=r"^asked to evict 3 pages but only 2 cached pages "
+                       r"are held by the cache alone; nothing was evicted$"):
+        cache.evict(3)
+    assert cache.num_evictable == 2 and not cache.check()
+
+
+@pytest.mark.parametrize("runs", [1, 0])
+def test_released_many_of_one_run_or_none_equals_released(runs: int) -> None:
+    """released_many of a single run is released of that run (deepest page first into the
+    LRU); of no run, nothing."""
+    cache, alloc = bound(num_pages=16)
+    pages = store(cache, alloc, np.arange(12), None, 0)
+    alloc.share(pages)
+    cache.acquired(pages)
+    alloc.free(pages)
+    cache.released_many([pages] if runs else [])
+    assert cache.num_evictable == (3 if runs else 0)
+    if runs:  # (with none, the cache alone holds pages it was not told of)
+        assert not cache.check()
+        assert cache.evict(3)[0].tolist() == pages[::-1].tolist()
+
+
+def test_keys_of_and_namespaces_of_read_what_insert_stored() -> None:
+    cache, alloc = bound()
+    tokens = np.arange(8)
+    pages = store(cache, alloc, tokens, "t", 3)
+    keys = cache.prompt_keys(tokens, "t")
+    assert cache.keys_of(pages).tolist() == keys.tolist()
+    assert cache.keys_of(pages).dtype == np.uint64
+    assert cache.namespaces_of(pages).tolist() == [3, 3]
+
+
+def test_the_lru_buffer_stays_bounded_when_the_same_pages_cycle() -> None:
+    """A page acquired and released again and again leaves one stale LRU entry per cycle;
+    compaction drops them, so the buffer never grows past its first size (and the LRU order
+    survives: the page released last is evicted last)."""
+    cache, alloc = bound(num_pages=8)
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    size = cache._fifo_pages.size
+    for _ in range(3 * size):
+        alloc.share(pages[:1])
+        cache.acquired(pages[:1])
+        alloc.free(pages[:1])
+        cache.released(pages[:1])
+    assert cache._fifo_pages.size == size
+    assert cache.evict(2)[0].tolist() == [pages[1], pages[0]]
+    assert not cache.check()
