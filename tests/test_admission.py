@@ -521,3 +521,56 @@ def test_an_empty_prefix_match_has_the_documented_shapes(case: str) -> None:
     assert match.last_key.shape == (2,)
     assert type(match.num_evictable) is int and match.num_evictable == 0
     assert match.num_pages == 0
+
+
+@pytest.mark.parametrize(("call", "prompt", "message"), [
+    ("can_admit", [], r"^a request needs at least one prompt token; got none \(nothing "
+                      r"changed\)$"),
+    ("admit", [], r"^request 'x' needs at least one prompt token; got none \(nothing changed\)$"),
+    ("can_admit", list(range(40)), r"^a request: a prompt of 40 tokens needs 10 pages but a "
+                                   r"request may map at most max_pages_per_seq=8; shorten it or "
+                                   r"raise the limit \(nothing changed\)$"),
+    ("admit", list(range(40)), r"^request 'x': a prompt of 40 tokens needs 10 pages but a "
+                               r"request may map at most max_pages_per_seq=8; shorten it or "
+                               r"raise the limit \(nothing changed\)$"),
+])
+def test_a_prompt_that_can_never_fit_is_refused_with_the_whole_story(
+        snapshot: Any, call: str, prompt: list[int], message: str) -> None:
+    """admit names the request, can_admit (which has no id) says "a request"; both say what
+    was found and what to do, and change nothing."""
+    m = KVCacheManager(32, page_size=P, max_seqs=2, max_pages_per_seq=8, watermark=0.0)
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=message):
+        m.admit("x", prompt) if call == "admit" else m.can_admit(prompt)
+    assert snapshot(m) == before
+    assert m.can_admit(list(range(32)))  # 8 pages: the longest prompt a row maps
+
+
+def test_admit_with_every_row_mapped_says_what_to_do(snapshot: Any) -> None:
+    m = KVCacheManager(32, page_size=P, max_seqs=2, watermark=0.0)
+    m.admit("a", [1])
+    m.admit("b", [2])
+    before = snapshot(m)
+    with pytest.raises(KVMemError, match=r"^all max_seqs=2 rows are mapped; release or preempt a "
+                       r"request before admitting another$"):
+        m.admit("c", [3])
+    assert snapshot(m) == before
+
+
+def test_a_manager_tells_apart_at_most_max_namespaces() -> None:
+    """Namespace ids are 0 (None) .. MAX_NAMESPACES - 1: the last one is given, the next
+    namespace is refused with what to do, and None keeps id 0 throughout."""
+    from kvmem.allocator import Namespaces
+    from kvmem.integrity import MAX_NAMESPACES
+
+    names = Namespaces()
+    assert names.id_of(None, False) == 0 and names.name(0) is None
+    assert names.id_of("t", False) == -1
+    for i in range(1, MAX_NAMESPACES):
+        assert names.id_of(i, True, b"i%d" % i) == i
+    assert names.id_of(MAX_NAMESPACES - 1, False) == MAX_NAMESPACES - 1
+    with pytest.raises(KVMemError, match=rf"^this manager has seen {MAX_NAMESPACES} namespaces, "
+                       r"the most it can tell apart; use fewer \(a namespace is a tenant, adapter "
+                       r"or salt, not a request\)$"):
+        names.id_of("one more", True)
+    assert names.id_of("one more", False) == -1 and names.id_of(None, True) == 0

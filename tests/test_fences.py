@@ -132,7 +132,7 @@ def test_step_fences_refuse_pages_out_of_range_before_holding_any() -> None:
     fences.defer([1, 1])
     assert fences.retire(handle).tolist() == [1, 1]  # nothing else was held
     for bad, kind in ((0, ArgumentError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)):
-        with pytest.raises(kind, match="num_pages"):
+        with pytest.raises(kind, match=r"^num_pages=.*: expected an integer in 1\.\.2147483647 "):
             StepFences(bad)
 
 

@@ -737,3 +737,77 @@ def test_the_lru_buffer_stays_bounded_when_the_same_pages_cycle() -> None:
     assert cache._fifo_pages.size == size
     assert cache.evict(2)[0].tolist() == [pages[1], pages[0]]
     assert not cache.check()
+
+
+@pytest.mark.parametrize(("namespace", "encoding"), [
+    (None, b"n"), (True, b"o1"), (False, b"o0"), (np.True_, b"o1"), (5, b"i5"),
+    (np.int64(-3), b"i-3"), ("ab", b"s2:ab"), ("\u00e9", b"s2:\xc3\xa9"), (b"xy", b"b2:xy"),
+    ((1, "a"), b"t2(2:i14:s1:a)"), (((),), b"t1(4:t0())"), ((None, (b"",)), b"t2(1:n9:t1(3:b0:))"),
+])
+def test_namespace_encodings_are_the_documented_bytes(namespace: Any, encoding: bytes) -> None:
+    """Root keys are a keyed hash of these bytes, so a router or another process with the
+    same seed computes the same keys only while every kind of namespace encodes exactly so:
+    a tag letter, lengths, ``:`` and a tuple's parts in parentheses."""
+    assert namespace_bytes(namespace) == encoding
+
+
+def test_a_namespace_of_another_type_is_refused_saying_what_to_do() -> None:
+    with pytest.raises(ArgumentTypeError, match=r"^namespace must be None, str, int, bytes or a "
+                       r"tuple of those, got float 1\.5; encode other values \(a LoRA config, an "
+                       r"image hash\) as one of those$"):
+        namespace_bytes(1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("seed", "page_size", "kind", "message"), [
+    (-1, 4, ArgumentError, r"^seed=-1: expected an integer >= 0"),
+    ("x", 4, ArgumentTypeError, r"^seed='x' \(str\): expected an integer >= 0"),
+    (0, 0, ArgumentError, r"^page_size=0: expected an integer in 1\.\.65536"),
+    (0, 65537, ArgumentError, r"^page_size=65537: expected an integer in 1\.\.65536"),
+])
+def test_prefix_keys_argument_errors_name_the_argument(seed: Any, page_size: Any, kind: type,
+                                                       message: str) -> None:
+    """The key function's bounds (a seed >= 0, pages of 1 .. 65536 tokens) and the argument
+    each refusal names; the largest page size is accepted."""
+    from kvmem.allocator import PrefixKeys
+
+    with pytest.raises(kind, match=message):
+        PrefixKeys(seed, page_size)
+    assert PrefixKeys(0, 65536).page_size == 65536
+
+
+@pytest.mark.parametrize(("max_pages", "kind"), [(-1, ArgumentError), (1.5, ArgumentTypeError)])
+def test_prompt_keys_refuse_a_bad_max_pages_by_name(max_pages: Any, kind: type) -> None:
+    from kvmem.allocator import PrefixKeys
+
+    keys = PrefixKeys(0, P)
+    with pytest.raises(kind, match=r"^max_pages=.*expected an integer >= 0"):
+        keys.prompt_keys(np.arange(8), keys.root(None), max_pages)
+    assert keys.prompt_keys(np.arange(8), keys.root(None), 0).shape == (0, 2)
+    assert keys.prompt_keys(np.arange(8), keys.root(None), 1).shape == (1, 2)
+
+
+def test_a_cache_serves_one_manager_and_says_so() -> None:
+    """An unbound cache has no allocator, a bound one refuses a second manager: each error
+    names the cache's class and what to do."""
+    from kvmem import ConfigError, KVCacheManager
+
+    cache = HashedPrefixCache(seed=3)
+    with pytest.raises(ConfigError, match=r"^this HashedPrefixCache is not bound; give it to a "
+                       r"KVCacheManager first$"):
+        cache.allocator  # noqa: B018
+    KVCacheManager(8, page_size=P, prefix_cache=cache)
+    with pytest.raises(ConfigError, match=r"^this HashedPrefixCache is already bound to an "
+                       r"allocator \(a manager\); give each KVCacheManager a new one$"):
+        KVCacheManager(8, page_size=P, prefix_cache=cache)
+    assert cache.allocator.num_pages == 8 and cache.page_size == P
+
+
+@pytest.mark.parametrize(("seed", "kind", "message"), [
+    (-1, ArgumentError, r"^seed=-1: expected an integer >= 0"),
+    (1.5, ArgumentTypeError, r"^seed=1\.5 \(float\): expected an integer >= 0"),
+])
+def test_a_cache_seed_is_checked_by_name(seed: Any, kind: type, message: str) -> None:
+    with pytest.raises(kind, match=message):
+        HashedPrefixCache(seed=seed)
+    assert HashedPrefixCache(seed=0).seed == 0
+    assert HashedPrefixCache(seed=2**70).seed == 2**70

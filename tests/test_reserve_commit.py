@@ -524,3 +524,49 @@ def test_a_reserve_of_too_many_too_long_requests_names_the_first_eight(snapshot:
                        r"was reserved\)$"):
         m.reserve(ids, 2)
     assert snapshot(m) == before
+
+
+def test_a_stored_event_after_already_cached_pages_names_its_real_parent() -> None:
+    """Two requests with one prompt, both admitted before either commits: the second one's
+    commit of three pages caches only the third (the first two are cached already, the
+    first's), and its PagesStored event names the second page's key as the parent."""
+    from kvmem.manager import PagesStored
+
+    m = KVCacheManager(32, page_size=P, max_seqs=4, kv_events=True, watermark=0.0)
+    prompt = list(range(12))
+    for rid in ("a", "b"):
+        m.admit(rid, prompt)
+        m.reserve([rid], 12)
+    m.commit("a", prompt[:8])
+    (first,) = m.take_events()
+    m.commit("b", prompt)
+    (second,) = m.take_events()
+    assert isinstance(first, PagesStored) and isinstance(second, PagesStored)
+    assert len(first.page_hashes) == 2 and len(second.page_hashes) == 1
+    assert second.parent_page_hash == first.page_hashes[1]
+    assert second.token_ids == tuple(prompt[8:])
+
+
+@pytest.mark.parametrize("call", ["reserve", "can_reserve"])
+@pytest.mark.parametrize(("count", "message"), [
+    (-1, r"^num_tokens=-1: expected an integer in 0\.\.32 "),
+    (33, r"^num_tokens=33: expected an integer in 0\.\.32 "),
+    (np.int64(33), r"^num_tokens=33: expected an integer in 0\.\.32 "),
+    ([-1], r"^num_tokens holds counts from -1 to -1: expected every count in 0\.\.32\. "),
+    ([33], r"^num_tokens holds counts from 33 to 33: expected every count in 0\.\.32\. "),
+    ([1, 2], r"^num_tokens lists 2 counts: expected 1, one per request\. "),
+])
+def test_token_counts_are_checked_by_name_up_to_a_rows_most_tokens(
+        snapshot: Any, call: str, count: Any, message: str) -> None:
+    """A count is 0 .. max_pages_per_seq * page_size (32 here), as an int or one per
+    request; a refusal names num_tokens and changes nothing; 32 itself is a count."""
+    m = small(64, max_pages_per_seq=8)
+    m.admit("a", [1])
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=message):
+        getattr(m, call)(["a"], count)
+    assert snapshot(m) == before
+    m.release("a")
+    m.admit("b", [1])
+    assert m.can_reserve(["b"], 32) and m.can_reserve(["b"], [32])
+    assert m.reserve(["b"], [32]).slot_mapping.size == 32
