@@ -218,3 +218,53 @@ def test_a_forks_pages_chain_their_prefix_keys_from_the_parents() -> None:
     match = m.match_prefix([*range(8), 99])
     assert match.num_pages == 2
     assert match.pages[1] == m.pages_of("c")[1] != m.pages_of("p")[1]
+
+
+def test_a_fork_leaves_the_pending_step_of_another_request_alone() -> None:
+    """A fork marks only its parent's writes done: another request's reserved, not yet
+    verified step still lists its new tokens, and verify accepts it afterwards."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, tracker="checking", watermark=0.0)
+    for rid in ("a", "p"):
+        m.admit(rid, [1, 2, 3])
+        m.reserve([rid], 3)
+        m.commit(rid, [1, 2, 3])
+    step = m.reserve(["a"], 2)
+    m.reserve(["p"], 1)
+    m.commit("p", [4])
+    m.fork("p", "c")
+    report = m.verify(["a"], step)
+    assert report.ok and not report.aborted
+    m.commit("a", [5, 6])
+    assert m.tokens_of("a").tolist() == [1, 2, 3, 5, 6]
+
+
+def test_a_fork_at_a_partial_page_marks_exactly_the_parent_and_the_child() -> None:
+    """Only the two rows that share the partly filled tail are marked forked (others keep the
+    decode step's fast path), and the marks go once both have written past it."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    m.admit("other", [9])
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))
+    m.fork("p", "c")
+    rows = {m.row_of("p"), m.row_of("c")}
+    assert set(np.flatnonzero(m.table.forked).tolist()) == rows and m.table.num_forked == 2
+    m.reserve(["p", "c"], 1)
+    assert m.table.num_forked == 0 and not m.table.forked.any()
+
+
+@pytest.mark.parametrize("batch", [["p"], ["p", "c1"]])
+def test_a_forked_request_that_writes_nothing_this_step_gets_no_copy(batch: list[str]) -> None:
+    """A row reserving 0 tokens writes nothing, so it takes no copy of the tail it shares:
+    alone, no copy at all; beside a sibling that writes, only the sibling copies (the tail
+    has a third holder that may write later)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, prefix_cache=None, watermark=0.0)
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))
+    m.fork("p", "c1")
+    m.fork("p", "c2")
+    tail = m.pages_of("p")[1]
+    step = m.reserve(batch, [0] * (len(batch) - 1) + [0 if len(batch) == 1 else 1])
+    assert step.copy_src.tolist() == ([] if len(batch) == 1 else [tail])
+    assert m.pages_of("p")[1] == tail

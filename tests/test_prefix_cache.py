@@ -811,3 +811,33 @@ def test_a_cache_seed_is_checked_by_name(seed: Any, kind: type, message: str) ->
         HashedPrefixCache(seed=seed)
     assert HashedPrefixCache(seed=0).seed == 0
     assert HashedPrefixCache(seed=2**70).seed == 2**70
+
+
+def test_evict_across_stale_lru_entries_takes_every_page_asked_for() -> None:
+    """Pages acquired and released again leave stale LRU entries at the head: an eviction
+    whose first window holds too few current entries reads on, and frees exactly the pages
+    asked for, least recently released first."""
+    cache, alloc = bound(num_pages=128)
+    pages = np.concatenate([store(cache, alloc, np.arange(8) + 100 * i, None, 0)
+                            for i in range(20)])  # 40 pages, 40 LRU entries
+    alloc.share(pages)
+    cache.acquired(pages)
+    alloc.free(pages)
+    cache.released(pages)  # 40 stale entries, then 40 current ones (deepest first)
+    freed, keys = cache.evict(30)
+    assert freed.tolist() == pages[::-1][:30].tolist()
+    assert keys.shape == (30, 2) and cache.num_evictable == 10 and cache.num_cached == 10
+    assert alloc.num_free == 128 - 10 and not cache.check()
+
+
+def test_check_names_a_page_freed_behind_the_caches_back_and_a_stamp_count_drift() -> None:
+    """The cache's own check says, in its words, what is wrong."""
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    alloc.free(pages[1:])  # the cache's own reference, dropped behind its back
+    assert f"cached pages [{pages[1]}] were freed or reallocated behind the cache's back" in (
+        cache.check())
+    cache2, alloc2 = bound()
+    store(cache2, alloc2, np.arange(8), None, 0)
+    cache2._num_evictable += 1
+    assert "2 pages carry an LRU stamp, counter says 3" in cache2.check()

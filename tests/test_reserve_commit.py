@@ -570,3 +570,15 @@ def test_token_counts_are_checked_by_name_up_to_a_rows_most_tokens(
     m.admit("b", [1])
     assert m.can_reserve(["b"], 32) and m.can_reserve(["b"], [32])
     assert m.reserve(["b"], [32]).slot_mapping.size == 32
+
+
+@pytest.mark.parametrize("count", [np.array(3), torch.tensor(3), 1.5])
+def test_a_count_that_is_no_integer_is_a_type_error_naming_num_tokens(count: Any) -> None:
+    """A 0-d array or tensor or a float is not a token count (reserve takes ints or one int
+    per request): refused by type, naming num_tokens."""
+    m = small(64, max_pages_per_seq=8)
+    m.admit("a", [1])
+    with pytest.raises(ArgumentTypeError, match=r"^num_tokens=.*: expected an integer in "
+                       r"0\.\.32 "):
+        m.reserve(["a"], count)
+    assert m.num_tokens("a") == 0
