@@ -309,3 +309,16 @@ def test_copy_holds_wait_for_copies_done_not_for_any_step() -> None:
     assert fences.copies_pending and fences.held[3] == 1
     assert fences.copies_done().tolist() == [3]
     assert not fences.copies_pending and fences.num_held == 0
+
+
+def test_new_step_fences_hold_nothing_and_show_a_read_only_int32_count() -> None:
+    """``held`` is ``[num_pages]`` int32, read-only (the fences are its one writer), all
+    zero; no copy is pending and no step is open before the first begin."""
+    from kvmem import StepFences
+
+    fences = StepFences(8)
+    assert fences.held.dtype == np.int32 and fences.held.shape == (8,)
+    assert not fences.held.flags.writeable and not fences.held.any()
+    assert not fences.copies_pending and not fences.in_flight and not fences.holds_any
+    with pytest.raises(ValueError):
+        fences.held[0] = 1

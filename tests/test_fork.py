@@ -268,3 +268,37 @@ def test_a_forked_request_that_writes_nothing_this_step_gets_no_copy(batch: list
     step = m.reserve(batch, [0] * (len(batch) - 1) + [0 if len(batch) == 1 else 1])
     assert step.copy_src.tolist() == ([] if len(batch) == 1 else [tail])
     assert m.pages_of("p")[1] == tail
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["tail is page 0", "tail is page 1"])
+def test_the_page_a_fork_promised_for_its_copy_is_not_available(first: bool) -> None:
+    """After a fork at a partly filled tail, the copy's page is promised: admission cannot
+    take it (whatever the tail's page id, page 0 included), the copy-on-write can."""
+    m = KVCacheManager(2 if first else 3, page_size=P, max_seqs=4, prefix_cache=None,
+                       watermark=0.0)
+    if not first:
+        m.admit("x", [9])
+    m.admit("p", [1, 2])
+    m.reserve(["p"], 2)
+    m.commit("p", [1, 2])
+    m.fork("p", "c")
+    assert m.pages_of("p")[0] == (0 if first else 1)
+    assert m.stats().num_free == 1 and not m.can_admit([5])
+    with pytest.raises(OutOfPagesError):
+        m.admit("y", [5])
+    assert m.reserve(["c"], 1).copy_src.tolist() == [m.pages_of("p")[0]]
+
+
+@pytest.mark.parametrize("ntok", [5, 6, 7])
+def test_a_shared_tail_holding_any_number_of_tokens_is_copied_on_write(ntok: int) -> None:
+    """A tail holding 1, 2 or 3 of its 4 tokens: the child's first write gets a copy of it,
+    and the parent keeps the page."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, prefix_cache=None, watermark=0.0)
+    m.admit("p", list(range(ntok)))
+    m.reserve(["p"], ntok)
+    m.commit("p", list(range(ntok)))
+    m.fork("p", "c")
+    tail = m.pages_of("p")[1]
+    step = m.reserve(["c"], 1)
+    assert step.copy_src.tolist() == [tail] and m.pages_of("c")[1] != tail
+    assert m.pages_of("p")[1] == tail
