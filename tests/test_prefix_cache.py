@@ -851,3 +851,43 @@ def test_a_cache_without_a_seed_draws_a_128_bit_secret_of_its_own() -> None:
     a.bind(PageAllocator(4), P)
     b.bind(PageAllocator(4), P)
     assert not np.array_equal(a.root_key(None), b.root_key(None))
+
+
+def test_check_names_a_cached_count_drift_and_evictable_pages_a_request_holds() -> None:
+    """The check's other two lines, word for word: the counter of cached pages against the
+    index and the marks, and the LRU against the pages only the cache holds (BUG 15)."""
+    cache, alloc = bound()
+    store(cache, alloc, np.arange(8), None, 0)
+    cache._num_cached += 1
+    assert cache.check() == ["index holds 2 live keys, 2 pages are marked cached, counter says 3"]
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    alloc.share(pages)  # a holder the cache was not told about
+    assert cache.check() == [f"evictable pages {pages.tolist()} differ from cached pages held by "
+                             "the cache alone []"]
+
+
+def test_check_sees_pages_marked_cached_outside_the_index_and_lists_16_stale_pages() -> None:
+    """A page marked cached that no index entry names is a count problem, said once; the
+    stale-page line lists at most 16 pages."""
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    free_page = int(np.flatnonzero(alloc.refcounts == 0)[0])
+    cache._cached[free_page] = True
+    assert cache.check() == ["index holds 2 live keys, 3 pages are marked cached, counter says 2"]
+    cache, alloc = bound(num_pages=32)
+    pages = store(cache, alloc, np.arange(17 * P), None, 0)
+    alloc.free(pages)  # every reference the cache holds, dropped behind its back
+    assert f"cached pages {pages[:16].tolist()} were freed or reallocated behind the cache's " \
+           "back" in cache.check()
+
+
+def test_a_stale_index_entry_of_a_page_cached_again_is_sound() -> None:
+    """An evicted page's index entry goes stale; the page, reallocated and cached under
+    another key, is named by two entries, one live: the check finds nothing wrong."""
+    cache, alloc = bound(num_pages=1)
+    (page,) = store(cache, alloc, np.arange(4), None, 0)
+    assert cache.evict(1)[0].tolist() == [page]
+    (again,) = store(cache, alloc, np.arange(4) + 10, None, 0)
+    assert again == page and len(cache._index) == 2
+    assert cache.check() == []
