@@ -574,3 +574,26 @@ def test_a_manager_tells_apart_at_most_max_namespaces() -> None:
                        r"or salt, not a request\)$"):
         names.id_of("one more", True)
     assert names.id_of("one more", False) == -1 and names.id_of(None, True) == 0
+
+
+def test_can_admit_of_an_unseen_namespace_registers_nothing(snapshot: Any) -> None:
+    """can_admit changes nothing, not even the namespaces the manager has seen: the
+    namespace gets its id at admit."""
+    m = KVCacheManager(32, page_size=P, max_seqs=2, watermark=0.0)
+    before = snapshot(m)
+    assert m.can_admit([1, 2, 3], namespace="new tenant")
+    assert snapshot(m) == before
+    m.admit("a", [1, 2, 3], namespace="new tenant")
+    assert snapshot(m) != before
+
+
+def test_without_a_prefix_cache_can_admit_counts_every_page_and_a_free_row() -> None:
+    """No cache, no hit: a 3-page prompt does not fit 2 free pages; and no prompt fits
+    while every row is mapped."""
+    m = KVCacheManager(3, page_size=P, max_seqs=2, prefix_cache=None, watermark=0.0)
+    m.admit("a", [1])
+    assert not m.can_admit(list(range(9))) and m.can_admit(list(range(8)))
+    with pytest.raises(OutOfPagesError):
+        m.admit("b", list(range(9)))
+    m.admit("b", [2])
+    assert m.stats().num_free == 1 and not m.can_admit([3])

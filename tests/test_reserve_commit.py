@@ -582,3 +582,43 @@ def test_a_count_that_is_no_integer_is_a_type_error_naming_num_tokens(count: Any
                        r"0\.\.32 "):
         m.reserve(["a"], count)
     assert m.num_tokens("a") == 0
+
+
+def test_commit_batch_in_another_order_than_the_reserve_lands_each_token_in_its_slot() -> None:
+    """One token each, committed for the batch in another order than it was reserved (so
+    not by the decode step's record): each token still lands in its own request's slot."""
+    m = two_decoding()
+    m.commit_batch(["b", "a"], np.array([70, 50]))
+    assert m.tokens_of("a").tolist() == [1, 2, 3, 50]
+    assert m.tokens_of("b").tolist() == [1, 2, 3, 70]
+
+
+def test_an_over_commit_names_the_request_that_over_commits(snapshot: Any) -> None:
+    """Ragged counts: the error names the one request (and its count) that commits more than
+    it reserved, not the first of the batch."""
+    m = two_decoding()
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=r"^request 'b' commits 2 tokens after 3 but only 4 "):
+        m.commit_batch(["a", "b"], [[5], [7, 8]])
+    assert snapshot(m) == before
+
+
+def test_a_full_batch_of_decode_commits_that_fill_pages_emits_one_event_per_request() -> None:
+    """Every row of a max_seqs batch fills a page at the same decode step: one PagesStored
+    event per request, each with its page's tokens."""
+    from kvmem.manager import PagesStored
+
+    m = KVCacheManager(64, page_size=P, max_seqs=4, kv_events=True, watermark=0.0)
+    ids = ["r0", "r1", "r2", "r3"]
+    for i, rid in enumerate(ids):
+        m.admit(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3])
+        m.reserve([rid], 3)
+        m.commit(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3])
+    m.take_events()
+    m.reserve(ids, 1)
+    m.commit_batch(ids, np.array([4, 14, 24, 34]))
+    events = m.take_events()
+    assert [type(e) for e in events] == [PagesStored] * 4
+    assert sorted(e.token_ids for e in events) == [
+        (10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4) for i in range(4)]
+    assert all(e.parent_page_hash is None and len(e.page_hashes) == 1 for e in events)
