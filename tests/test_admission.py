@@ -597,3 +597,35 @@ def test_without_a_prefix_cache_can_admit_counts_every_page_and_a_free_row() -> 
         m.admit("b", list(range(9)))
     m.admit("b", [2])
     assert m.stats().num_free == 1 and not m.can_admit([3])
+
+
+@pytest.mark.parametrize("other", ["tokens differ", "every token differs", "longer",
+                                   "namespace", "namespace None"])
+def test_admit_right_after_can_admit_reuses_its_plan_only_for_the_same_prompt(other: str) -> None:
+    """admit() reuses the plan of the can_admit() right before it only for the same tokens
+    and namespace: another prompt or namespace is matched afresh, so it never maps the
+    pages the first prompt would have hit (BUGS 10, 11)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = np.arange(9)
+    asked_ns = None if other == "namespace None" else "x"
+    prefill(m, "a", prompt.tolist(), ns=asked_ns)
+    prefill(m, "y", [7, 7, 7], ns="y")
+    admit_ns = {"namespace": "y", "namespace None": "y"}.get(other, asked_ns)
+    tokens = {"tokens differ": np.array([50, *range(1, 9)]), "every token differs": prompt + 100,
+              "longer": np.array([50, *range(1, 10)])}.get(other, prompt)
+    assert m.can_admit(prompt, namespace=asked_ns)
+    res = m.admit("b", tokens, namespace=admit_ns)
+    assert res.num_cached_tokens == 0
+    assert not set(m.pages_of("b").tolist()) & set(m.pages_of("a").tolist())
+
+
+def test_admit_after_another_call_matches_the_prompt_again() -> None:
+    """A can_admit, then a commit that caches the prompt's pages, then admit: admit sees
+    the pages cached since (the plan of the earlier can_admit is not reused)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(9))
+    m.admit("a", prompt)
+    m.reserve(["a"], 9)
+    assert m.can_admit(prompt)
+    m.commit("a", prompt)
+    assert m.admit("b", prompt).num_cached_tokens == 8

@@ -846,7 +846,7 @@ def test_check_names_a_page_freed_behind_the_caches_back_and_a_stamp_count_drift
 def test_a_cache_without_a_seed_draws_a_128_bit_secret_of_its_own() -> None:
     """seed=None: a random 128-bit seed per cache (keys no other process can recompute)."""
     a, b = HashedPrefixCache(), HashedPrefixCache()
-    assert type(a.seed) is int and 0 <= a.seed and a.seed.bit_length() <= 128
+    assert type(a.seed) is int and a.seed >= 0 and a.seed.bit_length() <= 128
     assert a.seed != b.seed
     a.bind(PageAllocator(4), P)
     b.bind(PageAllocator(4), P)

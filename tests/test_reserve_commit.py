@@ -622,3 +622,19 @@ def test_a_full_batch_of_decode_commits_that_fill_pages_emits_one_event_per_requ
     assert sorted(e.token_ids for e in events) == [
         (10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4) for i in range(4)]
     assert all(e.parent_page_hash is None and len(e.page_hashes) == 1 for e in events)
+
+
+def test_a_batch_of_prefills_from_page_0_stores_events_with_no_parent() -> None:
+    """Two requests commit two full pages each in one commit_batch: each run starts at
+    the prompt's page 0, so each event has no parent."""
+    from kvmem.manager import PagesStored
+
+    m = KVCacheManager(64, page_size=P, max_seqs=4, kv_events=True, watermark=0.0)
+    for rid, base in (("a", 0), ("b", 100)):
+        m.admit(rid, list(range(base, base + 9)))
+    m.reserve(["a", "b"], 8)
+    m.commit_batch(["a", "b"], np.array([range(8), range(100, 108)]))
+    events = m.take_events()
+    assert len(events) == 2 and all(isinstance(e, PagesStored) for e in events)
+    assert [e.parent_page_hash for e in events] == [None, None]
+    assert [len(e.page_hashes) for e in events] == [2, 2]
