@@ -638,3 +638,17 @@ def test_a_batch_of_prefills_from_page_0_stores_events_with_no_parent() -> None:
     assert len(events) == 2 and all(isinstance(e, PagesStored) for e in events)
     assert [e.parent_page_hash for e in events] == [None, None]
     assert [len(e.page_hashes) for e in events] == [2, 2]
+
+
+@pytest.mark.parametrize("first", [4, 8, 12])
+def test_pages_committed_later_chain_from_the_last_page_committed_before(first: int) -> None:
+    """A commit of one or more full pages leaves the row's prefix key at its last page, so
+    the pages of the next commit are cached under the whole prefix's keys: a prompt with
+    that prefix hits every page."""
+    m = KVCacheManager(64, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(16))
+    m.admit("a", prompt)
+    m.reserve(["a"], 16)
+    m.commit("a", prompt[:first])
+    m.commit("a", prompt[first:])
+    assert m.match_prefix([*prompt, 99]).num_pages == 4
