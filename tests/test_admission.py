@@ -629,3 +629,32 @@ def test_admit_after_another_call_matches_the_prompt_again() -> None:
     assert m.can_admit(prompt)
     m.commit("a", prompt)
     assert m.admit("b", prompt).num_cached_tokens == 8
+
+
+def test_admit_after_can_admit_of_a_new_namespace_labels_its_pages_with_it() -> None:
+    """can_admit plans before an unseen namespace has an id; the admit right after it gives
+    the namespace its own id, and the request's pages carry it (not None's, not a bool's)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(9))
+    assert m.can_admit(prompt, namespace="new")
+    m.admit("b", prompt, namespace="new")
+    assert {m.namespace_of_page(int(p)) for p in m.pages_of("b")} == {"new"}
+    m.reserve(["b"], 9)
+    m.commit("b", prompt)
+    assert m.match_prefix(prompt, "new").num_pages == 2
+    assert m.match_prefix(prompt, None).num_pages == 0
+
+
+def test_admit_out_of_pages_says_how_many_it_needs_and_has(snapshot: Any) -> None:
+    """The error of an admit that does not fit counts the pages the prompt needs beyond its
+    cached prefix and the pages to be had (free, less evictable hits)."""
+    m = KVCacheManager(4, page_size=P, max_seqs=4, max_pages_per_seq=8, watermark=0.0)
+    prefill(m, "a", list(range(9)))  # pages 0-1 cached and held by "a", page 2 its own
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError) as info:
+        m.admit("b", [*range(8), *range(100, 112)])  # 5 pages, 2 of them hits: needs 3
+    assert (info.value.num_requested, info.value.num_free) == (3, 1)
+    assert str(info.value) == ("asked for 3 pages but only 1 are free; nothing was allocated. "
+                               "Preempt or release a request (or retire a step in flight) and "
+                               "retry; can_admit(), can_reserve() and can_fork() ask first.")
+    assert snapshot(m) == before
