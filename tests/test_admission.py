@@ -635,7 +635,7 @@ def test_admit_after_can_admit_of_a_new_namespace_labels_its_pages_with_it() -> 
     """can_admit plans before an unseen namespace has an id; the admit right after it gives
     the namespace its own id, and the request's pages carry it (not None's, not a bool's)."""
     m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
-    prompt = list(range(9))
+    prompt = np.arange(9)  # (an array: admit may reuse can_admit's plan)
     assert m.can_admit(prompt, namespace="new")
     m.admit("b", prompt, namespace="new")
     assert {m.namespace_of_page(int(p)) for p in m.pages_of("b")} == {"new"}
@@ -657,4 +657,17 @@ def test_admit_out_of_pages_says_how_many_it_needs_and_has(snapshot: Any) -> Non
     assert str(info.value) == ("asked for 3 pages but only 1 are free; nothing was allocated. "
                                "Preempt or release a request (or retire a step in flight) and "
                                "retry; can_admit(), can_reserve() and can_fork() ask first.")
+    assert snapshot(m) == before
+
+
+def test_admit_out_of_pages_does_not_count_its_own_evictable_hits_as_free(snapshot: Any) -> None:
+    """Hits held by the cache alone stop being evictable once admitted: the error's free
+    count leaves them out."""
+    m = KVCacheManager(4, page_size=P, max_seqs=4, max_pages_per_seq=8, watermark=0.0)
+    prefill(m, "a", list(range(9)))
+    m.release("a")  # pages 0-1 cached, held by the cache alone: 2 free + 2 evictable
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError) as info:
+        m.admit("b", [*range(8), *range(100, 112)])
+    assert (info.value.num_requested, info.value.num_free) == (3, 2)
     assert snapshot(m) == before
