@@ -667,6 +667,8 @@ def test_admit_out_of_pages_does_not_count_its_own_evictable_hits_as_free(snapsh
     prefill(m, "a", list(range(9)))
     m.release("a")  # pages 0-1 cached, held by the cache alone: 2 free + 2 evictable
     before = snapshot(m)
+    assert not m.can_admit([*range(8), *range(100, 112)])
+    assert m.can_admit([*range(8), *range(100, 108)])  # 2 hits + 2 new pages: fits
     with pytest.raises(OutOfPagesError) as info:
         m.admit("b", [*range(8), *range(100, 112)])
     assert (info.value.num_requested, info.value.num_free) == (3, 2)
