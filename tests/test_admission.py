@@ -472,3 +472,204 @@ def test_clear_prefix_cache_counts_what_it_forgot_and_frees_only_unheld_pages(
     m.release("b")
     assert m.stats().num_free == 16
     m.check()
+
+
+class NamespaceBlindKeys(HashedPrefixCache):
+    """A weak key function: every namespace chains from the same root (BUGS 11's cache key
+    that misses an input), so only the namespace stored with each page tells tenants apart."""
+
+    def root_key(self, namespace: Any) -> Any:
+        return super().root_key(None)
+
+
+def test_match_prefix_confirms_the_namespace_even_when_the_keys_collide() -> None:
+    """With keys equal across namespaces, match_prefix in another (seen) namespace still finds
+    nothing: the manager hands the cache its namespace id to confirm every hit with."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, prefix_cache=NamespaceBlindKeys(seed=1),
+                       watermark=0.0)
+    prompt = list(range(9))
+    prefill(m, "a", prompt, ns="x")
+    prefill(m, "b", [7, 7, 7], ns="y")  # "y" is a namespace the manager has seen
+    assert m.match_prefix(prompt, "x").num_pages == 2
+    assert m.match_prefix(prompt, "y").num_pages == 0
+    assert m.admit("c", prompt, namespace="y").num_cached_tokens == 0
+
+
+def test_match_prefix_in_the_default_namespace_finds_cached_pages() -> None:
+    """Namespace None has id 0, a seen namespace like any other: its pages are found."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(9))
+    prefill(m, "a", prompt)
+    match = m.match_prefix(prompt)
+    assert match.num_pages == 2 and match.pages.tolist() == m.pages_of("a")[:2].tolist()
+
+
+@pytest.mark.parametrize("case", ["no cache", "unseen namespace", "max_pages 0"])
+def test_an_empty_prefix_match_has_the_documented_shapes(case: str) -> None:
+    """Where nothing can match (no prefix cache, a namespace the manager never saw, no page
+    asked for), match_prefix returns an empty match of the documented dtypes and shapes:
+    pages [0] int32, keys [0, 2] uint64, root_key [2] uint64, num_evictable 0."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0,
+                       prefix_cache=None if case == "no cache" else "hashed")
+    prompt = list(range(9))
+    prefill(m, "a", prompt)
+    match = m.match_prefix(prompt, "never seen" if case == "unseen namespace" else None,
+                           0 if case == "max_pages 0" else None)
+    assert match.pages.dtype == np.int32 and match.pages.shape == (0,)
+    assert match.keys.dtype == np.uint64 and match.keys.shape == (0, 2)
+    assert match.root_key.dtype == np.uint64 and match.root_key.shape == (2,)
+    assert match.last_key.shape == (2,)
+    assert type(match.num_evictable) is int and match.num_evictable == 0
+    assert match.num_pages == 0
+
+
+@pytest.mark.parametrize(("call", "prompt", "message"), [
+    ("can_admit", [], r"^a request needs at least one prompt token; got none \(nothing "
+                      r"changed\)$"),
+    ("admit", [], r"^request 'x' needs at least one prompt token; got none \(nothing changed\)$"),
+    ("can_admit", list(range(40)), r"^a request: a prompt of 40 tokens needs 10 pages but a "
+                                   r"request may map at most max_pages_per_seq=8; shorten it or "
+                                   r"raise the limit \(nothing changed\)$"),
+    ("admit", list(range(40)), r"^request 'x': a prompt of 40 tokens needs 10 pages but a "
+                               r"request may map at most max_pages_per_seq=8; shorten it or "
+                               r"raise the limit \(nothing changed\)$"),
+])
+def test_a_prompt_that_can_never_fit_is_refused_with_the_whole_story(
+        snapshot: Any, call: str, prompt: list[int], message: str) -> None:
+    """admit names the request, can_admit (which has no id) says "a request"; both say what
+    was found and what to do, and change nothing."""
+    m = KVCacheManager(32, page_size=P, max_seqs=2, max_pages_per_seq=8, watermark=0.0)
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=message):
+        m.admit("x", prompt) if call == "admit" else m.can_admit(prompt)
+    assert snapshot(m) == before
+    assert m.can_admit(list(range(32)))  # 8 pages: the longest prompt a row maps
+
+
+def test_admit_with_every_row_mapped_says_what_to_do(snapshot: Any) -> None:
+    m = KVCacheManager(32, page_size=P, max_seqs=2, watermark=0.0)
+    m.admit("a", [1])
+    m.admit("b", [2])
+    before = snapshot(m)
+    with pytest.raises(KVMemError, match=r"^all max_seqs=2 rows are mapped; release or preempt a "
+                       r"request before admitting another$"):
+        m.admit("c", [3])
+    assert snapshot(m) == before
+
+
+def test_a_manager_tells_apart_at_most_max_namespaces() -> None:
+    """Namespace ids are 0 (None) .. MAX_NAMESPACES - 1: the last one is given, the next
+    namespace is refused with what to do, and None keeps id 0 throughout."""
+    from kvmem.allocator import Namespaces
+    from kvmem.integrity import MAX_NAMESPACES
+
+    names = Namespaces()
+    assert names.id_of(None, False) == 0 and names.name(0) is None
+    assert names.id_of("t", False) == -1
+    for i in range(1, MAX_NAMESPACES):
+        assert names.id_of(i, True, b"i%d" % i) == i
+    assert names.id_of(MAX_NAMESPACES - 1, False) == MAX_NAMESPACES - 1
+    with pytest.raises(KVMemError, match=rf"^this manager has seen {MAX_NAMESPACES} namespaces, "
+                       r"the most it can tell apart; use fewer \(a namespace is a tenant, adapter "
+                       r"or salt, not a request\)$"):
+        names.id_of("one more", True)
+    assert names.id_of("one more", False) == -1 and names.id_of(None, True) == 0
+
+
+def test_can_admit_of_an_unseen_namespace_registers_nothing(snapshot: Any) -> None:
+    """can_admit changes nothing, not even the namespaces the manager has seen: the
+    namespace gets its id at admit."""
+    m = KVCacheManager(32, page_size=P, max_seqs=2, watermark=0.0)
+    before = snapshot(m)
+    assert m.can_admit([1, 2, 3], namespace="new tenant")
+    assert snapshot(m) == before
+    m.admit("a", [1, 2, 3], namespace="new tenant")
+    assert snapshot(m) != before
+
+
+def test_without_a_prefix_cache_can_admit_counts_every_page_and_a_free_row() -> None:
+    """No cache, no hit: a 3-page prompt does not fit 2 free pages; and no prompt fits
+    while every row is mapped."""
+    m = KVCacheManager(3, page_size=P, max_seqs=2, prefix_cache=None, watermark=0.0)
+    m.admit("a", [1])
+    assert not m.can_admit(list(range(9))) and m.can_admit(list(range(8)))
+    with pytest.raises(OutOfPagesError):
+        m.admit("b", list(range(9)))
+    m.admit("b", [2])
+    assert m.stats().num_free == 1 and not m.can_admit([3])
+
+
+@pytest.mark.parametrize("other", ["tokens differ", "every token differs", "longer",
+                                   "namespace", "namespace None"])
+def test_admit_right_after_can_admit_reuses_its_plan_only_for_the_same_prompt(other: str) -> None:
+    """admit() reuses the plan of the can_admit() right before it only for the same tokens
+    and namespace: another prompt or namespace is matched afresh, so it never maps the
+    pages the first prompt would have hit (BUGS 10, 11)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = np.arange(9)
+    asked_ns = None if other == "namespace None" else "x"
+    prefill(m, "a", prompt.tolist(), ns=asked_ns)
+    prefill(m, "y", [7, 7, 7], ns="y")
+    admit_ns = {"namespace": "y", "namespace None": "y"}.get(other, asked_ns)
+    tokens = {"tokens differ": np.array([50, *range(1, 9)]), "every token differs": prompt + 100,
+              "longer": np.array([50, *range(1, 10)])}.get(other, prompt)
+    assert m.can_admit(prompt, namespace=asked_ns)
+    res = m.admit("b", tokens, namespace=admit_ns)
+    assert res.num_cached_tokens == 0
+    assert not set(m.pages_of("b").tolist()) & set(m.pages_of("a").tolist())
+
+
+def test_admit_after_another_call_matches_the_prompt_again() -> None:
+    """A can_admit, then a commit that caches the prompt's pages, then admit: admit sees
+    the pages cached since (the plan of the earlier can_admit is not reused)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(9))
+    m.admit("a", prompt)
+    m.reserve(["a"], 9)
+    assert m.can_admit(prompt)
+    m.commit("a", prompt)
+    assert m.admit("b", prompt).num_cached_tokens == 8
+
+
+def test_admit_after_can_admit_of_a_new_namespace_labels_its_pages_with_it() -> None:
+    """can_admit plans before an unseen namespace has an id; the admit right after it gives
+    the namespace its own id, and the request's pages carry it (not None's, not a bool's)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = np.arange(9)  # (an array: admit may reuse can_admit's plan)
+    assert m.can_admit(prompt, namespace="new")
+    m.admit("b", prompt, namespace="new")
+    assert {m.namespace_of_page(int(p)) for p in m.pages_of("b")} == {"new"}
+    m.reserve(["b"], 9)
+    m.commit("b", prompt)
+    assert m.match_prefix(prompt, "new").num_pages == 2
+    assert m.match_prefix(prompt, None).num_pages == 0
+
+
+def test_admit_out_of_pages_says_how_many_it_needs_and_has(snapshot: Any) -> None:
+    """The error of an admit that does not fit counts the pages the prompt needs beyond its
+    cached prefix and the pages to be had (free, less evictable hits)."""
+    m = KVCacheManager(4, page_size=P, max_seqs=4, max_pages_per_seq=8, watermark=0.0)
+    prefill(m, "a", list(range(9)))  # pages 0-1 cached and held by "a", page 2 its own
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError) as info:
+        m.admit("b", [*range(8), *range(100, 112)])  # 5 pages, 2 of them hits: needs 3
+    assert (info.value.num_requested, info.value.num_free) == (3, 1)
+    assert str(info.value) == ("asked for 3 pages but only 1 are free; nothing was allocated. "
+                               "Preempt or release a request (or retire a step in flight) and "
+                               "retry; can_admit(), can_reserve() and can_fork() ask first.")
+    assert snapshot(m) == before
+
+
+def test_admit_out_of_pages_does_not_count_its_own_evictable_hits_as_free(snapshot: Any) -> None:
+    """Hits held by the cache alone stop being evictable once admitted: the error's free
+    count leaves them out."""
+    m = KVCacheManager(4, page_size=P, max_seqs=4, max_pages_per_seq=8, watermark=0.0)
+    prefill(m, "a", list(range(9)))
+    m.release("a")  # pages 0-1 cached, held by the cache alone: 2 free + 2 evictable
+    before = snapshot(m)
+    assert not m.can_admit([*range(8), *range(100, 112)])
+    assert m.can_admit([*range(8), *range(100, 108)])  # 2 hits + 2 new pages: fits
+    with pytest.raises(OutOfPagesError) as info:
+        m.admit("b", [*range(8), *range(100, 112)])
+    assert (info.value.num_requested, info.value.num_free) == (3, 2)
+    assert snapshot(m) == before

@@ -132,7 +132,7 @@ def test_step_fences_refuse_pages_out_of_range_before_holding_any() -> None:
     fences.defer([1, 1])
     assert fences.retire(handle).tolist() == [1, 1]  # nothing else was held
     for bad, kind in ((0, ArgumentError), (True, ArgumentTypeError), (2.0, ArgumentTypeError)):
-        with pytest.raises(kind, match="num_pages"):
+        with pytest.raises(kind, match=r"^num_pages=.*: expected an integer in 1\.\.2147483647 "):
             StepFences(bad)
 
 
@@ -272,3 +272,53 @@ def test_a_fence_never_frees_a_page_whose_lifetime_ended_behind_its_back(
     assert mgr.fences.open_steps == () and not mgr.fences.held.any()
     report = mgr.verify(["c", "d"])
     assert list(report.aborted) == ["c"]
+
+
+def test_step_fence_errors_say_what_was_wrong() -> None:
+    """Each refusal's whole message: the page range (what was given, what is allowed), the
+    handle shown as given, and what to do instead of a defer with no step in flight."""
+    from kvmem import StepFences
+
+    fences = StepFences(8)
+    with pytest.raises(KVMemError, match=r"^defer\(\) needs a step in flight; free the pages "
+                       r"directly instead$"):
+        fences.defer([1])
+    with pytest.raises(ArgumentError, match=r"^pages holds ids from 2 to 9: expected page ids "
+                       r"in 0\.\.7; nothing changed$"):
+        fences.hold_for_copy([2, 9])
+    with pytest.raises(ArgumentTypeError, match=r"^handle='h' \(str\): expected a StepHandle "
+                       r"returned by begin_step\(\); nothing changed$"):
+        fences.retire("h")  # type: ignore[arg-type]
+    assert fences.num_held == 0 and not fences.in_flight
+
+
+def test_copy_holds_wait_for_copies_done_not_for_any_step() -> None:
+    """Copy-on-write sources are held until copies_done, whatever steps begin and retire
+    meanwhile (step ids never reach the copies' own wait), and copies_done clears
+    copies_pending."""
+    from kvmem import StepFences
+
+    fences = StepFences(8)
+    first, second = fences.begin(), fences.begin()
+    assert first.step_id != second.step_id
+    fences.hold_for_copy([3])
+    assert fences.copies_pending
+    assert fences.retire(second).size == 0 and fences.retire(first).size == 0
+    third = fences.begin()
+    assert fences.retire(third).size == 0
+    assert fences.copies_pending and fences.held[3] == 1
+    assert fences.copies_done().tolist() == [3]
+    assert not fences.copies_pending and fences.num_held == 0
+
+
+def test_new_step_fences_hold_nothing_and_show_a_read_only_int32_count() -> None:
+    """``held`` is ``[num_pages]`` int32, read-only (the fences are its one writer), all
+    zero; no copy is pending and no step is open before the first begin."""
+    from kvmem import StepFences
+
+    fences = StepFences(8)
+    assert fences.held.dtype == np.int32 and fences.held.shape == (8,)
+    assert not fences.held.flags.writeable and not fences.held.any()
+    assert not fences.copies_pending and not fences.in_flight and not fences.holds_any
+    with pytest.raises(ValueError):
+        fences.held[0] = 1

@@ -188,3 +188,117 @@ def test_a_forks_shared_page_committed_by_both_in_one_batch_is_stored_once(
     assert len(stored) == 1 == len(set(stored))
     assert Counter(stored) == _cached_hashes(m)
     m.check()
+
+
+def test_a_fork_of_a_full_tail_takes_exactly_its_reserved_room() -> None:
+    """A parent with two full pages and a third reserved: the fork needs one page (its own
+    room) and no copy, so it succeeds with exactly one free page (a copy counted for a full
+    tail refused it)."""
+    m = KVCacheManager(4, page_size=P, max_seqs=4, prefix_cache=None, watermark=0.0)
+    m.admit("p", list(range(12)))
+    m.reserve(["p"], 8)
+    m.commit("p", list(range(8)))
+    assert m.stats().num_free == 1
+    assert m.can_fork("p")
+    m.fork("p", "c")
+    assert m.stats().num_free == 0
+
+
+def test_a_forks_pages_chain_their_prefix_keys_from_the_parents() -> None:
+    """The child inherits the parent's last prefix key: the page it fills after the fork is
+    cached under the key of the whole prefix, so a later prompt with that prefix hits both
+    pages (one chained from nothing would hit only the first)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))  # page 0 cached; page 1 holds 2 tokens
+    m.fork("p", "c")
+    m.reserve(["c"], 2)
+    m.commit("c", [6, 7])  # the child's copy of page 1 fills and is cached
+    match = m.match_prefix([*range(8), 99])
+    assert match.num_pages == 2
+    assert match.pages[1] == m.pages_of("c")[1] != m.pages_of("p")[1]
+
+
+def test_a_fork_leaves_the_pending_step_of_another_request_alone() -> None:
+    """A fork marks only its parent's writes done: another request's reserved, not yet
+    verified step still lists its new tokens, and verify accepts it afterwards."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, tracker="checking", watermark=0.0)
+    for rid in ("a", "p"):
+        m.admit(rid, [1, 2, 3])
+        m.reserve([rid], 3)
+        m.commit(rid, [1, 2, 3])
+    step = m.reserve(["a"], 2)
+    m.reserve(["p"], 1)
+    m.commit("p", [4])
+    m.fork("p", "c")
+    report = m.verify(["a"], step)
+    assert report.ok and not report.aborted
+    m.commit("a", [5, 6])
+    assert m.tokens_of("a").tolist() == [1, 2, 3, 5, 6]
+
+
+def test_a_fork_at_a_partial_page_marks_exactly_the_parent_and_the_child() -> None:
+    """Only the two rows that share the partly filled tail are marked forked (others keep the
+    decode step's fast path), and the marks go once both have written past it."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, watermark=0.0)
+    m.admit("other", [9])
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))
+    m.fork("p", "c")
+    rows = {m.row_of("p"), m.row_of("c")}
+    assert set(np.flatnonzero(m.table.forked).tolist()) == rows and m.table.num_forked == 2
+    m.reserve(["p", "c"], 1)
+    assert m.table.num_forked == 0 and not m.table.forked.any()
+
+
+@pytest.mark.parametrize("batch", [["p"], ["p", "c1"]])
+def test_a_forked_request_that_writes_nothing_this_step_gets_no_copy(batch: list[str]) -> None:
+    """A row reserving 0 tokens writes nothing, so it takes no copy of the tail it shares:
+    alone, no copy at all; beside a sibling that writes, only the sibling copies (the tail
+    has a third holder that may write later)."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, prefix_cache=None, watermark=0.0)
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))
+    m.fork("p", "c1")
+    m.fork("p", "c2")
+    tail = m.pages_of("p")[1]
+    step = m.reserve(batch, [0] * (len(batch) - 1) + [0 if len(batch) == 1 else 1])
+    assert step.copy_src.tolist() == ([] if len(batch) == 1 else [tail])
+    assert m.pages_of("p")[1] == tail
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["tail is page 0", "tail is page 1"])
+def test_the_page_a_fork_promised_for_its_copy_is_not_available(first: bool) -> None:
+    """After a fork at a partly filled tail, the copy's page is promised: admission cannot
+    take it (whatever the tail's page id, page 0 included), the copy-on-write can."""
+    m = KVCacheManager(2 if first else 3, page_size=P, max_seqs=4, prefix_cache=None,
+                       watermark=0.0)
+    if not first:
+        m.admit("x", [9])
+    m.admit("p", [1, 2])
+    m.reserve(["p"], 2)
+    m.commit("p", [1, 2])
+    m.fork("p", "c")
+    assert m.pages_of("p")[0] == (0 if first else 1)
+    assert m.stats().num_free == 1 and not m.can_admit([5])
+    with pytest.raises(OutOfPagesError):
+        m.admit("y", [5])
+    assert m.reserve(["c"], 1).copy_src.tolist() == [m.pages_of("p")[0]]
+
+
+@pytest.mark.parametrize("ntok", [5, 6, 7])
+def test_a_shared_tail_holding_any_number_of_tokens_is_copied_on_write(ntok: int) -> None:
+    """A tail holding 1, 2 or 3 of its 4 tokens: the child's first write gets a copy of it,
+    and the parent keeps the page."""
+    m = KVCacheManager(32, page_size=P, max_seqs=4, prefix_cache=None, watermark=0.0)
+    m.admit("p", list(range(ntok)))
+    m.reserve(["p"], ntok)
+    m.commit("p", list(range(ntok)))
+    m.fork("p", "c")
+    tail = m.pages_of("p")[1]
+    step = m.reserve(["c"], 1)
+    assert step.copy_src.tolist() == [tail] and m.pages_of("c")[1] != tail
+    assert m.pages_of("p")[1] == tail

@@ -679,3 +679,215 @@ def test_a_huge_batch_hashes_into_temporaries_with_the_same_keys() -> None:
     tail = cache.page_keys(keys[k - 1001 : k - 1], np.ones(1000, np.int64),
                            np.arange(k - 1000, k), tokens[k - 1000 :, None])
     assert np.array_equal(keys[k - 1000 :], tail)
+
+
+def test_evict_of_no_page_returns_empty_arrays_and_too_many_is_refused_by_name() -> None:
+    """evict(0) frees nothing and returns ``[0]`` int32 pages and ``[0, 2]`` uint64 keys; an
+    eviction of more pages than only the cache holds says how many it could."""
+    cache, alloc = bound(num_pages=16)
+    store(cache, alloc, np.arange(8), None, 0)
+    freed, keys = cache.evict(0)
+    assert freed.dtype == np.int32 and freed.shape == (0,)
+    assert keys.dtype == np.uint64 and keys.shape == (0, 2)
+    assert cache.num_evictable == 2 and alloc.num_free == 14
+    with pytest.raises(ArgumentError, match=r"^asked to evict 3 pages but only 2 cached pages "
+                       r"are held by the cache alone; nothing was evicted$"):
+        cache.evict(3)
+    assert cache.num_evictable == 2 and not cache.check()
+
+
+@pytest.mark.parametrize("runs", [1, 0])
+def test_released_many_of_one_run_or_none_equals_released(runs: int) -> None:
+    """released_many of a single run is released of that run (deepest page first into the
+    LRU); of no run, nothing."""
+    cache, alloc = bound(num_pages=16)
+    pages = store(cache, alloc, np.arange(12), None, 0)
+    alloc.share(pages)
+    cache.acquired(pages)
+    alloc.free(pages)
+    cache.released_many([pages] if runs else [])
+    assert cache.num_evictable == (3 if runs else 0)
+    if runs:  # (with none, the cache alone holds pages it was not told of)
+        assert not cache.check()
+        assert cache.evict(3)[0].tolist() == pages[::-1].tolist()
+
+
+def test_keys_of_and_namespaces_of_read_what_insert_stored() -> None:
+    cache, alloc = bound()
+    tokens = np.arange(8)
+    pages = store(cache, alloc, tokens, "t", 3)
+    keys = cache.prompt_keys(tokens, "t")
+    assert cache.keys_of(pages).tolist() == keys.tolist()
+    assert cache.keys_of(pages).dtype == np.uint64
+    assert cache.namespaces_of(pages).tolist() == [3, 3]
+
+
+def test_the_lru_buffer_stays_bounded_when_the_same_pages_cycle() -> None:
+    """A page acquired and released again and again leaves one stale LRU entry per cycle;
+    compaction drops them, so the buffer never grows past its first size (and the LRU order
+    survives: the page released last is evicted last)."""
+    cache, alloc = bound(num_pages=8)
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    size = cache._fifo_pages.size
+    for _ in range(3 * size):
+        alloc.share(pages[:1])
+        cache.acquired(pages[:1])
+        alloc.free(pages[:1])
+        cache.released(pages[:1])
+    assert cache._fifo_pages.size == size
+    assert cache.evict(2)[0].tolist() == [pages[1], pages[0]]
+    assert not cache.check()
+
+
+@pytest.mark.parametrize(("namespace", "encoding"), [
+    (None, b"n"), (True, b"o1"), (False, b"o0"), (np.True_, b"o1"), (5, b"i5"),
+    (np.int64(-3), b"i-3"), ("ab", b"s2:ab"), ("\u00e9", b"s2:\xc3\xa9"), (b"xy", b"b2:xy"),
+    ((1, "a"), b"t2(2:i14:s1:a)"), (((),), b"t1(4:t0())"), ((None, (b"",)), b"t2(1:n9:t1(3:b0:))"),
+])
+def test_namespace_encodings_are_the_documented_bytes(namespace: Any, encoding: bytes) -> None:
+    """Root keys are a keyed hash of these bytes, so a router or another process with the
+    same seed computes the same keys only while every kind of namespace encodes exactly so:
+    a tag letter, lengths, ``:`` and a tuple's parts in parentheses."""
+    assert namespace_bytes(namespace) == encoding
+
+
+def test_a_namespace_of_another_type_is_refused_saying_what_to_do() -> None:
+    with pytest.raises(ArgumentTypeError, match=r"^namespace must be None, str, int, bytes or a "
+                       r"tuple of those, got float 1\.5; encode other values \(a LoRA config, an "
+                       r"image hash\) as one of those$"):
+        namespace_bytes(1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("seed", "page_size", "kind", "message"), [
+    (-1, 4, ArgumentError, r"^seed=-1: expected an integer >= 0"),
+    ("x", 4, ArgumentTypeError, r"^seed='x' \(str\): expected an integer >= 0"),
+    (0, 0, ArgumentError, r"^page_size=0: expected an integer in 1\.\.65536"),
+    (0, 65537, ArgumentError, r"^page_size=65537: expected an integer in 1\.\.65536"),
+])
+def test_prefix_keys_argument_errors_name_the_argument(seed: Any, page_size: Any, kind: type,
+                                                       message: str) -> None:
+    """The key function's bounds (a seed >= 0, pages of 1 .. 65536 tokens) and the argument
+    each refusal names; the largest page size is accepted."""
+    from kvmem.allocator import PrefixKeys
+
+    with pytest.raises(kind, match=message):
+        PrefixKeys(seed, page_size)
+    assert PrefixKeys(0, 65536).page_size == 65536
+
+
+@pytest.mark.parametrize(("max_pages", "kind"), [(-1, ArgumentError), (1.5, ArgumentTypeError)])
+def test_prompt_keys_refuse_a_bad_max_pages_by_name(max_pages: Any, kind: type) -> None:
+    from kvmem.allocator import PrefixKeys
+
+    keys = PrefixKeys(0, P)
+    with pytest.raises(kind, match=r"^max_pages=.*expected an integer >= 0"):
+        keys.prompt_keys(np.arange(8), keys.root(None), max_pages)
+    assert keys.prompt_keys(np.arange(8), keys.root(None), 0).shape == (0, 2)
+    assert keys.prompt_keys(np.arange(8), keys.root(None), 1).shape == (1, 2)
+
+
+def test_a_cache_serves_one_manager_and_says_so() -> None:
+    """An unbound cache has no allocator, a bound one refuses a second manager: each error
+    names the cache's class and what to do."""
+    from kvmem import ConfigError, KVCacheManager
+
+    cache = HashedPrefixCache(seed=3)
+    with pytest.raises(ConfigError, match=r"^this HashedPrefixCache is not bound; give it to a "
+                       r"KVCacheManager first$"):
+        cache.allocator  # noqa: B018
+    KVCacheManager(8, page_size=P, prefix_cache=cache)
+    with pytest.raises(ConfigError, match=r"^this HashedPrefixCache is already bound to an "
+                       r"allocator \(a manager\); give each KVCacheManager a new one$"):
+        KVCacheManager(8, page_size=P, prefix_cache=cache)
+    assert cache.allocator.num_pages == 8 and cache.page_size == P
+
+
+@pytest.mark.parametrize(("seed", "kind", "message"), [
+    (-1, ArgumentError, r"^seed=-1: expected an integer >= 0"),
+    (1.5, ArgumentTypeError, r"^seed=1\.5 \(float\): expected an integer >= 0"),
+])
+def test_a_cache_seed_is_checked_by_name(seed: Any, kind: type, message: str) -> None:
+    with pytest.raises(kind, match=message):
+        HashedPrefixCache(seed=seed)
+    assert HashedPrefixCache(seed=0).seed == 0
+    assert HashedPrefixCache(seed=2**70).seed == 2**70
+
+
+def test_evict_across_stale_lru_entries_takes_every_page_asked_for() -> None:
+    """Pages acquired and released again leave stale LRU entries at the head: an eviction
+    whose first window holds too few current entries reads on, and frees exactly the pages
+    asked for, least recently released first."""
+    cache, alloc = bound(num_pages=128)
+    pages = np.concatenate([store(cache, alloc, np.arange(8) + 100 * i, None, 0)
+                            for i in range(20)])  # 40 pages, 40 LRU entries
+    alloc.share(pages)
+    cache.acquired(pages)
+    alloc.free(pages)
+    cache.released(pages)  # 40 stale entries, then 40 current ones (deepest first)
+    freed, keys = cache.evict(30)
+    assert freed.tolist() == pages[::-1][:30].tolist()
+    assert keys.shape == (30, 2) and cache.num_evictable == 10 and cache.num_cached == 10
+    assert alloc.num_free == 128 - 10 and not cache.check()
+
+
+def test_check_names_a_page_freed_behind_the_caches_back_and_a_stamp_count_drift() -> None:
+    """The cache's own check says, in its words, what is wrong."""
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    alloc.free(pages[1:])  # the cache's own reference, dropped behind its back
+    assert f"cached pages [{pages[1]}] were freed or reallocated behind the cache's back" in (
+        cache.check())
+    cache2, alloc2 = bound()
+    store(cache2, alloc2, np.arange(8), None, 0)
+    cache2._num_evictable += 1
+    assert "2 pages carry an LRU stamp, counter says 3" in cache2.check()
+
+
+def test_a_cache_without_a_seed_draws_a_128_bit_secret_of_its_own() -> None:
+    """seed=None: a random 128-bit seed per cache (keys no other process can recompute)."""
+    a, b = HashedPrefixCache(), HashedPrefixCache()
+    assert type(a.seed) is int and a.seed >= 0 and a.seed.bit_length() <= 128
+    assert a.seed != b.seed
+    a.bind(PageAllocator(4), P)
+    b.bind(PageAllocator(4), P)
+    assert not np.array_equal(a.root_key(None), b.root_key(None))
+
+
+def test_check_names_a_cached_count_drift_and_evictable_pages_a_request_holds() -> None:
+    """The check's other two lines, word for word: the counter of cached pages against the
+    index and the marks, and the LRU against the pages only the cache holds (BUG 15)."""
+    cache, alloc = bound()
+    store(cache, alloc, np.arange(8), None, 0)
+    cache._num_cached += 1
+    assert cache.check() == ["index holds 2 live keys, 2 pages are marked cached, counter says 3"]
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    alloc.share(pages)  # a holder the cache was not told about
+    assert cache.check() == [f"evictable pages {pages.tolist()} differ from cached pages held by "
+                             "the cache alone []"]
+
+
+def test_check_sees_pages_marked_cached_outside_the_index_and_lists_16_stale_pages() -> None:
+    """A page marked cached that no index entry names is a count problem, said once; the
+    stale-page line lists at most 16 pages."""
+    cache, alloc = bound()
+    pages = store(cache, alloc, np.arange(8), None, 0)
+    free_page = int(np.flatnonzero(alloc.refcounts == 0)[0])
+    cache._cached[free_page] = True
+    assert cache.check() == ["index holds 2 live keys, 3 pages are marked cached, counter says 2"]
+    cache, alloc = bound(num_pages=32)
+    pages = store(cache, alloc, np.arange(17 * P), None, 0)
+    alloc.free(pages)  # every reference the cache holds, dropped behind its back
+    assert f"cached pages {pages[:16].tolist()} were freed or reallocated behind the cache's " \
+           "back" in cache.check()
+
+
+def test_a_stale_index_entry_of_a_page_cached_again_is_sound() -> None:
+    """An evicted page's index entry goes stale; the page, reallocated and cached under
+    another key, is named by two entries, one live: the check finds nothing wrong."""
+    cache, alloc = bound(num_pages=1)
+    (page,) = store(cache, alloc, np.arange(4), None, 0)
+    assert cache.evict(1)[0].tolist() == [page]
+    (again,) = store(cache, alloc, np.arange(4) + 10, None, 0)
+    assert again == page and len(cache._index) == 2
+    assert cache.check() == []

@@ -13,6 +13,7 @@ from kvmem import (
     ArgumentError,
     ArgumentTypeError,
     KVMemError,
+    OutOfPagesError,
 )
 from kvmem.manager import (
     KVCacheManager,
@@ -341,3 +342,331 @@ def test_a_decode_commit_never_lands_in_the_slots_of_a_closed_request_of_the_sam
     mgr.commit_batch(["a"], [11])
     assert mgr.tokens_of("a").tolist() == [6, 7, 8, 9, 10, 11]
     mgr.check()
+
+
+def two_decoding() -> KVCacheManager:
+    """Requests "a" and "b" with 3 committed tokens each and one reserved slot each."""
+    m = KVCacheManager(64, page_size=P, max_seqs=4)
+    for rid in ("a", "b"):
+        m.admit(rid, [1, 2, 3])
+        m.reserve([rid], 3)
+        m.commit(rid, [1, 2, 3])
+    m.reserve(["a", "b"], 1)
+    return m
+
+
+RANGE_MESSAGE = r"^token ids must be in 0\.\.2147483647 \(nothing was committed\)$"
+
+
+@pytest.mark.parametrize("form", ["array", "list", "2-d array"])
+@pytest.mark.parametrize("bad", [-1, 2**31])
+def test_commit_batch_checks_the_token_range_on_every_path(
+        snapshot: Any, form: str, bad: int) -> None:
+    """A token id below 0 or above INT32_MAX is refused by the decode step's [B] array path,
+    the list path and the [B, k] path alike (guards each half of the range check and its
+    message); INT32_MAX itself is a token id."""
+    m = two_decoding()
+    tokens: Any = {"array": np.array([5, bad]), "list": [5, bad],
+                   "2-d array": np.array([[5], [bad]])}[form]
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=RANGE_MESSAGE):
+        m.commit_batch(["a", "b"], tokens)
+    assert snapshot(m) == before
+    top = 2**31 - 1
+    m.commit_batch(["a", "b"], {"array": np.array([5, top]), "list": [5, top],
+                                "2-d array": np.array([[5], [top]])}[form])
+    assert m.tokens_of("b").tolist() == [1, 2, 3, top]
+
+
+@pytest.mark.parametrize("tokens", [np.array([5, 6, 7]), np.array([5])],
+                         ids=["one too many", "one too few"])
+def test_commit_batch_refuses_a_token_array_of_the_wrong_length(snapshot: Any,
+                                                                  tokens: Any) -> None:
+    """A [B'] int array with B' != B is not the decode step's one token per request: it was
+    taken as such when the length test was inverted."""
+    m = two_decoding()
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=rf"holds {tokens.size} token lists for 2 requests: "
+                       r"give one token \(or token list\) per request; nothing was committed$"):
+        m.commit_batch(["a", "b"], tokens)
+    assert snapshot(m) == before
+
+
+def test_commit_batch_refuses_a_3d_token_array(snapshot: Any) -> None:
+    """Only [B] and [B, k] arrays are token batches: a [B, 1, 2] array is refused, naming
+    token_ids, not flattened into B one-token commits."""
+    m = two_decoding()
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=r"\btoken_ids=array.*expected a 1-D sequence"):
+        m.commit_batch(["a", "b"], np.zeros((2, 1, 2), dtype=np.int64))
+    assert snapshot(m) == before
+
+
+def test_commit_batch_of_more_tokens_than_reserved_names_the_request(snapshot: Any) -> None:
+    """Two tokens each after a one-token reserve: refused by the commit check (naming the
+    request), never written into the decode step's one slot per row."""
+    m = two_decoding()
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=r"^request 'a' commits 2 tokens after 3 but only 4 "
+                       r"slots are reserved; reserve\(\) them first \(nothing was committed\)$"):
+        m.commit_batch(["a", "b"], np.array([[5, 6], [7, 8]]))
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize(("tokens", "kind", "message"), [
+    (np.array([1.5, 2.5]), ArgumentTypeError,
+     r"^token_ids has dtype float64: expected integer token ids \(not bool, float or str\); "
+     r"nothing was committed$"),
+    (np.array([[1.5], [2.5]]), ArgumentTypeError,
+     r"^token_ids has dtype float64: expected integer token ids \(not bool, float or str\); "
+     r"nothing was committed$"),
+    (5, ArgumentTypeError,
+     r"^token_ids=5 \(int\): expected \[B\] or \[B, k\] ints or B token lists, one per "
+     r"request; nothing was committed$"),
+    ([[1, 2], 1.5], ArgumentTypeError,
+     r"^token_ids holds 1\.5 \(float\): expected integer token ids \(int or numpy integer; "
+     r"not bool, float or str\); nothing was committed$"),
+    ([[1, 2], 3], ArgumentError, r"^token_ids=3 \(int\): expected a 1-D sequence of token ids"),
+    ([2**70, 1], ArgumentError, r"^token_ids=1180591620717411303424 \(int\): expected a 1-D "),
+], ids=["float array", "float 2-d array", "scalar", "float among lists", "int among lists",
+        "int beyond int64"])
+def test_commit_batch_errors_say_what_was_wrong(snapshot: Any, tokens: Any, kind: type,
+                                                message: str) -> None:
+    """Each refusal's type and whole message: an int where a token list is expected (or an
+    int too big for any integer array) is a value error naming token_ids, never a type
+    error; a float is a type error that shows the value."""
+    m = two_decoding()
+    before = snapshot(m)
+    with pytest.raises(kind, match=message) as info:
+        m.commit_batch(["a", "b"], tokens)
+    if kind is ArgumentError:
+        assert not isinstance(info.value, TypeError)
+    assert snapshot(m) == before
+
+
+@pytest.mark.parametrize("empty", [[], (), np.empty(0, dtype=np.int32), range(0)],
+                         ids=["list", "tuple", "array", "range"])
+def test_batch_tokens_of_an_empty_batch_are_integers(empty: Any) -> None:
+    """An empty batch's tokens are an empty integer array (numpy reads [] as float64) and its
+    counts an int or an int64 array, whatever empty sequence held them."""
+    from kvmem.allocator._commits import batch_tokens
+
+    flat, counts = batch_tokens(empty, 0)
+    assert flat.shape == (0,) and flat.dtype.kind in "iu"
+    if isinstance(counts, int):
+        assert counts == 1 and not isinstance(empty, range)
+    else:
+        assert counts.shape == (0,) and counts.dtype == np.int64
+    flat, counts = batch_tokens([[1, 2], [3]], 2)
+    assert flat.tolist() == [1, 2, 3] and counts.dtype == np.int64 and counts.tolist() == [2, 1]
+
+
+def small(num_pages: int, max_pages_per_seq: int = 16) -> KVCacheManager:
+    """No prefix cache (every page is free or held by a request) and no watermark."""
+    return KVCacheManager(num_pages, page_size=P, max_seqs=12, prefix_cache=None,
+                          max_pages_per_seq=max_pages_per_seq, watermark=0.0)
+
+
+def test_can_reserve_is_true_exactly_up_to_the_free_pages() -> None:
+    """A row at 6 tokens (2 pages) with 6 free pages: 26 more tokens (32, a page boundary)
+    take exactly the 6, 27 take 7; and a step inside the row's last page needs no page at
+    all when none is free. Guards the ceil division, the count of mapped pages and the
+    comparison against the free pages at both edges."""
+    m = small(8)
+    m.admit("a", list(range(6)))
+    m.reserve(["a"], 6)
+    assert m.can_reserve(["a"], 26) and not m.can_reserve(["a"], 27)
+    with pytest.raises(OutOfPagesError):
+        m.reserve(["a"], 27)
+    m.reserve(["a"], 25)  # 31 tokens: every page mapped, the last one has a free slot
+    assert m.stats().num_free == 0
+    assert m.can_reserve(["a"], 1) and not m.can_reserve(["a"], 2)
+    m.reserve(["a"], 1)
+
+
+def test_can_reserve_is_false_past_max_pages_per_seq_however_many_pages_are_free() -> None:
+    """max_pages_per_seq=4 and 64 free pages: 16 tokens fit a row exactly, 17 never do."""
+    m = small(64, max_pages_per_seq=4)
+    m.admit("a", list(range(6)))
+    m.reserve(["a"], 6)
+    assert m.can_reserve(["a"], 10) and not m.can_reserve(["a"], 11)
+    assert not m.can_reserve(["a"], [11])
+    m.reserve(["a"], 10)
+
+
+def forked_at_a_partial_page(num_pages: int) -> KVCacheManager:
+    """Parent "p" at 6 tokens (page 1 holds 2 of 4) forked into "c": one copy promised."""
+    m = small(num_pages)
+    m.admit("p", list(range(6)))
+    m.reserve(["p"], 6)
+    m.commit("p", list(range(6)))
+    m.fork("p", "c")
+    return m
+
+
+def test_can_reserve_counts_a_forks_promised_copy_once() -> None:
+    """One free page, promised to the copy the fork's shared tail needs: the child may write
+    into its tail (the copy takes the promised page) but not also grow into a new page.
+    Guards the copies counted in the pages needed and in the pages at hand."""
+    m = forked_at_a_partial_page(3)
+    assert m.stats().num_free == 1
+    assert m.can_reserve(["c"], 1) and m.can_reserve(["c"], 2)
+    assert not m.can_reserve(["c"], 3)
+    with pytest.raises(OutOfPagesError):
+        m.reserve(["c"], 3)
+    step = m.reserve(["c"], 2)
+    assert step.copy_src.size == 1
+
+
+def test_cow_copies_are_counted_across_steps() -> None:
+    """stats().num_cow_copies sums the copies of every step (one here, one in a later step)."""
+    m = forked_at_a_partial_page(16)
+    m.reserve(["c"], 1)
+    m.commit("c", [9])
+    m.fork("p", "d")  # p's tail is still shared (with d now) and partly filled
+    m.reserve(["d"], 1)
+    assert m.stats().num_cow_copies == 2
+
+
+def test_a_reserve_of_too_many_too_long_requests_names_the_first_eight(snapshot: Any) -> None:
+    """The message lists at most eight of the requests that would exceed max_pages_per_seq."""
+    m = small(64, max_pages_per_seq=1)
+    ids = [f"r{i}" for i in range(9)]
+    for rid in ids:
+        m.admit(rid, [1, 2, 3])
+        m.reserve([rid], 3)
+    before = snapshot(m)
+    names = ", ".join(repr(r) for r in ids[:8])
+    with pytest.raises(ArgumentError, match=rf"^requests \[{names}\] would need more than "
+                       r"max_pages_per_seq=1 pages; finish them or raise the limit \(nothing "
+                       r"was reserved\)$"):
+        m.reserve(ids, 2)
+    assert snapshot(m) == before
+
+
+def test_a_stored_event_after_already_cached_pages_names_its_real_parent() -> None:
+    """Two requests with one prompt, both admitted before either commits: the second one's
+    commit of three pages caches only the third (the first two are cached already, the
+    first's), and its PagesStored event names the second page's key as the parent."""
+    from kvmem.manager import PagesStored
+
+    m = KVCacheManager(32, page_size=P, max_seqs=4, kv_events=True, watermark=0.0)
+    prompt = list(range(12))
+    for rid in ("a", "b"):
+        m.admit(rid, prompt)
+        m.reserve([rid], 12)
+    m.commit("a", prompt[:8])
+    (first,) = m.take_events()
+    m.commit("b", prompt)
+    (second,) = m.take_events()
+    assert isinstance(first, PagesStored) and isinstance(second, PagesStored)
+    assert len(first.page_hashes) == 2 and len(second.page_hashes) == 1
+    assert second.parent_page_hash == first.page_hashes[1]
+    assert second.token_ids == tuple(prompt[8:])
+
+
+@pytest.mark.parametrize("call", ["reserve", "can_reserve"])
+@pytest.mark.parametrize(("count", "message"), [
+    (-1, r"^num_tokens=-1: expected an integer in 0\.\.32 "),
+    (33, r"^num_tokens=33: expected an integer in 0\.\.32 "),
+    (np.int64(33), r"^num_tokens=33: expected an integer in 0\.\.32 "),
+    ([-1], r"^num_tokens holds counts from -1 to -1: expected every count in 0\.\.32\. "),
+    ([33], r"^num_tokens holds counts from 33 to 33: expected every count in 0\.\.32\. "),
+    ([1, 2], r"^num_tokens lists 2 counts: expected 1, one per request\. "),
+])
+def test_token_counts_are_checked_by_name_up_to_a_rows_most_tokens(
+        snapshot: Any, call: str, count: Any, message: str) -> None:
+    """A count is 0 .. max_pages_per_seq * page_size (32 here), as an int or one per
+    request; a refusal names num_tokens and changes nothing; 32 itself is a count."""
+    m = small(64, max_pages_per_seq=8)
+    m.admit("a", [1])
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=message):
+        getattr(m, call)(["a"], count)
+    assert snapshot(m) == before
+    m.release("a")
+    m.admit("b", [1])
+    assert m.can_reserve(["b"], 32) and m.can_reserve(["b"], [32])
+    assert m.reserve(["b"], [32]).slot_mapping.size == 32
+
+
+@pytest.mark.parametrize("count", [np.array(3), torch.tensor(3), 1.5])
+def test_a_count_that_is_no_integer_is_a_type_error_naming_num_tokens(count: Any) -> None:
+    """A 0-d array or tensor or a float is not a token count (reserve takes ints or one int
+    per request): refused by type, naming num_tokens."""
+    m = small(64, max_pages_per_seq=8)
+    m.admit("a", [1])
+    with pytest.raises(ArgumentTypeError, match=r"^num_tokens=.*: expected an integer in "
+                       r"0\.\.32 "):
+        m.reserve(["a"], count)
+    assert m.num_tokens("a") == 0
+
+
+def test_commit_batch_in_another_order_than_the_reserve_lands_each_token_in_its_slot() -> None:
+    """One token each, committed for the batch in another order than it was reserved (so
+    not by the decode step's record): each token still lands in its own request's slot."""
+    m = two_decoding()
+    m.commit_batch(["b", "a"], np.array([70, 50]))
+    assert m.tokens_of("a").tolist() == [1, 2, 3, 50]
+    assert m.tokens_of("b").tolist() == [1, 2, 3, 70]
+
+
+def test_an_over_commit_names_the_request_that_over_commits(snapshot: Any) -> None:
+    """Ragged counts: the error names the one request (and its count) that commits more than
+    it reserved, not the first of the batch."""
+    m = two_decoding()
+    before = snapshot(m)
+    with pytest.raises(ArgumentError, match=r"^request 'b' commits 2 tokens after 3 but only 4 "):
+        m.commit_batch(["a", "b"], [[5], [7, 8]])
+    assert snapshot(m) == before
+
+
+def test_a_full_batch_of_decode_commits_that_fill_pages_emits_one_event_per_request() -> None:
+    """Every row of a max_seqs batch fills a page at the same decode step: one PagesStored
+    event per request, each with its page's tokens."""
+    from kvmem.manager import PagesStored
+
+    m = KVCacheManager(64, page_size=P, max_seqs=4, kv_events=True, watermark=0.0)
+    ids = ["r0", "r1", "r2", "r3"]
+    for i, rid in enumerate(ids):
+        m.admit(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3])
+        m.reserve([rid], 3)
+        m.commit(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3])
+    m.take_events()
+    m.reserve(ids, 1)
+    m.commit_batch(ids, np.array([4, 14, 24, 34]))
+    events = m.take_events()
+    assert [type(e) for e in events] == [PagesStored] * 4
+    assert sorted(e.token_ids for e in events) == [
+        (10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4) for i in range(4)]
+    assert all(e.parent_page_hash is None and len(e.page_hashes) == 1 for e in events)
+
+
+def test_a_batch_of_prefills_from_page_0_stores_events_with_no_parent() -> None:
+    """Two requests commit two full pages each in one commit_batch: each run starts at
+    the prompt's page 0, so each event has no parent."""
+    from kvmem.manager import PagesStored
+
+    m = KVCacheManager(64, page_size=P, max_seqs=4, kv_events=True, watermark=0.0)
+    for rid, base in (("a", 0), ("b", 100)):
+        m.admit(rid, list(range(base, base + 9)))
+    m.reserve(["a", "b"], 8)
+    m.commit_batch(["a", "b"], np.array([range(8), range(100, 108)]))
+    events = m.take_events()
+    assert len(events) == 2 and all(isinstance(e, PagesStored) for e in events)
+    assert [e.parent_page_hash for e in events] == [None, None]
+    assert [len(e.page_hashes) for e in events] == [2, 2]
+
+
+@pytest.mark.parametrize("first", [4, 8, 12])
+def test_pages_committed_later_chain_from_the_last_page_committed_before(first: int) -> None:
+    """A commit of one or more full pages leaves the row's prefix key at its last page, so
+    the pages of the next commit are cached under the whole prefix's keys: a prompt with
+    that prefix hits every page."""
+    m = KVCacheManager(64, page_size=P, max_seqs=4, watermark=0.0)
+    prompt = list(range(16))
+    m.admit("a", prompt)
+    m.reserve(["a"], 16)
+    m.commit("a", prompt[:first])
+    m.commit("a", prompt[first:])
+    assert m.match_prefix([*prompt, 99]).num_pages == 4
