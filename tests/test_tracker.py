@@ -13,11 +13,14 @@ from kvmem import PAD, CheckingTracker, NoOpTracker, PageAllocator, PageTable, T
 from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
 from kvmem.integrity import (
     BadEntries,
+    IntegrityReport,
     Reason,
     check_block_table,
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    row_is_own,
+    validate_block_table,
 )
 
 
@@ -536,3 +539,129 @@ def test_lifetime_and_namespace_of_read_ints_numpy_and_torch_integers_only() -> 
         namespace_id_of(torch.tensor([1.0]))
     with pytest.raises(ArgumentError, match=r"^qualified=-1: expected an integer >= 0"):
         lifetime_of(-1)
+
+
+def test_record_and_forget_each_count_one_change_and_bump_only_their_rows() -> None:
+    """A verifier learns which rows ``record``/``forget`` touched from ``num_changes`` (one
+    per call) and ``versions`` (the touched rows take the new count; the others keep theirs:
+    a kept row's proof stays usable)."""
+    tracker = CheckingTracker(4, 8)
+    tracker.record([1, 1], [0, 1], [5, 6])
+    assert tracker.num_changes == 1 and tracker.versions.tolist() == [0, 1, 0, 0]
+    tracker.forget([2])
+    assert tracker.num_changes == 2 and tracker.versions.tolist() == [0, 1, 2, 0]
+    tracker.record([3, 0], [0, 0], [7, 8])
+    assert tracker.num_changes == 3 and tracker.versions.tolist() == [3, 1, 2, 3]
+    assert tracker.expected_tags[:, :2].tolist() == [[8, 0], [5, 6], [0, 0], [7, 0]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (([0], [8], [5]), r"^positions holds positions from 8 to 8: expected every position in "
+                      r"0\.\.7\. Nothing was changed\.$"),
+    (([0], [0], [-5]), r"^tags holds tags from -5 to -5: expected every tag in >= 0\. "
+                       r"Nothing was changed\.$"),
+    (([0], [0, 1], [5]), r"^record\(\) got 1 rows, 2 positions and 1 tags: give one position "
+                         r"and one tag per row entry\. Nothing was changed\.$"),
+])
+def test_record_refuses_bad_entries_with_an_error_that_names_them(args: Any,
+                                                                  message: str) -> None:
+    """The error says which argument, what it held and what is allowed (a position past the
+    tracker's width is refused, never wrapped); nothing changes."""
+    tracker = CheckingTracker(4, 8)
+    with pytest.raises(ArgumentError, match=message):
+        tracker.record(*args)
+    assert tracker.num_changes == 0 and not tracker.expected_tags.any()
+
+
+def test_an_empty_report_holds_empty_int64_entries() -> None:
+    """The report of a clean batch (and NoOpTracker's) has every ``BadEntries`` field an empty
+    int64 array, like a failing one's, so callers index them alike."""
+    for report in (IntegrityReport(),
+                   NoOpTracker().verify([0], [1], TAGS, block_table=np.array([[1]]))):
+        assert report.ok and report.failed == () and report.reasons() == {}
+        for name, field in zip(BadEntries._fields, report.entries):
+            assert isinstance(field, np.ndarray), name
+            assert field.dtype == np.int64 and field.shape == (0,), name
+
+
+def test_reasons_name_the_first_bad_entry_and_count_them() -> None:
+    """One line per failed request: its first bad entry and how many it has ("1 bad entry",
+    "2 bad entries")."""
+    e = BadEntries(*(np.array(v, dtype=np.int64) for v in (
+        [1, 0, 1], [2, 0, 3], [7, 9, 8], [50, 60, 70], [0, 61, 71],
+        [Reason.FREED, Reason.REALLOCATED, Reason.REALLOCATED])))
+    report = IntegrityReport(("x", "y"), e)
+    assert report.failed == ("x", "y")
+    assert report.reasons() == {
+        "x": "page was reallocated to another lifetime (tag changed): position 0, page 9, "
+             "expected tag 60, found tag 61 (1 bad entry)",
+        "y": "page was freed (tag 0) while still mapped: position 2, page 7, expected tag 50, "
+             "found tag 0 (2 bad entries)",
+    }
+
+
+def test_a_page_id_out_of_range_is_never_the_rows_own() -> None:
+    """row_is_own answers False for a negative page id (never indexed from the end, where it
+    may meet the recorded lifetime) and for one past the last page (no IndexError)."""
+    q = (np.array([7, 5], dtype=np.int64) << 20) | 1  # lifetimes 7 (page 3's) and 5 (page 1's)
+    assert row_is_own(np.array([3, 1]), q, TAGS)
+    assert not row_is_own(np.array([-1, 1]), q, TAGS)  # TAGS[-1] is page 3's tag, 7
+    assert not row_is_own(np.array([4, 1]), q, TAGS)
+    assert not row_is_own(np.array([3, 2]), q, TAGS)
+
+
+def test_bad_entries_are_int64_in_both_forms() -> None:
+    """``BadEntries`` fields are int64 arrays (the documented contract), whatever the
+    metadata's dtype, in the numpy and torch forms of both checks."""
+    bt = np.array([[1, 3, 5]], dtype=np.int32)  # page 3 is another lifetime; 5 a stale column
+    expected = np.array([[5, 6, 0]], dtype=np.int64)
+    for e in (check_block_table(bt, NUM, expected, TAGS),
+              check_block_table_torch(*_t(bt, NUM, expected, TAGS)),
+              check_csr(np.array([0, 2], np.int32), bt[0, :2], NUM, expected, TAGS),
+              check_csr_torch(*_t(np.array([0, 2], np.int32), bt[0, :2], NUM, expected, TAGS))):
+        assert e.num_bad
+        for name, field in zip(BadEntries._fields, e):
+            assert isinstance(field, np.ndarray) and field.dtype == np.int64, name
+
+
+@pytest.mark.parametrize("page", [4, -9])
+def test_a_page_id_just_past_the_last_or_far_below_zero_is_out_of_range(page: int) -> None:
+    """Page ``num_pages`` is out of range (not the last page's tag), and a page id below
+    ``-num_pages`` too (the torch form raised IndexError), in both forms of both checks."""
+    expected = np.array([[7, 0]], dtype=np.int64)
+    want = [(0, 0, page, 7, -1, Reason.OUT_OF_RANGE)]
+    assert _both_block_table(np.array([[page, -1]]), np.array([1]), expected, TAGS) == want
+    assert _both_csr(np.array([0, 1]), np.array([page]), np.array([1]), expected, TAGS) == want
+
+
+def test_a_request_reading_no_page_must_still_have_padding_only() -> None:
+    """A block-table row of a request that reads no page holds PAD only: a stale column there
+    is PADDING even though no listed entry needs checking."""
+    got = _both_block_table(np.array([[3, -1]]), np.array([0]), np.zeros((1, 2), np.int64),
+                            TAGS)
+    assert got == [(0, 0, 3, 0, 7, Reason.PADDING)]
+    assert _both_block_table(np.array([[-1, -1]]), np.array([0]), np.zeros((1, 2), np.int64),
+                             TAGS) == []
+
+
+def test_a_csr_row_longer_than_the_recorded_width_is_unmapped_past_it_in_both_forms() -> None:
+    """An entry past the tracker's width was recorded nothing (expected 0): UNMAPPED even when
+    it lists the same page as the last recorded position (the torch form compared it with
+    that position's tag)."""
+    expected = np.array([[5, 6]], dtype=np.int64)
+    got = _both_csr(np.array([0, 3]), np.array([1, 2, 2]), np.array([3]), expected, TAGS)
+    assert got == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]
+
+
+def test_the_numpy_checks_refuse_tensors_naming_them() -> None:
+    """check_block_table / check_csr are the numpy forms: tensors are refused with a
+    MetadataError (the torch forms take them), never compared."""
+    with pytest.raises(MetadataError, match="tensors"):
+        check_block_table(*_t(BT, NUM, EXPECTED, TAGS))
+    with pytest.raises(MetadataError, match="tensors"):
+        check_csr(*_t(np.array([0, 2]), BT[0, :2], NUM, EXPECTED, TAGS))
+
+
+def test_a_block_table_of_another_batch_is_refused_naming_the_field() -> None:
+    with pytest.raises(MetadataError, match=r"^block_table must be integers shaped \[2, \*\]"):
+        validate_block_table(BT, 2)

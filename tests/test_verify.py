@@ -973,3 +973,136 @@ def test_fast_paths_agree_with_plain_ones_under_an_engines_sequences(
         logging.disable(logging.NOTSET)
     stats = drive.fast.verifier.stats
     assert stats.spliced_proved > 0 and stats.paranoid_checks >= stats.spliced_proved
+
+
+def _incremental(mgr: KVCacheManager) -> tuple[int, int, int]:
+    """(incremental_proved, incremental_declined, full_checks) so far."""
+    s = mgr.verifier.stats
+    return s.incremental_proved, s.incremental_declined, s.full_checks
+
+
+@pytest.mark.parametrize("form", ["ids", "step", "csr"])
+def test_a_decode_loop_without_step_records_is_proved_by_splicing_the_proof(
+        make_manager: Any, form: str) -> None:
+    """Metadata that is not reserve's latest record (an engine that builds its own, or step
+    records forgotten) is proved by splicing into the proof only the rows that changed: rows
+    that grew a page (their proven entries kept up to the cut), a request replaced in its
+    batch slot (its old entries cut out), a row re-recorded by ``tracker.record``. A healthy
+    loop stays on that path (paranoid mode checks every answer against the full check)."""
+    mgr, eng, ids = decoding(make_manager, tracker="paranoid")
+    before = _incremental(mgr)
+    for i in range(12):
+        if i == 5:  # a finished request's batch slot taken by a new one (its tail page freed)
+            eng.release("c")
+            run_prompt(eng, "c2", [8] * 7)
+            ids[ids.index("c")] = "c2"
+        if i == 8:  # the same tag recorded again: the row's version changes, nothing else
+            row = mgr.row_of("d")
+            mgr.tracker.record([row], [0], [mgr.tracker.expected_tags[row, 0]])
+        step = eng.step(ids, 1)
+        mgr.steps.forget()  # no step record: the incremental path
+        assert mgr.verify(ids, **forms(step)[form]).ok
+        eng.commit(ids)
+    proved, declined, full = _incremental(mgr)
+    assert (proved - before[0], declined - before[1], full - before[2]) == (12, 0, 0)
+    eng.check_kv()
+    mgr.check()
+
+
+@pytest.mark.parametrize("fault", ["free kept", "free kept of a grown row", "reallocate kept",
+                                   "share write page"])
+@pytest.mark.parametrize("form", ["ids", "step"])
+def test_a_spliced_proof_catches_faults_on_the_entries_it_keeps(make_manager: Any, fault: str,
+                                                               form: str) -> None:
+    """A page the proof lists (kept by the splice, in a row that did or did not grow a page
+    this step) freed or reallocated behind the request's back, or the page it writes shared,
+    aborts that request on the incremental path (step records forgotten)."""
+    mgr, eng, ids = decoding(make_manager)
+    for _ in range(2):  # a proof made without step records
+        step = eng.step(ids, 1)
+        mgr.steps.forget()
+        assert mgr.verify(ids, **forms(step)[form]).ok
+        eng.commit(ids)
+    grows = [r for r in ids if mgr.num_tokens(r) % P == 0]  # gets a new page next step
+    steady = [r for r in ids if r not in grows and r not in "ab"]
+    assert grows and steady
+    victim = grows[0] if fault == "free kept of a grown row" else steady[0]
+    if fault == "share write page":
+        step = eng.step(ids, 1)
+        faults.share_write_page(mgr, victim)
+    else:
+        position = mgr.pages_of(victim).size - 1
+        if fault == "reallocate kept":
+            faults.reallocate_behind_back(mgr, victim, position)
+        else:
+            faults.free_behind_back(mgr, victim, position)
+        step = eng.step(ids, 1)
+    mgr.steps.forget()
+    report = mgr.verify(ids, **forms(step)[form])
+    assert list(report.aborted) == [victim]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("fault", ["slot astray", "seq_lens", "kv_last_page_len",
+                                   "shared write page behind an overwritten entry"])
+def test_the_incremental_path_checks_the_steps_slots_lengths_and_writers(
+        make_manager: Any, num_tokens: int, fault: str) -> None:
+    """Given a step's fields without its step record (the incremental path), verify checks
+    its slot mapping against the CSR, its lengths against the requests', and the writers of
+    the pages its slot mapping names (not those the page table names: an entry overwritten
+    behind the manager's back must not hide a shared page the step writes). Only "c" aborts."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, num_tokens)
+    mgr.steps.forget()
+    assert mgr.verify(ids, step).ok  # a proof of this batch, made on the incremental path
+    eng.commit(ids)
+    step = eng.step(ids, num_tokens)
+    c, d = ids.index("c"), ids.index("d")
+    first = step.qo_indptr.tolist()
+    if fault == "slot astray":  # into "d"'s page, which "d" holds alone: one writer
+        step.slot_mapping[first[c]] = (step.slot_mapping[first[d]] // P * P
+                                       + step.slot_mapping[first[c]] % P)
+    elif fault == "shared write page behind an overwritten entry":
+        faults.share_write_page(mgr, "c")
+        e_tail = int(mgr.pages_of("e")[-1])  # one holder: "e"
+        faults.overwrite_page_entry(mgr, "c", mgr.num_committed("c") // P, e_tail)
+    else:
+        getattr(step, fault)[c] += 1
+    mgr.steps.forget()
+    before = _incremental(mgr)
+    report = mgr.verify(ids, step)
+    assert _incremental(mgr)[1] == before[1] + 1  # the incremental path declined
+    assert list(report.aborted) == ["c"]
+    assert ("holders" if fault.startswith("shared") else
+            "slot mapping" if fault == "slot astray" else "lengths") in report.aborted["c"]
+
+
+def _one_entry(reason: int, expected: int, found: int) -> Any:
+    from kvmem.integrity import BadEntries
+
+    return BadEntries(*(np.array([v], dtype=np.int64) for v in (0, 2, 9, expected, found,
+                                                                reason)))
+
+
+@pytest.mark.parametrize("reason, expected, found, num_bad, line", [
+    (3, 5 << 20, 8 << 20, 1, "page was reallocated to another lifetime (tag changed) "
+                             "(expected tag 5, found 8): position 2, page 9"),
+    (3, 5 << 20, 8 << 20, 2, "page was reallocated to another lifetime (tag changed) "
+                             "(expected tag 5, found 8): position 2, page 9 (2 bad entries)"),
+    (3, 5 << 20 | 1, 5 << 20 | 2, 1, "page holds namespace 2's content, the request is in "
+                                     "namespace 1: position 2, page 9"),
+    (2, 5 << 20, 0, 1, "page was freed (tag 0) while still mapped: position 2, page 9"),
+    (4, 0, 8 << 20, 1, "no page was recorded at this position: position 2, page 9"),
+    (1, 5 << 20, -1, 1, "page id out of range: position 2, page 9"),
+    (6, 0, -1, 1, "metadata lists a different number of pages than the request maps"),
+    (6, 0, -1, 3, "metadata lists a different number of pages than the request maps "
+                  "(3 bad entries)"),
+])
+def test_an_aborted_requests_reason_reads_its_first_bad_entry(
+        reason: int, expected: int, found: int, num_bad: int, line: str) -> None:
+    """The one readable line an abort logs and reports: what went wrong (tags decoded to
+    lifetimes, both given only when both pages were live), where, and how many entries were
+    bad when more than one."""
+    from kvmem.integrity._full_check import describe
+
+    assert describe(_one_entry(reason, expected, found), 0, num_bad) == line
