@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,11 @@ from kvmem.integrity import (
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    checked_beside,
+    owned_pages,
     row_is_own,
     validate_block_table,
+    validate_step_fields,
 )
 
 
@@ -665,3 +669,77 @@ def test_the_numpy_checks_refuse_tensors_naming_them() -> None:
 def test_a_block_table_of_another_batch_is_refused_naming_the_field() -> None:
     with pytest.raises(MetadataError, match=r"^block_table must be integers shaped \[2, \*\]"):
         validate_block_table(BT, 2)
+
+
+def test_the_constructor_names_a_bad_width_and_versions_are_int64() -> None:
+    with pytest.raises(ArgumentError, match=r"^max_pages_per_seq=0: expected an integer >= 1"):
+        CheckingTracker(4, 0)
+    tracker = CheckingTracker(2, 4)
+    assert tracker.versions.dtype == np.int64 and tracker.expected_tags.dtype == np.int64
+
+
+@pytest.mark.parametrize("call, kind, message", [
+    (lambda t: t.verify([0], [1], [5], block_table=np.array([[1]])), ArgumentTypeError,
+     r"^tags=\[5\] \(list\): expected the live tags as an int64"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]), ids=("a", "b")),
+     ArgumentError, r"^ids lists 2 labels for 1 rows: give one per row, in batch order\. "
+                    r"Nothing was checked\.$"),
+])
+def test_tracker_verify_errors_say_what_was_given(call: Any, kind: type, message: str) -> None:
+    with pytest.raises(kind, match=message):
+        call(CheckingTracker(2, 4))
+
+
+_ONE_OF_KIND = ("{name}: got tensors where the others are numpy arrays: the check runs where "
+                "the tags are; pass numpy metadata with numpy tags (allocator.tags, a step's "
+                "arrays), tensors on one device with a device mirror (pool.tags, "
+                "step.tensors(device)). Nothing was checked")
+
+
+@pytest.mark.parametrize("field, args, message", [
+    ("kv_indices", (np.array([0, 1]), np.array([[1]]), NUM[:1], EXPECTED, TAGS),
+     r"^kv_indices must be integers shaped \[\*\]"),
+    ("tags", (np.array([0, 1]), np.array([1]), NUM[:1], EXPECTED, TAGS[None]),
+     r"^tags must be integers shaped \[\*\]"),
+    ("expected_tags", (np.array([0, 1]), np.array([1]), NUM[:1], torch.from_numpy(EXPECTED),
+                       TAGS), "^" + re.escape(_ONE_OF_KIND.format(name="expected_tags")) + "$"),
+    ("tags", (np.array([0, 1]), np.array([1]), NUM[:1], EXPECTED, torch.from_numpy(TAGS)),
+     "^" + re.escape(_ONE_OF_KIND.format(name="tags")) + "$"),
+])
+def test_check_input_errors_name_the_field_and_what_to_pass(field: str, args: Any,
+                                                           message: str) -> None:
+    """The MetadataError of a check names the field it refuses (by its argument name) and,
+    for a numpy/tensor mix, which kind was found, which was expected and what to pass."""
+    with pytest.raises(MetadataError, match=message):
+        check_csr(*args)
+
+
+def test_length_failures_are_int64_entries() -> None:
+    """A LENGTH failure's entries (position, page, found tag -1) are int64 like the others."""
+    e = check_csr(np.array([0, 1]), np.array([1]), np.array([2]), EXPECTED, TAGS)
+    assert e.reason.tolist() == [Reason.LENGTH]
+    for name, field in zip(BadEntries._fields, e):
+        assert field.dtype == np.int64, name
+    assert (e.position.tolist(), e.page.tolist(), e.found_tag.tolist()) == ([-1], [-1], [-1])
+
+
+def test_owned_pages_counts_page_zero_like_any_other() -> None:
+    """Page 0 is a page: held when live (no records) or when it carries its recorded
+    lifetime, in row order."""
+    tags = np.array([4, 5, 6, 7], dtype=np.int64)
+    refcounts = np.array([1, 1, 0, 1])
+    assert owned_pages(np.array([0, 1, 2]), None, tags, refcounts).tolist() == [[0, 0], [1, 1]]
+    q = (np.array([4, 5], dtype=np.int64) << 20) | 1
+    assert owned_pages(np.array([0, 1]), q, tags, refcounts).tolist() == [[0, 0], [1, 1]]
+
+
+def test_validate_step_fields_names_a_malformed_slot_mapping() -> None:
+    with pytest.raises(MetadataError, match=r"^slot_mapping must be integers shaped \[\*\]"):
+        validate_step_fields({"slot_mapping": np.zeros((1, 2), np.int64)}, 1)
+
+
+def test_a_batch_of_nine_beside_a_proof_of_up_to_71_replaces_it() -> None:
+    """A batch is checked beside the proven one only when it is smaller and at most
+    max(8, proven / 8) rows (a prefill chunk between decode steps)."""
+    assert checked_beside(8, 10) and not checked_beside(9, 10) and not checked_beside(9, 71)
+    assert checked_beside(9, 72) and not checked_beside(10, 10)

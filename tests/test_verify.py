@@ -1106,3 +1106,198 @@ def test_an_aborted_requests_reason_reads_its_first_bad_entry(
     from kvmem.integrity._full_check import describe
 
     assert describe(_one_entry(reason, expected, found), 0, num_bad) == line
+
+
+def test_a_request_with_no_token_yet_in_a_replaced_slot_is_proved_incrementally(
+        make_manager: Any) -> None:
+    """A request admitted but not reserved yet lists no page: taking a finished request's
+    batch slot, it is spliced into the proof as a row of zero entries (nothing cut past it,
+    nothing new), and the batch is proved without the full check."""
+    mgr, eng, ids = decoding(make_manager, tracker="paranoid")
+    mgr.steps.forget()
+    assert mgr.verify(ids).ok
+    eng.release("c")
+    mgr.admit("c2", [8] * 7)
+    assert mgr.num_tokens("c2") == 0
+    ids[ids.index("c")] = "c2"
+    before = _incremental(mgr)
+    assert mgr.verify(ids).ok
+    assert _incremental(mgr) == (before[0] + 1, before[1], before[2])
+
+
+def test_a_refused_verify_counts_nothing_and_keeps_the_proof(make_manager: Any) -> None:
+    """A CSR malformed as a whole (handed as tensors: the full check's form) is refused
+    before the verifier drops its proof or counts a full check: the next step is still
+    proved by the spliced check."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    bad = torch.from_numpy(step.kv_indptr.copy())
+    bad[1] = bad[2] + 1  # it decreases
+    before = mgr.verifier.stats
+    with pytest.raises(KVMemError, match="kv_indptr"):
+        mgr.verify(ids, kv_indptr=bad, kv_indices=torch.from_numpy(step.kv_indices))
+    assert mgr.verifier.stats == before
+    spliced = spy_spliced(mgr)
+    assert mgr.verify(ids, step).ok
+    assert spliced.answers() == (1, 0)
+
+
+@pytest.mark.parametrize("form", ["block table", "tensors", "csr tensors"])
+def test_the_full_checks_report_names_request_ids_and_is_none_when_clean(
+        make_manager: Any, form: str) -> None:
+    """``report.integrity`` (the tracker's bad entries) labels them with the request ids, on
+    the full check of every form; a clean batch has none."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert report.ok and report.integrity is None
+    eng.commit(ids)
+    faults.free_behind_back(mgr, "c", 0)
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert report.integrity is not None and report.integrity.failed == ("c",)
+    assert list(report.integrity.reasons()) == ["c"]
+
+
+@pytest.mark.parametrize("page", ["num_pages", "far past"])
+def test_a_page_id_past_the_pool_is_out_of_range_on_the_incremental_path(
+        make_manager: Any, page: str) -> None:
+    """An entry naming no page of the pool (one past the last, or far past) in metadata the
+    incremental path checks in full aborts its request as out of range (no IndexError)."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    mgr.steps.forget()
+    mgr.verifier.forget()  # nothing proven: every entry is checked in full
+    indices = step.kv_indices.copy()
+    c_last = int(step.kv_indptr[ids.index("c") + 1]) - 1
+    indices[c_last] = mgr.num_pages if page == "num_pages" else 10 * mgr.num_pages
+    report = mgr.verify(ids, kv_indptr=step.kv_indptr, kv_indices=indices)
+    assert list(report.aborted) == ["c"] and "out of range" in report.aborted["c"]
+
+
+def test_a_batch_that_replaces_the_proof_forgets_the_old_batchs_pages(
+        make_manager: Any) -> None:
+    """A larger batch takes the proof's place: pages only the old batch listed are no longer
+    counted, so freeing them later (the old batch's request released) does not send the new
+    batch off the incremental path."""
+    mgr = make_manager(num_pages=64, tracker="paranoid")
+    eng = ToyEngine(mgr)
+    for i, rid in enumerate("vwxyz"):
+        run_prompt(eng, rid, [i] * (6 + i))
+    old, new = ["v", "w"], ["x", "y", "z"]
+    mgr.steps.forget()
+    assert mgr.verify(old).ok
+    assert mgr.verify(new).ok  # (not a small batch beside the proven one: it replaces it)
+    eng.release("v")  # its tail page is freed
+    before = _incremental(mgr)
+    assert mgr.verify(new).ok
+    assert _incremental(mgr) == (before[0] + 1, before[1], before[2])
+
+
+def test_a_verifier_that_lost_track_of_the_change_log_checks_in_full(
+        make_manager: Any) -> None:
+    """The allocator's change log keeps a bounded backlog: a verifier that fell behind no
+    longer knows which pages changed and must not keep its proof; a page freed behind a
+    request's back meanwhile is caught."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    faults.free_behind_back(mgr, "d", 0)
+    for _ in range(2100):  # more changes than the log keeps for a slow reader
+        mgr.allocator.free(mgr.allocator.allocate(1))
+    mgr.steps.forget()
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["d"]
+
+
+def test_a_shared_page_zero_about_to_be_written_is_caught(make_manager: Any) -> None:
+    """Page 0 is a page like any other: a step about to write into it while another holder
+    keeps it aborts the writer (the write set taken from the slot mapping kept page ids > 0
+    only)."""
+    mgr = make_manager(num_pages=16)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "z", [1, 2])
+    run_prompt(eng, "o", [3] * 5)
+    assert int(mgr.pages_of("z")[0]) == 0
+    step = eng.step(["z", "o"], 1)
+    faults.share_write_page(mgr, "z")
+    report = mgr.verify(["z", "o"], metadata=step.fields())
+    assert list(report.aborted) == ["z"] and "holders" in report.aborted["z"]
+
+
+def test_a_slot_past_the_pool_aborts_its_request(make_manager: Any) -> None:
+    """A slot mapping entry past the pool's last slot is the slot check's to report (the
+    writer count skips it: no IndexError)."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    step.slot_mapping[ids.index("c")] = mgr.num_pages * P + 1
+    report = mgr.verify(ids, metadata=step.fields())
+    assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]
+
+
+def test_a_step_whose_query_ranges_are_not_the_requests_own_is_caught(
+        make_manager: Any) -> None:
+    """qo_indptr alone wrong (request "c" starts a token late: "b" gets two queries, "c"
+    none): both read another request's queries."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    step.qo_indptr[ids.index("c")] += 1
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["b", "c"]
+    assert all("are not its own: a kernel would read past its tokens or another request's "
+               "queries" in why for why in report.aborted.values())
+
+
+@pytest.mark.parametrize("given", ["kv_indptr", "kv_indices"])
+def test_verify_refuses_half_a_csr(make_manager: Any, given: str) -> None:
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    with pytest.raises(ArgumentError, match=r"^verify\(\) needs both kv_indptr and kv_indices"):
+        mgr.verify(ids, **{given: getattr(step, given)})
+    assert mgr.verify(ids, step).ok
+
+
+def test_verify_of_a_step_of_another_batch_says_what_to_pass(make_manager: Any) -> None:
+    mgr, _eng, ids = decoding(make_manager)
+    other = mgr.reserve(ids[:2], 1)
+    with pytest.raises(ArgumentError, match=r"a step of 2; pass the StepMetadata the batch's "
+                                            r"reserve returned$"):
+        mgr.verify(ids, other)
+
+
+class _OwnTracker:
+    """A tracker of the user's own (not a CheckingTracker): it checks like one, and the
+    manager knows nothing of its records."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.inner = CheckingTracker(8, 16)
+        self.recorded: list[list[int]] = []
+
+    def record(self, rows: Any, positions: Any, tags: Any) -> None:
+        self.recorded.append(np.asarray(tags).tolist())
+        self.inner.record(rows, positions, tags)
+
+    def forget(self, rows: Any) -> None:
+        self.inner.forget(rows)
+
+    def verify(self, *args: Any, **kw: Any) -> Any:
+        return self.inner.verify(*args, **kw)
+
+
+def test_a_tracker_of_the_users_own_records_rows_and_aborts_like_a_checking_one(
+        make_manager: Any) -> None:
+    """A Tracker that is no CheckingTracker is told each new row's tags (``record``) and
+    checks every batch in full; a request it fails is released with the pages its row maps
+    (nothing recorded to go by), and nothing leaks."""
+    tracker = _OwnTracker()
+    mgr = make_manager(tracker=tracker)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(9)))
+    run_prompt(eng, "b", [7] * 6)
+    assert tracker.recorded[0] == mgr.mirror.sync()[mgr.pages_of("a")].tolist()
+    faults.reallocate_behind_back(mgr, "b", 0)
+    report = mgr.verify(["a", "b"])
+    assert list(report.aborted) == ["b"]
+    eng.seqs.pop("b")
+    assert mgr.verify(["a"]).ok
