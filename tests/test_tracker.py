@@ -743,3 +743,18 @@ def test_a_batch_of_nine_beside_a_proof_of_up_to_71_replaces_it() -> None:
     max(8, proven / 8) rows (a prefill chunk between decode steps)."""
     assert checked_beside(8, 10) and not checked_beside(9, 10) and not checked_beside(9, 71)
     assert checked_beside(9, 72) and not checked_beside(10, 10)
+
+
+@pytest.mark.cuda
+def test_the_torch_checks_run_on_a_cuda_device_and_agree_with_numpy() -> None:
+    """Every tensor the torch forms build lives on their inputs' device; bad entries come
+    back as host int64 arrays equal to the numpy form's."""
+    bt = np.array([[1, 3, 5]], dtype=np.int32)
+    expected = np.array([[5, 6, 0]], dtype=np.int64)
+    on = [torch.from_numpy(a).cuda() for a in (bt, NUM, expected, TAGS)]
+    assert _entries(check_block_table_torch(*on)) == _entries(
+        check_block_table(bt, NUM, expected, TAGS))
+    indptr = np.array([0, 2], np.int32)
+    on = [torch.from_numpy(a).cuda() for a in (indptr, bt[0, :2], NUM, expected, TAGS)]
+    assert _entries(check_csr_torch(*on)) == _entries(
+        check_csr(indptr, bt[0, :2], NUM, expected, TAGS))

@@ -1301,3 +1301,30 @@ def test_a_tracker_of_the_users_own_records_rows_and_aborts_like_a_checking_one(
     assert list(report.aborted) == ["b"]
     eng.seqs.pop("b")
     assert mgr.verify(["a"]).ok
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", ["tensors", "csr tensors", "block table tensors"])
+def test_verify_of_cuda_metadata_runs_on_the_device(make_manager: Any, form: str) -> None:
+    """Tensors on the pool's CUDA device are checked there, against its tag mirror (every
+    array the check builds is made on their device), and a fault aborts only its victim."""
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=64, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cuda"))
+    mgr = make_manager(num_pages=64, pool=pool)
+    eng = ToyEngine(mgr)
+    ids = ["a", "b", "c"]
+    for i, rid in enumerate(ids):
+        run_prompt(eng, rid, [i] * (5 + 3 * i))
+    step = eng.step(ids, 1)
+    t = step.tensors("cuda")
+    md: dict[str, Any] = {
+        "tensors": {"metadata": t},
+        "csr tensors": {"kv_indptr": t["kv_indptr"], "kv_indices": t["kv_indices"]},
+        "block table tensors": {"metadata": {"block_table": t["block_table"],
+                                             "slot_mapping": t["slot_mapping"],
+                                             "seq_lens": t["seq_lens"]}},
+    }[form]
+    assert mgr.verify(ids, **md).ok
+    faults.free_behind_back(mgr, "c", 0)
+    report = mgr.verify(ids, **md)
+    assert list(report.aborted) == ["c"] and "freed" in report.aborted["c"]
