@@ -1169,8 +1169,8 @@ def test_a_page_id_past_the_pool_is_out_of_range_on_the_incremental_path(
     mgr.steps.forget()
     mgr.verifier.forget()  # nothing proven: every entry is checked in full
     indices = step.kv_indices.copy()
-    c_last = int(step.kv_indptr[ids.index("c") + 1]) - 1
-    indices[c_last] = mgr.num_pages if page == "num_pages" else 10 * mgr.num_pages
+    c_first = int(step.kv_indptr[ids.index("c")])  # (not the page "c" writes: its last)
+    indices[c_first] = mgr.num_pages if page == "num_pages" else 10 * mgr.num_pages
     report = mgr.verify(ids, kv_indptr=step.kv_indptr, kv_indices=indices)
     assert list(report.aborted) == ["c"] and "out of range" in report.aborted["c"]
 
