@@ -758,3 +758,58 @@ def test_the_torch_checks_run_on_a_cuda_device_and_agree_with_numpy() -> None:
     on = [torch.from_numpy(a).cuda() for a in (indptr, bt[0, :2], NUM, expected, TAGS)]
     assert _entries(check_csr_torch(*on)) == _entries(
         check_csr(indptr, bt[0, :2], NUM, expected, TAGS))
+
+
+_CSR = {"kv_indptr": np.array([0, 1]), "kv_indices": np.array([1], np.int32)}
+
+
+@pytest.mark.parametrize("call, kind, message", [
+    (lambda t: t.verify([0], [1], TAGS), MetadataError,
+     r"^verify\(\) needs exactly one of block_table or kv_indptr \+ kv_indices; nothing was "
+     r"checked$"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]), **_CSR), MetadataError,
+     r"^verify\(\) needs exactly one of block_table"),
+    (lambda t: t.verify([9], [1], TAGS, **_CSR), ArgumentError,
+     r"^rows holds rows from 9 to 9: expected every row in 0\.\.1\. Nothing was changed\.$"),
+    (lambda t: t.verify([0], [1, 1], TAGS, **_CSR), ArgumentError,
+     r"^num_pages has shape \(2,\): expected \(1,\), one count per row\. Nothing was "
+     r"checked\.$"),
+    (lambda t: t.verify([0], [1.5], TAGS, **_CSR), MetadataError,
+     r"^num_pages must be integers shaped \[1\], got shape \[1\] of float64"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([1])), MetadataError,
+     r"^block_table must be integers shaped \[1, \*\], got shape \[1\]"),
+    (lambda t: t.verify([0], [1], TAGS, kv_indptr=np.array([0, 2]),
+                        kv_indices=np.array([1], np.int32)), MetadataError,
+     r"^kv_indptr must start at 0, never decrease, and end at len\(kv_indices\) = 1; got "
+     r"first 0, last 2\. Nothing was checked or changed$"),
+    (lambda t: t.verify([0], [1], TAGS, ids=5, **_CSR), ArgumentTypeError, r"^ids=5 \(int\)"),
+])
+def test_tracker_verify_refusals_name_the_argument_and_change_nothing(
+        call: Any, kind: type, message: str) -> None:
+    tracker = CheckingTracker(2, 3)
+    tracker.record([0], [0], [5])
+    before = tracker.expected_tags.copy(), tracker.versions.copy(), tracker.num_changes
+    with pytest.raises(kind, match=message):
+        call(tracker)
+    assert np.array_equal(tracker.expected_tags, before[0])
+    assert np.array_equal(tracker.versions, before[1]) and tracker.num_changes == before[2]
+
+
+@pytest.mark.parametrize("tags_form", ["numpy", "torch"])
+def test_tracker_verify_of_an_empty_batch_a_wide_csr_and_tensor_counts(tags_form: str) -> None:
+    """An empty batch is clean; a CSR row longer than the tracker is wide is checked past its
+    width (UNMAPPED there, not an IndexError); counts may come as a tensor with numpy tags."""
+    tracker = CheckingTracker(2, 2)
+    tracker.record([0, 0], [0, 1], [5, 6])
+    tags: Any = TAGS if tags_form == "numpy" else torch.from_numpy(TAGS.copy())
+    conv = (lambda a: a) if tags_form == "numpy" else torch.from_numpy
+    empty = tracker.verify([], [], tags, kv_indptr=conv(np.array([0])),
+                           kv_indices=conv(np.array([], np.int32)))
+    assert empty.ok and empty.failed == ()
+    report = tracker.verify([0], torch.tensor([3]), tags, kv_indptr=conv(np.array([0, 3])),
+                            kv_indices=conv(np.array([1, 2, 2], np.int32)), ids=("a",))
+    assert _entries(report.entries) == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]
+    assert report.failed == ("a",)
+    bt = conv(np.array([[1, 2, 2]], np.int32))
+    report = tracker.verify([0], [3], tags, block_table=bt)
+    assert _entries(report.entries) == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]

@@ -1328,3 +1328,31 @@ def test_verify_of_cuda_metadata_runs_on_the_device(make_manager: Any, form: str
     faults.free_behind_back(mgr, "c", 0)
     report = mgr.verify(ids, **md)
     assert list(report.aborted) == ["c"] and "freed" in report.aborted["c"]
+
+
+@pytest.mark.parametrize("kwargs, kind, message", [
+    (lambda s: {"step": s, "metadata": s.fields()}, ArgumentError,
+     r"^verify\(\) takes metadata= alone, without step or kv_indptr/kv_indices$"),
+    (lambda s: {"metadata": [1]}, ArgumentError,
+     r"^metadata must be a mapping of field names to arrays, got list$"),
+    (lambda s: {"metadata": {"kv_indptr": s.kv_indptr, "kv_indices": s.kv_indices}},
+     ArgumentError, r"^verify\(metadata=\.\.\.\) got \['kv_indices', 'kv_indptr'\]; it needs "
+                    r"slot_mapping and either kv_indptr \+ kv_indices or block_table \(the "
+                    r"names of step\.tensors\(device\)\)$"),
+    (lambda s: {"metadata": {"slot_mapping": s.slot_mapping}}, ArgumentError,
+     r"^verify\(metadata=\.\.\.\) got \['slot_mapping'\]; it needs"),
+    (lambda s: {"kv_indptr": s.kv_indptr.astype(np.uint64), "kv_indices": s.kv_indices},
+     KVMemError, r"^kv_indptr has dtype uint64: expected int32 or int64 \(the dtypes kernels "
+                 r"read\)\. Nothing was checked or changed$"),
+    (lambda s: {"step": 3}, ArgumentTypeError,
+     r"^step=3 \(int\): expected the StepMetadata the batch's reserve returned \(or None\)$"),
+])
+def test_verify_refuses_metadata_it_cannot_resolve_saying_what_to_pass(
+        make_manager: Any, snapshot: Any, kwargs: Any, kind: type, message: str) -> None:
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    before = snapshot(mgr)
+    with pytest.raises(kind, match=message):
+        mgr.verify(ids, **kwargs(step))
+    assert snapshot(mgr) == before
+    assert mgr.verify(ids, step).ok
