@@ -1356,3 +1356,34 @@ def test_verify_refuses_metadata_it_cannot_resolve_saying_what_to_pass(
         mgr.verify(ids, **kwargs(step))
     assert snapshot(mgr) == before
     assert mgr.verify(ids, step).ok
+
+
+def test_a_step_partly_committed_before_its_verify_is_not_proved_by_its_record(
+        make_manager: Any) -> None:
+    """Once some of a step's slots are committed, its record no longer holds the step's write
+    set: verify sets the record aside (the spliced check is not even tried) and checks the
+    rows as they are."""
+    mgr, ids = _decoding_three(make_manager, "paranoid", 3)
+    step = mgr.reserve(ids, 3)
+    mgr.commit("y", [5])
+    spliced = spy_spliced(mgr)
+    assert mgr.verify(ids, step).ok
+    assert spliced.answers() == (0, 0)
+
+
+@pytest.mark.parametrize("form", ["csr", "ids"])
+def test_a_decode_write_the_page_table_sends_astray_after_reserve_is_caught(
+        make_manager: Any, form: str) -> None:
+    """Decode step (k = 1), no slot mapping given: the token goes where the page table says.
+    x's entry for the page it writes is overwritten after reserve with y's tail (one holder,
+    y): the spliced check must see that the table no longer names the page reserve planned,
+    and verify aborts x only."""
+    mgr, ids = _decoding_three(make_manager, "checking", 1)
+    step = mgr.reserve(ids, 1)
+    col = (mgr.num_tokens("x") - 1) // P
+    y_tail = int(mgr.pages_of("y")[(mgr.num_tokens("y") - 1) // P])
+    faults.overwrite_page_entry(mgr, "x", col, y_tail)
+    spliced = spy_spliced(mgr)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert spliced.answers() == (0, 1)
+    assert list(report.aborted) == ["x"]
