@@ -813,3 +813,17 @@ def test_tracker_verify_of_an_empty_batch_a_wide_csr_and_tensor_counts(tags_form
     bt = conv(np.array([[1, 2, 2]], np.int32))
     report = tracker.verify([0], [3], tags, block_table=bt)
     assert _entries(report.entries) == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]
+
+
+def test_a_checking_tracker_is_not_paranoid_by_default_and_its_arrays_are_read_only() -> None:
+    """The tracker is the only writer of ``expected_tags`` and ``versions`` (docstring):
+    the views it hands out refuse writes."""
+    tracker = CheckingTracker(2, 2)
+    assert tracker.paranoid is False and tracker.claimed is False
+    for view in (tracker.expected_tags, tracker.versions):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
+    with pytest.raises(ArgumentError, match=r"^max_seqs=0: expected an integer >= 1"):
+        CheckingTracker(0, 4)
+    with pytest.raises(ArgumentTypeError, match=r"^paranoid=1 \(int\)"):
+        CheckingTracker(4, 8, paranoid=1)
