@@ -680,7 +680,8 @@ def test_the_constructor_names_a_bad_width_and_versions_are_int64() -> None:
 
 @pytest.mark.parametrize("call, kind, message", [
     (lambda t: t.verify([0], [1], [5], block_table=np.array([[1]])), ArgumentTypeError,
-     r"^tags=\[5\] \(list\): expected the live tags as an int64"),
+     r"^tags=\[5\] \(list\): expected the live tags as an int64 numpy array or torch tensor "
+     r"\(allocator\.tags, pool\.tags\)$"),
     (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]), ids=("a", "b")),
      ArgumentError, r"^ids lists 2 labels for 1 rows: give one per row, in batch order\. "
                     r"Nothing was checked\.$"),
@@ -758,6 +759,11 @@ def test_the_torch_checks_run_on_a_cuda_device_and_agree_with_numpy() -> None:
     on = [torch.from_numpy(a).cuda() for a in (indptr, bt[0, :2], NUM, expected, TAGS)]
     assert _entries(check_csr_torch(*on)) == _entries(
         check_csr(indptr, bt[0, :2], NUM, expected, TAGS))
+    tracker = CheckingTracker(1, 3)
+    tracker.record([0, 0], [0, 1], [5, 6])
+    report = tracker.verify([0], torch.tensor([2]).cuda(), TAGS, kv_indptr=indptr,
+                            kv_indices=bt[0, :2])  # counts on the device, tags on the host
+    assert report.entries.reason.tolist() == [Reason.REALLOCATED]
 
 
 _CSR = {"kv_indptr": np.array([0, 1]), "kv_indices": np.array([1], np.int32)}
@@ -769,6 +775,11 @@ _CSR = {"kv_indptr": np.array([0, 1]), "kv_indices": np.array([1], np.int32)}
      r"checked$"),
     (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]), **_CSR), MetadataError,
      r"^verify\(\) needs exactly one of block_table"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]),
+                        kv_indptr=_CSR["kv_indptr"]), MetadataError,
+     r"^verify\(\) needs exactly one of block_table"),
+    (lambda t: t.verify([0], [1], TAGS, kv_indptr=_CSR["kv_indptr"]), MetadataError,
+     r"^kv_indices must be a numpy array or a torch tensor of integers, got NoneType"),
     (lambda t: t.verify([9], [1], TAGS, **_CSR), ArgumentError,
      r"^rows holds rows from 9 to 9: expected every row in 0\.\.1\. Nothing was changed\.$"),
     (lambda t: t.verify([0], [1, 1], TAGS, **_CSR), ArgumentError,
@@ -827,3 +838,14 @@ def test_a_checking_tracker_is_not_paranoid_by_default_and_its_arrays_are_read_o
         CheckingTracker(0, 4)
     with pytest.raises(ArgumentTypeError, match=r"^paranoid=1 \(int\)"):
         CheckingTracker(4, 8, paranoid=1)
+
+
+def test_a_closed_row_expects_nothing_and_a_reopened_one_only_its_pages() -> None:
+    """clear_row leaves 0 (nothing recorded) everywhere in the row, so a request that reuses
+    the row expects no page past the ones record_row gave it."""
+    tracker = CheckingTracker(2, 4)
+    tracker.record_row(1, np.array([5, 6, 7], dtype=np.int64))
+    tracker.clear_row(1)
+    assert tracker.expected_tags[1].tolist() == [0, 0, 0, 0]
+    tracker.record_row(1, np.array([9], dtype=np.int64))
+    assert tracker.expected_tags[1].tolist() == [9, 0, 0, 0]

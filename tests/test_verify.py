@@ -1387,3 +1387,14 @@ def test_a_decode_write_the_page_table_sends_astray_after_reserve_is_caught(
     report = mgr.verify(ids, **forms(step)[form])
     assert spliced.answers() == (0, 1)
     assert list(report.aborted) == ["x"]
+
+
+def test_each_full_check_is_counted_once(make_manager: Any) -> None:
+    """``stats.full_checks`` counts the full checks run: one per verify of tensor metadata."""
+    mgr, eng, ids = decoding(make_manager)
+    before = mgr.verifier.stats.full_checks
+    for _ in range(2):
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, metadata=step.tensors("cpu")).ok
+        eng.commit(ids)
+    assert mgr.verifier.stats.full_checks == before + 2
