@@ -1398,3 +1398,36 @@ def test_each_full_check_is_counted_once(make_manager: Any) -> None:
         assert mgr.verify(ids, metadata=step.tensors("cpu")).ok
         eng.commit(ids)
     assert mgr.verifier.stats.full_checks == before + 2
+
+
+def test_a_record_changed_since_reserve_sends_the_step_to_the_full_check(
+        make_manager: Any) -> None:
+    """``tracker.record`` (anyone may call it) after reserve changes what a row expects: the
+    spliced check cannot prove the step, and the full check aborts the row whose record no
+    longer matches its page."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    row = mgr.row_of("c")
+    stale = (1 << 40) << 20  # a lifetime no page has had
+    mgr.tracker.record([row], [0], [stale])
+    spliced = spy_spliced(mgr)
+    report = mgr.verify(ids, step)
+    assert spliced.answers() == (0, 1)
+    assert list(report.aborted) == ["c"]
+
+
+def test_a_step_spliced_from_an_unverified_one_is_not_proved_by_an_older_proof(
+        make_manager: Any) -> None:
+    """reserve splices step n + 1 from step n; if step n was never verified, the proof is of
+    an older step and does not cover the entries step n added. A page step n added, then
+    reallocated behind its request's back (still one holder), is caught at step n + 1."""
+    mgr, eng, ids = decoding(make_manager)
+    grows = [r for r in ids if mgr.num_tokens(r) % P == 0]  # gets a new page at step n
+    assert grows
+    victim = grows[0]
+    eng.step(ids, 1)  # step n: not verified
+    eng.commit(ids)
+    faults.reallocate_behind_back(mgr, victim, mgr.pages_of(victim).size - 1)
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == [victim]
