@@ -849,3 +849,22 @@ def test_a_closed_row_expects_nothing_and_a_reopened_one_only_its_pages() -> Non
     assert tracker.expected_tags[1].tolist() == [0, 0, 0, 0]
     tracker.record_row(1, np.array([9], dtype=np.int64))
     assert tracker.expected_tags[1].tolist() == [9, 0, 0, 0]
+
+
+@pytest.mark.parametrize("value, message", [
+    (memoryview(bytes(2)), r"^kv_indptr must be a numpy array or a torch tensor of integers, "
+                           r"got memoryview"),
+    (torch.zeros(2), r"^kv_indptr must be integers shaped \[\*\], got shape \[2\] of "
+                     r"torch\.float32"),
+    (torch.zeros(2, dtype=torch.bool), r"^kv_indptr must be integers shaped \[\*\], got "
+                                       r"shape \[2\] of torch\.bool"),
+    (torch.zeros(2, dtype=torch.complex64), r"^kv_indptr must be integers shaped"),
+])
+def test_require_int_array_refuses_what_is_no_integer_array_or_tensor(value: Any,
+                                                                      message: str) -> None:
+    """An object with a shape that is no tensor, and float, bool or complex tensors, are
+    refused with a MetadataError naming the field (bools are no page ids)."""
+    from kvmem.integrity import require_int_array
+
+    with pytest.raises(MetadataError, match=message):
+        require_int_array("kv_indptr", value, (None,))

@@ -1431,3 +1431,12 @@ def test_a_step_spliced_from_an_unverified_one_is_not_proved_by_an_older_proof(
     step = eng.step(ids, 1)
     report = mgr.verify(ids, step)
     assert list(report.aborted) == [victim]
+
+
+def test_num_new_tokens_alone_wrong_on_a_decode_step_is_caught(make_manager: Any) -> None:
+    """num_new_tokens is compared on the spliced path too (its query ranges left right)."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    step.num_new_tokens[ids.index("c")] += 1
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["c"] and "lengths" in report.aborted["c"]
