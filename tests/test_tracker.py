@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -13,11 +14,17 @@ from kvmem import PAD, CheckingTracker, NoOpTracker, PageAllocator, PageTable, T
 from kvmem.errors import ArgumentError, ArgumentTypeError, MetadataError
 from kvmem.integrity import (
     BadEntries,
+    IntegrityReport,
     Reason,
     check_block_table,
     check_block_table_torch,
     check_csr,
     check_csr_torch,
+    checked_beside,
+    owned_pages,
+    row_is_own,
+    validate_block_table,
+    validate_step_fields,
 )
 
 
@@ -536,3 +543,331 @@ def test_lifetime_and_namespace_of_read_ints_numpy_and_torch_integers_only() -> 
         namespace_id_of(torch.tensor([1.0]))
     with pytest.raises(ArgumentError, match=r"^qualified=-1: expected an integer >= 0"):
         lifetime_of(-1)
+
+
+def test_record_and_forget_each_count_one_change_and_bump_only_their_rows() -> None:
+    """A verifier learns which rows ``record``/``forget`` touched from ``num_changes`` (one
+    per call) and ``versions`` (the touched rows take the new count; the others keep theirs:
+    a kept row's proof stays usable)."""
+    tracker = CheckingTracker(4, 8)
+    tracker.record([1, 1], [0, 1], [5, 6])
+    assert tracker.num_changes == 1 and tracker.versions.tolist() == [0, 1, 0, 0]
+    tracker.forget([2])
+    assert tracker.num_changes == 2 and tracker.versions.tolist() == [0, 1, 2, 0]
+    tracker.record([3, 0], [0, 0], [7, 8])
+    assert tracker.num_changes == 3 and tracker.versions.tolist() == [3, 1, 2, 3]
+    assert tracker.expected_tags[:, :2].tolist() == [[8, 0], [5, 6], [0, 0], [7, 0]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (([0], [8], [5]), r"^positions holds positions from 8 to 8: expected every position in "
+                      r"0\.\.7\. Nothing was changed\.$"),
+    (([0], [0], [-5]), r"^tags holds tags from -5 to -5: expected every tag in >= 0\. "
+                       r"Nothing was changed\.$"),
+    (([0], [0, 1], [5]), r"^record\(\) got 1 rows, 2 positions and 1 tags: give one position "
+                         r"and one tag per row entry\. Nothing was changed\.$"),
+])
+def test_record_refuses_bad_entries_with_an_error_that_names_them(args: Any,
+                                                                  message: str) -> None:
+    """The error says which argument, what it held and what is allowed (a position past the
+    tracker's width is refused, never wrapped); nothing changes."""
+    tracker = CheckingTracker(4, 8)
+    with pytest.raises(ArgumentError, match=message):
+        tracker.record(*args)
+    assert tracker.num_changes == 0 and not tracker.expected_tags.any()
+
+
+def test_an_empty_report_holds_empty_int64_entries() -> None:
+    """The report of a clean batch (and NoOpTracker's) has every ``BadEntries`` field an empty
+    int64 array, like a failing one's, so callers index them alike."""
+    for report in (IntegrityReport(),
+                   NoOpTracker().verify([0], [1], TAGS, block_table=np.array([[1]]))):
+        assert report.ok and report.failed == () and report.reasons() == {}
+        for name, field in zip(BadEntries._fields, report.entries):
+            assert isinstance(field, np.ndarray), name
+            assert field.dtype == np.int64 and field.shape == (0,), name
+
+
+def test_reasons_name_the_first_bad_entry_and_count_them() -> None:
+    """One line per failed request: its first bad entry and how many it has ("1 bad entry",
+    "2 bad entries")."""
+    e = BadEntries(*(np.array(v, dtype=np.int64) for v in (
+        [1, 0, 1], [2, 0, 3], [7, 9, 8], [50, 60, 70], [0, 61, 71],
+        [Reason.FREED, Reason.REALLOCATED, Reason.REALLOCATED])))
+    report = IntegrityReport(("x", "y"), e)
+    assert report.failed == ("x", "y")
+    assert report.reasons() == {
+        "x": "page was reallocated to another lifetime (tag changed): position 0, page 9, "
+             "expected tag 60, found tag 61 (1 bad entry)",
+        "y": "page was freed (tag 0) while still mapped: position 2, page 7, expected tag 50, "
+             "found tag 0 (2 bad entries)",
+    }
+
+
+def test_a_page_id_out_of_range_is_never_the_rows_own() -> None:
+    """row_is_own answers False for a negative page id (never indexed from the end, where it
+    may meet the recorded lifetime) and for one past the last page (no IndexError)."""
+    q = (np.array([7, 5], dtype=np.int64) << 20) | 1  # lifetimes 7 (page 3's) and 5 (page 1's)
+    assert row_is_own(np.array([3, 1]), q, TAGS)
+    assert not row_is_own(np.array([-1, 1]), q, TAGS)  # TAGS[-1] is page 3's tag, 7
+    assert not row_is_own(np.array([4, 1]), q, TAGS)
+    assert not row_is_own(np.array([3, 2]), q, TAGS)
+
+
+def test_bad_entries_are_int64_in_both_forms() -> None:
+    """``BadEntries`` fields are int64 arrays (the documented contract), whatever the
+    metadata's dtype, in the numpy and torch forms of both checks."""
+    bt = np.array([[1, 3, 5]], dtype=np.int32)  # page 3 is another lifetime; 5 a stale column
+    expected = np.array([[5, 6, 0]], dtype=np.int64)
+    for e in (check_block_table(bt, NUM, expected, TAGS),
+              check_block_table_torch(*_t(bt, NUM, expected, TAGS)),
+              check_csr(np.array([0, 2], np.int32), bt[0, :2], NUM, expected, TAGS),
+              check_csr_torch(*_t(np.array([0, 2], np.int32), bt[0, :2], NUM, expected, TAGS))):
+        assert e.num_bad
+        for name, field in zip(BadEntries._fields, e):
+            assert isinstance(field, np.ndarray) and field.dtype == np.int64, name
+
+
+@pytest.mark.parametrize("page", [4, -9])
+def test_a_page_id_just_past_the_last_or_far_below_zero_is_out_of_range(page: int) -> None:
+    """Page ``num_pages`` is out of range (not the last page's tag), and a page id below
+    ``-num_pages`` too (the torch form raised IndexError), in both forms of both checks."""
+    expected = np.array([[7, 0]], dtype=np.int64)
+    want = [(0, 0, page, 7, -1, Reason.OUT_OF_RANGE)]
+    assert _both_block_table(np.array([[page, -1]]), np.array([1]), expected, TAGS) == want
+    assert _both_csr(np.array([0, 1]), np.array([page]), np.array([1]), expected, TAGS) == want
+
+
+def test_a_request_reading_no_page_must_still_have_padding_only() -> None:
+    """A block-table row of a request that reads no page holds PAD only: a stale column there
+    is PADDING even though no listed entry needs checking."""
+    got = _both_block_table(np.array([[3, -1]]), np.array([0]), np.zeros((1, 2), np.int64),
+                            TAGS)
+    assert got == [(0, 0, 3, 0, 7, Reason.PADDING)]
+    assert _both_block_table(np.array([[-1, -1]]), np.array([0]), np.zeros((1, 2), np.int64),
+                             TAGS) == []
+
+
+def test_a_csr_row_longer_than_the_recorded_width_is_unmapped_past_it_in_both_forms() -> None:
+    """An entry past the tracker's width was recorded nothing (expected 0): UNMAPPED even when
+    it lists the same page as the last recorded position (the torch form compared it with
+    that position's tag)."""
+    expected = np.array([[5, 6]], dtype=np.int64)
+    got = _both_csr(np.array([0, 3]), np.array([1, 2, 2]), np.array([3]), expected, TAGS)
+    assert got == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]
+
+
+def test_the_numpy_checks_refuse_tensors_naming_them() -> None:
+    """check_block_table / check_csr are the numpy forms: tensors are refused with a
+    MetadataError (the torch forms take them), never compared."""
+    with pytest.raises(MetadataError, match="tensors"):
+        check_block_table(*_t(BT, NUM, EXPECTED, TAGS))
+    with pytest.raises(MetadataError, match="tensors"):
+        check_csr(*_t(np.array([0, 2]), BT[0, :2], NUM, EXPECTED, TAGS))
+
+
+def test_a_block_table_of_another_batch_is_refused_naming_the_field() -> None:
+    with pytest.raises(MetadataError, match=r"^block_table must be integers shaped \[2, \*\]"):
+        validate_block_table(BT, 2)
+
+
+def test_the_constructor_names_a_bad_width_and_versions_are_int64() -> None:
+    with pytest.raises(ArgumentError, match=r"^max_pages_per_seq=0: expected an integer >= 1"):
+        CheckingTracker(4, 0)
+    tracker = CheckingTracker(2, 4)
+    assert tracker.versions.dtype == np.int64 and tracker.expected_tags.dtype == np.int64
+
+
+@pytest.mark.parametrize("call, kind, message", [
+    (lambda t: t.verify([0], [1], [5], block_table=np.array([[1]])), ArgumentTypeError,
+     r"^tags=\[5\] \(list\): expected the live tags as an int64 numpy array or torch tensor "
+     r"\(allocator\.tags, pool\.tags\)$"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]), ids=("a", "b")),
+     ArgumentError, r"^ids lists 2 labels for 1 rows: give one per row, in batch order\. "
+                    r"Nothing was checked\.$"),
+])
+def test_tracker_verify_errors_say_what_was_given(call: Any, kind: type, message: str) -> None:
+    with pytest.raises(kind, match=message):
+        call(CheckingTracker(2, 4))
+
+
+_ONE_OF_KIND = ("{name}: got tensors where the others are numpy arrays: the check runs where "
+                "the tags are; pass numpy metadata with numpy tags (allocator.tags, a step's "
+                "arrays), tensors on one device with a device mirror (pool.tags, "
+                "step.tensors(device)). Nothing was checked")
+
+
+@pytest.mark.parametrize("field, args, message", [
+    ("kv_indices", (np.array([0, 1]), np.array([[1]]), NUM[:1], EXPECTED, TAGS),
+     r"^kv_indices must be integers shaped \[\*\]"),
+    ("tags", (np.array([0, 1]), np.array([1]), NUM[:1], EXPECTED, TAGS[None]),
+     r"^tags must be integers shaped \[\*\]"),
+    ("expected_tags", (np.array([0, 1]), np.array([1]), NUM[:1], torch.from_numpy(EXPECTED),
+                       TAGS), "^" + re.escape(_ONE_OF_KIND.format(name="expected_tags")) + "$"),
+    ("tags", (np.array([0, 1]), np.array([1]), NUM[:1], EXPECTED, torch.from_numpy(TAGS)),
+     "^" + re.escape(_ONE_OF_KIND.format(name="tags")) + "$"),
+])
+def test_check_input_errors_name_the_field_and_what_to_pass(field: str, args: Any,
+                                                           message: str) -> None:
+    """The MetadataError of a check names the field it refuses (by its argument name) and,
+    for a numpy/tensor mix, which kind was found, which was expected and what to pass."""
+    with pytest.raises(MetadataError, match=message):
+        check_csr(*args)
+
+
+def test_length_failures_are_int64_entries() -> None:
+    """A LENGTH failure's entries (position, page, found tag -1) are int64 like the others."""
+    e = check_csr(np.array([0, 1]), np.array([1]), np.array([2]), EXPECTED, TAGS)
+    assert e.reason.tolist() == [Reason.LENGTH]
+    for name, field in zip(BadEntries._fields, e):
+        assert field.dtype == np.int64, name
+    assert (e.position.tolist(), e.page.tolist(), e.found_tag.tolist()) == ([-1], [-1], [-1])
+
+
+def test_owned_pages_counts_page_zero_like_any_other() -> None:
+    """Page 0 is a page: held when live (no records) or when it carries its recorded
+    lifetime, in row order."""
+    tags = np.array([4, 5, 6, 7], dtype=np.int64)
+    refcounts = np.array([1, 1, 0, 1])
+    assert owned_pages(np.array([0, 1, 2]), None, tags, refcounts).tolist() == [[0, 0], [1, 1]]
+    q = (np.array([4, 5], dtype=np.int64) << 20) | 1
+    assert owned_pages(np.array([0, 1]), q, tags, refcounts).tolist() == [[0, 0], [1, 1]]
+
+
+def test_validate_step_fields_names_a_malformed_slot_mapping() -> None:
+    with pytest.raises(MetadataError, match=r"^slot_mapping must be integers shaped \[\*\]"):
+        validate_step_fields({"slot_mapping": np.zeros((1, 2), np.int64)}, 1)
+
+
+def test_a_batch_of_nine_beside_a_proof_of_up_to_71_replaces_it() -> None:
+    """A batch is checked beside the proven one only when it is smaller and at most
+    max(8, proven / 8) rows (a prefill chunk between decode steps)."""
+    assert checked_beside(8, 10) and not checked_beside(9, 10) and not checked_beside(9, 71)
+    assert checked_beside(9, 72) and not checked_beside(10, 10)
+
+
+@pytest.mark.cuda
+def test_the_torch_checks_run_on_a_cuda_device_and_agree_with_numpy() -> None:
+    """Every tensor the torch forms build lives on their inputs' device; bad entries come
+    back as host int64 arrays equal to the numpy form's."""
+    bt = np.array([[1, 3, 5]], dtype=np.int32)
+    expected = np.array([[5, 6, 0]], dtype=np.int64)
+    on = [torch.from_numpy(a).cuda() for a in (bt, NUM, expected, TAGS)]
+    assert _entries(check_block_table_torch(*on)) == _entries(
+        check_block_table(bt, NUM, expected, TAGS))
+    indptr = np.array([0, 2], np.int32)
+    on = [torch.from_numpy(a).cuda() for a in (indptr, bt[0, :2], NUM, expected, TAGS)]
+    assert _entries(check_csr_torch(*on)) == _entries(
+        check_csr(indptr, bt[0, :2], NUM, expected, TAGS))
+    tracker = CheckingTracker(1, 3)
+    tracker.record([0, 0], [0, 1], [5, 6])
+    report = tracker.verify([0], torch.tensor([2]).cuda(), TAGS, kv_indptr=indptr,
+                            kv_indices=bt[0, :2])  # counts on the device, tags on the host
+    assert report.entries.reason.tolist() == [Reason.REALLOCATED]
+
+
+_CSR = {"kv_indptr": np.array([0, 1]), "kv_indices": np.array([1], np.int32)}
+
+
+@pytest.mark.parametrize("call, kind, message", [
+    (lambda t: t.verify([0], [1], TAGS), MetadataError,
+     r"^verify\(\) needs exactly one of block_table or kv_indptr \+ kv_indices; nothing was "
+     r"checked$"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]), **_CSR), MetadataError,
+     r"^verify\(\) needs exactly one of block_table"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([[1]]),
+                        kv_indptr=_CSR["kv_indptr"]), MetadataError,
+     r"^verify\(\) needs exactly one of block_table"),
+    (lambda t: t.verify([0], [1], TAGS, kv_indptr=np.array([0, 1, 1]),
+                        kv_indices=_CSR["kv_indices"]), MetadataError,
+     r"^kv_indptr must be integers shaped \[2\], got shape \[3\]"),
+    (lambda t: t.verify([0], [1], TAGS, kv_indptr=_CSR["kv_indptr"]), MetadataError,
+     r"^kv_indices must be a numpy array or a torch tensor of integers, got NoneType"),
+    (lambda t: t.verify([9], [1], TAGS, **_CSR), ArgumentError,
+     r"^rows holds rows from 9 to 9: expected every row in 0\.\.1\. Nothing was changed\.$"),
+    (lambda t: t.verify([0], [1, 1], TAGS, **_CSR), ArgumentError,
+     r"^num_pages has shape \(2,\): expected \(1,\), one count per row\. Nothing was "
+     r"checked\.$"),
+    (lambda t: t.verify([0], [1.5], TAGS, **_CSR), MetadataError,
+     r"^num_pages must be integers shaped \[1\], got shape \[1\] of float64"),
+    (lambda t: t.verify([0], [1], TAGS, block_table=np.array([1])), MetadataError,
+     r"^block_table must be integers shaped \[1, \*\], got shape \[1\]"),
+    (lambda t: t.verify([0], [1], TAGS, kv_indptr=np.array([0, 2]),
+                        kv_indices=np.array([1], np.int32)), MetadataError,
+     r"^kv_indptr must start at 0, never decrease, and end at len\(kv_indices\) = 1; got "
+     r"first 0, last 2\. Nothing was checked or changed$"),
+    (lambda t: t.verify([0], [1], TAGS, ids=5, **_CSR), ArgumentTypeError, r"^ids=5 \(int\)"),
+])
+def test_tracker_verify_refusals_name_the_argument_and_change_nothing(
+        call: Any, kind: type, message: str) -> None:
+    tracker = CheckingTracker(2, 3)
+    tracker.record([0], [0], [5])
+    before = tracker.expected_tags.copy(), tracker.versions.copy(), tracker.num_changes
+    with pytest.raises(kind, match=message):
+        call(tracker)
+    assert np.array_equal(tracker.expected_tags, before[0])
+    assert np.array_equal(tracker.versions, before[1]) and tracker.num_changes == before[2]
+
+
+@pytest.mark.parametrize("tags_form", ["numpy", "torch"])
+def test_tracker_verify_of_an_empty_batch_a_wide_csr_and_tensor_counts(tags_form: str) -> None:
+    """An empty batch is clean; a CSR row longer than the tracker is wide is checked past its
+    width (UNMAPPED there, not an IndexError); counts may come as a tensor with numpy tags."""
+    tracker = CheckingTracker(2, 2)
+    tracker.record([0, 0], [0, 1], [5, 6])
+    tags: Any = TAGS if tags_form == "numpy" else torch.from_numpy(TAGS.copy())
+    conv = (lambda a: a) if tags_form == "numpy" else torch.from_numpy
+    empty = tracker.verify([], [], tags, kv_indptr=conv(np.array([0])),
+                           kv_indices=conv(np.array([], np.int32)))
+    assert empty.ok and empty.failed == ()
+    report = tracker.verify([0], torch.tensor([3]), tags, kv_indptr=conv(np.array([0, 3])),
+                            kv_indices=conv(np.array([1, 2, 2], np.int32)), ids=("a",))
+    assert _entries(report.entries) == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]
+    assert report.failed == ("a",)
+    bt = conv(np.array([[1, 2, 2]], np.int32))
+    report = tracker.verify([0], [3], tags, block_table=bt)
+    assert _entries(report.entries) == [(0, 2, 2, 0, 6, Reason.UNMAPPED)]
+
+
+def test_a_checking_tracker_is_not_paranoid_by_default_and_its_arrays_are_read_only() -> None:
+    """The tracker is the only writer of ``expected_tags`` and ``versions`` (docstring):
+    the views it hands out refuse writes."""
+    tracker = CheckingTracker(2, 2)
+    assert tracker.paranoid is False and tracker.claimed is False
+    for view in (tracker.expected_tags, tracker.versions):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
+    with pytest.raises(ArgumentError, match=r"^max_seqs=0: expected an integer >= 1"):
+        CheckingTracker(0, 4)
+    with pytest.raises(ArgumentTypeError, match=r"^paranoid=1 \(int\)"):
+        CheckingTracker(4, 8, paranoid=1)
+
+
+def test_a_closed_row_expects_nothing_and_a_reopened_one_only_its_pages() -> None:
+    """clear_row leaves 0 (nothing recorded) everywhere in the row, so a request that reuses
+    the row expects no page past the ones record_row gave it."""
+    tracker = CheckingTracker(2, 4)
+    tracker.record_row(1, np.array([5, 6, 7], dtype=np.int64))
+    tracker.clear_row(1)
+    assert tracker.expected_tags[1].tolist() == [0, 0, 0, 0]
+    tracker.record_row(1, np.array([9], dtype=np.int64))
+    assert tracker.expected_tags[1].tolist() == [9, 0, 0, 0]
+
+
+@pytest.mark.parametrize("value, message", [
+    (memoryview(bytes(2)), r"^kv_indptr must be a numpy array or a torch tensor of integers, "
+                           r"got memoryview"),
+    (torch.zeros(2), r"^kv_indptr must be integers shaped \[\*\], got shape \[2\] of "
+                     r"torch\.float32"),
+    (torch.zeros(2, dtype=torch.bool), r"^kv_indptr must be integers shaped \[\*\], got "
+                                       r"shape \[2\] of torch\.bool"),
+    (torch.zeros(2, dtype=torch.complex64), r"^kv_indptr must be integers shaped"),
+])
+def test_require_int_array_refuses_what_is_no_integer_array_or_tensor(value: Any,
+                                                                      message: str) -> None:
+    """An object with a shape that is no tensor, and float, bool or complex tensors, are
+    refused with a MetadataError naming the field (bools are no page ids)."""
+    from kvmem.integrity import require_int_array
+
+    with pytest.raises(MetadataError, match=message):
+        require_int_array("kv_indptr", value, (None,))

@@ -1018,3 +1018,470 @@ def test_a_page_grown_by_an_unverified_step_is_checked_by_the_next_verify(
     step = eng.step(ids, 1)
     faults.free_behind_back(mgr, "a", 2)
     assert list(mgr.verify(ids, step).aborted) == ["a"]
+
+
+def _incremental(mgr: KVCacheManager) -> tuple[int, int, int]:
+    """(incremental_proved, incremental_declined, full_checks) so far."""
+    s = mgr.verifier.stats
+    return s.incremental_proved, s.incremental_declined, s.full_checks
+
+
+@pytest.mark.parametrize("form", ["ids", "step", "csr"])
+def test_a_decode_loop_without_step_records_is_proved_by_splicing_the_proof(
+        make_manager: Any, form: str) -> None:
+    """Metadata that is not reserve's latest record (an engine that builds its own, or step
+    records forgotten) is proved by splicing into the proof only the rows that changed: rows
+    that grew a page (their proven entries kept up to the cut), a request replaced in its
+    batch slot (its old entries cut out), a row re-recorded by ``tracker.record``. A healthy
+    loop stays on that path (paranoid mode checks every answer against the full check)."""
+    mgr, eng, ids = decoding(make_manager, tracker="paranoid")
+    before = _incremental(mgr)
+    for i in range(12):
+        if i == 5:  # a finished request's batch slot taken by a new one (its tail page freed)
+            eng.release("c")
+            run_prompt(eng, "c2", [8] * 7)
+            ids[ids.index("c")] = "c2"
+        if i == 8:  # the same tag recorded again: the row's version changes, nothing else
+            row = mgr.row_of("d")
+            mgr.tracker.record([row], [0], [mgr.tracker.expected_tags[row, 0]])
+        step = eng.step(ids, 1)
+        mgr.steps.forget()  # no step record: the incremental path
+        assert mgr.verify(ids, **forms(step)[form]).ok
+        eng.commit(ids)
+    proved, declined, full = _incremental(mgr)
+    assert (proved - before[0], declined - before[1], full - before[2]) == (12, 0, 0)
+    eng.check_kv()
+    mgr.check()
+
+
+@pytest.mark.parametrize("fault", ["free kept", "free kept of a grown row", "reallocate kept",
+                                   "share write page"])
+@pytest.mark.parametrize("form", ["ids", "step"])
+def test_a_spliced_proof_catches_faults_on_the_entries_it_keeps(make_manager: Any, fault: str,
+                                                               form: str) -> None:
+    """A page the proof lists (kept by the splice, in a row that did or did not grow a page
+    this step) freed or reallocated behind the request's back, or the page it writes shared,
+    aborts that request on the incremental path (step records forgotten)."""
+    mgr, eng, ids = decoding(make_manager)
+    for _ in range(2):  # a proof made without step records
+        step = eng.step(ids, 1)
+        mgr.steps.forget()
+        assert mgr.verify(ids, **forms(step)[form]).ok
+        eng.commit(ids)
+    grows = [r for r in ids if mgr.num_tokens(r) % P == 0]  # gets a new page next step
+    steady = [r for r in ids if r not in grows and r not in "ab"]
+    assert grows and steady
+    victim = grows[0] if fault == "free kept of a grown row" else steady[0]
+    if fault == "share write page":
+        step = eng.step(ids, 1)
+        faults.share_write_page(mgr, victim)
+    else:
+        position = mgr.pages_of(victim).size - 1
+        if fault == "reallocate kept":
+            faults.reallocate_behind_back(mgr, victim, position)
+        else:
+            faults.free_behind_back(mgr, victim, position)
+        step = eng.step(ids, 1)
+    mgr.steps.forget()
+    report = mgr.verify(ids, **forms(step)[form])
+    assert list(report.aborted) == [victim]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("fault", ["slot astray", "seq_lens", "kv_last_page_len",
+                                   "shared write page behind an overwritten entry"])
+def test_the_incremental_path_checks_the_steps_slots_lengths_and_writers(
+        make_manager: Any, num_tokens: int, fault: str) -> None:
+    """Given a step's fields without its step record (the incremental path), verify checks
+    its slot mapping against the CSR, its lengths against the requests', and the writers of
+    the pages its slot mapping names (not those the page table names: an entry overwritten
+    behind the manager's back must not hide a shared page the step writes). Only "c" aborts."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, num_tokens)
+    mgr.steps.forget()
+    assert mgr.verify(ids, step).ok  # a proof of this batch, made on the incremental path
+    eng.commit(ids)
+    step = eng.step(ids, num_tokens)
+    c, d = ids.index("c"), ids.index("d")
+    first = step.qo_indptr.tolist()
+    if fault == "slot astray":  # into "d"'s page, which "d" holds alone: one writer
+        step.slot_mapping[first[c]] = (step.slot_mapping[first[d]] // P * P
+                                       + step.slot_mapping[first[c]] % P)
+    elif fault == "shared write page behind an overwritten entry":
+        faults.share_write_page(mgr, "c")
+        e_tail = int(mgr.pages_of("e")[-1])  # one holder: "e"
+        faults.overwrite_page_entry(mgr, "c", mgr.num_committed("c") // P, e_tail)
+    else:
+        getattr(step, fault)[c] += 1
+    mgr.steps.forget()
+    before = _incremental(mgr)
+    report = mgr.verify(ids, step)
+    assert _incremental(mgr)[1] == before[1] + 1  # the incremental path declined
+    assert list(report.aborted) == ["c"]
+    assert ("holders" if fault.startswith("shared") else
+            "slot mapping" if fault == "slot astray" else "lengths") in report.aborted["c"]
+
+
+def _one_entry(reason: int, expected: int, found: int) -> Any:
+    from kvmem.integrity import BadEntries
+
+    return BadEntries(*(np.array([v], dtype=np.int64) for v in (0, 2, 9, expected, found,
+                                                                reason)))
+
+
+@pytest.mark.parametrize("reason, expected, found, num_bad, line", [
+    (3, 5 << 20, 8 << 20, 1, "page was reallocated to another lifetime (tag changed) "
+                             "(expected tag 5, found 8): position 2, page 9"),
+    (3, 5 << 20, 8 << 20, 2, "page was reallocated to another lifetime (tag changed) "
+                             "(expected tag 5, found 8): position 2, page 9 (2 bad entries)"),
+    (3, 5 << 20 | 1, 5 << 20 | 2, 1, "page holds namespace 2's content, the request is in "
+                                     "namespace 1: position 2, page 9"),
+    (2, 5 << 20, 0, 1, "page was freed (tag 0) while still mapped: position 2, page 9"),
+    (4, 0, 8 << 20, 1, "no page was recorded at this position: position 2, page 9"),
+    (1, 5 << 20, -1, 1, "page id out of range: position 2, page 9"),
+    (6, 0, -1, 1, "metadata lists a different number of pages than the request maps"),
+    (6, 0, -1, 3, "metadata lists a different number of pages than the request maps "
+                  "(3 bad entries)"),
+])
+def test_an_aborted_requests_reason_reads_its_first_bad_entry(
+        reason: int, expected: int, found: int, num_bad: int, line: str) -> None:
+    """The one readable line an abort logs and reports: what went wrong (tags decoded to
+    lifetimes, both given only when both pages were live), where, and how many entries were
+    bad when more than one."""
+    from kvmem.integrity._full_check import describe
+
+    assert describe(_one_entry(reason, expected, found), 0, num_bad) == line
+
+
+def test_a_request_with_no_token_yet_in_a_replaced_slot_is_proved_incrementally(
+        make_manager: Any) -> None:
+    """A request admitted but not reserved yet lists no page: taking a finished request's
+    batch slot, it is spliced into the proof as a row of zero entries (nothing cut past it,
+    nothing new), and the batch is proved without the full check."""
+    mgr, eng, ids = decoding(make_manager, tracker="paranoid")
+    mgr.steps.forget()
+    assert mgr.verify(ids).ok
+    eng.release("c")
+    mgr.admit("c2", [8] * 7)
+    assert mgr.num_tokens("c2") == 0
+    ids[ids.index("c")] = "c2"
+    before = _incremental(mgr)
+    assert mgr.verify(ids).ok
+    assert _incremental(mgr) == (before[0] + 1, before[1], before[2])
+
+
+def test_a_refused_verify_counts_nothing_and_keeps_the_proof(make_manager: Any) -> None:
+    """A CSR malformed as a whole (handed as tensors: the full check's form) is refused
+    before the verifier drops its proof or counts a full check: the next step is still
+    proved by the spliced check."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    bad = torch.from_numpy(step.kv_indptr.copy())
+    bad[1] = bad[2] + 1  # it decreases
+    before = mgr.verifier.stats
+    with pytest.raises(KVMemError, match="kv_indptr"):
+        mgr.verify(ids, kv_indptr=bad, kv_indices=torch.from_numpy(step.kv_indices))
+    assert mgr.verifier.stats == before
+    spliced = spy_spliced(mgr)
+    assert mgr.verify(ids, step).ok
+    assert spliced.answers() == (1, 0)
+
+
+@pytest.mark.parametrize("form", ["block table", "tensors", "csr tensors"])
+def test_the_full_checks_report_names_request_ids_and_is_none_when_clean(
+        make_manager: Any, form: str) -> None:
+    """``report.integrity`` (the tracker's bad entries) labels them with the request ids, on
+    the full check of every form; a clean batch has none."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert report.ok and report.integrity is None
+    eng.commit(ids)
+    faults.free_behind_back(mgr, "c", 0)
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert report.integrity is not None and report.integrity.failed == ("c",)
+    assert list(report.integrity.reasons()) == ["c"]
+
+
+@pytest.mark.parametrize("page", ["num_pages", "far past"])
+def test_a_page_id_past_the_pool_is_out_of_range_on_the_incremental_path(
+        make_manager: Any, page: str) -> None:
+    """An entry naming no page of the pool (one past the last, or far past) in metadata the
+    incremental path checks in full aborts its request as out of range (no IndexError)."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    mgr.steps.forget()
+    mgr.verifier.forget()  # nothing proven: every entry is checked in full
+    indices = step.kv_indices.copy()
+    c_first = int(step.kv_indptr[ids.index("c")])  # (not the page "c" writes: its last)
+    indices[c_first] = mgr.num_pages if page == "num_pages" else 10 * mgr.num_pages
+    report = mgr.verify(ids, kv_indptr=step.kv_indptr, kv_indices=indices)
+    assert list(report.aborted) == ["c"] and "out of range" in report.aborted["c"]
+
+
+def test_a_batch_that_replaces_the_proof_forgets_the_old_batchs_pages(
+        make_manager: Any) -> None:
+    """A larger batch takes the proof's place: pages only the old batch listed are no longer
+    counted, so freeing them later (the old batch's request released) does not send the new
+    batch off the incremental path."""
+    mgr = make_manager(num_pages=64, tracker="paranoid")
+    eng = ToyEngine(mgr)
+    for i, rid in enumerate("vwxyz"):
+        run_prompt(eng, rid, [i] * (6 + i))
+    old, new = ["v", "w"], ["x", "y", "z"]
+    mgr.steps.forget()
+    assert mgr.verify(old).ok
+    assert mgr.verify(new).ok  # (not a small batch beside the proven one: it replaces it)
+    eng.release("v")  # its tail page is freed
+    before = _incremental(mgr)
+    assert mgr.verify(new).ok
+    assert _incremental(mgr) == (before[0] + 1, before[1], before[2])
+
+
+def test_a_verifier_that_lost_track_of_the_change_log_checks_in_full(
+        make_manager: Any) -> None:
+    """The allocator's change log keeps a bounded backlog: a verifier that fell behind no
+    longer knows which pages changed and must not keep its proof; a page freed behind a
+    request's back meanwhile is caught."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    faults.free_behind_back(mgr, "d", 0)
+    for _ in range(2100):  # more changes than the log keeps for a slow reader
+        mgr.allocator.free(mgr.allocator.allocate(1))
+    mgr.steps.forget()
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["d"]
+
+
+def test_a_shared_page_zero_about_to_be_written_is_caught(make_manager: Any) -> None:
+    """Page 0 is a page like any other: a step about to write into it while another holder
+    keeps it aborts the writer (the write set taken from the slot mapping kept page ids > 0
+    only)."""
+    mgr = make_manager(num_pages=16)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "z", [1, 2])
+    run_prompt(eng, "o", [3] * 5)
+    assert int(mgr.pages_of("z")[0]) == 0
+    step = eng.step(["z", "o"], 1)
+    faults.share_write_page(mgr, "z")
+    report = mgr.verify(["z", "o"], metadata=step.fields())
+    assert list(report.aborted) == ["z"] and "holders" in report.aborted["z"]
+
+
+def test_a_slot_past_the_pool_aborts_its_request(make_manager: Any) -> None:
+    """A slot mapping entry past the pool's last slot is the slot check's to report (the
+    writer count skips it: no IndexError)."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    step.slot_mapping[ids.index("c")] = mgr.num_pages * P + 1
+    report = mgr.verify(ids, metadata=step.fields())
+    assert list(report.aborted) == ["c"] and "slot mapping" in report.aborted["c"]
+
+
+def test_a_step_whose_query_ranges_are_not_the_requests_own_is_caught(
+        make_manager: Any) -> None:
+    """qo_indptr alone wrong (request "c" starts a token late: "b" gets two queries, "c"
+    none): both read another request's queries."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    step.qo_indptr[ids.index("c")] += 1
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["b", "c"]
+    assert all("are not its own: a kernel would read past its tokens or another request's "
+               "queries" in why for why in report.aborted.values())
+
+
+@pytest.mark.parametrize("given", ["kv_indptr", "kv_indices"])
+def test_verify_refuses_half_a_csr(make_manager: Any, given: str) -> None:
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    with pytest.raises(ArgumentError, match=r"^verify\(\) needs both kv_indptr and kv_indices"):
+        mgr.verify(ids, **{given: getattr(step, given)})
+    assert mgr.verify(ids, step).ok
+
+
+def test_verify_of_a_step_of_another_batch_says_what_to_pass(make_manager: Any) -> None:
+    mgr, _eng, ids = decoding(make_manager)
+    other = mgr.reserve(ids[:2], 1)
+    with pytest.raises(ArgumentError, match=r"a step of 2; pass the StepMetadata the batch's "
+                                            r"reserve returned$"):
+        mgr.verify(ids, other)
+
+
+class _OwnTracker:
+    """A tracker of the user's own (not a CheckingTracker): it checks like one, and the
+    manager knows nothing of its records."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.inner = CheckingTracker(8, 16)
+        self.recorded: list[list[int]] = []
+
+    def record(self, rows: Any, positions: Any, tags: Any) -> None:
+        self.recorded.append(np.asarray(tags).tolist())
+        self.inner.record(rows, positions, tags)
+
+    def forget(self, rows: Any) -> None:
+        self.inner.forget(rows)
+
+    def verify(self, *args: Any, **kw: Any) -> Any:
+        return self.inner.verify(*args, **kw)
+
+
+def test_a_tracker_of_the_users_own_records_rows_and_aborts_like_a_checking_one(
+        make_manager: Any) -> None:
+    """A Tracker that is no CheckingTracker is told each new row's tags (``record``) and
+    checks every batch in full; a request it fails is released with the pages its row maps
+    (nothing recorded to go by), and nothing leaks."""
+    tracker = _OwnTracker()
+    mgr = make_manager(tracker=tracker)
+    eng = ToyEngine(mgr)
+    run_prompt(eng, "a", list(range(9)))
+    run_prompt(eng, "b", [7] * 6)
+    assert tracker.recorded[0] == mgr.mirror.sync()[mgr.pages_of("a")].tolist()
+    faults.reallocate_behind_back(mgr, "b", 0)
+    report = mgr.verify(["a", "b"])
+    assert list(report.aborted) == ["b"]
+    eng.seqs.pop("b")
+    assert mgr.verify(["a"]).ok
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", ["tensors", "csr tensors", "block table tensors"])
+def test_verify_of_cuda_metadata_runs_on_the_device(make_manager: Any, form: str) -> None:
+    """Tensors on the pool's CUDA device are checked there, against its tag mirror (every
+    array the check builds is made on their device), and a fault aborts only its victim."""
+    pool = PagePool(PoolSpec(num_layers=1, num_pages=64, num_kv_heads=1, head_dim=8,
+                             page_size=P, dtype="fp32", device="cuda"))
+    mgr = make_manager(num_pages=64, pool=pool)
+    eng = ToyEngine(mgr)
+    ids = ["a", "b", "c"]
+    for i, rid in enumerate(ids):
+        run_prompt(eng, rid, [i] * (5 + 3 * i))
+    step = eng.step(ids, 1)
+    t = step.tensors("cuda")
+    md: dict[str, Any] = {
+        "tensors": {"metadata": t},
+        "csr tensors": {"kv_indptr": t["kv_indptr"], "kv_indices": t["kv_indices"]},
+        "block table tensors": {"metadata": {"block_table": t["block_table"],
+                                             "slot_mapping": t["slot_mapping"],
+                                             "seq_lens": t["seq_lens"]}},
+    }[form]
+    assert mgr.verify(ids, **md).ok
+    faults.free_behind_back(mgr, "c", 0)
+    report = mgr.verify(ids, **md)
+    assert list(report.aborted) == ["c"] and "freed" in report.aborted["c"]
+
+
+@pytest.mark.parametrize("kwargs, kind, message", [
+    (lambda s: {"step": s, "metadata": s.fields()}, ArgumentError,
+     r"^verify\(\) takes metadata= alone, without step or kv_indptr/kv_indices$"),
+    (lambda s: {"metadata": [1]}, ArgumentError,
+     r"^metadata must be a mapping of field names to arrays, got list$"),
+    (lambda s: {"metadata": {"kv_indptr": s.kv_indptr, "kv_indices": s.kv_indices}},
+     ArgumentError, r"^verify\(metadata=\.\.\.\) got \['kv_indices', 'kv_indptr'\]; it needs "
+                    r"slot_mapping and either kv_indptr \+ kv_indices or block_table \(the "
+                    r"names of step\.tensors\(device\)\)$"),
+    (lambda s: {"metadata": {"slot_mapping": s.slot_mapping}}, ArgumentError,
+     r"^verify\(metadata=\.\.\.\) got \['slot_mapping'\]; it needs"),
+    (lambda s: {"kv_indptr": s.kv_indptr.astype(np.uint64), "kv_indices": s.kv_indices},
+     KVMemError, r"^kv_indptr has dtype uint64: expected int32 or int64 \(the dtypes kernels "
+                 r"read\)\. Nothing was checked or changed$"),
+    (lambda s: {"step": 3}, ArgumentTypeError,
+     r"^step=3 \(int\): expected the StepMetadata the batch's reserve returned \(or None\)$"),
+])
+def test_verify_refuses_metadata_it_cannot_resolve_saying_what_to_pass(
+        make_manager: Any, snapshot: Any, kwargs: Any, kind: type, message: str) -> None:
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    before = snapshot(mgr)
+    with pytest.raises(kind, match=message):
+        mgr.verify(ids, **kwargs(step))
+    assert snapshot(mgr) == before
+    assert mgr.verify(ids, step).ok
+
+
+def test_a_step_partly_committed_before_its_verify_is_not_proved_by_its_record(
+        make_manager: Any) -> None:
+    """Once some of a step's slots are committed, its record no longer holds the step's write
+    set: verify sets the record aside (the spliced check is not even tried) and checks the
+    rows as they are."""
+    mgr, ids = _decoding_three(make_manager, "paranoid", 3)
+    step = mgr.reserve(ids, 3)
+    mgr.commit("y", [5])
+    spliced = spy_spliced(mgr)
+    assert mgr.verify(ids, step).ok
+    assert spliced.answers() == (0, 0)
+
+
+@pytest.mark.parametrize("form", ["csr", "ids"])
+def test_a_decode_write_the_page_table_sends_astray_after_reserve_is_caught(
+        make_manager: Any, form: str) -> None:
+    """Decode step (k = 1), no slot mapping given: the token goes where the page table says.
+    x's entry for the page it writes is overwritten after reserve with y's tail (one holder,
+    y): the spliced check must see that the table no longer names the page reserve planned,
+    and verify aborts x only."""
+    mgr, ids = _decoding_three(make_manager, "checking", 1)
+    step = mgr.reserve(ids, 1)
+    col = (mgr.num_tokens("x") - 1) // P
+    y_tail = int(mgr.pages_of("y")[(mgr.num_tokens("y") - 1) // P])
+    faults.overwrite_page_entry(mgr, "x", col, y_tail)
+    spliced = spy_spliced(mgr)
+    report = mgr.verify(ids, **forms(step)[form])
+    assert spliced.answers() == (0, 1)
+    assert list(report.aborted) == ["x"]
+
+
+def test_each_full_check_is_counted_once(make_manager: Any) -> None:
+    """``stats.full_checks`` counts the full checks run: one per verify of tensor metadata."""
+    mgr, eng, ids = decoding(make_manager)
+    before = mgr.verifier.stats.full_checks
+    for _ in range(2):
+        step = eng.step(ids, 1)
+        assert mgr.verify(ids, metadata=step.tensors("cpu")).ok
+        eng.commit(ids)
+    assert mgr.verifier.stats.full_checks == before + 2
+
+
+def test_a_record_changed_since_reserve_sends_the_step_to_the_full_check(
+        make_manager: Any) -> None:
+    """``tracker.record`` (anyone may call it) after reserve changes what a row expects: the
+    spliced check cannot prove the step, and the full check aborts the row whose record no
+    longer matches its page."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    row = mgr.row_of("c")
+    stale = (1 << 40) << 20  # a lifetime no page has had
+    mgr.tracker.record([row], [0], [stale])
+    spliced = spy_spliced(mgr)
+    report = mgr.verify(ids, step)
+    assert spliced.answers() == (0, 1)
+    assert list(report.aborted) == ["c"]
+
+
+def test_a_step_spliced_from_an_unverified_one_is_not_proved_by_an_older_proof(
+        make_manager: Any) -> None:
+    """reserve splices step n + 1 from step n; if step n was never verified, the proof is of
+    an older step and does not cover the entries step n added. A page step n added, then
+    reallocated behind its request's back (still one holder), is caught at step n + 1."""
+    mgr, eng, ids = decoding(make_manager)
+    grows = [r for r in ids if mgr.num_tokens(r) % P == 0]  # gets a new page at step n
+    assert grows
+    victim = grows[0]
+    eng.step(ids, 1)  # step n: not verified
+    eng.commit(ids)
+    faults.reallocate_behind_back(mgr, victim, mgr.pages_of(victim).size - 1)
+    step = eng.step(ids, 1)
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == [victim]
+
+
+def test_num_new_tokens_alone_wrong_on_a_decode_step_is_caught(make_manager: Any) -> None:
+    """num_new_tokens is compared on the spliced path too (its query ranges left right)."""
+    mgr, eng, ids = decoding(make_manager)
+    step = eng.step(ids, 1)
+    step.num_new_tokens[ids.index("c")] += 1
+    report = mgr.verify(ids, step)
+    assert list(report.aborted) == ["c"] and "lengths" in report.aborted["c"]

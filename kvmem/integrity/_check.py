@@ -186,7 +186,7 @@ def require_one_kind(given: Mapping[str, Any], torch_form: bool | None = None) -
             "the tags are on. Nothing was checked")
 
 
-def _reasons(xp: Any, page: Any, in_range: Any, found: Any, expected: Any) -> Any:
+def _reasons(xp: Any, in_range: Any, found: Any, expected: Any) -> Any:
     """Reason code per entry (0 = good); works for numpy and torch alike."""
     reason = xp.where(found != expected, Reason.REALLOCATED, 0)
     reason = xp.where(found == 0, Reason.FREED, reason)
@@ -254,7 +254,7 @@ def check_block_table(
     ) and (block_table[~inside] == PAD).all():
         return _NO_BAD_ENTRIES
     in_range, found = _lookup_np(block_table, tags)
-    reason = _reasons(np, block_table, in_range, found, expected_tags[:, :width])
+    reason = _reasons(np, in_range, found, expected_tags[:, :width])
     reason = np.where(inside, reason, np.where(block_table != PAD, Reason.PADDING, 0))
     b, j = np.nonzero(reason)
     return _with_length_failures(BadEntries(
@@ -328,7 +328,7 @@ def check_csr(
     j_ok = j < expected_tags.shape[1]
     expected = np.where(j_ok, expected_tags[b, np.minimum(j, expected_tags.shape[1] - 1)], 0)
     in_range, found = _lookup_np(kv_indices, tags)
-    reason = _reasons(np, kv_indices, in_range, found, expected)
+    reason = _reasons(np, in_range, found, expected)
     bad = np.flatnonzero(reason)
     return _with_length_failures(BadEntries(
         b[bad].astype(np.int64),
@@ -373,7 +373,7 @@ def check_block_table_torch(
     inside = torch.arange(width, device=block_table.device) < num_pages[:, None]
     in_range, found = _lookup_torch(block_table, tags)
     expected = expected_tags[:, :width]
-    reason = _reasons(torch, block_table, in_range, found, expected)
+    reason = _reasons(torch, in_range, found, expected)
     reason = torch.where(inside, reason, (block_table != PAD).long() * Reason.PADDING)
     b, j = torch.nonzero(reason, as_tuple=True)
     arrays = _to_numpy(
@@ -403,7 +403,7 @@ def check_csr_torch(
     max_pages = expected_tags.shape[1]
     expected = torch.where(j < max_pages, expected_tags[b, j.clamp(max=max_pages - 1)], 0)
     in_range, found = _lookup_torch(kv_indices, tags)
-    reason = _reasons(torch, kv_indices, in_range, found, expected)
+    reason = _reasons(torch, in_range, found, expected)
     bad = torch.nonzero(reason, as_tuple=True)[0]
     wrong_len = torch.nonzero(counts != num_pages.long(), as_tuple=True)[0]
     parts = _to_numpy(b[bad], j[bad], kv_indices[bad], expected[bad], found[bad], reason[bad],

@@ -158,10 +158,9 @@ class FullCheck:
         metadata was built would send it into a page the request does not read, perhaps
         another request's, whose one holder is that request)."""
         if md.fields is not None and md.fields.get("slot_mapping") is not None:
-            return []
+            return []  # (a block table always comes with its slot mapping: this is a CSR)
         bad_b, bad_pos = self.table_write_mismatches(
-            rows, {"kv_indptr": md.indptr, "kv_indices": md.indices} if md.indices is not None
-            else {"block_table": md.block_table})
+            rows, {"kv_indptr": md.indptr, "kv_indices": md.indices})
         return [(i, pos, f"its page table sends a token of page position {pos} into a page its "
                          "metadata does not list there (a row entry changed after the metadata "
                          "was built)") for i, pos in zip(bad_b.tolist(), bad_pos.tolist())]
@@ -170,12 +169,12 @@ class FullCheck:
                                ) -> tuple[Int64Array, Int64Array]:
         """(batch index, page position) of each write the page table sends (the step's new
         slots nobody committed yet) outside the page ``read`` lists there: ``read`` the CSR
-        (``kv_indptr``, ``kv_indices``) or a ``block_table``, numpy or tensors."""
+        (``kv_indptr``, ``kv_indices``), numpy or tensors."""
         t = self.table
         done = np.maximum(t.num_committed[rows], t.write_from[rows])
         total = t.num_tokens[rows]
         slots: Any = table_slots(t.pages, rows, done, total, self.page_size)
-        listed = read.get("kv_indices", read.get("block_table"))
+        listed = read["kv_indices"]
         if not isinstance(listed, np.ndarray):  # tensors: compared on their device
             import torch
 
