@@ -871,3 +871,37 @@ def test_require_int_array_refuses_what_is_no_integer_array_or_tensor(value: Any
 
     with pytest.raises(MetadataError, match=message):
         require_int_array("kv_indptr", value, (None,))
+
+
+def test_owned_pages_lists_a_page_once_when_another_position_records_its_lifetime() -> None:
+    """A row whose position 1 recorded the lifetime of the page at its position 0 (a wrong
+    ``tracker.record``) listed page 0 twice: aborting the request then freed it twice and
+    verify raised InvalidFreeError."""
+    tags = np.array([4, 5, 6, 7], dtype=np.int64)
+    refcounts = np.array([1, 1, 1, 0])
+    q = (np.array([4, 4], dtype=np.int64) << 20) | 1  # position 1 names page 0's lifetime
+    assert owned_pages(np.array([0, 1]), q, tags, refcounts).tolist() == [[0, 0]]
+
+
+def test_verify_aborts_a_request_whose_record_names_its_own_other_page_and_frees_it_once(
+        ) -> None:
+    """The same fault through the manager: verify aborts only that request without freeing a
+    page twice (it raised InvalidFreeError), the rest of the batch verifies, and the page whose
+    recorded tag lies is not freed (kvmem cannot tell it from another request's page) but
+    reported by ``check()`` as held by no one."""
+    from engine_helpers import prefill
+
+    from kvmem import KVCacheManager
+    from kvmem.errors import IntegrityError
+
+    mgr = KVCacheManager(32, page_size=4, max_seqs=4, tracker="checking", prefix_cache=None)
+    prefill(mgr, "a", list(range(8)))  # two pages
+    prefill(mgr, "b", list(range(10, 18)))
+    row = mgr.row_of("a")
+    second = int(mgr.pages_of("a")[1])
+    mgr.tracker.record([row], [1], [int(mgr.tracker.expected_tags[row, 0])])
+    report = mgr.verify(["a", "b"])
+    assert list(report.aborted) == ["a"] and mgr.running == ("b",)
+    assert mgr.verify(["b"]).ok
+    with pytest.raises(IntegrityError, match=rf"pages \[{second}\] are held by no row"):
+        mgr.check()

@@ -40,8 +40,10 @@ def owned_pages(pages: npt.NDArray[np.integer], recorded: Int64Array | None,
 
     With ``recorded`` (the row's qualified tags, ``[len(pages)]``): an entry whose page does
     not carry its recorded lifetime is not the request's reference; the page that does carry
-    it (lifetimes are unique) is, when it is live. Without (no checking tracker): the row's
-    live pages are trusted.
+    it (lifetimes are unique) is, when it is live and not listed already (each page once: a
+    recorded tag naming the lifetime of a page at another position of the row must not make
+    the request free it twice). Without (no checking tracker): the row's live pages are
+    trusted.
     """
     if recorded is not None and recorded.shape != pages.shape:
         raise ArgumentError(f"owned_pages got {pages.size} pages and recorded tags shaped "
@@ -56,8 +58,10 @@ def owned_pages(pages: npt.NDArray[np.integer], recorded: Int64Array | None,
     ok[ok] = tags[pages[ok]] == want[ok]
     ok &= want > 0
     out = [np.stack([positions[ok], pages[ok]], axis=1)]
+    owned = set(pages[ok].tolist())  # (a row holds a page once: never list one twice)
     for j in np.flatnonzero(~ok & (want > 0)).tolist():
         found = np.flatnonzero(tags == int(want[j]))
-        if found.size == 1:
+        if found.size == 1 and int(found[0]) not in owned:
+            owned.add(int(found[0]))
             out.append(np.array([[j, int(found[0])]], dtype=np.int64))
     return np.concatenate(out)
