@@ -521,6 +521,10 @@ def test_an_empty_prefix_match_has_the_documented_shapes(case: str) -> None:
     assert match.last_key.shape == (2,)
     assert type(match.num_evictable) is int and match.num_evictable == 0
     assert match.num_pages == 0
+    # The root key is the namespace's (what PrefixMatch promises), zeros without a cache.
+    ns = "never seen" if case == "unseen namespace" else None
+    want = [0, 0] if m.cache is None else m.cache.root_key(ns).tolist()
+    assert match.root_key.tolist() == match.last_key.tolist() == want
 
 
 @pytest.mark.parametrize(("call", "prompt", "message"), [

@@ -107,9 +107,9 @@ class Admission:
         ns = self.namespaces.id_of(namespace, False, data)
         cache = self.pages.cache
         self._matched = None
-        if cache is None or ns < 0 or max_pages <= 0:
-            return PrefixMatch(_EMPTY_PAGES, np.empty((0, 2), dtype=np.uint64),
-                               np.zeros(2, dtype=np.uint64), 0)
+        if cache is None or ns < 0 or max_pages <= 0:  # (nothing to find: the namespace's root)
+            root = np.zeros(2, dtype=np.uint64) if cache is None else cache.root_key(namespace)
+            return PrefixMatch(_EMPTY_PAGES, np.empty((0, 2), dtype=np.uint64), root, 0)
         match = cache.match(tokens, namespace, max_pages, ns)
         if stamp is not None and match.pages.size and self.reuse_lookups:
             self._matched = (stamp, self.pages.allocator.changes.num_logged, data,
