@@ -200,12 +200,7 @@ class PrefixKeys:
         k = token_ids.size // p if max_pages is None else min(token_ids.size // p, max_pages)
         if k <= 0:
             return np.empty((0, 2), dtype=np.uint64)
-        keys = self._page_values(token_ids[: k * p].reshape(k, p), self._run_position_values(0, k))
-        # key_i = root + g_0 + ... + g_i: root added to one row, then a running sum
-        # (np.add.accumulate itself: np.cumsum's wrapper costs as much again on a prompt).
-        keys[0] += root
-        np.add.accumulate(keys, axis=0, out=keys)
-        return keys
+        return self.run_keys(root, 0, token_ids[: k * p].reshape(k, p))
 
     def page_keys(self, parent_keys: KeyArray, counts: npt.NDArray[np.integer],
                   first_positions: npt.NDArray[np.integer],
@@ -244,8 +239,11 @@ class PrefixKeys:
         cumulative sum: no segments to cut)."""
         k = token_ids.shape[0]
         keys = self._page_values(token_ids, self._run_position_values(first_position, k))
-        np.cumsum(keys, axis=0, out=keys)
-        keys += parent_key
+        if k:
+            # key_i = parent + g_0 + ... + g_i: the parent added to one row, then a running
+            # sum (np.add.accumulate itself: np.cumsum's wrapper costs as much again).
+            keys[0] += parent_key
+            np.add.accumulate(keys, axis=0, out=keys)
         return keys
 
     def key_ints(self, parent0: int, parent1: int, tokens: npt.ArrayLike,
