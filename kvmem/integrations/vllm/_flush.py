@@ -181,7 +181,9 @@ class FlushQueue:
         n0 = nums[0]
         uniform = nums.count(n0) == len(nums)
         mgr = self.manager
-        step = mgr.reserve(ids, n0 if uniform else nums)
+        # Per-request counts as an array: the manager checks them in one pass, not one by one.
+        counts: Any = n0 if uniform else np.array(nums, dtype=np.int64)
+        step = mgr.reserve(ids, counts)
         if self.worker_block_table is None:
             report = mgr.verify(ids, step)
             if outs:
