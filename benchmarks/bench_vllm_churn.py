@@ -15,6 +15,8 @@ manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts
   ``bench_vllm_scheduler.py`` times them; the timers run in this same pass, so the step
   figures include their cost, a fraction of a microsecond a call, on both sides);
 * ``kvmem_flush_us_median``: the adapter's flush (reserve, verify, commit), per call;
+* ``kvmem_flushes_per_step``: the adapter's flushes that had work (``num_flushes``) per step:
+  1 when the decodes and the requests joining go out together;
 * ``verify_paths``: which path of kvmem's verifier answered (``VerifierStats``): a decode step
   proved spliced checks only its new pages, one restarted checks every entry;
 * ``paired_step_speedup`` / ``paired_kv_speedup``: the median over steps of the same step's
@@ -176,11 +178,13 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
     step_times: dict[str, list[float]] = {w: [] for w in scheds}
     mismatched = 0
     before = adapter.manager.verifier.stats
+    flushes_before = adapter.num_flushes
     added_before = 0
     gc.collect()
     for i in range(warmup + steps):
         if i == warmup:
             before = adapter.manager.verifier.stats
+            flushes_before = adapter.num_flushes
             added_before = added["kvmem"]
             flushes.clear()
             for v in (*step_times.values(), *kv.values()):
@@ -212,6 +216,7 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
         "kv_speedup": round(vllm_kv / kvmem_kv, 3),
         "paired_kv_speedup": round(med(v / k for v, k in zip(kv["vllm"], kv["kvmem"])), 3),
         "kvmem_flush_us_median": round(med(flushes) * 1e6, 1),
+        "kvmem_flushes_per_step": round((adapter.num_flushes - flushes_before) / steps, 3),
         "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
     }
 

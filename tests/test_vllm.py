@@ -766,7 +766,7 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     for key in ("mismatched_steps", "vllm_step_us_median", "kvmem_step_us_median",
                 "step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median", "kv_speedup",
                 "paired_step_speedup", "paired_kv_speedup", "kvmem_flush_us_median",
-                "verify_paths", "joined_per_step"):
+                "verify_paths", "joined_per_step", "kvmem_flushes_per_step"):
         assert key in result, key
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
@@ -792,6 +792,11 @@ def test_the_churn_sweep_prints_one_cell_per_rate_and_length_at_its_exact_rate(
                     "paired_step_speedup", "vllm_kv_us_median", "kvmem_kv_us_median",
                     "kv_speedup", "paired_kv_speedup", "kvmem_flush_us_median"):
             assert c[key] > 0, (key, c)
+        # The decodes and the requests joining share a flush (a join's lookup flushes only
+        # when the queue fills or takes a page it reads): fewer than one for the decodes and
+        # one per join, as when every join's lookup and block ids flushed.
+        rate, flushes = c["churn_per_step"], c["kvmem_flushes_per_step"]
+        assert flushes == 1 if rate == 0 else 1 <= flushes <= (1 + rate if rate < 2 else rate), c
     # Rate 0 never replaces a request; rate r adds r a step through the fill and the steps.
     assert {c["requests_added"] for c in cells if c["churn_per_step"] == 0} == {8}
     assert {c["requests_added"] for c in cells if c["churn_per_step"] == 2} == {8 + 2 * 2}

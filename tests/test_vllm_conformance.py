@@ -371,3 +371,103 @@ def test_duplicate_blocks_are_cached_twice_as_vllm_does() -> None:
     assert c.ok, c.first_difference
     stored = c.kvmem.steps[0].events[("stored", ((), 10, 10, 10, 10))]
     assert stored == 2
+
+
+# -- the adapter's flush: deferred past a new request's lookup unless it could change it -------
+
+
+def _flushes_per_step(spec: SchedulerSpec, script: Callable[[Driver], object]
+                      ) -> tuple[Driver, list[int]]:
+    """Run ``script`` on both schedulers (they must agree, as ``_assert_agree`` asks) and
+    return kvmem's driver with its adapter's flushes (with work) of each step."""
+    counts: list[int] = []
+
+    def counting(d: Driver) -> object:
+        if not d.kvmem:
+            return script(d)
+        adapter = d.sched.kv_cache_manager
+        step = d.step
+
+        def counted_step() -> object:
+            before = adapter.num_flushes
+            out = step()
+            counts.append(adapter.num_flushes - before)
+            return out
+
+        d.step = counted_step  # type: ignore[method-assign]
+        return script(d)
+
+    k = _assert_agree(spec, counting)
+    return k, counts
+
+
+def test_requests_joining_a_running_batch_go_out_in_its_flush() -> None:
+    """Requests joining a decoding batch with prompts nothing queued will cache: their lookups
+    need no flush, so each step's decodes and admissions are one reserve, one verify and one
+    commit (before, each joining request's lookup and block ids flushed the queue: 1 + joins
+    flushes a step)."""
+    spec = SchedulerSpec(num_blocks=200, block_size=4, max_num_seqs=16,
+                         max_num_batched_tokens=256, max_model_len=256)
+
+    def script(d: Driver) -> None:
+        for i in range(4):
+            d.add(StreamRequest(f"run{i}", _prompt(20 + i, 9), 12))
+        d.step()
+        for step in range(1, 6):
+            for j in range(3):  # three join every step, sharing no page with the queue's
+                d.add(StreamRequest(f"new{step}.{j}", _prompt(100 * step + j, 13), 4))
+            d.step()
+        d.run()
+
+    k, counts = _flushes_per_step(spec, script)
+    assert all(len(k.records[s].new) == 3 for s in range(1, 6))
+    assert counts[1:6] == [1] * 5  # one flush for 4+ decodes and three admissions a step
+    assert k.sched.kv_cache_manager.num_verified_steps == sum(counts)
+
+
+def test_a_request_hitting_a_page_admitted_earlier_in_its_step_flushes_first() -> None:
+    """vLLM caches a request's full blocks when it schedules them, so a request joining later
+    in the same step hits the prompt a request admitted before it is computing. That commit is
+    queued when the second lookup comes: the lookup's first missing page is one the queue
+    fills (same namespace, same leading tokens), so the adapter flushes and looks again.
+    Guards the fill half of the rule (without it kvmem found no hit: 0 tokens against 8)."""
+    spec = SchedulerSpec(num_blocks=100, block_size=4, max_num_seqs=8,
+                         max_num_batched_tokens=128, max_model_len=128)
+    shared = _prompt(7, 9)
+
+    def script(d: Driver) -> None:
+        d.add(StreamRequest("run", _prompt(8, 6), 8))
+        d.step()
+        d.add(StreamRequest("a", shared, 3))
+        d.add(StreamRequest("b", (*shared[:8], 5, 6), 3))  # its first two pages are a's
+        d.add(StreamRequest("c", _prompt(9, 10), 3))  # no page in common: no flush
+        d.run()
+
+    k, counts = _flushes_per_step(spec, script)
+    assert dict(k.records[1].new) == {"a": 0, "b": 8, "c": 0}
+    assert counts[1] == 2  # b's lookup flushed; c's did not
+
+
+def test_a_request_hitting_a_page_the_queue_will_evict_flushes_first() -> None:
+    """A running request's growth, queued, takes the next page of the free order: when no page
+    is free that is the least recently released cached page, here the second page of a
+    finished prompt. vLLM allocates the growth before it looks up the joining request, so that
+    request hits only the first page; the adapter sees that the queue would take a page the
+    lookup found, flushes and looks again. Guards the eviction half of the rule (without it
+    kvmem hit both pages: 8 tokens against 4)."""
+    spec = SchedulerSpec(num_blocks=6, block_size=4, max_num_seqs=4,
+                         max_num_batched_tokens=64, max_model_len=64)
+    prompt = _prompt(11, 8)
+
+    def script(d: Driver) -> None:
+        d.add(StreamRequest("old", prompt, 1))  # 2 full pages, cached when it finishes
+        d.add(StreamRequest("old2", _prompt(12, 8), 1))  # 2 more, released after old's
+        d.add(StreamRequest("grow", _prompt(13, 3), 4))  # its second page at step 2
+        d.step()
+        d.step()
+        d.add(StreamRequest("b", (*prompt, 7), 2))
+        d.run()
+
+    k, counts = _flushes_per_step(spec, script)
+    assert dict(k.records[2].new) == {"b": 4}
+    assert counts[2] == 2

@@ -8,9 +8,13 @@ How vLLM's per-request calls map onto kvmem's batched ones::
 
     scheduler (one call per request)        adapter                     kvmem (one per batch)
     ---------------------------------------------------------------------------------------
-    get_computed_blocks(req)                 flush; cache.match()        -
+    get_computed_blocks(req)                 cache.match(); flush and    -
+                                             match again only if the
+                                             flush could change it (*)
     allocate_slots(new req, n, hit)          capacity check; admit now   admit(prompt[:hit+1])
+                                             and queue its first step
     allocate_slots(running req, n)           capacity check; queue it    -
+    get_blocks(req) (after an admission)     filled at the flush         -
     (anything else, or the step's end)       flush the queue:            reserve(batch, n)
                                                                          verify(batch, step)
                                                                          commit_batch(batch)
@@ -19,8 +23,29 @@ How vLLM's per-request calls map onto kvmem's batched ones::
 A queued allocation is decided at once (vLLM's own arithmetic on kvmem's free + evictable
 pages, less the pages the queue will take), so ``allocate_slots`` returns exactly when vLLM's
 would; the pages themselves are taken at the flush, before any other operation could observe
-the difference (a prefix lookup, a free, an admission, the step's output). The queue holds only
-consecutive running requests' growth, which vLLM performs with nothing in between.
+the difference (a free, the events, a block id read, the step's output). So a step's decodes
+and the requests joining it usually go out as one flush.
+
+(*) What a flush changes that a prefix lookup reads (:meth:`FlushQueue.changes_lookup`):
+
+    the queue's commits   cache the pages they fill, as vLLM caches them in allocate_slots.
+                          A lookup that found m pages can change only if a queued commit
+                          fills page m of a prompt with the same namespace and leading tokens
+                          (any other page with the prompt's prefix is full already, so
+                          cached: found, or a duplicate cached after the one found).
+    the queue's pages     are the first ``num_pages`` of the free order: free pages first,
+                          then the cache's next evictions (vLLM's free-queue order,
+                          ``VllmOrderPrefixCache.next_evicted``). A lookup can change only if
+                          one of the pages it found is among them.
+
+Anything else the flush does is invisible to a lookup: reserve takes only fresh pages, verify
+only aborts on a broken mapping (kvmem's own fault, which vLLM has no counterpart of), and
+``cache_blocks``' commits (async scheduling) are queued commits like the others. An admission
+maps its hit and takes one page at once, ahead of the queue's pages; the step takes the same
+pages of the free order either way (a permutation of ids, which vLLM cannot observe: the
+sharing structure, the evicted prefixes, the events and the counts are the same), and the
+cache evicts exactly the same prefixes because a lookup whose hit the queue would evict
+flushes first.
 
 Prefix caching follows vLLM's timing: a block is offered to the cache when the step that
 computes it is scheduled (vLLM caches in ``allocate_slots``), so a request admitted later in the
@@ -157,6 +182,8 @@ class VllmKVCacheAdapter:
                                  worker_block_table=self.worker_block_table,
                                  on_aborted=self._aborted)
         self._empty = self.empty_kv_cache_blocks
+        # get_blocks() results to fill at the flush: (request id, out).
+        self._row_blocks: list[tuple[str, KVMemBlocks]] = []
         # Requests the integrity check aborted since the scheduler last asked: id -> reason.
         self.integrity_aborts: dict[str, str] = {}
         self.num_integrity_aborts = 0  # requests the check aborted, in all
@@ -169,13 +196,23 @@ class VllmKVCacheAdapter:
 
     def flush(self) -> None:
         """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
-        and commit every scheduled token whose id is known (one commit_batch)."""
+        and commit every scheduled token whose id is known (one commit_batch); then fill the
+        block ids ``get_blocks`` handed out meanwhile."""
         self._queue.flush()
+        if self._row_blocks:
+            outs, self._row_blocks = self._row_blocks, []
+            for rid, out in outs:
+                out.ids = self._block_ids(rid)
 
     def _flush_pending(self) -> None:
         """Flush if anything is queued (through :meth:`flush`, which a profiler may wrap)."""
         if self._queue.entries or self._queue.commits:
             self.flush()
+
+    @property
+    def num_flushes(self) -> int:
+        """Flushes that had work to do (allocations or commits), in all."""
+        return self._queue.num_flushes
 
     @property
     def num_verified_steps(self) -> int:
@@ -213,14 +250,23 @@ class VllmKVCacheAdapter:
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
-        self._flush_pending()
+        """The request's cached prefix, as vLLM's lookup would find it after the queued
+        allocations and commits: looked up with the queue pending, and again after a flush
+        only when the flush could change the answer (:meth:`FlushQueue.changes_lookup`)."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        tokens = np.asarray(request._all_token_ids, dtype=np.int64)  # the list behind all_token_ids
-        match = self.manager.match_prefix(tokens, self.namespace_of(request),
-                                          max_cache_hit_length // self.block_size)
+        token_list = request._all_token_ids  # the list behind all_token_ids
+        tokens = np.asarray(token_list, dtype=np.int64)
+        namespace = self.namespace_of(request)
+        max_pages = max_cache_hit_length // self.block_size
+        match = self.manager.match_prefix(tokens, namespace, max_pages)
+        q = self._queue
+        if (q.entries or q.commits) and q.changes_lookup(token_list, namespace, match.pages,
+                                                         max_pages):
+            self.flush()
+            match = self.manager.match_prefix(tokens, namespace, max_pages)
         if not match.num_pages:
             return self.empty_kv_cache_blocks, 0, 0
         hit = PrefixHit((match.pages + 1).tolist(), match.num_evictable)
@@ -304,7 +350,6 @@ class VllmKVCacheAdapter:
             raise ArgumentError(
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new and 0 prefix-hit tokens)")
-        self._flush_pending()
         p = self.block_size
         need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
                           self.max_model_len)
@@ -370,19 +415,30 @@ class VllmKVCacheAdapter:
     # -- block ids -----------------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVMemBlocks:
+        """The request's block ids; while allocations are queued, an object filled at the
+        flush (vLLM asks right after admitting a request, and reads the ids only when it builds
+        the step's output: nothing between changes a queued request's blocks but the flush)."""
+        if self._queue.entries:
+            out = KVMemBlocks(self, None)
+            self._row_blocks.append((request_id, out))
+            return out
         self._flush_pending()
+        if request_id not in self._reqs:
+            return self.empty_kv_cache_blocks
+        return KVMemBlocks(self, self._block_ids(request_id))
+
+    def _block_ids(self, request_id: str) -> list[int]:
         st = self._reqs.get(request_id)
         if st is None:
-            return self.empty_kv_cache_blocks
+            return []
         if self.worker_block_table is not None and st.row >= 0:
             n = st.cap // self.block_size
-            return KVMemBlocks(self, (self.worker_block_table[st.row, :n] + 1).tolist())
-        return KVMemBlocks(self, (self.manager.pages_of(request_id) + 1).tolist())
+            return (self.worker_block_table[st.row, :n] + 1).tolist()
+        return (self.manager.pages_of(request_id) + 1).tolist()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        ids = self.get_blocks(request_id).ids
-        assert ids is not None
-        return (ids,)
+        self._flush_pending()
+        return (self._block_ids(request_id),)
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int
                                           ) -> tuple[list[int], ...]:

@@ -46,8 +46,10 @@ class FlushQueue:
     new_blocks: the new-block results to fill at the flush: (index in ``entries``, new pages,
         out)
     num_pages: pages the queued allocations will take
-    admits: an admission is queued (its commit target is explicit)
+    first_admit: the index in ``entries`` of the first queued admission (its commit target is
+        explicit), -1 when none is queued
     commits: ``cache_blocks()`` calls since the last flush: (request, state, commit target)
+    num_flushes: flushes that had work (allocations or commits), in all
     num_verified_steps, num_verified_requests: batches and requests verify checked, in all
     """
 
@@ -62,10 +64,17 @@ class FlushQueue:
         self.entries: list[tuple[Any, RequestState, int, int | None]] = []
         self.new_blocks: list[tuple[int, int, KVMemBlocks]] = []
         self.num_pages = 0
-        self.admits = False
+        self.first_admit = -1
         self.commits: list[tuple[Any, RequestState, int]] = []
+        self.num_flushes = 0
         self.num_verified_steps = 0
         self.num_verified_requests = 0
+        self.page_size = manager.page_size
+        # The queued commits that fill a page (what the flush will offer the prefix cache),
+        # for changes_lookup(): (first token, end token, request), committing tokens
+        # [first, end); entries[:_scanned] are listed, the admissions among them at add time.
+        self._fills: list[tuple[int, int, Any]] = []
+        self._scanned = 0
 
     def add_growth(self, request: Any, st: RequestState, num_new_tokens: int, need: int,
                    out: KVMemBlocks) -> None:
@@ -79,30 +88,102 @@ class FlushQueue:
                       need: int, num_pages: int, out: KVMemBlocks) -> None:
         """Queue an admitted request's first step: ``need`` pages past its hit (``num_pages``
         of them still to take; ``out`` gets their block ids), commit up to ``upto``."""
+        if self.manager.cache is not None:  # (its range is known now, not from the request)
+            self._scan()
+            self._scanned += 1
+            if upto // self.page_size > st.committed // self.page_size:
+                self._fills.append((st.committed, upto, request))
         self.new_blocks.append((len(self.entries), need, out))
+        if self.first_admit < 0:
+            self.first_admit = len(self.entries)
         self.entries.append((request, st, num_new_tokens, upto))
-        self.admits = True
         self.num_pages += num_pages
+
+    # -- would the flush change a prefix lookup? ---------------------------------------------
+
+    def changes_lookup(self, tokens: list[int], namespace: Any, pages: Any, max_pages: int
+                       ) -> bool:
+        """Whether flushing now could change a prefix lookup that found ``pages`` (``[m]``
+        page ids) of the prompt ``tokens`` in ``namespace`` (at most ``max_pages``): True when
+        the queued allocations would evict one of ``pages`` (they take the first
+        ``num_pages`` pages of the free order: the free pages, then the cache's next
+        evictions), or a queued commit fills, with the same namespace and leading tokens, the
+        page the lookup missed (page ``m``: then the lookup would go on). A commit of any
+        other page adds no key the lookup reads first: a page whose prefix is the prompt's
+        and is already full is cached, so the lookup found it or a duplicate cached before.
+        Conservative: True when it cannot tell (a prefix cache that cannot say what it
+        evicts next)."""
+        m = len(pages)
+        if m:
+            short = self.num_pages - self.manager.allocator.num_free
+            cache = self.manager.cache
+            if short > 0 and cache is not None:
+                peek = getattr(cache, "next_evicted", None)
+                if peek is None or not set(peek(short)).isdisjoint(pages.tolist()):
+                    return True
+        if m >= max_pages:
+            return False
+        end = (m + 1) * self.page_size  # the tokens through the missed page
+        self._scan()
+        fills = self._fills
+        if self.commits:  # (async scheduling's cache_blocks: few)
+            fills = fills + [(st.committed, upto, request) for request, st, upto in self.commits]
+        head = None
+        for first, last, request in fills:
+            if first < end <= last and (request.cache_salt or None) == namespace:
+                if head is None:
+                    head = tokens[:end]
+                if request._all_token_ids[:end] == head:
+                    return True
+        return False
+
+    def _scan(self) -> None:
+        """List in ``_fills`` the queued running requests (``entries[_scanned:]``) whose commit
+        fills a page: tokens from their computed ones (synchronous scheduling: committed when
+        scheduled) or committed ones (async), to their computed + scheduled ones (a bound:
+        async scheduling commits only the known ones). Vectorized: a batch is 256 requests."""
+        q = self.entries
+        n = len(q) - self._scanned
+        if n <= 0:
+            return
+        new = q[self._scanned :] if self._scanned else q
+        self._scanned = len(q)
+        reqs = list(map(_REQUEST, new))
+        first = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=n)
+        end = first + np.fromiter(map(_NUM, new), dtype=np.int64, count=n)
+        if self.async_outputs:
+            np.minimum(first, _committed(new), out=first)
+        p = self.page_size
+        some = np.flatnonzero(end // p > first // p).tolist()
+        if some:
+            fills = self._fills
+            for i, lo, hi in zip(some, first[some].tolist(), end[some].tolist()):
+                fills.append((lo, hi, reqs[i]))
 
     def flush(self) -> None:
         """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
         and commit every scheduled token whose id is known (one commit_batch)."""
         q, commits = self.entries, self.commits
+        self._fills, self._scanned = [], 0
         if not q:
             if commits:
+                self.num_flushes += 1
                 self.commits = []
                 if not self._commit_arrived(commits):
                     self._commit_general([], commits)
             return
-        outs, admits = self.new_blocks, self.admits
-        self.entries, self.new_blocks, self.num_pages, self.admits = [], [], 0, False
+        outs, first_admit = self.new_blocks, self.first_admit
+        self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
         self.commits = []
+        self.num_flushes += 1
         ids = tuple(map(_RID, map(_STATE, q)))  # C-level gathers: a batch is 256 requests
         nums = list(map(_NUM, q))
         n0 = nums[0]
         uniform = nums.count(n0) == len(nums)
         mgr = self.manager
-        step = mgr.reserve(ids, n0 if uniform else nums)
+        # Per-request counts as an array: the manager checks them in one pass, not one by one.
+        counts: Any = n0 if uniform else np.array(nums, dtype=np.int64)
+        step = mgr.reserve(ids, counts)
         if self.worker_block_table is None:
             report = mgr.verify(ids, step)
             if outs:
@@ -117,21 +198,35 @@ class FlushQueue:
             commits = [c for c in commits if c[1].rid not in report.aborted]
             ids = tuple([e[1].rid for e in q])
             uniform = False  # the commit below takes the general path
+            first_admit = 0 if first_admit >= 0 else -1
         if not q and not commits:
             return
-        if uniform and n0 == 1 and not admits and not commits and not self.async_outputs:
-            # The synchronous decode step: without output placeholders every scheduled token
-            # is known and was committed when scheduled, so each request's committed tokens
-            # are its computed ones and it commits the one at that position. (``committed``
-            # is kept only for async scheduling; here the request's computed tokens say it.)
-            reqs = list(map(_REQUEST, q))
-            mgr.commit_batch(ids, np.array(
-                list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
+        if (first_admit > 0 and not commits and nums[:first_admit].count(1) == first_admit
+                and all(e[3] is not None for e in q[first_admit:])):
+            # The step's running requests' decodes, then its admissions (a churning batch):
+            # the decodes as the decode step's commit, then the admissions' prefill, in the
+            # queue's order (which vLLM caches in).
+            self._commit_decodes(q[:first_admit], ids[:first_admit])
+            self._commit_general(q[first_admit:], [])
             return
-        if (uniform and n0 == 1 and not admits and not commits and self.async_outputs
-                and self._commit_next_known(q, ids)):
+        if uniform and n0 == 1 and first_admit < 0 and not commits:
+            self._commit_decodes(q, ids)
             return
         self._commit_general(q, commits)
+
+    def _commit_decodes(self, q: list[tuple[Any, RequestState, int, int | None]],
+                        ids: tuple[str, ...]) -> None:
+        """The commit of running requests scheduled one token each (the decode step)."""
+        if not self.async_outputs:
+            # Synchronous scheduling: without output placeholders every scheduled token is
+            # known and was committed when scheduled, so each request's committed tokens are
+            # its computed ones and it commits the one at that position. (``committed`` is
+            # kept only for async scheduling; here the request's computed tokens say it.)
+            reqs = list(map(_REQUEST, q))
+            self.manager.commit_batch(ids, np.array(
+                list(map(getitem, map(_TOKENS, reqs), map(_COMPUTED, reqs))), dtype=np.int64))
+        elif not self._commit_next_known(q, ids):
+            self._commit_general(q, [])
 
     def _commit_next_known(self, q: list[tuple[Any, RequestState, int, int | None]],
                            ids: tuple[str, ...]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 import numpy.typing as npt
@@ -281,6 +282,11 @@ class VllmOrderPrefixCache(PrefixCache):
         return idx.astype(np.int32), keys
 
     # -- queries -------------------------------------------------------------------------------
+
+    def next_evicted(self, num_pages: int) -> list[int]:
+        """The pages ``evict(num_pages)`` would take now (at most the evictable ones), in
+        order; changes nothing."""
+        return list(islice(self._lru, max(num_pages, 0)))
 
     def is_cached(self, pages: Int32Array) -> npt.NDArray[np.bool_]:
         return self._cached[np.asarray(pages, dtype=np.intp).reshape(-1)]
