@@ -19,7 +19,14 @@ the speedup any numpy-only manager can reach on this machine (``floor_speedup_vs
 ``kvmem_over_floor`` is kvmem's step over the floor's, and ``kvmem_reserve_over_floor`` (and
 ``verify``, ``commit``) the same per phase.
 
-    python benchmarks/bench_floor.py [--steps 1000] [--batch 256]
+``FloorAdmit`` is the same for one request's admission on the shared-prompt trace (keys, the
+longest cached run, the new pages, their tags, the prefill chunk's metadata, the new keys
+entered), in lockstep with kvmem's ``can_admit`` + ``admit`` + ``reserve`` + ``commit`` and vLLM's
+hashing + ``get_computed_blocks`` + ``allocate_slots``: ``floor_admit_prefill_us_median``,
+``kvmem_admit_prefill_over_floor`` (paired), and ``floor_admit_prefill_speedup_vs_vllm``, the
+admission speedup no numpy-and-Python manager can pass here.
+
+    python benchmarks/bench_floor.py [--steps 1000] [--batch 256] [--requests 1000]
 """
 
 from __future__ import annotations
@@ -33,16 +40,20 @@ from bench_manager import (
     PAGE_SIZE,
     BestEffort,
     KvmemDecode,
+    KvmemShared,
     VllmDecode,
+    VllmShared,
     clock,
     decode_trace,
     lockstep,
     median,
     paired,
+    shared_prompt_trace,
     vllm_api,
     vllm_imports,
 )
 
+from kvmem.allocator import PrefixKeys
 from kvmem.cli.args import Parser, number
 
 _M1 = np.array(0xFF51AFD7ED558CCD, dtype=np.uint64)
@@ -163,6 +174,81 @@ class FloorDecode:
         assert ((self.refcounts - held) >= 0).all()  # every page listed is held
 
 
+class FloorAdmit:
+    """The minimal admission of ``bench_manager.py``'s shared-prompt trace: per request, the
+    prompt's full pages keyed (kvmem's key function, one vectorized pass), the longest cached
+    run found in a dict index (one lookup per page until the first miss), the rest of the pages
+    allocated and their expected tags recorded, the slot mapping and CSR of the one prefill
+    chunk (copies for the kernel), then the new full pages' tokens stored and their keys
+    entered. No argument checks, namespaces, LRU, events, hooks or eviction; release (untimed)
+    drops the request's references. ``prefill_us``: the whole admission, as kvmem's."""
+
+    def __init__(self, prompts: list[np.ndarray], num_pages: int = 256 * 96) -> None:
+        P, W = PAGE_SIZE, 128
+        self.prompts, self.live = prompts, []
+        self.keys = PrefixKeys(0, P)
+        self.root = self.keys.root(None)
+        self.index: dict[int, int] = {}
+        self.tags = np.zeros(num_pages, dtype=np.int64)
+        self.refcounts = np.zeros(num_pages, dtype=np.int32)
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.last_tag = 0
+        self.page_tokens = np.zeros((num_pages, P), dtype=np.int32)
+        self.table = np.zeros((256, W), dtype=np.int32)
+        self.expected = np.zeros((256, W), dtype=np.int64)
+        self.rows = list(range(255, -1, -1))
+        self.row_of: dict[int, tuple[int, int]] = {}
+        self.prefill_us: list[float] = []
+
+    def step(self, rid: int) -> None:
+        P = PAGE_SIZE
+        if len(self.live) == 200:
+            self.release(self.live.pop(0))
+        prompt = self.prompts[rid]
+        t0 = clock()
+        n = prompt.size // P
+        keys = self.keys.run_keys(self.root, 0, prompt[: n * P].reshape(n, P))
+        hit: list[int] = []
+        for key in keys[:, 0].tolist():
+            page = self.index.get(key)
+            if page is None:
+                break
+            hit.append(page)
+        total = -(-prompt.size // P)
+        new = [self.free.pop() for _ in range(total - len(hit))]
+        self.tags[new] = np.arange(self.last_tag + 1, self.last_tag + 1 + len(new))
+        self.last_tag += len(new)
+        pages = np.array(hit + new, dtype=np.int32)
+        self.refcounts[pages] += 1
+        row = self.rows.pop()
+        self.table[row, :total] = pages
+        self.expected[row, :total] = self.tags[pages]
+        start = len(hit) * P
+        positions = np.arange(start, prompt.size, dtype=np.int64)
+        slots = pages[positions // P].astype(np.int64) * P + positions % P
+        kernel = (slots, np.array([0, prompt.size - start], dtype=np.int32),
+                  np.array([0, total], dtype=np.int32), pages.copy(),
+                  np.array([(prompt.size - 1) % P + 1], dtype=np.int32))
+        self.page_tokens.reshape(-1)[slots] = prompt[start:]
+        full = pages[len(hit): n]
+        list(map(self.index.setdefault, keys[len(hit):, 0].tolist(), full.tolist()))
+        self.refcounts[full] += 1
+        self.prefill_us.append((clock() - t0) * 1e6)
+        assert kernel[0].size == prompt.size - start
+        self.row_of[rid] = (row, total)
+        self.live.append(rid)
+
+    def release(self, rid: int) -> None:
+        row, total = self.row_of.pop(rid)
+        pages = self.table[row, :total]
+        self.refcounts[pages] -= 1
+        self.free.extend(pages[self.refcounts[pages] == 0].tolist())
+        self.rows.append(row)
+
+    def finish(self) -> None:
+        assert (self.refcounts >= 0).all()
+
+
 def compare(steps: int, batch: int, contenders: dict[str, Any], skip: int = 0
             ) -> tuple[dict[str, Any], dict[str, Any]]:
     """kvmem (CheckingTracker), ``contenders`` (name -> class built from ``(prompts, steps,
@@ -197,17 +283,43 @@ def compare(steps: int, batch: int, contenders: dict[str, Any], skip: int = 0
     return result, runners
 
 
+def compare_admit(num_requests: int) -> dict[str, Any]:
+    """kvmem (CheckingTracker), ``FloorAdmit`` and vLLM when it imports, in lockstep on the
+    shared-prompt trace: the admission figures (medians without the first request)."""
+    _system, prompts = shared_prompt_trace(0, num_requests)
+    kvmem, floor = KvmemShared(prompts, "checking"), FloorAdmit(prompts)
+    runners: list[Any] = [kvmem, floor]
+    vllm = None
+    if vllm_imports():
+        api = BestEffort(vllm_api)
+        vllm = BestEffort(lambda: VllmShared(api.runner, prompts), api.error)
+        runners.append(vllm)
+    lockstep(runners, num_requests)
+    ours, least = kvmem.prefill_us[1:], floor.prefill_us[1:]
+    result = {"kvmem_admit_prefill_us_median": median(ours),
+              "floor_admit_prefill_us_median": median(least),
+              "kvmem_admit_prefill_over_floor": paired(ours, least)}
+    if vllm is not None and vllm.error is None:
+        v = vllm.runner
+        theirs = [a + h for a, h in zip(v.admit[1:], v.hashing[1:])]
+        result["vllm_admit_with_hash_us_median"] = median(theirs)
+        result["kvmem_admit_prefill_speedup_vs_vllm"] = paired(theirs, ours)
+        result["floor_admit_prefill_speedup_vs_vllm"] = paired(theirs, least)
+    return result
+
+
 def main() -> None:
     parser = Parser(prog="bench_floor.py", description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--steps", type=number(int, 1), default=1000)
     parser.add_argument("--batch", type=number(int, 1), default=256)
+    parser.add_argument("--requests", type=number(int, 1), default=1000)
     args = parser.parse_args()
     result, _ = compare(args.steps, args.batch, {"floor": FloorDecode})
     for k in ("decode_step", "reserve", "verify", "commit"):  # (the first is the headline)
         result[f"kvmem_{k}_over_floor".replace("_decode_step", "")] = round(
             result[f"kvmem_{k}_us_median"] / result[f"floor_{k}_us_median"], 2)
+    result.update(compare_admit(args.requests))
     print(json.dumps(result, indent=2))
-
 
 if __name__ == "__main__":
     main()
