@@ -51,15 +51,16 @@ def side(hub: InProcessHub, name: str, dtype: str = "bf16", scales: str | None =
 
 
 def pair(sender_dtype: str = "bf16", receiver_dtype: str = "bf16", sender_scales: str | None = None,
-         receiver_scales: str | None = None, policy: str = "recompute", lease: float = 10.0
-         ) -> tuple[Side, Side, Sender, Receiver]:
+         receiver_scales: str | None = None, policy: str = "recompute", lease: float = 10.0,
+         staging_pages: int | None = None) -> tuple[Side, Side, Sender, Receiver]:
     hub = InProcessHub()
     s = side(hub, "prefill", sender_dtype, sender_scales)
     r = side(hub, "decode", receiver_dtype, receiver_scales)
     s.transport.add_peer(r.transport.metadata())
     r.transport.add_peer(s.transport.metadata())
     return (s, r, Sender(s.manager, s.pool, s.transport, s.identity, lease_seconds=lease),
-            Receiver(r.manager, r.pool, r.transport, r.identity, policy=policy))  # type: ignore[arg-type]
+            Receiver(r.manager, r.pool, r.transport, r.identity, policy=policy,  # type: ignore[arg-type]
+                     staging_pages=staging_pages))  # type: ignore[arg-type]
 
 
 def kv(num_tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -271,6 +272,37 @@ def test_fp8_to_bf16_pages_hold_the_dequantized_values() -> None:
         a = s.pool.read(layer, s.manager.pages_of("a")[:2], torch.float32)
         b = r.pool.read(layer, r.manager.pages_of("a")[:2], torch.float32)
         assert torch.equal(a[0].bfloat16().float(), b[0])
+
+
+def test_a_converting_load_waits_for_staging_pages() -> None:
+    s, r, sender, receiver = pair("bf16", "fp8_e4m3", None, "token_head", staging_pages=2)
+    prefill(s, "a", PROMPT, seed=1)
+    prefill(s, "b", list(range(200, 211)), seed=2)
+    r.transport.hold_reads = True
+    send(s, sender, "a")
+    send(s, sender, "b")
+    receiver.poll(0.0)
+    assert len(r.transport.pending) == 1 and receiver.loading == ("a", "b")  # "b" waits
+    r.transport.complete(r.transport.pending[0])
+    receiver.poll(0.0)
+    sender.poll(0.0)
+    assert [x.status for x in receiver.poll(0.0)] == ["loaded"]
+    assert len(r.transport.pending) == 1  # "b" took the staging pages "a" gave back
+    r.transport.complete(r.transport.pending[0])
+    receiver.poll(0.0)
+    sender.poll(0.0)
+    assert [x.request_id for x in receiver.poll(0.0)] == ["b"]
+    check_both(s, r)
+
+
+def test_a_load_larger_than_the_staging_pool_is_refused_changing_nothing() -> None:
+    s, r, sender, receiver = pair("bf16", "fp8_e4m3", None, "token_head", staging_pages=1)
+    prefill(s, "a", PROMPT)
+    before = r.manager.stats()
+    with pytest.raises(ArgumentError, match="staging"):
+        receiver.receive(sender.export("a", 0.0), 0.0)
+    assert r.manager.stats() == before and receiver.loading == ()
+    r.manager.check()
 
 
 # -- leases, aborts, stale and late notices --------------------------------------------------
@@ -568,3 +600,14 @@ def test_the_transfer_room_does_not_import_the_manager() -> None:
     code = ("import sys\nimport kvmem.transfer\n"
             "assert 'kvmem.manager' not in sys.modules, 'kvmem.transfer imported the manager'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_transfer_room_exports_exactly_its_public_names() -> None:
+    import kvmem.transfer
+
+    assert set(kvmem.transfer.__all__) == {
+        "FORMAT_VERSION", "CacheIdentity", "InProcessHub", "InProcessTransport", "LoadResult",
+        "PageBundle", "ReadState", "Receiver", "Region", "Sender", "TransferMessage",
+        "Transport", "gather_pages", "merge_descs", "page_descs", "page_digests",
+        "paired_descs", "tensor_descs"}
+    assert all(hasattr(kvmem.transfer, n) for n in kvmem.transfer.__all__)
