@@ -236,6 +236,12 @@ def test_a_transfer_of_the_same_dtype_copies_pages_and_scales(dtype: str,
     # the receiver's prefix cache holds the loaded pages now
     assert r.manager.match_prefix(PROMPT).num_pages == 2
     assert sender.open_transfers == () and receiver.counts["ignored"] == 0
+    # what moved: both pages of every layer (one descriptor per layer and tensor, the pages
+    # being adjacent on both sides), scales with them
+    per_page = sum(t[:, 0].nbytes for t in (s.pool.data, s.pool.token_scales) if t is not None)
+    assert receiver.counts["bytes_read"] == 2 * per_page
+    assert receiver.counts["descriptors"] == s.pool.spec.num_layers * (
+        1 if s.pool.token_scales is None else 2)
     check_both(s, r)
 
 

@@ -100,6 +100,11 @@ class Receiver:
     answer_timeout: seconds (receiver's clock) to wait for the sender's answer after the read.
     staging_pages: pages of a staging pool per sender identity that needs conversion (default
         the manager's ``max_pages_per_seq``).
+
+    Attributes
+    ----------
+    counts: loads by how they ended (``loaded``, ``recompute``, ``failed``, ``aborted``),
+        notices ``ignored``, and what the reads moved: ``bytes_read``, ``descriptors``.
     """
 
     def __init__(self, manager: KVCacheManager, pool: PagePool, transport: Transport,
@@ -121,7 +126,8 @@ class Receiver:
         self._loads: dict[str, _Load] = {}
         self._staging: dict[str, _Staging] = {}
         self._results: list[LoadResult] = []
-        self.counts = dict.fromkeys(("loaded", "recompute", "failed", "aborted", "ignored"), 0)
+        self.counts = dict.fromkeys(("loaded", "recompute", "failed", "aborted", "ignored",
+                                     "bytes_read", "descriptors"), 0)
 
     @property
     def loading(self) -> tuple[Any, ...]:
@@ -194,10 +200,12 @@ class Receiver:
             r, d = paired_descs(msg.regions[name], src_pages, dst, dst_pages)
             remote.append(r)
             local.append(d)
-        load.handle = self.transport.read(msg.sender, np.concatenate(local),
-                                          np.concatenate(remote),
+        local_descs = np.concatenate(local)
+        load.handle = self.transport.read(msg.sender, local_descs, np.concatenate(remote),
                                           confirm_bytes(msg.transfer_id, msg.tags))
         load.state = "reading"
+        self.counts["bytes_read"] += int(local_descs[:, 1].sum())
+        self.counts["descriptors"] += int(local_descs.shape[0])
 
     def _decline(self, msg: TransferMessage) -> None:
         """Tell the sender its lease can end (a confirm naming no tags)."""
