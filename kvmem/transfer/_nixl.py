@@ -190,20 +190,20 @@ class NixlTransport:
 
     def state(self, handle: int) -> ReadState:
         """"pending", "done" or "failed" (final)."""
-        xfer, state = self._read(handle)
-        if state == "pending":
-            try:
-                state = _STATES[self._nixl.check_xfer_state(xfer)]
-            except self._errors as e:
-                log.warning("NIXL read %d failed: %s: %s", handle, type(e).__name__, e)
-                state = "failed"
+        entry = self._reads.get(handle)
+        if entry is None:
+            raise ArgumentError(f"agent {self.agent!r} has no read {handle}")
+        xfer, state = entry
+        if state != "pending":
+            return state
+        try:
+            state = _STATES[self._nixl.check_xfer_state(xfer)]
+        except self._errors as e:
+            log.warning("NIXL read %d failed: %s: %s", handle, type(e).__name__, e)
+            state = "failed"
+        if state != "pending":
             self._reads[handle] = (xfer, state)
         return state
-
-    def _read(self, handle: int) -> tuple[Any, ReadState]:
-        if handle not in self._reads:
-            raise ArgumentError(f"agent {self.agent!r} has no read {handle}")
-        return self._reads[handle]
 
     def release(self, handle: int) -> None:
         """Free a final read's NIXL request; a pending one is refused (nothing changes)."""
