@@ -4,6 +4,8 @@
 
     _transport.py   Transport: the contract (one-sided reads of registered memory, notices)
     _inprocess.py   InProcessTransport: agents of one process (unit tests)
+    _nixl.py        NixlTransport: NIXL over UCX (two processes, or two machines)
+    _peer.py        Peer: a spawned second process and its pipe (tests, examples, benchmarks)
     _identity.py    CacheIdentity: what a cache's pages mean; the compatibility check
     _descs.py       Region, page_descs, paired_descs: page addresses as descriptors, merged
     _bundle.py      PageBundle: a run of full pages that left a pool (bytes, scales, digests)
@@ -24,6 +26,8 @@ from kvmem.transfer._descs import Region, merge_descs, page_descs, paired_descs,
 from kvmem.transfer._identity import FORMAT_VERSION, CacheIdentity
 from kvmem.transfer._inprocess import InProcessHub, InProcessTransport
 from kvmem.transfer._message import TransferMessage
+from kvmem.transfer._nixl import NixlTransport
+from kvmem.transfer._peer import Peer, PeerError
 from kvmem.transfer._receiver import LoadResult, Receiver
 from kvmem.transfer._sender import Sender
 from kvmem.transfer._transport import ReadState, Transport
@@ -34,7 +38,10 @@ __all__ = [
     "InProcessHub",
     "InProcessTransport",
     "LoadResult",
+    "NixlTransport",
     "PageBundle",
+    "Peer",
+    "PeerError",
     "ReadState",
     "Receiver",
     "Region",
