@@ -262,6 +262,26 @@ def test_a_silent_peer_times_out() -> None:
         assert peer.process.exitcode == -signal.SIGKILL
 
 
+def test_a_peer_that_dies_before_it_starts_is_reported_as_exited(tmp_path: Any,
+                                                                  monkeypatch: Any) -> None:
+    """A child that cannot even import its target (it dies before it unpickles its end of the
+    pipe, which then never closes) is reported as exited, not waited for until the timeout."""
+    (tmp_path / "dies_in_child.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('KVMEM_TEST_DIE_ON_IMPORT'):\n"
+        "    sys.exit(3)\n"
+        "def target(conn):\n"
+        "    conn.send('never')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import dies_in_child
+
+    monkeypatch.setenv("KVMEM_TEST_DIE_ON_IMPORT", "1")  # the child inherits it, dies importing
+    with Peer(dies_in_child.target, timeout=600.0) as peer:
+        with pytest.raises(PeerError, match="exited with code 3 before it sent") as err:
+            peer.recv()
+        assert "still running" not in str(err.value)
+
+
 def _raise(conn: Connection) -> None:
     1 / 0  # noqa: B018
 

@@ -26,6 +26,7 @@ import multiprocessing as mp
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from kvmem.errors import KVMemError
@@ -75,8 +76,11 @@ class Peer:
         """The child's next message; raises :class:`PeerError` if it raised, exited or sent
         nothing within ``timeout`` seconds (default: the peer's)."""
         wait = self.timeout if timeout is None else timeout
+        # The child's exit ends the wait too: a child that dies before it unpickles its end of
+        # the pipe (an import error in the spawned interpreter) never closes that end.
+        mp_wait([self.conn, self.process.sentinel], wait)
         try:
-            ready = self.conn.poll(wait)
+            ready = self.conn.poll(0)
             msg = self.conn.recv() if ready else None
         except (EOFError, OSError):
             ready, msg = False, None
@@ -85,8 +89,10 @@ class Peer:
         if not ready:
             self.process.join(0.5)
             code = self.process.exitcode
-            state = "is still running" if code is None else f"exited with code {code}"
-            raise PeerError(f"no message from the peer process in {wait} s; it {state}")
+            if code is not None:
+                raise PeerError(f"the peer process exited with code {code} before it sent a "
+                                "message (its stderr says why)")
+            raise PeerError(f"no message from the peer process in {wait} s; it is still running")
         return msg
 
     def kill(self) -> None:
