@@ -8,6 +8,7 @@
     ├── IntegrityError                  bookkeeping or a request's page mapping is inconsistent
     ├── ConcurrentUseError              a second thread entered a manager another one is in
     ├── HookError                       a hook raised; the operation itself completed
+    ├── IncompatibleCacheError          two caches whose pages cannot be exchanged (a transfer)
     ├── ArgumentError (ValueError)      an argument of the right type with a value that cannot
     │   │                               work: out of range, wrong shape, unknown name
     │   ├── ConfigError                 a spec, plan or model description that cannot work
@@ -29,6 +30,7 @@ __all__ = [
     "ConcurrentUseError",
     "ConfigError",
     "HookError",
+    "IncompatibleCacheError",
     "IntegrityError",
     "InvalidFreeError",
     "KVMemError",
@@ -95,3 +97,15 @@ class HookError(KVMemError):
 class ConcurrentUseError(KVMemError):
     """Two threads were inside one manager at once; the second was refused before it changed
     anything. A manager is used by one thread at a time (hold a lock of your own around it)."""
+
+
+class IncompatibleCacheError(KVMemError):
+    """Two caches whose pages cannot be exchanged: a field of their ``CacheIdentity`` (model,
+    weights, page shape, format version) differs. A different KV dtype, scale mode or layout is
+    not refused: the receiver converts. ``field``, ``mine`` and ``theirs`` name the difference."""
+
+    def __init__(self, field: str, mine: object, theirs: object) -> None:
+        self.field, self.mine, self.theirs = field, mine, theirs
+        super().__init__(f"the peer's cache differs in {field}: {theirs!r} there, {mine!r} "
+                         "here; pages can move only between caches of the same model, weights, "
+                         "page shape and format version (nothing was transferred)")

@@ -67,6 +67,7 @@ from kvmem.allocator import (
     Admission,
     Committer,
     Forks,
+    Lease,
     Namespaces,
     PageTable,
     Plan,
@@ -583,6 +584,31 @@ class KVCacheManager:
         self.pages.retired(pages)
         self._hooks.emit("step_end", pages=pages, detail=handle.step_id)
 
+    @public
+    def lease(self, request_id: Any, start: int = 0, stop: int | None = None) -> Lease:
+        """Hold pages ``start:stop`` of a running request's pages (all by default) until
+        :meth:`end_lease`: they stay live, keep their tags and are never reused, whatever
+        happens to the request meanwhile (release, abort, preemption). For pages a transfer
+        reads (the sender's) or writes (the receiver's).
+
+        Returns
+        -------
+        Lease: ``pages`` ``[n]`` int32 and their lifetime ``tags`` ``[n]`` int64 now
+        """
+        row_pages = self.table.row_pages(self._requests.row_of(request_id))
+        stop = row_pages.size if stop is None else integer(stop, "stop", minimum=0,
+                                                             maximum=row_pages.size)
+        start = integer(start, "start", minimum=0, maximum=stop)
+        return self.pages.lease(row_pages[start:stop])
+
+    @public
+    def end_lease(self, lease: Lease) -> bool:
+        """Drop a lease's references (its pages are freed now, or when the steps in flight
+        retire, unless someone else holds them); whether every page was still in the lifetime
+        the lease named (False: one was freed behind the lease's back, its bytes may be
+        another lifetime's). Ending a lease twice raises, changing nothing."""
+        return self.pages.end_lease(lease)
+
     # -- queries -----------------------------------------------------------------------------------
 
     @property
@@ -608,6 +634,12 @@ class KVCacheManager:
     def pages_of(self, request_id: Any) -> Int32Array:
         """Pages a running request maps, in order: ``[k]``, int32 (a copy)."""
         return self.table.row_pages(self._requests.row_of(request_id)).copy()
+
+    def namespace_of(self, request_id: Any) -> Any:
+        """The namespace a known request (running or preempted) was admitted in."""
+        if not is_hashable(request_id) or request_id not in self._requests.known:
+            raise ArgumentError(f"request {request_id!r} is unknown or already released")
+        return self._requests.known[request_id].namespace
 
     def namespace_of_page(self, page: int) -> Any:
         """The namespace whose content a live page holds (None's id is 0)."""

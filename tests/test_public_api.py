@@ -22,6 +22,7 @@ EXPECTED = {
     "GrowResult",
     "HashedPrefixCache",
     "HookError",
+    "IncompatibleCacheError",
     "IntegrityError",
     "IntegrityReport",
     "InvalidFreeError",
@@ -63,7 +64,7 @@ def test_public_names_are_pinned() -> None:
 def test_errors_share_one_root() -> None:
     for name in ("ConfigError", "IntegrityError", "InvalidFreeError", "OutOfPagesError",
                  "MetadataError", "ConcurrentUseError", "ArgumentError", "ArgumentTypeError",
-                 "HookError"):
+                 "HookError", "IncompatibleCacheError"):
         assert issubclass(getattr(kvmem, name), kvmem.KVMemError)
     for name in ("ConfigError", "MetadataError", "ArgumentError"):
         assert issubclass(getattr(kvmem, name), ValueError)
@@ -72,7 +73,7 @@ def test_errors_share_one_root() -> None:
 
 
 LAYERS = ("allocator", "integrity", "quant", "cuda", "planning", "integrations", "testing", "cli",
-          "simulate")
+          "simulate", "transfer")
 
 
 SHARED = ("kvmem.errors", "kvmem._validate", "kvmem._specs")  # the root every layer uses

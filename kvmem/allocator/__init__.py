@@ -6,7 +6,8 @@
     _change_log.py      ChangeLog: pages whose tag changed, a cursor per reader
     _page_table.py      PageTable: each request's row of pages and its per-row state
     _step_metadata.py   StepMetadata, StepBuilder: kernel metadata (CSR splice, slot mapping)
-    _fences.py          StepFences: references held until a step retires or a copy is made
+    _fences.py          StepFences: references held until a step retires, a copy is made or a
+                        lease ends
     _prefix_keys.py     PrefixKeys: the chained key function, namespace encoding
     _prefix_cache.py    PrefixCache: the interface a prefix-reuse policy implements
     _hashed_prefix_cache.py  HashedPrefixCache: index, confirmation, LRU
@@ -23,7 +24,7 @@ from __future__ import annotations
 from kvmem.allocator._admission import Admission, Namespaces, Plan
 from kvmem.allocator._change_log import ChangeLog, ChangeReader
 from kvmem.allocator._commits import Committer, batch_tokens, keys_as_ints
-from kvmem.allocator._fences import StepFences, StepHandle
+from kvmem.allocator._fences import Lease, StepFences, StepHandle
 from kvmem.allocator._forks import Forks
 from kvmem.allocator._hashed_prefix_cache import HashedPrefixCache
 from kvmem.allocator._invariants import page_classes, problems
@@ -48,6 +49,7 @@ __all__ = [
     "Forks",
     "GrowResult",
     "HashedPrefixCache",
+    "Lease",
     "Namespace",
     "Namespaces",
     "PageAllocator",

@@ -18,7 +18,12 @@ A copy-on-write source is the same kind of wait: the engine copies it to its new
 the step writes there, so it is held (``hold_for_copy``) until the copies are done
 (``copies_done``, which the manager calls at the next ``reserve`` or when no request is left to
 copy for); by then a step in flight may still read it, so the caller defers what comes back.
-One list of pending references, one ``held`` count per page, for both.
+A *lease* is the third kind of wait: pages that leave the pool (a transfer to another
+process reads them) are held (``hold_for_lease``) until the reader is done or the lease ends
+(``end_lease``), whatever happens to the request meanwhile. One list of pending references,
+one ``held`` count per page, for all three::
+
+    waits for   step ids 1, 2, ...   copies: 0   lease n: -n
 
 Given the allocator's tags, a fence holds a *lifetime*: a reference whose page was freed behind
 everyone's back meanwhile (its tag changed; a fault, see ``kvmem.testing.faults``) is not
@@ -36,7 +41,7 @@ from kvmem._validate import INT32_MAX, integer, show
 from kvmem.allocator._page_allocator import _ONE, as_page_ids
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
 
-__all__ = ["StepFences", "StepHandle"]
+__all__ = ["Lease", "StepFences", "StepHandle"]
 
 Int32Array = npt.NDArray[np.int32]
 _COPIES = 0  # what copy-on-write sources wait for (steps are numbered from 1)
@@ -48,6 +53,16 @@ class StepHandle:
     """Names one launched step; give it back to ``retire`` when the device is done with it."""
 
     step_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Pages held until :meth:`StepFences.end_lease`: ``pages`` ``[n]`` int32 and their
+    lifetime ``tags`` ``[n]`` int64 when the lease began (read-only arrays)."""
+
+    lease_id: int
+    pages: Int32Array
+    tags: npt.NDArray[np.int64]
 
 
 class StepFences:
@@ -72,6 +87,8 @@ class StepFences:
         # (steps waited for, pages, their tags when held or None)
         self._pending: list[tuple[set[int], Int32Array, npt.NDArray[np.int64] | None]] = []
         self._num_copy_holds = 0  # pending batches that wait for copies_done
+        self._next_lease = 1
+        self._leases: set[int] = set()  # leases not ended
         self._held = np.zeros(num_pages, dtype=np.int32)
         self.held = self._held.view()
         self.held.flags.writeable = False
@@ -113,6 +130,38 @@ class StepFences:
         if pages.size:
             self._num_copy_holds += 1
         self._hold({_COPIES}, pages)
+
+    def hold_for_lease(self, pages: npt.ArrayLike) -> Lease:
+        """Hold these references (the caller took them) until :meth:`end_lease`."""
+        ids = self._pages(pages)
+        lease_id = self._next_lease
+        self._next_lease += 1
+        self._leases.add(lease_id)
+        self._hold({-lease_id}, ids)
+        tags = (np.zeros(ids.size, dtype=np.int64) if self._tags is None
+                else self._tags[ids].copy())
+        ids = ids.copy()
+        ids.flags.writeable = tags.flags.writeable = False
+        return Lease(lease_id, ids, tags)
+
+    @property
+    def leases(self) -> tuple[int, ...]:
+        """Ids of the leases not ended."""
+        return tuple(sorted(self._leases))
+
+    def end_lease(self, lease: Lease) -> tuple[Int32Array, bool]:
+        """End a lease: (the references to drop now, whether every page was still in the
+        lifetime the lease named). A page freed behind the lease's back (a bug, a fault) is
+        not handed back, and makes the answer False: its bytes may be another lifetime's."""
+        if not isinstance(lease, Lease):
+            raise ArgumentTypeError(f"lease={show(lease)}: expected a Lease from "
+                                    "hold_for_lease(); nothing changed")
+        if lease.lease_id not in self._leases:
+            raise ArgumentError(f"lease {lease.lease_id} has ended already (open leases: "
+                                f"{self.leases}); end each lease once")
+        self._leases.discard(lease.lease_id)
+        alive = self._release(-lease.lease_id)
+        return alive, alive.size == lease.pages.size
 
     def _pages(self, pages: npt.ArrayLike) -> Int32Array:
         """Page ids in ``0 .. num_pages - 1`` (never wrapped), checked before any change."""

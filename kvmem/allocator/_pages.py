@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvmem.allocator._fences import StepFences
+from kvmem.allocator._fences import Lease, StepFences
 from kvmem.allocator._page_allocator import PageAllocator
 from kvmem.allocator._prefix_cache import PrefixCache
 from kvmem.errors import OutOfPagesError
@@ -241,6 +241,18 @@ class Pages:
         """Every copy handed out so far was made or is being made by a step in flight: drop
         the sources' references (that step holds them further)."""
         self.drop(self.fences.copies_done())
+
+    def lease(self, pages: Int32Array) -> Lease:
+        """Take one more reference on each live page and hold it until :meth:`end_lease`."""
+        self.allocator.share(pages)
+        return self.fences.hold_for_lease(pages)
+
+    def end_lease(self, lease: Lease) -> bool:
+        """Drop a lease's references (now, or when the steps in flight retire); whether every
+        page was still in the lifetime the lease named."""
+        pages, intact = self.fences.end_lease(lease)
+        self.drop(pages)
+        return intact
 
     def retired(self, pages: Int32Array) -> None:
         """A step retired: free the references that waited only for it."""

@@ -1,0 +1,50 @@
+"""Pages that move: page bundles, transfer messages, leases, transports.
+
+::
+
+    _transport.py   Transport: the contract (one-sided reads of registered memory, notices)
+    _inprocess.py   InProcessTransport: agents of one process (unit tests)
+    _identity.py    CacheIdentity: what a cache's pages mean; the compatibility check
+    _descs.py       Region, page_descs, paired_descs: page addresses as descriptors, merged
+    _bundle.py      PageBundle: a run of full pages that left a pool (bytes, scales, digests)
+    _message.py     TransferMessage: the offer; the confirm and answer notices
+    _wire.py        a JSON header and raw arrays (no pickle)
+    _sender.py      Sender: the prefill side (export under a lease, answer confirms)
+    _receiver.py    Receiver: the decode side (admit, read, check, commit or fall back)
+
+This room sits above the pools and the allocator and below the manager: it takes a
+``KVCacheManager`` as an argument and never imports the manager's module. See
+docs/disaggregation.md.
+"""
+
+from __future__ import annotations
+
+from kvmem.transfer._bundle import PageBundle, gather_pages, page_digests
+from kvmem.transfer._descs import Region, merge_descs, page_descs, paired_descs, tensor_descs
+from kvmem.transfer._identity import FORMAT_VERSION, CacheIdentity
+from kvmem.transfer._inprocess import InProcessHub, InProcessTransport
+from kvmem.transfer._message import TransferMessage
+from kvmem.transfer._receiver import LoadResult, Receiver
+from kvmem.transfer._sender import Sender
+from kvmem.transfer._transport import ReadState, Transport
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CacheIdentity",
+    "InProcessHub",
+    "InProcessTransport",
+    "LoadResult",
+    "PageBundle",
+    "ReadState",
+    "Receiver",
+    "Region",
+    "Sender",
+    "TransferMessage",
+    "Transport",
+    "gather_pages",
+    "merge_descs",
+    "page_descs",
+    "page_digests",
+    "paired_descs",
+    "tensor_descs",
+]

@@ -1,0 +1,377 @@
+"""Receiver: the decode side. Admits an offered request on its own manager, reads the pages it
+lacks, checks them, and hands the request to the engine loaded, or to recompute.
+
+Life of a load (``hits``: full pages the receiver's prefix cache already held)::
+
+    receive(offer, now)   check the identity (IncompatibleCacheError names the field); admit the
+                          request (its own pages and tags: nothing in the offer names a page
+                          here); lease destination pages hits..n (fenced: never reused while a
+                          byte may still land); start one read (its notice is the confirm)
+       waiting            (converting load: staging pages are busy) -> read when they free
+       reading            transport.state(handle) is "pending"
+       checking           final: the lease on the destination ends (no byte moves after);
+                          "failed" or a page digest that differs -> fallback
+       confirming         wait for the sender's answer: "ok" -> convert (if the dtypes differ),
+                          reserve + commit the pages' tokens (prefix keys registered) -> loaded;
+                          "stale", or no answer within answer_timeout -> fallback
+
+    fallback  policy "recompute": the request stays admitted, computed up to its prefix hits
+              (the engine prefills the rest); "fail": the request is released
+    abort(rid)            the request is released now; its destination pages stay leased
+                          until the read is final, then go back
+
+Only pages this load allocated are ever written (by the read or the conversion), and they
+enter the prefix cache only through commit after every check passed, so a failed load never
+touches a page another request shares (a recompute writes them again through its own slots).
+Answers for transfers this receiver does not wait for (duplicates, late ones) are counted and
+ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvmem.allocator import Lease, PageAllocator
+from kvmem.cuda import PagePool
+from kvmem.errors import ArgumentError, IntegrityError, KVMemError
+from kvmem.transfer._bundle import gather_pages, page_digests, static_scales_of
+from kvmem.transfer._descs import Region, paired_descs, tensor_descs
+from kvmem.transfer._identity import CacheIdentity
+from kvmem.transfer._message import TransferMessage, confirm_bytes, parse_notice
+from kvmem.transfer._transport import Transport
+
+if TYPE_CHECKING:
+    from kvmem.manager import KVCacheManager
+
+__all__ = ["LoadResult", "Receiver"]
+
+log = logging.getLogger(__name__)
+Policy = Literal["recompute", "fail"]
+_READ_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LoadResult(NamedTuple):
+    """A load that finished. ``status``: "loaded" (pages filled and committed up to
+    ``num_computed_tokens``), "recompute" (admitted, computed up to ``num_computed_tokens``:
+    the engine prefills the rest), "failed" (released) or "aborted"."""
+
+    request_id: Any
+    status: str
+    num_computed_tokens: int
+    reason: str = ""
+
+
+@dataclass
+class _Staging:
+    pool: PagePool
+    free: PageAllocator
+
+
+@dataclass
+class _Load:
+    msg: TransferMessage
+    hits: int
+    dst: npt.NDArray[np.int32]  # destination pages (this manager's), positions hits..n
+    hold: Lease | None
+    started: float
+    staging: _Staging | None = None
+    staging_pages: npt.NDArray[np.int32] | None = None
+    handle: int | None = None
+    state: str = "waiting"
+    answer: tuple[bool, str] | None = None
+    aborted: bool = False
+
+
+class Receiver:
+    """The decode side of page transfers (see the module docstring).
+
+    Parameters
+    ----------
+    manager, pool: the receiver's manager and the pool it manages.
+    transport: this side's agent; the sender's agent must be a peer (``add_peer``).
+    identity: this cache's identity.
+    policy: "recompute" (default) or "fail": what a failed load does to its request.
+    answer_timeout: seconds (receiver's clock) to wait for the sender's answer after the read.
+    staging_pages: pages of a staging pool per sender identity that needs conversion (default
+        the manager's ``max_pages_per_seq``).
+    """
+
+    def __init__(self, manager: KVCacheManager, pool: PagePool, transport: Transport,
+                 identity: CacheIdentity, policy: Policy = "recompute",
+                 answer_timeout: float = 30.0, staging_pages: int | None = None) -> None:
+        if policy not in ("recompute", "fail"):
+            raise ArgumentError(f"policy={policy!r}: expected 'recompute' or 'fail'")
+        if pool.spec.page_size != manager.page_size or pool.spec.num_pages != manager.num_pages:
+            raise ArgumentError("the pool and the manager differ in page size or page count")
+        self.manager, self.pool, self.transport, self.identity = manager, pool, transport, identity
+        self.policy: Policy = policy
+        self.answer_timeout = float(answer_timeout)
+        self.staging_pages = manager.max_pages_per_seq if staging_pages is None else staging_pages
+        self.regions = {name: Region.of(t) for name, t in
+                        (("data", pool.data), ("token_scales", pool.token_scales))
+                        if t is not None}
+        transport.register(tensor_descs(*(t for t in (pool.data, pool.token_scales)
+                                          if t is not None)))
+        self._loads: dict[str, _Load] = {}
+        self._staging: dict[str, _Staging] = {}
+        self._results: list[LoadResult] = []
+        self.counts = dict.fromkeys(("loaded", "recompute", "failed", "aborted", "ignored"), 0)
+
+    @property
+    def loading(self) -> tuple[Any, ...]:
+        """Requests admitted here whose pages are still being loaded (do not schedule them)."""
+        return tuple(ld.msg.request_id for ld in self._loads.values() if not ld.aborted)
+
+    # -- receive -----------------------------------------------------------------------------
+
+    def receive(self, offer: bytes | TransferMessage, now: float) -> None:
+        """Admit the offered request and start reading the pages this cache lacks.
+
+        Raises, changing nothing: IncompatibleCacheError (naming the field), OutOfPagesError,
+        ArgumentError (malformed offer, request id known here)."""
+        msg = offer if isinstance(offer, TransferMessage) else TransferMessage.from_bytes(offer)
+        self.identity.check(msg.identity)
+        m, P, rid = self.manager, self.manager.page_size, msg.request_id
+        if msg.transfer_id in self._loads:
+            raise ArgumentError(f"transfer {msg.transfer_id!r} is already being received")
+        admitted = m.admit(rid, msg.token_ids, msg.namespace)
+        n, hits = msg.num_pages, admitted.num_cached_tokens // P
+        if hits >= n:  # every page is here already: the sender's lease can end
+            self._decline(msg)
+            self._finish_result(LoadResult(rid, "loaded", hits * P), "loaded")
+            return
+        hold = m.lease(rid, hits, n)
+        load = _Load(msg, hits, hold.pages, hold, float(now))
+        try:
+            if not self.identity.same_storage(msg.identity) or not _same(
+                    static_scales_of(self.pool), msg.static_scales):
+                load.staging = self._staging_for(msg.identity)
+            self._start(load)
+        except BaseException:
+            m.end_lease(hold)
+            m.release(rid)
+            self._free_staging(load)
+            raise
+        self._loads[msg.transfer_id] = load
+
+    def _staging_for(self, identity: CacheIdentity) -> _Staging:
+        key = repr(identity.to_json())
+        st = self._staging.get(key)
+        if st is None:
+            pool = PagePool(identity.pool_spec(self.staging_pages, str(self.pool.device)))
+            self.transport.register(tensor_descs(*(t for t in (pool.data, pool.token_scales)
+                                                   if t is not None)))
+            st = self._staging[key] = _Staging(pool, PageAllocator(self.staging_pages))
+        return st
+
+    def _start(self, load: _Load) -> None:
+        """Start the read (or leave the load waiting for staging pages)."""
+        msg, lo, hi = load.msg, load.hits, load.msg.num_pages
+        src_pages = msg.page_ids[lo:hi]
+        if load.staging is None:
+            dst_regions, dst_pages = self.regions, load.dst
+        else:
+            if not load.staging.free.can_allocate(hi - lo):
+                if hi - lo > self.staging_pages:
+                    raise ArgumentError(f"a load of {hi - lo} pages needs more than the "
+                                        f"{self.staging_pages} staging pages")
+                return  # waiting
+            load.staging_pages = load.staging.free.allocate(hi - lo)
+            sp = load.staging.pool
+            dst_regions = {name: Region.of(t) for name, t in
+                           (("data", sp.data), ("token_scales", sp.token_scales))
+                           if t is not None}
+            dst_pages = load.staging_pages
+        local, remote = [], []
+        for name, dst in dst_regions.items():
+            r, d = paired_descs(msg.regions[name], src_pages, dst, dst_pages)
+            remote.append(r)
+            local.append(d)
+        load.handle = self.transport.read(msg.sender, np.concatenate(local),
+                                          np.concatenate(remote),
+                                          confirm_bytes(msg.transfer_id, msg.tags))
+        load.state = "reading"
+
+    def _decline(self, msg: TransferMessage) -> None:
+        """Tell the sender its lease can end (a confirm naming no tags)."""
+        try:
+            self.transport.notify(msg.sender, confirm_bytes(msg.transfer_id,
+                                                            np.empty(0, dtype=np.int64)))
+        except KVMemError as e:
+            log.warning("kvmem transfer %s: could not decline: %s", msg.transfer_id, e)
+
+    # -- poll --------------------------------------------------------------------------------
+
+    def poll(self, now: float) -> list[LoadResult]:
+        """Take notices (offers, answers), advance every load; the loads that finished."""
+        for peer, data in self.transport.notices():
+            self._notice(peer, data, now)
+        for tid, load in list(self._loads.items()):
+            self._advance(tid, load, now)
+        out, self._results = self._results, []
+        return out
+
+    def _notice(self, peer: str, data: bytes, now: float) -> None:
+        try:
+            kind, head, arrays = parse_notice(data)
+        except KVMemError as e:
+            self.counts["ignored"] += 1
+            log.warning("kvmem receiver: ignored a notice from %r: %s", peer, e)
+            return
+        if kind == "offer":
+            msg = None
+            try:
+                msg = TransferMessage.from_parts(head, arrays)
+                self.receive(msg, now)
+            except KVMemError as e:
+                log.warning("kvmem receiver: refused an offer from %r: %s", peer, e)
+                if msg is not None:
+                    self._decline(msg)
+                    self._finish_result(LoadResult(msg.request_id, "failed", 0, str(e)),
+                                        "failed")
+            return
+        load = self._loads.get(head["transfer_id"])
+        if kind != "answer" or load is None or load.answer is not None or load.aborted:
+            self.counts["ignored"] += 1  # a duplicate or late answer, or not ours
+            return
+        load.answer = (bool(head.get("ok")), str(head.get("reason", "")))
+
+    def _advance(self, tid: str, load: _Load, now: float) -> None:
+        if load.state == "waiting":
+            self._start(load)
+        if load.state == "reading":
+            assert load.handle is not None
+            state = self.transport.state(load.handle)
+            if state == "pending":
+                return
+            self.transport.release(load.handle)
+            self._end_hold(load)  # final: no byte of this read moves any more
+            if load.aborted:
+                self._drop(tid, load)
+                return
+            if state == "failed":
+                self._fallback(tid, load, "the read failed")
+                return
+            if not self._digests_match(load):
+                self._fallback(tid, load, "a page's bytes do not match its digest")
+                return
+            load.state = "confirming"
+        if load.state == "confirming":
+            if load.answer is None:
+                if now - load.started > self.answer_timeout:
+                    self._fallback(tid, load, "the sender did not answer")
+                return
+            ok, reason = load.answer
+            if not ok:
+                self._fallback(tid, load, f"the sender answered stale: {reason}")
+                return
+            self._complete(tid, load)
+
+    def _digests_match(self, load: _Load) -> bool:
+        msg, P = load.msg, self.manager.page_size
+        lo, hi = load.hits, msg.num_pages
+        if load.staging is None:
+            pages = gather_pages(self.pool, load.dst)
+        else:
+            assert load.staging_pages is not None
+            pages = gather_pages(load.staging.pool, load.staging_pages)
+        tokens = msg.token_ids[lo * P : hi * P].reshape(hi - lo, P)
+        found = page_digests(pages, tokens, msg.static_scales)
+        return bool(np.array_equal(found, msg.page_digests[lo:hi]))
+
+    def _complete(self, tid: str, load: _Load) -> None:
+        m, msg, P = self.manager, load.msg, self.manager.page_size
+        rid, lo, hi = msg.request_id, load.hits, msg.num_pages
+        if rid not in m.running or not np.array_equal(m.pages_of(rid)[lo:hi], load.dst):
+            self._drop(tid, load)  # released behind the receiver's back
+            self._finish_result(LoadResult(rid, "aborted", 0, "released during the load"),
+                                "aborted")
+            return
+        slots = (load.dst.astype(np.int64)[:, None] * P + np.arange(P)).reshape(-1)
+        if load.staging is not None:
+            self._convert(load, slots)
+        step = m.reserve([rid], (hi - lo) * P)
+        if not np.array_equal(step.slot_mapping, slots):
+            raise IntegrityError(f"request {rid!r}: reserve gave slots other than the pages "
+                                 "the load filled")
+        m.commit(rid, msg.token_ids[lo * P : hi * P])
+        self._drop(tid, load)
+        self._finish_result(LoadResult(rid, "loaded", hi * P), "loaded")
+
+    def _convert(self, load: _Load, slots: npt.NDArray[np.int64]) -> None:
+        """Write the staged pages through this pool (quantized as a direct write would be)."""
+        assert load.staging is not None and load.staging_pages is not None
+        sp, msg = load.staging.pool, load.msg
+        if sp.static_scales is not None and msg.static_scales is not None:
+            sp.static_scales.copy_(torch.from_numpy(msg.static_scales.copy()))
+        dtype = _READ_DTYPE.get(msg.identity.dtype, torch.float32)
+        ids = torch.as_tensor(load.staging_pages.astype(np.int64))
+        slot_t = torch.as_tensor(slots, device=self.pool.device)
+        for layer in range(self.pool.spec.num_layers):
+            kv = sp.read(layer, ids, dtype)
+            if isinstance(kv, tuple):
+                k, v = kv
+                self.pool.write(layer, slot_t, k.reshape(-1, *k.shape[2:]),
+                                v.reshape(-1, *v.shape[2:]))
+            else:
+                self.pool.write(layer, slot_t, kv.reshape(-1, kv.shape[-1]))
+
+    # -- endings -----------------------------------------------------------------------------
+
+    def _end_hold(self, load: _Load) -> None:
+        if load.hold is not None:
+            self.manager.end_lease(load.hold)
+            load.hold = None
+
+    def _free_staging(self, load: _Load) -> None:
+        if load.staging is not None and load.staging_pages is not None:
+            load.staging.free.free(load.staging_pages)
+            load.staging_pages = None
+
+    def _drop(self, tid: str, load: _Load) -> None:
+        self._end_hold(load)
+        self._free_staging(load)
+        self._loads.pop(tid, None)
+
+    def _finish_result(self, result: LoadResult, status: str) -> None:
+        self.counts[status] += 1
+        self._results.append(result)
+
+    def _fallback(self, tid: str, load: _Load, reason: str) -> None:
+        rid = load.msg.request_id
+        log.warning("kvmem transfer %s: request %r falls back (%s): %s", tid, rid, self.policy,
+                    reason)
+        self._drop(tid, load)
+        if self.policy == "fail":
+            self.manager.release(rid)
+            self._finish_result(LoadResult(rid, "failed", 0, reason), "failed")
+        else:
+            self._finish_result(LoadResult(rid, "recompute",
+                                           load.hits * self.manager.page_size, reason),
+                                "recompute")
+
+    def abort(self, request_id: Any) -> None:
+        """Abort a loading request: released now; its destination pages stay leased until the
+        read is final (a late byte lands only in a page nobody else holds), then go back."""
+        found = [(tid, ld) for tid, ld in self._loads.items()
+                 if ld.msg.request_id == request_id and not ld.aborted]
+        if not found:
+            raise ArgumentError(f"request {request_id!r} is not loading here")
+        tid, load = found[0]
+        self.manager.release(request_id)
+        if load.state == "reading":
+            load.aborted = True  # poll drops it once the read is final
+        else:
+            self._drop(tid, load)
+        self._finish_result(LoadResult(request_id, "aborted", 0, "aborted"), "aborted")
+
+
+def _same(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None
+                                         and np.array_equal(a, b))
