@@ -88,3 +88,23 @@ def test_a_failed_read_taints_nothing() -> None:
     oracles.after_move()
     oracles.landed(op, ok=False)
     assert oracles.counts["tainted"] == 0
+
+
+def test_leases_fires_when_an_idle_source_still_holds_a_lease() -> None:
+    """A lease no confirm and no expiry ended (a lost completion nobody times out) strands
+    the source's pages; once it ends, the idle check is silent."""
+    src, dst = _manager(), _manager()
+    src.admit("a", PROMPT, None)
+    src.reserve(("a",), 8)
+    src.commit("a", PROMPT)
+    oracles = TransferOracles(src, dst)
+    lease = src.lease("a")
+    src.release("a")
+    oracles.after_move()
+    oracles.full_check(idle=False)  # a read may still be on its way: nothing stranded yet
+    with pytest.raises(FuzzFailure) as e:
+        oracles.full_check(idle=True)
+    assert e.value.oracle == "leases" and str(lease.lease_id) in e.value.detail
+    assert src.end_lease(lease)
+    oracles.after_move()
+    oracles.full_check(idle=True)
