@@ -149,6 +149,41 @@ def test_continuous_batch_equals_generate(tiny: Any) -> None:
     mgr.check()
 
 
+
+def test_a_request_computed_outside_the_engine_joins_it_and_generates_the_same(tiny: Any) -> None:
+    """add_running: a request whose leading pages were computed outside the engine (as a
+    transfer receiver leaves it) resumes there, prefills the rest, and decodes exactly what
+    generate() does; a request the manager does not hold, holds slots beyond its committed
+    tokens, or holds other tokens for, is refused with nothing changed."""
+    from kvmem.integrations._kvbatch import KVBatch
+
+    prompt = _prompts(1)[0]
+    lm = PagedCausalLM.build(tiny, 32, "fp32", page_size=4, device="cpu")
+    mgr = KVCacheManager(32, page_size=4, max_seqs=2, pool=lm.pool)
+    engine = Engine(lm, mgr)
+    with pytest.raises(ArgumentError, match="not running in the manager"):
+        engine.add_running(Request("r", prompt, max_new_tokens=6))
+    head = len(prompt) // 4 * 4
+    mgr.admit("r", prompt[:head])
+    step = mgr.reserve(["r"], head)
+    with pytest.raises(ArgumentError, match="nothing reserved beyond"):
+        engine.add_running(Request("r", prompt, max_new_tokens=6))
+    kv = KVBatch.from_arrays(lm.pool, step.slot_mapping, step.qo_indptr, step.kv_indptr,
+                             step.kv_indices, step.kv_last_page_len)
+    lm.forward(torch.tensor(prompt[:head]), kv)
+    mgr.commit("r", prompt[:head])
+    with pytest.raises(ArgumentError, match="first tokens of its"):
+        engine.add_running(Request("r", [p + 1 for p in prompt], max_new_tokens=6))
+    assert not engine.running
+    r = Request("r", prompt, max_new_tokens=6)
+    engine.add_running(r)
+    assert r.num_computed == head and r.status == "running"
+    engine.run()
+    assert r.status == "finished" and r.output_ids == _reference(tiny, prompt, 6)
+    assert mgr.stats().num_used == 0
+    mgr.check()
+
+
 def test_bf16_pages_equal_attention_over_bf16_rounded_kv(tiny: Any) -> None:
     """bf16 pages cost exactly the bf16 rounding of K/V, nothing more: teacher-forced logits
     equal transformers' sdpa forward with its K/V rounded to bf16 (the same 8-token chunks).

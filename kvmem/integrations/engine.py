@@ -229,6 +229,41 @@ class Engine:
         request.status = "waiting"
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Join a request the manager already holds, admitted outside this engine (a
+        :class:`~kvmem.transfer.Receiver` that loaded its prompt's pages from another
+        process), to the running batch. It resumes from ``manager.num_committed(request_id)``
+        computed tokens: the engine prefills the rest of its prompt, then decodes.
+
+        Raises
+        ------
+        ArgumentError
+            The request is malformed (as :meth:`add_request` says), the manager does not hold
+            it, holds slots it reserved and did not commit, or holds tokens that are not the
+            leading tokens of its prompt; or the engine runs ``max_num_seqs`` requests.
+            Nothing changes.
+        """
+        self._check_request(request)
+        mgr, rid = self.manager, request.request_id
+        if rid not in mgr.running:
+            raise ArgumentError(f"request {rid!r} is not running in the manager; admit it there "
+                                "first (or queue it with add_request)")
+        computed = mgr.num_committed(rid)
+        prompt = token_array(request.prompt_ids, "prompt_ids")
+        held = mgr.tokens_of(rid)
+        if (mgr.num_tokens(rid) != computed or computed > prompt.size
+                or not np.array_equal(held, prompt[:computed])):
+            raise ArgumentError(
+                f"request {rid!r}: the manager holds {mgr.num_tokens(rid)} slots with "
+                f"{computed} tokens committed, which must be the first tokens of its "
+                f"{prompt.size}-token prompt with nothing reserved beyond them")
+        if len(self.running) >= self.max_num_seqs:
+            raise ArgumentError(f"the engine already runs max_num_seqs={self.max_num_seqs} "
+                                f"requests; add request {rid!r} after one has finished")
+        request.status = "running"
+        request.num_cached_tokens = request.num_computed = computed
+        self.running.append(request)
+
     def _check_request(self, request: Any) -> None:
         """Refuse (a KVMemError naming what is wrong) a request this engine cannot queue."""
         if not isinstance(request, Request):

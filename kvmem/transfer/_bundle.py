@@ -171,8 +171,9 @@ class PageBundle:
             raise ArgumentError(f"{ids.numel()} pages for a bundle of {self.num_pages}")
         static = static_scales_of(pool)
         mine = self.static_scales
-        if (static is None or mine is None) != (static is None and mine is None) or (
-                static is not None and mine is not None and not np.array_equal(static, mine)):
+        same = (static is None and mine is None) or (
+            static is not None and mine is not None and np.array_equal(static, mine))
+        if not same:
             raise ArgumentError("the pool's static scales differ from the bundle's; load it "
                                 "through a conversion (pool.write) instead")
         targets = {"data": pool.data, "token_scales": pool.token_scales}

@@ -140,6 +140,11 @@ class Receiver:
         m, P, rid = self.manager, self.manager.page_size, msg.request_id
         if msg.transfer_id in self._loads:
             raise ArgumentError(f"transfer {msg.transfer_id!r} is already being received")
+        convert = not self.identity.same_storage(msg.identity) or not _same(
+            static_scales_of(self.pool), msg.static_scales)
+        if convert and msg.num_pages > self.staging_pages:
+            raise ArgumentError(f"a load of {msg.num_pages} pages needs more than the "
+                                f"{self.staging_pages} staging pages; raise staging_pages")
         admitted = m.admit(rid, msg.token_ids, msg.namespace)
         n, hits = msg.num_pages, admitted.num_cached_tokens // P
         if hits >= n:  # every page is here already: the sender's lease can end
@@ -149,8 +154,7 @@ class Receiver:
         hold = m.lease(rid, hits, n)
         load = _Load(msg, hits, hold.pages, hold, float(now))
         try:
-            if not self.identity.same_storage(msg.identity) or not _same(
-                    static_scales_of(self.pool), msg.static_scales):
+            if convert:
                 load.staging = self._staging_for(msg.identity)
             self._start(load)
         except BaseException:
@@ -178,9 +182,6 @@ class Receiver:
             dst_regions, dst_pages = self.regions, load.dst
         else:
             if not load.staging.free.can_allocate(hi - lo):
-                if hi - lo > self.staging_pages:
-                    raise ArgumentError(f"a load of {hi - lo} pages needs more than the "
-                                        f"{self.staging_pages} staging pages")
                 return  # waiting
             load.staging_pages = load.staging.free.allocate(hi - lo)
             sp = load.staging.pool
@@ -369,7 +370,7 @@ class Receiver:
             load.aborted = True  # poll drops it once the read is final
         else:
             self._drop(tid, load)
-        self._finish_result(LoadResult(request_id, "aborted", 0, "aborted"), "aborted")
+        self.counts["aborted"] += 1
 
 
 def _same(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:

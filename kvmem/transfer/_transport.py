@@ -12,7 +12,13 @@ Descriptors are numpy arrays, one row per contiguous byte range::
                                                         the CUDA ordinal for device memory
 
 The local and remote descriptor lists of one read have the same length and row ``i`` of each has
-the same ``nbytes``: row ``i`` of the remote list lands in row ``i`` of the local list.
+the same ``nbytes``: row ``i`` of the remote list lands in row ``i`` of the local list. The
+device id alone does not tell host memory from CUDA device 0: a transport knows a row's memory
+kind from the registered region it falls in (every row of a read lies inside one).
+
+kvmem builds the descriptors (``kvmem.transfer.page_descs`` / ``paired_descs``, merged where
+contiguous), registers whole tensors once (``tensor_descs``), and sends one read per load, whose
+``notice`` is the receiver's confirm (see docs/disaggregation.md).
 
 Two implementations: :class:`~kvmem.transfer.InProcessTransport` (a memmove between agents of
 one process: unit tests) and :class:`~kvmem.transfer.NixlTransport` (NIXL over UCX: two
