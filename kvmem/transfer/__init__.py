@@ -11,6 +11,7 @@
     _wire.py        a JSON header and raw arrays (no pickle)
     _sender.py      Sender: the prefill side (export under a lease, answer confirms)
     _receiver.py    Receiver: the decode side (admit, read, check, commit or fall back)
+    _faults.py      TransferFaults: protections a fuzzer switches off (fault injection only)
 
 This room sits above the pools and the allocator and below the manager: it takes a
 ``KVCacheManager`` as an argument and never imports the manager's module. See
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 from kvmem.transfer._bundle import PageBundle, gather_pages, page_digests
 from kvmem.transfer._descs import Region, merge_descs, page_descs, paired_descs, tensor_descs
+from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import FORMAT_VERSION, CacheIdentity
 from kvmem.transfer._inprocess import InProcessHub, InProcessTransport
 from kvmem.transfer._message import TransferMessage
-from kvmem.transfer._receiver import LoadResult, Receiver
+from kvmem.transfer._receiver import LoadResult, Receiver, Receiving
 from kvmem.transfer._sender import Sender
 from kvmem.transfer._transport import ReadState, Transport
 
@@ -37,8 +39,10 @@ __all__ = [
     "PageBundle",
     "ReadState",
     "Receiver",
+    "Receiving",
     "Region",
     "Sender",
+    "TransferFaults",
     "TransferMessage",
     "Transport",
     "gather_pages",
