@@ -280,6 +280,11 @@ class FuzzEngine:
         """(``"notices"``) Notices sent and not yet delivered or lost."""
         return 0
 
+    def waiting_on_clock(self) -> bool:
+        """(``"leases"``) Whether a lease or an answer still waits for a term the clock has not
+        passed (the drain's ``expire`` ends it; a lease past its term is stranded)."""
+        return False
+
     def check(self) -> None:
         """Engine-specific checks, run with the timeline's full check."""
 

@@ -148,7 +148,8 @@ class Run:
     def _extra_check(self) -> None:
         self.engine.check()
         if self.transfers is not None:
-            self.transfers.full_check(self.timeline.idle and not self.engine.notices_in_flight())
+            self.transfers.full_check(self.timeline.idle and not self.engine.notices_in_flight()
+                                      and not self.engine.waiting_on_clock())
 
     def _failing_hook(self, kind: str) -> Callable[[Any], None]:
         def hook(event: Any) -> None:
@@ -309,6 +310,8 @@ class Run:
             return tl.land_transfer(a)
         op = tl.transfers[a % len(tl.transfers)]
         ok, landed = self.engine.land(op)
+        if not ok:  # no byte moved: the slots keep what they held
+            landed = tl.kv[op.slot_mapping].copy()
         tl.land_transfer(a, landed)
         self.transfers.landed(op, ok)
         return True
@@ -428,8 +431,7 @@ class Run:
             return [("finish", 0, 0)]
         if self.engine.notices_in_flight():
             return [("notice", 0, 0)]  # (b = 0: delivered)
-        if (self.transfers is not None and self.transfers.source.fences.leases
-                and self._last_move != "expire"):
+        if self.engine.waiting_on_clock() and self._last_move != "expire":
             return [("expire", 0, 0)]  # what no notice ended, the lease term does
         return []
 

@@ -56,10 +56,12 @@ class TransferOracles:
         self._pending: dict[int, tuple[Launch, Any, Int64Array, Int64Array, str]] = {}
 
     def posted(self, op: Launch) -> None:
-        """``op`` (a transfer) reads ``op.source_pages`` of the source: note their lifetimes."""
+        """``op`` (a transfer) reads ``op.source_pages`` of the source: note their lifetimes
+        (``op.source_tags``, the lifetimes the offer named, where given)."""
         pages = op.source_pages
-        self._pending[id(op)] = (op, self.source, pages,
-                                 self.source.allocator.tags[pages].copy(), "")
+        tags = (self.source.allocator.tags[pages].copy() if op.source_tags is None
+                else op.source_tags)
+        self._pending[id(op)] = (op, self.source, pages, tags, "")
         self.counts["transfers"] += 1
 
     def after_move(self) -> None:
@@ -122,6 +124,7 @@ class TransferOracles:
     def full_check(self, idle: bool) -> None:
         """The source's bookkeeping; with ``idle`` (nothing in flight, nothing to process), no
         lease and no request left there."""
+        self.after_move()  # (a full check may come within a move, before its page check)
         src = self.source
         try:
             src.check()

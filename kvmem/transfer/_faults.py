@@ -18,8 +18,8 @@ class TransferFaults:
     Sender
         lease_pages: ``export`` leases the pages and a confirm checks their lifetimes (False: it
             sends page ids with no lifetime behind them and answers every confirm "ok")
-        end_lease_once: a confirm closes its transfer (False: the transfer stays open, so a
-            duplicated confirm, or the lease term, ends its lease again)
+        end_lease_once: a confirm of a transfer answered already is answered "stale" (False:
+            it ends the transfer's lease again: a duplicated confirm)
         expire_leases: ``poll`` ends the leases whose term has passed (False: a lease whose
             confirm was lost is held forever)
 

@@ -79,6 +79,7 @@ class Sender:
         self._next = 1
         self.counts = dict.fromkeys(("confirmed", "stale", "expired", "declined", "ignored"), 0)
         self.faults = TransferFaults()
+        self._answered: dict[str, _Out] = {}  # (only with faults.end_lease_once off)
 
     @property
     def open_transfers(self) -> tuple[str, ...]:
@@ -160,7 +161,11 @@ class Sender:
         return answered
 
     def _confirm(self, tid: str, tags: Any) -> tuple[bool, str]:
-        out = self._out.pop(tid, None) if self.faults.end_lease_once else self._out.get(tid)
+        out = self._out.pop(tid, None)
+        if out is None and not self.faults.end_lease_once:
+            out = self._answered.get(tid)  # (fault) an answered confirm's lease ends again
+        elif out is not None and not self.faults.end_lease_once:
+            self._answered[tid] = out
         if out is None:
             self.counts["stale"] += 1
             return False, "no open lease (expired, cancelled or answered already)"
