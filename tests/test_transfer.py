@@ -602,6 +602,141 @@ def test_check_holds_on_both_sides_after_a_random_campaign(seed: int) -> None:
     assert "loaded" in statuses and "recompute" in statuses  # the campaign took both ways
 
 
+def test_receive_returns_what_it_admitted_and_the_read_it_started() -> None:
+    s, r, sender, receiver = pair()
+    prefill(s, "a", PROMPT)
+    r.transport.hold_reads = True
+    got = receiver.receive(sender.export("a", 0.0), 0.0)
+    assert got.admitted.num_cached_tokens == 0 and got.admitted.num_pages == 3
+    assert np.array_equal(got.pages, r.manager.pages_of("a")[:2])
+    assert r.transport.pending == [got.handle]
+    prefill(s, "b", PROMPT)
+    prefill(r, "c", PROMPT)  # every offered page hits: nothing to read
+    got = receiver.receive(sender.export("b", 0.0), 0.0)
+    assert got.admitted.num_cached_tokens == 8 and got.pages.size == 0 and got.handle is None
+
+
+def test_held_notices_are_delivered_lost_or_duplicated_on_demand() -> None:
+    hub = InProcessHub()
+    a, b = InProcessTransport("a", hub), InProcessTransport("b", hub)
+    a.add_peer(b.metadata())
+    b.hold_notices = True
+    for m in (b"one", b"two", b"three"):
+        a.notify("b", m)
+    assert b.notices() == [] and [m for _, m in b.in_flight] == [b"one", b"two", b"three"]
+    b.drop(1)
+    b.duplicate(1)
+    b.deliver(0)
+    assert b.notices() == [("a", b"three"), ("a", b"one")]
+    assert b.in_flight == [("a", b"three")]
+    with pytest.raises(ArgumentError, match="no notice 1"):
+        b.deliver(1)
+    assert b.in_flight == [("a", b"three")]
+
+
+def _held_load(lease: float = 10.0) -> tuple[Side, Side, Sender, Receiver]:
+    """"a" prefilled and offered, its read held; the sender released it (the lease alone holds
+    its pages)."""
+    s, r, sender, receiver = pair(lease=lease)
+    prefill(s, "a", PROMPT)
+    r.transport.hold_reads = True
+    receiver.receive(sender.export("a", 0.0), 0.0)
+    s.manager.release("a")
+    s.manager.clear_prefix_cache()
+    return s, r, sender, receiver
+
+
+def test_fault_switch_lease_pages_off_sends_page_ids_with_no_lifetime() -> None:
+    """The stale-reference fault: no lease holds the offered pages, and a confirm of pages
+    freed under the read is answered "ok"."""
+    s, r, sender, receiver = pair()
+    sender.faults.lease_pages = False
+    prefill(s, "a", PROMPT)
+    r.transport.hold_reads = True
+    receiver.receive(sender.export("a", 0.0), 0.0)
+    assert s.manager.fences.leases == ()
+    s.manager.release("a")
+    s.manager.clear_prefix_cache()
+    assert s.manager.allocator.num_free == s.manager.num_pages  # freed under the read
+    r.transport.complete(r.transport.pending[0])
+    receiver.poll(0.0)
+    assert sender.poll(0.0)[0][1] is True
+    assert receiver.poll(0.0)[0].status == "loaded"
+
+
+def test_fault_switch_end_lease_once_off_ends_a_lease_on_every_confirm() -> None:
+    """The duplicated-completion fault: the second confirm of one transfer ends its lease
+    again, which kvmem refuses."""
+    s, _r, sender, receiver = pair()
+    sender.faults.end_lease_once = False
+    prefill(s, "a", PROMPT)
+    s.transport.hold_notices = True
+    receiver.receive(sender.export("a", 0.0), 0.0)
+    s.transport.duplicate(0)
+    assert sender.poll(0.0)[0][1] is True
+    s.transport.deliver(0)
+    with pytest.raises(ArgumentError, match="ended already"):
+        sender.poll(0.0)
+
+
+def test_fault_switch_expire_leases_off_strands_a_lease_whose_confirm_was_lost() -> None:
+    s, _r, sender, receiver = pair(lease=5.0)
+    prefill(s, "a", PROMPT)
+    s.transport.hold_notices = True
+    receiver.receive(sender.export("a", 0.0), 0.0)
+    s.transport.drop(0)  # the confirm is lost
+    sender.faults.expire_leases = False
+    sender.poll(100.0)
+    assert len(s.manager.fences.leases) == 1 and sender.counts["expired"] == 0
+    sender.faults.expire_leases = True
+    sender.poll(100.0)
+    assert s.manager.fences.leases == () and sender.counts["expired"] == 1
+
+
+def test_fault_switch_hold_until_final_off_frees_destinations_at_the_abort() -> None:
+    """The late-write fault: an abort gives the destination pages back while the read that
+    fills them is pending."""
+    _s, r, _sender, receiver = _held_load()
+    dst = r.manager.pages_of("a")[:2].copy()
+    receiver.faults.hold_until_final = False
+    receiver.abort("a")
+    assert (r.manager.allocator.refcounts[dst] == 0).all() and r.transport.pending
+
+
+def test_fault_switch_wait_for_answer_off_loads_bytes_of_an_expired_lease() -> None:
+    """The lease-expiry fault: the lease ended before the read completed (its pages were free
+    to reuse), the bytes still match their digests, and the load commits without the sender's
+    "stale"."""
+    s, r, sender, receiver = _held_load(lease=5.0)
+    receiver.faults.wait_for_answer = False
+    sender.poll(6.0)
+    assert s.manager.fences.leases == ()
+    r.transport.complete(r.transport.pending[0])
+    assert receiver.poll(6.0)[0].status == "loaded" and r.manager.num_committed("a") == 8
+
+
+def test_fault_switch_fail_failed_reads_off_commits_a_failed_read() -> None:
+    """The killed-sender fault: the read failed (no byte moved) and the load commits."""
+    s, r, _sender, receiver = _held_load()
+    receiver.faults.fail_failed_reads = False
+    s.transport.close()
+    (handle,) = r.transport.pending
+    r.transport.complete(handle)
+    assert r.transport.state(handle) == "failed"
+    assert receiver.poll(0.0)[0].status == "loaded" and r.manager.num_committed("a") == 8
+
+
+def test_fault_switch_commit_checked_only_off_caches_a_failed_load() -> None:
+    """The recompute-with-shared-pages fault: the failed load's pages enter the prefix cache
+    and the request is released; admitting it again hits them."""
+    _s, r, _sender, receiver = _held_load()
+    receiver.faults.commit_checked_only = False
+    r.transport.complete(r.transport.pending[0], ok=False)
+    (res,) = receiver.poll(0.0)
+    assert (res.status, res.num_computed_tokens) == ("recompute", 0)
+    assert "a" not in r.manager.running and r.manager.match_prefix(PROMPT).num_pages == 2
+
+
 def test_the_transfer_room_does_not_import_the_manager() -> None:
     code = ("import sys\nimport kvmem.transfer\n"
             "assert 'kvmem.manager' not in sys.modules, 'kvmem.transfer imported the manager'\n")
@@ -613,7 +748,8 @@ def test_the_transfer_room_exports_exactly_its_public_names() -> None:
 
     assert set(kvmem.transfer.__all__) == {
         "FORMAT_VERSION", "CacheIdentity", "InProcessHub", "InProcessTransport", "LoadResult",
-        "PageBundle", "ReadState", "Receiver", "Region", "Sender", "TransferMessage",
+        "PageBundle", "ReadState", "Receiver", "Receiving", "Region", "Sender", "TransferFaults",
+        "TransferMessage",
         "Transport", "gather_pages", "merge_descs", "page_descs", "page_digests",
         "paired_descs", "tensor_descs"}
     assert all(hasattr(kvmem.transfer, n) for n in kvmem.transfer.__all__)

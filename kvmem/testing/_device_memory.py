@@ -71,9 +71,12 @@ class DeviceMemory:
         self.pver[dst] = self.epoch * self.num_pages + dst
         self.epoch += 1
 
-    def land_writes(self, op: Launch) -> tuple[Int64Array, Int64Array, Int64Array]:
+    def land_writes(self, op: Launch, landed: Int64Array | None = None
+                    ) -> tuple[Int64Array, Int64Array, Int64Array]:
         """The op's K/V writes land; returns each written token's request (index in the op),
-        position and value."""
+        position and value. ``landed``: ``[T]`` int64, what a transfer really wrote into
+        ``op.slot_mapping`` (the bytes a transport moved), instead of the values its requests'
+        tokens imply."""
         counts = op.num_new
         b = counts.size
         if b and op.slot_mapping.size == b and int(_min(counts)) == 1:  # a token each (decode)
@@ -88,6 +91,8 @@ class DeviceMemory:
             tb = ar[:b].repeat(counts)
             pos = (op.starts - np.cumsum(counts) + counts)[tb] + ar[:total]
             values = self.val[op.mrows[tb], pos]
+        if landed is not None:
+            values = landed
         self.kv[op.slot_mapping] = values
         wp = op.write_pages
         self.pver[wp] = self.epoch * self.num_pages + wp

@@ -153,6 +153,102 @@ class TenantlessCacheKey(Fault):
             mgr.cache = TenantlessCache(mgr.cache)
 
 
+# kvmem-side, transfers: switches of the disaggregated engine's sender and receiver -----------
+
+
+class _TransferFault(Fault):
+    """kvmem's transfer room skips one of its own protections: a switch of the ``disagg``
+    engine's :class:`~kvmem.transfer.TransferFaults` (its sender's and its receiver's)."""
+
+    switch: ClassVar[str] = ""
+    timeline = True
+    engines = ("disagg",)
+
+    def install(self, run: Run) -> None:
+        setattr(getattr(run.engine, "faults"), self.switch, False)  # noqa: B009 (DisaggEngine)
+
+
+class StaleTransferReference(_TransferFault):
+    """The sender offers page ids with no lifetime behind them (no lease, every confirm "ok"):
+    the prefill side reuses the pages while the decode side reads them, and a decode step uses
+    bytes of a lifetime that had ended (vllm#52234: the previous prompt's answer, HTTP 200)."""
+
+    name = "stale_transfer_reference"
+    bugs = (5, 9)
+    switch = "lease_pages"
+    expected = "transfer_lifetime"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "transfer": 6}
+
+
+class LateWriteAfterAbort(_TransferFault):
+    """The receiver frees an aborted load's destination pages at the abort, while its read is
+    still in flight: the pages go to another request and the late write lands in them
+    (vllm PR #56104, sglang#24527)."""
+
+    name = "late_write_after_abort"
+    bugs = (1,)
+    switch = "hold_until_final"
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "abort": 8}
+
+
+class CommitAfterLeaseExpiry(_TransferFault):
+    """The receiver commits a load on its digests without waiting for the sender's answer: a
+    lease that expired before the read completed goes unnoticed, and decode uses bytes of
+    pages the sender had let go (8 of 42 requests in aws-do-eks PR #84)."""
+
+    name = "commit_after_lease_expiry"
+    bugs = (5, 9)
+    switch = "wait_for_answer"
+    expected = "transfer_lifetime"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "expire": 4}
+
+
+class DuplicatedCompletion(_TransferFault):
+    """The sender keeps a transfer open after its confirm: a duplicated confirm (or the lease
+    term) ends its lease a second time."""
+
+    name = "duplicated_completion"
+    bugs = (3,)
+    switch = "end_lease_once"
+    expected = "kvmem_error"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "notice": 12}
+
+
+class LostCompletion(_TransferFault):
+    """The sender never expires a lease: when the confirm is lost, the leased pages are
+    stranded (vllm#46283, PR #50754)."""
+
+    name = "lost_completion"
+    bugs = (2,)
+    switch = "expire_leases"
+    expected = "leases"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "notice": 12}
+
+
+class KilledSenderReadAsDone(_TransferFault):
+    """The receiver takes a failed read for a finished one: the prefill process dies mid-
+    transfer and its request decodes from pages no byte reached."""
+
+    name = "killed_sender_read_as_done"
+    bugs = (8,)
+    switch = "fail_failed_reads"
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "kill": 4}
+
+
+class RecomputeWithSharedPages(_TransferFault):
+    """A load that failed is committed into the prefix cache anyway and its request recomputed
+    through a fresh admission: the recompute, and any request sharing the prefix, hits the
+    failed pages (vllm#49250)."""
+
+    name = "recompute_with_shared_pages"
+    bugs = (8,)
+    switch = "commit_checked_only"
+    expected = "transfer_lifetime"
+    weights: ClassVar[dict[str, float]] = {"receive": 10, "kill": 2, "expire": 3}
+
+
 # engine-side: switches the adapters honour --------------------------------------------------
 
 
@@ -377,5 +473,6 @@ CATALOG: dict[str, Fault] = {f.name: f for f in (
     TransferUnfenced(), CommitOnAbort(), FenceLosesReferences(), SkipCowCopy(),
     NamespaceDropped(), TenantlessCacheKey(), WeakPrefixKey(), LeakOnAbort(), ReleaseRetried(),
     SecondReleasePath(), RefcountOverincrement(), StalePageTableEntry(), StaleBlockTable(),
-    WrongChunkSlice(),
+    WrongChunkSlice(), StaleTransferReference(), LateWriteAfterAbort(), CommitAfterLeaseExpiry(),
+    DuplicatedCompletion(), LostCompletion(), KilledSenderReadAsDone(), RecomputeWithSharedPages(),
 )}

@@ -14,6 +14,7 @@ An engine adapter plays the host: its scheduler decides what each step computes 
     retire(op)        the device finished op: retire its fence (ops with a fence only)
     finish(op)        process op's outputs    -> ids of the requests that finished
     fork / preempt / resume / receive / clear_cache (optional, see ``capabilities``)
+    land(op) / expire / kill / notice   (optional: a real transport from a source manager)
     check()           engine-specific checks (optional; raise FuzzFailure("engine", ...))
 
 Rules an adapter follows (they are what an engine on kvmem must do anyway):
@@ -69,7 +70,7 @@ class FuzzConfig:
         "submit": 6, "launch": 10, "complete": 10, "retire": 10, "finish": 10, "copy": 6,
         "transfer": 4,
         "abort": 2, "fork": 3, "preempt": 2, "resume": 3, "receive": 2, "clear": 0.3,
-        "hook": 1, "inject": 2,
+        "hook": 1, "inject": 2, "expire": 1, "kill": 0.3, "notice": 8,
     }
 
     def __init__(self, num_pages: int = 48, page_size: int = 4, max_seqs: int = 10,
@@ -201,8 +202,13 @@ class FuzzEngine:
         every step completes, and is finished, within the move that launched it)
     capabilities: optional moves the engine supports: ``"fork"``, ``"preempt"``, ``"resume"``,
         ``"receive"``, ``"clear"`` (:meth:`clear_cache`), ``"hooks"`` (the ``hook`` move: the
-        next manager hook of some kind raises)
+        next manager hook of some kind raises), ``"transport"`` (transfers land through
+        :meth:`land`), ``"leases"``, ``"kill"``, ``"notices"`` (the ``expire``, ``kill`` and
+        ``notice`` moves)
     bugs: engine-side fault switches the adapter honours (see :mod:`kvmem.testing.faults`)
+    source_manager: for an engine that receives pages from another manager over a real
+        transport (capability ``"transport"``), that manager (the prefill side): the fuzzer
+        watches its lifetimes (:mod:`kvmem.testing._transfer_oracles`); None otherwise
     stream_ordered: the engine runs its steps in launch order on one stream and relies on that
         order instead of step fences (vLLM): it frees and reuses pages while a step runs and
         commits a step's tokens when it schedules the step. The timeline then guards no step's
@@ -216,6 +222,7 @@ class FuzzEngine:
     stream_ordered: ClassVar[bool] = False
     manager: Any
     max_in_flight: int = 2
+    source_manager: Any = None
 
     def __init__(self) -> None:
         self.bugs: set[str] = set()
@@ -249,6 +256,33 @@ class FuzzEngine:
         return None
 
     def clear_cache(self) -> bool:
+        return False
+
+    def land(self, op: Launch) -> tuple[bool, Any]:
+        """(``"transport"``) The transport completes transfer ``op``'s read: ``(ok, landed)``,
+        whether its bytes moved and ``[T]`` int64, what its slots hold now."""
+        raise NotImplementedError
+
+    def expire(self, choice: int) -> bool:
+        """(``"leases"``) The clock passes the lease term: the source's leases expire."""
+        return False
+
+    def kill(self, choice: int) -> bool:
+        """(``"kill"``) The source process dies (a fresh one takes its place)."""
+        return False
+
+    def notice(self, a: int, b: int) -> bool:
+        """(``"notices"``) A notice in flight between the sides is delivered, lost or
+        duplicated."""
+        return False
+
+    def notices_in_flight(self) -> int:
+        """(``"notices"``) Notices sent and not yet delivered or lost."""
+        return 0
+
+    def waiting_on_clock(self) -> bool:
+        """(``"leases"``) Whether a lease or an answer still waits for a term the clock has not
+        passed (the drain's ``expire`` ends it; a lease past its term is stranded)."""
         return False
 
     def check(self) -> None:

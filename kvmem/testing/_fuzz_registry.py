@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvmem.errors import ArgumentError
+from kvmem.testing._fuzz_disagg import DisaggEngine
 from kvmem.testing._fuzz_manager import ManagerEngine
 from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._fuzz_toy import ToyEngineAdapter
@@ -15,6 +16,7 @@ __all__ = ["ENGINES", "make_engine"]
 
 ENGINES: dict[str, Callable[[FuzzConfig], FuzzEngine]] = {
     "manager": ManagerEngine,
+    "disagg": DisaggEngine,
     "toy": ToyEngineAdapter,
 }
 

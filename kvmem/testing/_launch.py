@@ -78,19 +78,24 @@ class Launch:
     writes_first: the step's kernels write its K/V before attention reads (vLLM's backends,
         layer by layer), so a request may read another's same-step write (a same-step prefix
         hit); default False: old positions are read before the step's writes land
+    source_pages: ``[S]`` int — for a transfer from another manager (a prefill pool), the pages
+        it reads there (the ``transfer_lifetime`` oracle watches their lifetimes); default none
+    source_tags: ``[S]`` int64 — their lifetime tags when the transfer was offered (default: their
+        tags when the fuzzer sees the launch)
     """
 
     __slots__ = ("copy_dst", "copy_src", "ent_flat", "fence", "guard", "held_sources", "id",
                  "kind", "kv_counts", "kv_indices", "kv_indptr", "mrows", "num_new",
-                 "pending_copies", "request_ids", "slot_mapping", "starts", "write_pages",
-                 "writes_first")
+                 "pending_copies", "request_ids", "slot_mapping", "source_pages", "source_tags",
+                 "starts", "write_pages", "writes_first")
 
     def __init__(self, request_ids: tuple[Any, ...], starts: npt.ArrayLike,
                  num_new: npt.ArrayLike, kv_indptr: npt.ArrayLike, kv_indices: npt.ArrayLike,
                  slot_mapping: npt.ArrayLike, copy_src: npt.ArrayLike = _EMPTY32,
                  copy_dst: npt.ArrayLike = _EMPTY32, fence: int | None = None,
                  kind: str = "step", held_sources: npt.ArrayLike | None = None,
-                 writes_first: bool = False) -> None:
+                 writes_first: bool = False, source_pages: npt.ArrayLike = _EMPTY32,
+                 source_tags: npt.ArrayLike | None = None) -> None:
         if kind not in ("step", "transfer"):
             raise ArgumentError(f"Launch kind must be 'step' or 'transfer', got {kind!r}")
         self.request_ids = tuple(request_ids)
@@ -106,6 +111,9 @@ class Launch:
         self.fence = fence
         self.kind = kind
         self.writes_first = writes_first
+        self.source_pages = np.asarray(source_pages, dtype=np.int64)
+        self.source_tags = None if source_tags is None else np.asarray(source_tags,
+                                                                         dtype=np.int64)
         b = len(self.request_ids)
         if (self.starts.shape != (b,) or self.num_new.shape != (b,)
                 or self.kv_indptr.shape != (b + 1,) or self.copy_src.shape != self.copy_dst.shape):

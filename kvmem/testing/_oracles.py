@@ -25,6 +25,9 @@ Oracles (each named; :class:`FuzzFailure.oracle` says which fired):
 ``step_metadata``, (:mod:`kvmem.testing._value_oracles`)
 ``request_state``,
 ``stats``
+``transfer_lifetime``, bytes a transfer read from a source page whose lifetime ended are
+``leases``         never used; nothing stranded at the source
+                   (:mod:`kvmem.testing._transfer_oracles`)
 =================  ==========================================================================
 
 :class:`OracleSet` holds the page oracles (``happens_before``, ``tags``, ``refcounts``,
@@ -59,7 +62,8 @@ Int32Array = npt.NDArray[np.int32]
 
 ORACLES = ("happens_before", "fences", "reads", "landed_hit", "tags", "refcounts",
            "conservation", "verify", "requests", "check", "kvmem_error", "engine",
-           "admission", "step_metadata", "request_state", "stats")
+           "admission", "step_metadata", "request_state", "stats", "transfer_lifetime",
+           "leases")
 
 
 

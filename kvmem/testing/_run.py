@@ -25,6 +25,7 @@ from kvmem.testing._fuzz_registry import make_engine
 from kvmem.testing._launch import Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
 from kvmem.testing._timeline import Timeline
+from kvmem.testing._transfer_oracles import TransferOracles
 
 __all__ = ["HOOK_KINDS_FAILED", "MOVES", "OPTIONAL_MOVES", "ArmedHookFailure", "Move", "Run",
            "to_config", "to_fault"]
@@ -32,7 +33,7 @@ __all__ = ["HOOK_KINDS_FAILED", "MOVES", "OPTIONAL_MOVES", "ArmedHookFailure", "
 Move = tuple[str, int, int]
 
 MOVES = ("submit", "launch", "retire", "finish", "complete", "copy", "transfer", "abort", "fork",
-         "preempt", "resume", "receive", "clear", "hook", "inject")
+         "preempt", "resume", "receive", "clear", "hook", "inject", "expire", "kill", "notice")
 """Every move: ``submit`` (a request arrives), ``launch`` (the scheduler launches a step),
 ``retire`` (the host learns that the oldest op done on the device is done: its fence is
 retired), ``finish`` (the host processes the oldest done op's outputs: commit, release
@@ -40,7 +41,9 @@ finished requests), ``complete`` (the device completes the oldest step), ``copy`
 page copy lands), ``transfer`` (a transfer lands), ``abort``
 (a client cancels), ``fork``, ``preempt``, ``resume``, ``receive`` (a request arrives with its
 prompt K/V on a transfer), ``clear`` (the prefix cache is cleared), ``hook`` (the next hook of
-some kind raises), ``inject`` (the fault's one-shot injection)."""
+some kind raises), ``inject`` (the fault's one-shot injection); with a source manager over a
+real transport: ``expire`` (the clock passes the lease term), ``kill`` (the source process
+dies), ``notice`` (a notice in flight is delivered, lost or duplicated)."""
 
 class ArmedHookFailure(RuntimeError):
     """What an armed hook raises (the manager turns it into a HookError)."""
@@ -61,7 +64,8 @@ HOOK_KINDS_FAILED = ("admit", "fork", "preempt", "release", "step_end")
 needs (see the report: a HookError loses ``reserve``'s metadata)."""
 
 OPTIONAL_MOVES = {"fork": "fork", "preempt": "preempt", "resume": "resume", "receive": "receive",
-                  "clear": "clear", "hook": "hooks"}  # optional move -> the capability it needs
+                  "clear": "clear", "hook": "hooks", "expire": "leases", "kill": "kill",
+                  "notice": "notices"}  # optional move -> the capability it needs
 
 
 def to_fault(fault: Any) -> Any:
@@ -108,7 +112,10 @@ class Run:
         ordered = self.engine.stream_ordered
         self.timeline = Timeline(mgr, c.max_requests, c.max_len, c.check_every,
                                  c.strict_commits and not ordered, ordered)
-        self.timeline.extra_check = self.engine.check
+        self.transfers: TransferOracles | None = None
+        if self.engine.source_manager is not None:
+            self.transfers = TransferOracles(self.engine.source_manager, mgr)
+        self.timeline.extra_check = self._extra_check
         rng = np.random.default_rng(seed)
         self._material = rng.integers(0, c.vocab, size=1 << 16).astype(np.int64)
         self._stems = [rng.integers(0, c.vocab, size=c.prompt_len[1]).astype(np.int64)
@@ -118,6 +125,7 @@ class Run:
         self.num_moves = 0  # moves that applied
         self.num_calls = 0  # moves run (a failure's ``move`` is its index among them)
         self._armed: set[str] = set()
+        self._last_move = ""
         caps = set(self.engine.capabilities)
         self.moves_enabled = tuple(m for m in MOVES if (m not in OPTIONAL_MOVES or
                                                         OPTIONAL_MOVES[m] in caps)
@@ -136,6 +144,12 @@ class Run:
             self.fault.install(self)
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _extra_check(self) -> None:
+        self.engine.check()
+        if self.transfers is not None:
+            self.transfers.full_check(self.timeline.idle and not self.engine.notices_in_flight()
+                                      and not self.engine.waiting_on_clock())
 
     def _failing_hook(self, kind: str) -> Callable[[Any], None]:
         def hook(event: Any) -> None:
@@ -220,6 +234,7 @@ class Run:
         nothing). Raises :class:`FuzzFailure` when an oracle fires."""
         index = self.num_calls
         self.num_calls += 1
+        self._last_move = name
         try:
             applied = bool(getattr(self, "_m_" + name)(a, b))
         except FuzzFailure as f:
@@ -236,6 +251,12 @@ class Run:
                               index) from e
         if applied:
             self.num_moves += 1
+            if self.transfers is not None:
+                try:
+                    self.transfers.after_move()
+                except FuzzFailure as f:
+                    f.move = index
+                    raise
         return applied
 
     def _m_submit(self, a: int, b: int) -> bool:
@@ -255,6 +276,8 @@ class Run:
         if cap and len(tl.in_flight) >= cap:
             return False
         op = self.engine.launch(a)
+        if op is not None and self.transfers is not None:
+            self.transfers.check_launch(op)
         if cap == 0:
             self._settle_sync(op)
         else:
@@ -282,7 +305,16 @@ class Run:
         return self.timeline.land_copy()
 
     def _m_transfer(self, a: int, b: int) -> bool:
-        return self.timeline.land_transfer(a)
+        tl = self.timeline
+        if self.transfers is None or not tl.transfers:
+            return tl.land_transfer(a)
+        op = tl.transfers[a % len(tl.transfers)]
+        ok, landed = self.engine.land(op)
+        if not ok:  # no byte moved: the slots keep what they held
+            landed = tl.kv[op.slot_mapping].copy()
+        tl.land_transfer(a, landed)
+        self.transfers.landed(op, ok)
+        return True
 
     def _m_abort(self, a: int, b: int) -> bool:
         if not self.alive:
@@ -339,6 +371,8 @@ class Run:
         self.timeline.add_request(spec)
         self.alive[spec.request_id] = None
         self.timeline.after_host_move(op)
+        if self.transfers is not None:
+            self.transfers.posted(op)
         return True
 
     def _m_clear(self, a: int, b: int) -> bool:
@@ -350,6 +384,26 @@ class Run:
     def _m_hook(self, a: int, b: int) -> bool:
         self._armed.add(HOOK_KINDS_FAILED[a % len(HOOK_KINDS_FAILED)])
         self.timeline.after_device_move()
+        return True
+
+    def _m_expire(self, a: int, b: int) -> bool:
+        if not self.engine.expire(a):
+            return False
+        self.timeline.after_host_move()
+        return True
+
+    def _m_kill(self, a: int, b: int) -> bool:
+        if not self.engine.kill(a):
+            return False
+        if self.transfers is not None:
+            self.transfers.new_source(self.engine.source_manager)
+        self.timeline.after_host_move()
+        return True
+
+    def _m_notice(self, a: int, b: int) -> bool:
+        if not self.engine.notice(a, b):
+            return False
+        self.timeline.after_host_move()
         return True
 
     def _m_inject(self, a: int, b: int) -> bool:
@@ -375,6 +429,10 @@ class Run:
             return [("retire", 0, 0)]
         if tl.next_to_finish() is not None:
             return [("finish", 0, 0)]
+        if self.engine.notices_in_flight():
+            return [("notice", 0, 0)]  # (b = 0: delivered)
+        if self.engine.waiting_on_clock() and self._last_move != "expire":
+            return [("expire", 0, 0)]  # what no notice ended, the lease term does
         return []
 
     def drain(self) -> None:

@@ -409,20 +409,23 @@ class Timeline:
         self.after_device_move()
         return True
 
-    def land_transfer(self, choice: int) -> bool:
-        """One of the transfers in flight lands (any order)."""
+    def land_transfer(self, choice: int, landed: Int64Array | None = None) -> bool:
+        """One of the transfers in flight lands (any order): ``transfers[choice % n]``.
+        ``landed``: ``[T]`` int64, what it really wrote into its slots (default: its requests'
+        own K/V)."""
         if not self.transfers:
             return False
         op = self.transfers.pop(choice % len(self.transfers))
-        self._finish_on_device(op, reads=False)
+        self._finish_on_device(op, reads=False, landed=landed)
         self.after_device_move()
         return True
 
-    def _finish_on_device(self, op: Launch, reads: bool) -> None:
+    def _finish_on_device(self, op: Launch, reads: bool,
+                          landed: Int64Array | None = None) -> None:
         if reads:
             self.oracles.check_reads(op, self.memory)
         else:
-            self.memory.land_writes(op)
+            self.memory.land_writes(op, landed)
         g = op.guard
         if op.copy_src.size:  # each copy's source was released when it landed
             g = np.concatenate([op.kv_indices, op.write_pages, op.copy_dst])

@@ -13,6 +13,7 @@
     _wire.py        a JSON header and raw arrays (no pickle)
     _sender.py      Sender: the prefill side (export under a lease, answer confirms)
     _receiver.py    Receiver: the decode side (admit, read, check, commit or fall back)
+    _faults.py      TransferFaults: protections a fuzzer switches off (fault injection only)
 
 This room sits above the pools and the allocator and below the manager: it takes a
 ``KVCacheManager`` as an argument and never imports the manager's module. See
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 from kvmem.transfer._bundle import PageBundle, gather_pages, page_digests
 from kvmem.transfer._descs import Region, merge_descs, page_descs, paired_descs, tensor_descs
+from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import FORMAT_VERSION, CacheIdentity
 from kvmem.transfer._inprocess import InProcessHub, InProcessTransport
 from kvmem.transfer._message import TransferMessage
 from kvmem.transfer._nixl import NixlTransport
 from kvmem.transfer._peer import Peer, PeerError
-from kvmem.transfer._receiver import LoadResult, Receiver
+from kvmem.transfer._receiver import LoadResult, Receiver, Receiving
 from kvmem.transfer._sender import Sender
 from kvmem.transfer._transport import ReadState, Transport
 
@@ -44,8 +46,10 @@ __all__ = [
     "PeerError",
     "ReadState",
     "Receiver",
+    "Receiving",
     "Region",
     "Sender",
+    "TransferFaults",
     "TransferMessage",
     "Transport",
     "gather_pages",

@@ -6,10 +6,13 @@ process). A read checks that every remote row lies in memory the peer registered
 local row in memory this agent registered, then copies at once and is ``"done"``; its notice is
 then put in the peer's inbox. Device memory is not supported (the rows' device id must be 0).
 
-Two public knobs make the faults a real transport has, for tests:
+Public knobs make the faults a real transport has, for tests:
 
     hold_reads = True      new reads stay "pending" until complete(handle, ok) moves their
                            bytes ("done") or fails them ("failed", no byte moved)
+    hold_notices = True    notices sent to this agent wait in ``in_flight`` until deliver(i)
+                           puts one in the inbox, drop(i) loses it, or duplicate(i) delivers
+                           it and keeps it in flight (to arrive again)
     close()                a closed peer: its pending reads fail when completed, new reads
                            to it raise
 """
@@ -82,6 +85,8 @@ class InProcessTransport:
         self.regions = np.empty((0, 3), dtype=np.int64)
         self.peers: set[str] = set()
         self.hold_reads = False
+        self.hold_notices = False
+        self.in_flight: list[tuple[str, bytes]] = []  # notices held (hold_notices)
         self.closed = False
         self._reads: dict[int, _Read] = {}
         self._next = 1
@@ -142,7 +147,7 @@ class InProcessTransport:
             ctypes.memmove(dst, src, n)
         r.state = "done"
         if r.notice:
-            other._inbox.append((self.agent, r.notice))
+            other._post(self.agent, r.notice)
 
     @property
     def pending(self) -> list[int]:
@@ -162,11 +167,34 @@ class InProcessTransport:
 
     def notify(self, peer: str, message: bytes) -> None:
         self._open()
-        self._peer(peer)._inbox.append((self.agent, bytes(message)))
+        self._peer(peer)._post(self.agent, bytes(message))
+
+    def _post(self, sender: str, message: bytes) -> None:
+        (self.in_flight if self.hold_notices else self._inbox).append((sender, message))
 
     def notices(self) -> list[tuple[str, bytes]]:
         out, self._inbox = self._inbox, []
         return out
+
+    def _held(self, i: int) -> tuple[str, bytes]:
+        if not 0 <= i < len(self.in_flight):
+            raise ArgumentError(f"agent {self.agent!r} holds {len(self.in_flight)} notices in "
+                                f"flight; there is no notice {i}")
+        return self.in_flight[i]
+
+    def deliver(self, i: int = 0) -> None:
+        """Held notice ``i`` (``in_flight[i]``) arrives: it leaves the flight for the inbox."""
+        self._inbox.append(self._held(i))
+        del self.in_flight[i]
+
+    def drop(self, i: int = 0) -> None:
+        """Held notice ``i`` is lost."""
+        self._held(i)
+        del self.in_flight[i]
+
+    def duplicate(self, i: int = 0) -> None:
+        """Held notice ``i`` arrives, and a copy of it stays in flight."""
+        self._inbox.append(self._held(i))
 
     def close(self) -> None:
         """Drop this agent: peers' pending reads from it fail when completed."""

@@ -42,6 +42,7 @@ from kvmem.cuda import PagePool
 from kvmem.errors import ArgumentError, IntegrityError, KVMemError
 from kvmem.transfer._bundle import gather_pages, page_digests, static_scales_of
 from kvmem.transfer._descs import Region, paired_descs, tensor_descs
+from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import CacheIdentity
 from kvmem.transfer._message import TransferMessage, confirm_bytes, parse_notice
 from kvmem.transfer._transport import Transport
@@ -49,7 +50,7 @@ from kvmem.transfer._transport import Transport
 if TYPE_CHECKING:
     from kvmem.manager import KVCacheManager
 
-__all__ = ["LoadResult", "Receiver"]
+__all__ = ["LoadResult", "Receiver", "Receiving"]
 
 log = logging.getLogger(__name__)
 Policy = Literal["recompute", "fail"]
@@ -65,6 +66,19 @@ class LoadResult(NamedTuple):
     status: str
     num_computed_tokens: int
     reason: str = ""
+
+
+class Receiving(NamedTuple):
+    """What :meth:`Receiver.receive` admitted and started. ``admitted``: the manager's
+    AdmitResult (``num_cached_tokens``: the prefix hits, whole pages); ``pages``: ``[k]`` int32,
+    the destination pages the read fills (the request's pages ``hits .. num_pages``, leased
+    until the read is final; empty when every page hit); ``handle``: the transport's read (None:
+    nothing to read, or waiting for staging pages)."""
+
+    transfer_id: str
+    admitted: Any
+    pages: npt.NDArray[np.int32]
+    handle: int | None
 
 
 @dataclass
@@ -128,6 +142,7 @@ class Receiver:
         self._results: list[LoadResult] = []
         self.counts = dict.fromkeys(("loaded", "recompute", "failed", "aborted", "ignored",
                                      "bytes_read", "descriptors"), 0)
+        self.faults = TransferFaults()  # (fault injection only: all on)
 
     @property
     def loading(self) -> tuple[Any, ...]:
@@ -136,8 +151,9 @@ class Receiver:
 
     # -- receive -----------------------------------------------------------------------------
 
-    def receive(self, offer: bytes | TransferMessage, now: float) -> None:
-        """Admit the offered request and start reading the pages this cache lacks.
+    def receive(self, offer: bytes | TransferMessage, now: float) -> Receiving:
+        """Admit the offered request and start reading the pages this cache lacks; what was
+        admitted and started (:class:`Receiving`).
 
         Raises, changing nothing: IncompatibleCacheError (naming the field), OutOfPagesError,
         ArgumentError (malformed offer, request id known here)."""
@@ -156,7 +172,7 @@ class Receiver:
         if hits >= n:  # every page is here already: the sender's lease can end
             self._decline(msg)
             self._finish_result(LoadResult(rid, "loaded", hits * P), "loaded")
-            return
+            return Receiving(msg.transfer_id, admitted, np.empty(0, dtype=np.int32), None)
         hold = m.lease(rid, hits, n)
         load = _Load(msg, hits, hold.pages, hold, float(now))
         try:
@@ -169,6 +185,7 @@ class Receiver:
             self._free_staging(load)
             raise
         self._loads[msg.transfer_id] = load
+        return Receiving(msg.transfer_id, admitted, load.dst, load.handle)
 
     def _staging_for(self, identity: CacheIdentity) -> _Staging:
         key = repr(identity.to_json())
@@ -264,6 +281,9 @@ class Receiver:
             if load.aborted:
                 self._drop(tid, load)
                 return
+            if state == "failed" and not self.faults.fail_failed_reads:
+                self._complete(tid, load)  # (fault) as if its bytes had moved
+                return
             if state == "failed":
                 self._fallback(tid, load, "the read failed")
                 return
@@ -271,6 +291,9 @@ class Receiver:
                 self._fallback(tid, load, "a page's bytes do not match its digest")
                 return
             load.state = "confirming"
+            if not self.faults.wait_for_answer:
+                self._complete(tid, load)  # (fault) on the digests alone
+                return
         if load.state == "confirming":
             if load.answer is None:
                 if now - load.started > self.answer_timeout:
@@ -294,7 +317,7 @@ class Receiver:
         found = page_digests(pages, tokens, msg.static_scales)
         return bool(np.array_equal(found, msg.page_digests[lo:hi]))
 
-    def _complete(self, tid: str, load: _Load) -> None:
+    def _complete(self, tid: str, load: _Load, count: bool = True) -> None:
         m, msg, P = self.manager, load.msg, self.manager.page_size
         rid, lo, hi = msg.request_id, load.hits, msg.num_pages
         if rid not in m.running or not np.array_equal(m.pages_of(rid)[lo:hi], load.dst):
@@ -311,7 +334,8 @@ class Receiver:
                                  "the load filled")
         m.commit(rid, msg.token_ids[lo * P : hi * P])
         self._drop(tid, load)
-        self._finish_result(LoadResult(rid, "loaded", hi * P), "loaded")
+        if count:
+            self._finish_result(LoadResult(rid, "loaded", hi * P), "loaded")
 
     def _convert(self, load: _Load, slots: npt.NDArray[np.int64]) -> None:
         """Write the staged pages through this pool (quantized as a direct write would be)."""
@@ -356,6 +380,14 @@ class Receiver:
         rid = load.msg.request_id
         log.warning("kvmem transfer %s: request %r falls back (%s): %s", tid, rid, self.policy,
                     reason)
+        if (not self.faults.commit_checked_only and load.state != "waiting"
+                and rid in self.manager.running):
+            # (fault) the failed load's pages enter the prefix cache; the request is admitted
+            # again by the engine, through them
+            self._complete(tid, load, count=False)
+            self.manager.release(rid)
+            self._finish_result(LoadResult(rid, "recompute", 0, reason), "recompute")
+            return
         self._drop(tid, load)
         if self.policy == "fail":
             self.manager.release(rid)
@@ -374,6 +406,8 @@ class Receiver:
             raise ArgumentError(f"request {request_id!r} is not loading here")
         tid, load = found[0]
         self.manager.release(request_id)
+        if load.state == "reading" and not self.faults.hold_until_final:
+            self._end_hold(load)  # (fault) the destinations go back while bytes may land
         if load.state == "reading":
             load.aborted = True  # poll drops it once the read is final
         else:

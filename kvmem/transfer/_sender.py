@@ -26,6 +26,7 @@ from kvmem.allocator import Lease
 from kvmem.errors import ArgumentError, KVMemError
 from kvmem.transfer._bundle import gather_pages, page_digests, static_scales_of
 from kvmem.transfer._descs import Region, tensor_descs
+from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import CacheIdentity
 from kvmem.transfer._message import TransferMessage, answer_bytes, parse_notice
 from kvmem.transfer._transport import Transport
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Out:
     request_id: Any
-    lease: Lease
+    lease: Lease | None  # (None: only with faults.lease_pages off)
     expiry: float
 
 
@@ -60,6 +61,7 @@ class Sender:
     ----------
     counts: ``{"confirmed", "stale", "expired", "declined", "ignored"}`` notices and leases so
         far.
+    faults: :class:`TransferFaults` (all on; fault injection only)
     """
 
     def __init__(self, manager: KVCacheManager, pool: PagePool, transport: Transport,
@@ -76,6 +78,8 @@ class Sender:
         self._out: dict[str, _Out] = {}
         self._next = 1
         self.counts = dict.fromkeys(("confirmed", "stale", "expired", "declined", "ignored"), 0)
+        self.faults = TransferFaults()
+        self._answered: dict[str, _Out] = {}  # (only with faults.end_lease_once off)
 
     @property
     def open_transfers(self) -> tuple[str, ...]:
@@ -97,10 +101,15 @@ class Sender:
             raise ArgumentError(f"token_ids must begin with the {n * P} tokens of request "
                                 f"{request_id!r}'s full pages; nothing changed")
         namespace = m.namespace_of(request_id)
-        lease = m.lease(request_id, 0, n)
+        lease = m.lease(request_id, 0, n) if self.faults.lease_pages else None
+        if lease is not None:
+            pages, tags = lease.pages, lease.tags
+        else:  # (fault) page ids with no lifetime behind them
+            pages = m.pages_of(request_id)[:n]
+            tags = m.allocator.tags[pages]
         page_tokens = tokens[: n * P].reshape(n, P)
         static = static_scales_of(self.pool)
-        digests = page_digests(gather_pages(self.pool, lease.pages), page_tokens, static)
+        digests = page_digests(gather_pages(self.pool, pages), page_tokens, static)
         cache = m.cache
         keys = (cache.run_keys(cache.root_key(namespace), 0, page_tokens)
                 if cache is not None and n else np.zeros((n, 2), dtype=np.uint64))
@@ -109,7 +118,7 @@ class Sender:
         expiry = float(now) + self.lease_seconds
         self._out[transfer_id] = _Out(request_id, lease, expiry)
         msg = TransferMessage(transfer_id, self.transport.agent, request_id, self.identity,
-                              namespace, tokens.copy(), lease.pages.copy(), lease.tags.copy(),
+                              namespace, tokens.copy(), pages.copy(), tags.copy(),
                               np.asarray(keys, dtype=np.uint64), self.regions, static, digests,
                               expiry)
         return msg.to_bytes()
@@ -119,14 +128,16 @@ class Sender:
         out = self._out.pop(transfer_id, None)
         if out is None:
             raise ArgumentError(f"transfer {transfer_id!r} has no open lease")
-        self.manager.end_lease(out.lease)
+        if out.lease is not None:
+            self.manager.end_lease(out.lease)
 
     def poll(self, now: float) -> list[tuple[str, bool]]:
         """End expired leases, answer confirms: ``[(transfer_id, ok)]`` answered now."""
         for tid, out in list(self._out.items()):
-            if out.expiry <= now:
+            if out.expiry <= now and self.faults.expire_leases:
                 del self._out[tid]
-                self.manager.end_lease(out.lease)
+                if out.lease is not None:
+                    self.manager.end_lease(out.lease)
                 self.counts["expired"] += 1
                 log.info("kvmem transfer %s: lease expired (request %r)", tid, out.request_id)
         answered = []
@@ -151,9 +162,16 @@ class Sender:
 
     def _confirm(self, tid: str, tags: Any) -> tuple[bool, str]:
         out = self._out.pop(tid, None)
+        if out is None and not self.faults.end_lease_once:
+            out = self._answered.get(tid)  # (fault) an answered confirm's lease ends again
+        elif out is not None and not self.faults.end_lease_once:
+            self._answered[tid] = out
         if out is None:
             self.counts["stale"] += 1
             return False, "no open lease (expired, cancelled or answered already)"
+        if out.lease is None:  # (fault) nothing to check the pages against
+            self.counts["confirmed"] += 1
+            return True, ""
         intact = self.manager.end_lease(out.lease)
         if tags is None or tags.size == 0:
             self.counts["declined"] += 1
