@@ -748,8 +748,8 @@ def test_the_transfer_room_exports_exactly_its_public_names() -> None:
 
     assert set(kvmem.transfer.__all__) == {
         "FORMAT_VERSION", "CacheIdentity", "InProcessHub", "InProcessTransport", "LoadResult",
-        "PageBundle", "ReadState", "Receiver", "Receiving", "Region", "Sender", "TransferFaults",
-        "TransferMessage",
+        "NixlTransport", "PageBundle", "Peer", "PeerError", "ReadState", "Receiver", "Receiving",
+        "Region", "Sender", "TransferFaults", "TransferMessage",
         "Transport", "gather_pages", "merge_descs", "page_descs", "page_digests",
         "paired_descs", "tensor_descs"}
     assert all(hasattr(kvmem.transfer, n) for n in kvmem.transfer.__all__)
