@@ -231,9 +231,11 @@ def test_the_vllm_table_names_the_seven_faults_that_apply_to_vllm() -> None:
 def test_the_ci_profile_runs_the_documented_fault_free_moves() -> None:
     from kvmem.cli import _fuzz as _fuzz_cli
 
-    assert "50,000 fault-free moves on the manager" in DOC and "10,000 on the toy" in DOC
-    assert _fuzz_cli._CI_CLEAN["manager"] == 50_000 and _fuzz_cli._CI_CLEAN["toy"] == 10_000
-    assert _fuzz_cli._CI_ENGINES == ("manager", "toy")
+    assert "50,000 fault-free moves on the manager" in DOC
+    assert "10,000 each on the toy and the disaggregated engines" in DOC
+    assert _fuzz_cli._CI_CLEAN["manager"] == 50_000
+    assert _fuzz_cli._CI_CLEAN["toy"] == _fuzz_cli._CI_CLEAN["disagg"] == 10_000
+    assert _fuzz_cli._CI_ENGINES == ("manager", "toy", "disagg")
 
 
 def test_a_seed_gives_the_same_run_and_json_goes_to_stdout_progress_to_stderr(

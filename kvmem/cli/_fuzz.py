@@ -59,7 +59,7 @@ def add_fuzz_parser(sub: Any) -> None:
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
     p.add_argument("--profile", choices=["ci", "ci-vllm"],
-                   help="ci: the derandomized CI profile (manager, toy); ci-vllm: the same for "
+                   help="ci: the derandomized CI profile (manager, toy, disagg); ci-vllm: the same for "
                    "the vLLM engines")
     p.add_argument("--config",
                    help="system shape: small (finds races fast; the default) or bench (4,096 "
@@ -283,11 +283,11 @@ def _save(args: argparse.Namespace, r: Any, config: Any) -> None:
 
 
 # The CI profiles: fixed seeds and budgets, so the outcome depends on the code only.
-_CI_ENGINES = ("manager", "toy")
+_CI_ENGINES = ("manager", "toy", "disagg")
 _VLLM_ENGINES = ("vllm", "vllm-async")  # ci-vllm: vLLM's import alone takes 5-20 s
 _CI_CAMPAIGNS, _CI_MOVES, _CI_SHRINK = 25, 1500, 100
-_CI_CLEAN = {"manager": 5 * _CLEAN_MOVES, "toy": _CLEAN_MOVES,  # fault-free moves
-             "vllm": _CLEAN_MOVES // 2, "vllm-async": _CLEAN_MOVES // 2}
+_CI_CLEAN = {"manager": 5 * _CLEAN_MOVES, "toy": _CLEAN_MOVES, "disagg": _CLEAN_MOVES,
+             "vllm": _CLEAN_MOVES // 2, "vllm-async": _CLEAN_MOVES // 2}  # fault-free moves
 
 
 def _ci_profile(progress: _Progress,
