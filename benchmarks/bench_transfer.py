@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvmem.transfer import NixlTransport
-from kvmem.transfer._layout import page_descs
+from kvmem.transfer._descs import Region, page_descs, tensor_descs
 from kvmem.transfer._peer import Peer
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout
@@ -48,7 +48,7 @@ def serve(conn: Connection, shape: tuple[int, int, int], ucx_tls: str) -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     transport = NixlTransport("prefill", ucx_tls=ucx_tls)
     pages = torch.full(shape, 7, dtype=torch.uint8)
-    transport.register(page_descs(pages, np.arange(shape[1])))
+    transport.register(tensor_descs(pages))
     conn.send((transport.metadata(), pages.data_ptr()))
     while True:
         while not conn.poll(0):
@@ -88,16 +88,16 @@ def kvmem_read(transport: NixlTransport, peer: str, local: np.ndarray, remote: n
     transport.release(handle)
 
 
-def descs_per_page(pages: torch.Tensor, rng: np.random.Generator) -> dict[str, dict[str, float]]:
-    num_pages = pages.shape[1]
+def descs_per_page(region: Region, rng: np.random.Generator) -> dict[str, dict[str, float]]:
+    num_pages = region.num_pages
     patterns = {
         "run": np.arange(64, 64 + 256),
         "scattered": np.sort(rng.choice(num_pages, 256, replace=False)),
     }
     return {
         name: {
-            "merged": len(page_descs(pages, ids)) / len(ids),
-            "unmerged": len(page_descs(pages, ids, merge=False)) / len(ids),
+            "merged": len(page_descs(region, ids)) / len(ids),
+            "unmerged": len(page_descs(region, ids, merge=False)) / len(ids),
         }
         for name, ids in patterns.items()
     }
@@ -136,9 +136,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     transport = NixlTransport("kvmem", ucx_tls=args.ucx_tls)
     raw = nixl_agent("raw", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     local = torch.zeros(shape, dtype=torch.uint8)
-    all_pages = page_descs(local, np.arange(args.pool_pages))
-    transport.register(all_pages)
-    raw.register_memory([(int(a), int(n), int(d), "") for a, n, d in all_pages], "DRAM")
+    region = Region.of(local)
+    whole = tensor_descs(local)
+    transport.register(whole)
+    raw.register_memory([(int(a), int(n), int(d), "") for a, n, d in whole], "DRAM")
     metadata, remote_base = peer.recv()
     name = transport.add_peer(metadata)
     raw_name = raw.add_remote_agent(metadata[4:]).decode()
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     build_us: dict[int, float] = {}
     for n in sizes:
         ids = np.arange(64, 64 + n)
-        merged, unmerged = page_descs(local, ids), page_descs(local, ids, merge=False)
+        merged, unmerged = page_descs(region, ids), page_descs(region, ids, merge=False)
         pairs = {"raw": (merged, remote_of(merged)), "kvmem": (merged, remote_of(merged)),
                  "kvmem_unmerged": (unmerged, remote_of(unmerged))}
         runs: dict[str, Callable[[], object]] = {
@@ -177,9 +178,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise RuntimeError("the bytes read are not the peer's")
         read_us[n] = {k: float(np.median(v)) for k, v in times.items()}
         ratio[n] = float(np.median(np.divide(times["raw"], times["kvmem"])))  # paired
-        build_us[n] = float(np.median([timed(lambda i=ids: page_descs(local, i))
+        build_us[n] = float(np.median([timed(lambda i=ids: page_descs(region, i))
                                        for _ in range(200)]))
-    descs = descs_per_page(local, np.random.default_rng(0))
+    descs = descs_per_page(region, np.random.default_rng(0))
     peer.send(("stop",))
     peer.close()
     transport.close()

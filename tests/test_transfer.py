@@ -3,6 +3,7 @@ sender and a receiver (real managers and pools) over the in-process transport.""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -167,6 +168,56 @@ def test_paired_descriptors_merge_only_where_both_sides_are_contiguous() -> None
     assert s1.shape == (6, 3)
     with pytest.raises(ArgumentError):
         paired_descs(src, [0, 1], dst, [3])
+
+
+def _bytes_at(descs: np.ndarray) -> bytes:
+    return b"".join(ctypes.string_at(int(a), int(n)) for a, n, _ in descs)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_descriptors_name_the_pages_bytes_layer_major(merge: bool) -> None:
+    """Against a real pool-shaped tensor (bf16 ``[L, P, page_size, 2, heads, dim]``): the
+    descriptors' bytes, read in order, are the pages' bytes in every layer, layer-major."""
+    t = torch.randn(3, 16, 4, 2, 2, 8, generator=torch.Generator().manual_seed(0)
+                    ).to(torch.bfloat16)
+    region = Region.of(t)
+    assert region.page_nbytes == 4 * 2 * 2 * 8 * 2
+    ids = np.array([3, 4, 5, 9, 0])
+    descs = page_descs(region, ids, merge=merge)
+    assert descs.dtype == np.int64 and descs.shape == (3 * (3 if merge else 5), 3)
+    assert _bytes_at(descs) == t[:, ids].contiguous().view(torch.uint8).numpy().tobytes()
+    assert (descs[:, 2] == 0).all()
+
+
+def test_paired_descriptors_copy_the_source_pages_onto_the_destination_pages() -> None:
+    """A byte-level read with paired rows (memmove row by row) lands every source page on its
+    destination page and touches no other page."""
+    gen = torch.Generator().manual_seed(1)
+    src_t = torch.randint(0, 256, (2, 16, 64), dtype=torch.uint8, generator=gen)
+    dst_t = torch.zeros_like(src_t)
+    src_ids, dst_ids = np.array([0, 1, 2, 3, 15]), np.array([5, 6, 9, 10, 0])
+    s, d = paired_descs(Region.of(src_t), src_ids, Region.of(dst_t), dst_ids)
+    assert len(s) == 2 * 3  # per layer: [0-1 -> 5-6], [2-3 -> 9-10], [15 -> 0]
+    for (sa, n, _), (da, dn, _) in zip(s.tolist(), d.tolist(), strict=True):
+        assert n == dn
+        ctypes.memmove(da, sa, n)
+    assert torch.equal(dst_t[:, dst_ids], src_t[:, src_ids])
+    others = np.setdiff1d(np.arange(16), dst_ids)
+    assert not dst_t[:, others].any()
+
+
+def test_pages_outside_the_region_and_strided_tensors_are_refused() -> None:
+    t = torch.zeros(2, 16, 64, dtype=torch.uint8)
+    region = Region.of(t)
+    for bad in ([16], [-1], [0, 16]):
+        with pytest.raises(ArgumentError, match=r"out of the region's 0\.\.15"):
+            page_descs(region, bad)
+        with pytest.raises(ArgumentError, match="out of the region"):
+            paired_descs(region, [0] * len(bad), region, bad)
+    with pytest.raises(ArgumentError, match="contiguous"):
+        Region.of(t[:, ::2])  # pages of a layer not back to back
+    with pytest.raises(ArgumentError, match="contiguous"):
+        Region.of(torch.zeros(16))
 
 
 # -- bundles and the message -----------------------------------------------------------------
