@@ -38,7 +38,6 @@ from kvmem.transfer import NixlTransport
 from kvmem.transfer._descs import Region, page_descs, tensor_descs
 from kvmem.transfer._peer import Peer
 
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout
 SIZES = (1, 16, 256)
 
 

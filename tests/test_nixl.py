@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ needs_nixl = pytest.mark.skipif(
     not HAVE_NIXL, reason="nixl is not installed (pip install 'nixl>=1.5,<2' after torch)")
 
 L, P, PAGE_BYTES = 3, 32, 1024
+ROOT = Path(__file__).resolve().parents[1]  # the kvmem under test, for child interpreters
 WAIT = 30.0  # seconds: a generous bound on anything that should take milliseconds
 
 
@@ -243,6 +246,30 @@ def test_a_killed_peer_fails_its_pending_read_without_hanging(decode: Any) -> No
         return
     assert _wait_final(decode, late) == "failed"
     decode.release(late)
+
+
+_START_AGENT = """
+from kvmem.transfer import NixlTransport
+NixlTransport("quiet").close()
+"""
+
+
+@needs_nixl
+@pytest.mark.parametrize("level", [None, "INFO"])
+def test_a_transport_keeps_nixls_info_lines_off_stdout_unless_asked(level: str | None) -> None:
+    """NIXL's logging config prints INFO lines to stdout, which broke ``--json`` output of a
+    program using NixlTransport: a child that starts one writes nothing to stdout, unless the
+    user asked NIXL for INFO with NIXL_LOG_LEVEL."""
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if level is not None:
+        env["NIXL_LOG_LEVEL"] = level
+    child = subprocess.run([sys.executable, "-c", _START_AGENT], capture_output=True, text=True,
+                           env=env, timeout=WAIT * 4, check=True)
+    if level is None:
+        assert child.stdout == ""
+    else:
+        assert "Initialized NIXL agent: quiet" in child.stdout
 
 
 def test_a_peer_that_raises_reports_its_traceback() -> None:
