@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvmem.transfer import NixlTransport
+from kvmem import KVCacheManager, PagePool, PoolSpec
+from kvmem.transfer import (
+    CacheIdentity,
+    InProcessHub,
+    InProcessTransport,
+    NixlTransport,
+    Receiver,
+    Sender,
+)
 from kvmem.transfer._descs import Region, page_descs, tensor_descs
 from kvmem.transfer._peer import Peer
 
@@ -102,29 +110,93 @@ def descs_per_page(region: Region, rng: np.random.Generator) -> dict[str, dict[s
     }
 
 
-def control_us(num_pages: int) -> float | None:
-    """HOOK control_us: kvmem's control-plane cost per request (export under a lease, receive,
-    confirm) for ``num_pages`` pages, in microseconds, without the bytes' transfer. To be filled
-    once the sender/receiver API lands; ``None`` until then."""
-    return None
+PARTS = ("export", "receive", "poll_read", "sender_poll", "poll_answer")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print JSON only")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--pool-pages", type=int, default=384)
-    parser.add_argument("--page-bytes", type=int, default=32768,
-                        help="one page of one layer (16 tokens x K,V x 8 heads x 64 x 2 B)")
-    parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--ucx-tls", default="tcp,self")
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
-                        help="request sizes in pages")
-    args = parser.parse_args(argv)
+class ControlSides:
+    """A sender and a receiver (real managers, bf16 pools ``[layers, pages, 16 tokens, K/V,
+    kv_heads, head_dim]``) over the in-process transport, reads held so that their bytes move
+    (``ctypes.memmove``) outside the timed calls."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_pages: int) -> None:
+        hub = InProcessHub()
+        sides = []
+        for name, num_pages in (("prefill", max_pages + 16), ("decode", 2 * max_pages + 16)):
+            spec = PoolSpec(num_layers=layers, num_pages=num_pages, page_size=16,
+                            num_kv_heads=kv_heads, head_dim=head_dim, dtype="bf16",
+                            device="cpu")
+            pool = PagePool(spec)
+            manager = KVCacheManager(num_pages, page_size=16, max_seqs=4,
+                                     max_pages_per_seq=max_pages + 1, pool=pool)
+            sides.append((manager, pool, InProcessTransport(name, hub),
+                          CacheIdentity.of(spec, "bench", "sha256:0")))
+        (self.m_p, self.pool_p, t_p, id_p), (self.m_d, pool_d, t_d, id_d) = sides
+        t_p.add_peer(t_d.metadata())
+        t_d.add_peer(t_p.metadata())
+        t_d.hold_reads = True
+        self.t_d = t_d
+        self.pool_p.data.normal_(generator=torch.Generator().manual_seed(0))
+        self.sender = Sender(self.m_p, self.pool_p, t_p, id_p)
+        self.receiver = Receiver(self.m_d, pool_d, t_d, id_d)
+        self.page_nbytes = self.pool_p.data[0, 0].nbytes * layers
+        self.rng = np.random.default_rng(0)
+        self.next = 0
+
+    def once(self, num_pages: int) -> dict[str, float]:
+        """One request of ``num_pages`` full pages, prefilled (not timed), sent and loaded:
+        microseconds per kvmem call, and ``memmove`` (the bytes' copy, not kvmem's)."""
+        rid, self.next = self.next, self.next + 1
+        tokens = self.rng.integers(0, 50_000, num_pages * 16)  # fresh: no prefix hit
+        self.m_p.admit(rid, tokens)
+        self.m_p.reserve([rid], tokens.size)
+        self.m_p.commit(rid, tokens)
+        us: dict[str, float] = {}
+        out: list[Any] = []
+
+        def part(name: str, fn: Callable[[], Any]) -> None:
+            t0 = time.perf_counter()
+            out.append(fn())
+            us[name] = (time.perf_counter() - t0) * 1e6
+
+        part("export", lambda: self.sender.export(rid, 0.0))
+        part("receive", lambda: self.receiver.receive(out[-1], 0.0))
+        (handle,) = self.t_d.pending
+        us["memmove"] = timed(lambda: self.t_d.complete(handle))
+        part("poll_read", lambda: self.receiver.poll(0.0))  # digests checked, answer awaited
+        part("sender_poll", lambda: self.sender.poll(0.0))  # the confirm answered
+        part("poll_answer", lambda: self.receiver.poll(0.0))  # reserve + commit: loaded
+        if out[2] != [] or len(out[3]) != 1 or [r.status for r in out[4]] != ["loaded"]:
+            raise RuntimeError(f"request {rid} did not load: {out[2:]}")
+        self.m_p.release(rid)
+        self.m_d.release(rid)
+        return us
+
+
+def control_us(sizes: list[int], layers: int, kv_heads: int, head_dim: int, repeat: int
+               ) -> dict[str, Any]:
+    """kvmem's control-plane cost per request (export under a lease, receive, the receiver's
+    polls up to "loaded", the sender's poll answering), in microseconds: medians over
+    ``repeat`` steps, each step every size in turn (one process, in-process transport)."""
+    sides = ControlSides(layers, kv_heads, head_dim, max(sizes))
+    times: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    for step in range(repeat + 1):  # one warm-up round
+        for n in sizes:
+            us = sides.once(n)
+            if step:
+                times[n].append(us)
+    return {
+        "pool": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+                 "page_size": 16, "dtype": "bf16", "page_mib": sides.page_nbytes / 2**20},
+        "control_us": {n: float(np.median([sum(t[k] for k in PARTS) for t in ts]))
+                       for n, ts in times.items()},
+        "parts_us": {n: {k: float(np.median([t[k] for t in ts])) for k in (*PARTS, "memmove")}
+                     for n, ts in times.items()},
+    }
+
+
+def nixl_reads(args: argparse.Namespace) -> dict[str, Any]:
+    """NixlTransport against raw NIXL (see the module docstring)."""
     sizes = args.sizes
-    if min(sizes) < 1 or args.pool_pages < 64 + max(max(sizes), 256):
-        parser.error(f"sizes must be >= 1 and --pool-pages >= {64 + max(max(sizes), 256)}")
-
     shape = (args.layers, args.pool_pages, args.page_bytes)
     cpus = sorted(os.sched_getaffinity(0))
     peer = Peer(serve, shape, args.ucx_tls)
@@ -184,32 +256,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peer.close()
     transport.close()
 
-    result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+    return {
         "ucx_tls": args.ucx_tls,
         "shape": list(shape),
-        "repeat": args.repeat,
         "read_us": read_us,
         "kvmem_over_raw_nixl": ratio,
         "kvmem_over_raw_nixl_min": min(ratio.values()),
         "descs_per_page": descs,
         "descs_us": build_us,
-        "control_us": {n: control_us(n) for n in sizes},
     }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--pool-pages", type=int, default=384)
+    parser.add_argument("--page-bytes", type=int, default=32768,
+                        help="reads: one page of one layer (16 tokens x K,V x 8 heads x 64 x 2 B)")
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--ucx-tls", default="tcp,self")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES),
+                        help="request sizes in pages")
+    parser.add_argument("--kv-heads", type=int, default=8, help="control: the pool's KV heads")
+    parser.add_argument("--head-dim", type=int, default=128, help="control: the pool's head dim")
+    parser.add_argument("--control-repeat", type=int, default=15)
+    parser.add_argument("--skip-reads", action="store_true",
+                        help="measure control_us only (no NIXL)")
+    args = parser.parse_args(argv)
+    sizes = args.sizes
+    if min(sizes) < 1 or args.pool_pages < 64 + max(max(sizes), 256):
+        parser.error(f"sizes must be >= 1 and --pool-pages >= {64 + max(max(sizes), 256)}")
+
+    result: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "repeat": args.repeat,
+        "sizes": sizes,
+    }
+    if not args.skip_reads:
+        result.update(nixl_reads(args))
+    control = control_us(sizes, args.layers, args.kv_heads, args.head_dim, args.control_repeat)
+    result.update({"control_transport": "inprocess (one process, bytes copied by memmove)",
+                   "control_repeat": args.control_repeat, "control_pool": control["pool"],
+                   "control_us": control["control_us"],
+                   "control_parts_us": control["parts_us"]})
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
+        return result
+    if not args.skip_reads:
         mib = args.layers * args.page_bytes / 2**20
-        print(f"UCX_TLS={args.ucx_tls}; pool {shape}, {mib:.2f} MiB per page over all layers")
+        read_us, ratio, build_us = (result[k] for k in ("read_us", "kvmem_over_raw_nixl",
+                                                         "descs_us"))
+        print(f"UCX_TLS={args.ucx_tls}; pool {result['shape']}, {mib:.2f} MiB per page over "
+              "all layers")
         print("pages  raw us  kvmem us  kvmem unmerged us  kvmem/raw  descs us")
         for n in sizes:
             r = read_us[n]
             print(f"{n:5d} {r['raw']:7.0f} {r['kvmem']:9.0f} {r['kvmem_unmerged']:18.0f} "
                   f"{ratio[n]:10.2f} {build_us[n]:9.1f}")
-        for pattern, d in descs.items():
+        for pattern, d in result["descs_per_page"].items():
             print(f"descs per page, {pattern}: {d['merged']:.3f} merged, {d['unmerged']:.0f} "
                   "unmerged")
-        print("control_us: not measured yet (HOOK control_us)")
+    pool = control["pool"]
+    print(f"control_us (in-process transport; bf16 pool {pool['layers']} layers x "
+          f"{pool['kv_heads']} KV heads x {pool['head_dim']}, {pool['page_mib']:.2f} MiB per page)")
+    print("pages " + " ".join(f"{k:>11}" for k in (*PARTS, "total", "memmove")))
+    for n in sizes:
+        p = control["parts_us"][n]
+        print(f"{n:5d} " + " ".join(f"{p[k]:11.0f}" for k in PARTS)
+              + f" {control['control_us'][n]:11.0f} {p['memmove']:11.0f}")
     return result
 
 

@@ -24,9 +24,12 @@ from kvmem.transfer import (
     Region,
     Sender,
     TransferMessage,
+    gather_pages,
     page_descs,
+    page_digests,
     paired_descs,
 )
+from kvmem.transfer._bundle import pool_page_digests, static_scales_of
 from kvmem.transfer._message import answer_bytes, confirm_bytes
 
 P = 4  # page size
@@ -240,6 +243,49 @@ def test_a_bundle_round_trips_through_bytes_and_loads_bit_for_bit(dtype: str,
         other.static_scales.copy_(s.pool.static_scales)  # type: ignore[arg-type]
     back.write_into(other, [5, 9])
     assert same_pages(s.pool, pages, other, [5, 9])
+
+
+def _random_pool(dtype: str, scales: str | None, device: str = "cpu") -> PagePool:
+    pool = PagePool(PoolSpec(**{**SHAPE, "device": device}, dtype=dtype, scales=scales))
+    g = torch.Generator().manual_seed(3)
+    for t in (pool.data, pool.token_scales):
+        if t is not None:
+            u8 = t.view(torch.uint8)
+            u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=g))
+    return pool
+
+
+@pytest.mark.parametrize(("dtype", "scales"), [("bf16", None), ("fp8_e4m3", "token_head"),
+                                               ("fp8_e4m3", "tensor")])
+def test_pool_page_digests_equal_the_digests_of_the_gathered_pages(dtype: str,
+                                                                   scales: str | None) -> None:
+    """pool_page_digests (hashed in place, the sender's and receiver's fast path) agrees with
+    page_digests over gather_pages (a bundle's), and each digest covers every layer of its
+    page only: a byte changed in the last layer of one page changes that page's digest."""
+    pool = _random_pool(dtype, scales)
+    pages = np.array([5, 0, 6, 7])
+    tokens = np.arange(16, dtype=np.int64).reshape(4, P)
+    static = static_scales_of(pool)
+    plain = page_digests(gather_pages(pool, pages), tokens, static)
+    fast = pool_page_digests(pool, pages, tokens, static)
+    assert np.array_equal(fast, plain) and len({bytes(d) for d in fast}) == 4
+    pool.data.view(torch.uint8)[-1, 6].view(-1)[-1] ^= 1
+    changed = pool_page_digests(pool, pages, tokens, static)
+    assert (changed != fast).any(axis=1).tolist() == [False, False, True, False]
+    assert np.array_equal(changed, page_digests(gather_pages(pool, pages), tokens, static))
+
+
+def test_page_digests_keep_their_format() -> None:
+    """The digest is part of the wire and bundle format: BLAKE2b-128 (person "kvmem-page") over
+    a page's data in every layer, then its token scales in every layer, the static scales and
+    its token ids. Values from the first implementation (a copy per page and layer)."""
+    pool = _random_pool("fp8_e4m3", "token_head")
+    pages, tokens = [5, 0, 6], np.arange(12, dtype=np.int64).reshape(3, P)
+    want = ["5cfac119690d57cff14d2eca8dd616b4", "bef6600afb2a30680f0ddb49dc951cf7",
+            "eb26b88746a7cfc3c219298ece512595"]
+    for digests in (page_digests(gather_pages(pool, pages), tokens, None),
+                    pool_page_digests(pool, pages, tokens, None)):
+        assert [d.tobytes().hex() for d in digests] == want
 
 
 def test_a_corrupted_bundle_is_refused() -> None:
@@ -664,7 +710,7 @@ def test_the_transfer_room_exports_exactly_its_public_names() -> None:
 
     assert set(kvmem.transfer.__all__) == {
         "FORMAT_VERSION", "CacheIdentity", "InProcessHub", "InProcessTransport", "LoadResult",
-        "PageBundle", "ReadState", "Receiver", "Region", "Sender", "TransferMessage",
-        "Transport", "gather_pages", "merge_descs", "page_descs", "page_digests",
-        "paired_descs", "tensor_descs"}
+        "NixlTransport", "PageBundle", "Peer", "PeerError", "ReadState", "Receiver", "Region",
+        "Sender", "TransferMessage", "Transport", "gather_pages", "merge_descs", "page_descs",
+        "page_digests", "paired_descs", "tensor_descs"}
     assert all(hasattr(kvmem.transfer, n) for n in kvmem.transfer.__all__)
