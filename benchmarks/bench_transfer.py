@@ -1,22 +1,33 @@
-"""Page transfer between two processes: NixlTransport against raw NIXL, descriptors per page.
+"""Page transfer: NixlTransport against raw NIXL between two processes, descriptors per page,
+and kvmem's control-plane cost per request.
 
-A spawned "prefill" process holds a pool-shaped tensor ``[layers, pages, page_bytes]`` and
-serves reads (it polls its notices, which progresses its agent). This process holds two agents
-on an identical tensor: a raw ``nixl_agent`` and a :class:`~kvmem.transfer.NixlTransport`. For
-each request size (1, 16, 256 pages: one run of adjacent pages, so one descriptor per layer)
+Reads: a spawned "prefill" process holds a pool-shaped tensor ``[layers, pages, page_bytes]``
+and serves reads (it polls its notices, which progresses its agent). This process holds two
+agents on an identical tensor: a raw ``nixl_agent`` and a :class:`~kvmem.transfer.NixlTransport`.
+For each request size (1, 16, 256 pages: one run of adjacent pages, so one descriptor per layer)
 both READ the same bytes with the same descriptors and the same notice, in lockstep (each step
 runs every contender, in alternating order, ``--repeat`` steps); a read is timed from post to
 "done" and release. Medians.
 
+Control: a Sender and a Receiver with real managers and bf16 pools (``--layers`` x
+``--kv-heads`` x ``--head-dim``, 16-token pages) in one process over the in-process transport,
+reads held so that their bytes (copied by memmove) move outside the timed calls. Per request:
+``Sender.export``, ``Receiver.receive``, ``Receiver.poll`` (read final: digests checked),
+``Sender.poll`` (the confirm answered), ``Receiver.poll`` (reserve + commit: "loaded"), each
+timed; ``--control-repeat`` steps of every size in turn. Medians.
+
     python benchmarks/bench_transfer.py [--json] [--layers 24] [--page-bytes 32768]
-        [--repeat 30] [--ucx-tls tcp,self]
+        [--repeat 30] [--ucx-tls tcp,self] [--kv-heads 8] [--head-dim 128]
+        [--control-repeat 15] [--skip-reads]
 
 JSON: ``ucx_tls``; ``read_us`` ``{pages: {"raw": us, "kvmem": us, "kvmem_unmerged": us}}``;
 ``kvmem_over_raw_nixl`` ``{pages: median over steps of raw / kvmem}`` (paired; goal >= 0.8)
 and its minimum;
 ``descs_per_page`` ``{pattern: {"merged": x, "unmerged": x}}`` for a run of adjacent pages and
 for pages scattered over the pool; ``descs_us`` ``{pages: us}`` (building one side's
-descriptors); ``control_us`` (``None`` until the sender/receiver API is measured: see HOOK).
+descriptors); ``control_us`` ``{pages: us}`` (median over steps of the five calls' sum),
+``control_parts_us`` ``{pages: {call: us, "memmove": us}}``, ``control_pool``;
+``digest_us`` ``{pages: {"gather_then_hash": us, "hash_in_place": us}}`` (one side's digests).
 Loopback on one host is not a network: these are not product bandwidth figures.
 """
 
@@ -42,7 +53,10 @@ from kvmem.transfer import (
     NixlTransport,
     Receiver,
     Sender,
+    gather_pages,
+    page_digests,
 )
+from kvmem.transfer._bundle import pool_page_digests
 from kvmem.transfer._descs import Region, page_descs, tensor_descs
 from kvmem.transfer._peer import Peer
 
@@ -171,6 +185,18 @@ class ControlSides:
         self.m_d.release(rid)
         return us
 
+    def digest_paths(self, num_pages: int) -> dict[str, float]:
+        """One side's page digests two ways, microseconds: gathered to the host first
+        (``page_digests(gather_pages(...))``, a bundle's path) and hashed where they lie
+        (``pool_page_digests``, the sender's and receiver's)."""
+        pages = np.arange(8, 8 + num_pages)
+        tokens = np.zeros((num_pages, 16), dtype=np.int64)
+        return {
+            "gather_then_hash": timed(lambda: page_digests(gather_pages(self.pool_p, pages),
+                                                           tokens, None)),
+            "hash_in_place": timed(lambda: pool_page_digests(self.pool_p, pages, tokens, None)),
+        }
+
 
 def control_us(sizes: list[int], layers: int, kv_heads: int, head_dim: int, repeat: int
                ) -> dict[str, Any]:
@@ -179,11 +205,14 @@ def control_us(sizes: list[int], layers: int, kv_heads: int, head_dim: int, repe
     ``repeat`` steps, each step every size in turn (one process, in-process transport)."""
     sides = ControlSides(layers, kv_heads, head_dim, max(sizes))
     times: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+    digest: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
     for step in range(repeat + 1):  # one warm-up round
         for n in sizes:
             us = sides.once(n)
+            paths = sides.digest_paths(n)
             if step:
                 times[n].append(us)
+                digest[n].append(paths)
     return {
         "pool": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
                  "page_size": 16, "dtype": "bf16", "page_mib": sides.page_nbytes / 2**20},
@@ -191,6 +220,8 @@ def control_us(sizes: list[int], layers: int, kv_heads: int, head_dim: int, repe
                        for n, ts in times.items()},
         "parts_us": {n: {k: float(np.median([t[k] for t in ts])) for k in (*PARTS, "memmove")}
                      for n, ts in times.items()},
+        "digest_us": {n: {k: float(np.median([t[k] for t in ts])) for k in ts[0]}
+                      for n, ts in digest.items()},
     }
 
 
@@ -299,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result.update({"control_transport": "inprocess (one process, bytes copied by memmove)",
                    "control_repeat": args.control_repeat, "control_pool": control["pool"],
                    "control_us": control["control_us"],
-                   "control_parts_us": control["parts_us"]})
+                   "control_parts_us": control["parts_us"], "digest_us": control["digest_us"]})
     if args.json:
         print(json.dumps(result, indent=2))
         return result
@@ -325,6 +356,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p = control["parts_us"][n]
         print(f"{n:5d} " + " ".join(f"{p[k]:11.0f}" for k in PARTS)
               + f" {control['control_us'][n]:11.0f} {p['memmove']:11.0f}")
+    print("digests of one side: pages  gathered then hashed us  hashed in place us")
+    for n in sizes:
+        d = control["digest_us"][n]
+        print(f"{n:5d} {d['gather_then_hash']:12.0f} {d['hash_in_place']:12.0f}")
     return result
 
 
