@@ -1,7 +1,8 @@
 """NixlTransport between two real processes (NIXL over UCX, ``UCX_TLS=tcp,self``).
 
 A spawned "prefill" process registers a pool-shaped tensor ``[L, P, page_bytes]`` and serves
-commands over a pipe; this process's "decode" agent reads page runs from it. A stopped peer
+commands over a pipe; it hands over its :class:`Region`, from which this process's "decode"
+agent computes both sides' descriptors (as a receiver does) and reads page runs. A stopped peer
 (SIGSTOP) cannot serve a tcp read, so a read to it stays pending for as long as the test needs:
 that is how the tests hold a read in flight without a timed race.
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 from kvmem.errors import ArgumentError, ConfigError, KVMemError
-from kvmem.transfer._layout import page_descs, run_starts
+from kvmem.transfer._descs import Region, page_descs, paired_descs, tensor_descs
 from kvmem.transfer._peer import Peer, PeerError
 
 try:
@@ -35,6 +38,7 @@ needs_nixl = pytest.mark.skipif(
     not HAVE_NIXL, reason="nixl is not installed (pip install 'nixl>=1.5,<2' after torch)")
 
 L, P, PAGE_BYTES = 3, 32, 1024
+ROOT = Path(__file__).resolve().parents[1]  # the kvmem under test, for child interpreters
 WAIT = 30.0  # seconds: a generous bound on anything that should take milliseconds
 
 
@@ -45,8 +49,8 @@ def serve(conn: Connection, agent: str, seed: int) -> None:
     transport = NixlTransport(agent)
     pages = torch.randint(0, 256, (L, P, PAGE_BYTES), dtype=torch.uint8,
                           generator=torch.Generator().manual_seed(seed))
-    transport.register(page_descs(pages, np.arange(P)))
-    conn.send((transport.metadata(), pages.numpy().copy()))
+    transport.register(tensor_descs(pages))
+    conn.send((transport.metadata(), Region.of(pages), pages.numpy().copy()))
     inbox: list[tuple[str, bytes]] = []
     while True:
         while not conn.poll(0.0005):  # a sender polls its notices: that serves tcp reads too
@@ -57,9 +61,6 @@ def serve(conn: Connection, agent: str, seed: int) -> None:
             return
         if cmd == "peer":
             conn.send(transport.add_peer(args[0]))
-        elif cmd == "descs":
-            ids, merge, starts = args
-            conn.send(page_descs(pages, ids, merge=merge, starts=starts))
         elif cmd == "notices":  # wait for the first notice(s)
             inbox += _wait_notices(transport, inbox)
             conn.send(inbox)
@@ -95,7 +96,7 @@ class Prefill:
 
     def __init__(self, decode: Any, agent: str, seed: int) -> None:
         self.peer = Peer(serve, agent, seed)
-        metadata, self.pages = self.peer.recv()
+        metadata, self.region, self.pages = self.peer.recv()
         self.name = decode.add_peer(metadata)
         self.ask("peer", decode.metadata())
 
@@ -115,7 +116,7 @@ def decode() -> Iterator[Any]:
 
     transport = NixlTransport("decode", ucx_tls="tcp,self")
     transport.pages = torch.zeros((L, P, PAGE_BYTES), dtype=torch.uint8)
-    transport.register(page_descs(transport.pages, np.arange(P)))
+    transport.register(tensor_descs(transport.pages))
     yield transport
     transport.close()
 
@@ -129,9 +130,7 @@ def prefill(decode: Any) -> Iterator[Prefill]:
 
 def _read(decode: Any, prefill: Prefill, src: np.ndarray, dst: np.ndarray, merge: bool = True,
           notice: bytes = b"") -> int:
-    starts = run_starts(src, dst) if merge else np.arange(len(src))
-    remote = prefill.ask("descs", src, merge, starts)
-    local = page_descs(decode.pages, dst, merge=merge, starts=starts)
+    remote, local = paired_descs(prefill.region, src, Region.of(decode.pages), dst, merge)
     return int(decode.read(prefill.name, local, remote, notice))
 
 
@@ -178,8 +177,8 @@ def test_release_refuses_a_pending_read_and_takes_it_once_final(decode: Any,
                                                                 prefill: Prefill) -> None:
     """A stopped peer cannot serve a tcp read: the read stays pending until it runs again."""
     decode.pages.zero_()
-    local = page_descs(decode.pages, np.arange(8))
-    remote = prefill.ask("descs", np.arange(8), True, None)
+    local = page_descs(Region.of(decode.pages), np.arange(8))
+    remote = page_descs(prefill.region, np.arange(8))
     os.kill(prefill.peer.process.pid, signal.SIGSTOP)
     try:
         handle = decode.read(prefill.name, local, remote)
@@ -199,9 +198,9 @@ def test_release_refuses_a_pending_read_and_takes_it_once_final(decode: Any,
 def test_a_read_outside_the_peers_registered_memory_fails_cleanly(decode: Any, prefill: Prefill,
                                                                   where: str) -> None:
     """Raises at read() or reports "failed"; no crash, and the agent still reads after."""
-    remote = prefill.ask("descs", np.array([P - 1]), True, None)
+    remote = page_descs(prefill.region, np.array([P - 1]))
     remote[:, 0] += PAGE_BYTES // 2 if where == "past the end" else -PAGE_BYTES * P
-    local = page_descs(decode.pages, np.array([0]))
+    local = page_descs(Region.of(decode.pages), np.array([0]))
     try:
         handle = decode.read(prefill.name, local, remote)
     except ArgumentError:
@@ -216,8 +215,8 @@ def test_a_read_outside_the_peers_registered_memory_fails_cleanly(decode: Any, p
 
 @needs_nixl
 def test_bad_reads_raise_before_nixl_sees_them(decode: Any, prefill: Prefill) -> None:
-    local = page_descs(decode.pages, np.array([0, 1]))
-    remote = prefill.ask("descs", np.array([0, 1]), True, None)
+    local = page_descs(Region.of(decode.pages), np.array([0, 1]))
+    remote = page_descs(prefill.region, np.array([0, 1]))
     with pytest.raises(ArgumentError, match="no peer"):
         decode.read("nobody", local, remote)
     with pytest.raises(ArgumentError, match="differ"):
@@ -233,8 +232,8 @@ def test_a_killed_peer_fails_its_pending_read_without_hanging(decode: Any) -> No
     """The peer is SIGKILLed while a read from it is in flight (held by SIGSTOP): the read ends
     "failed", never "done", and a read posted to the dead peer afterwards fails or raises."""
     victim = Prefill(decode, "victim", seed=2)
-    local = page_descs(decode.pages, np.arange(4))
-    remote = victim.ask("descs", np.arange(4), True, None)
+    local = page_descs(Region.of(decode.pages), np.arange(4))
+    remote = page_descs(victim.region, np.arange(4))
     os.kill(victim.peer.process.pid, signal.SIGSTOP)
     handle = decode.read(victim.name, local, remote)
     assert decode.state(handle) == "pending"
@@ -247,6 +246,30 @@ def test_a_killed_peer_fails_its_pending_read_without_hanging(decode: Any) -> No
         return
     assert _wait_final(decode, late) == "failed"
     decode.release(late)
+
+
+_START_AGENT = """
+from kvmem.transfer import NixlTransport
+NixlTransport("quiet").close()
+"""
+
+
+@needs_nixl
+@pytest.mark.parametrize("level", [None, "INFO"])
+def test_a_transport_keeps_nixls_info_lines_off_stdout_unless_asked(level: str | None) -> None:
+    """NIXL's logging config prints INFO lines to stdout, which broke ``--json`` output of a
+    program using NixlTransport: a child that starts one writes nothing to stdout, unless the
+    user asked NIXL for INFO with NIXL_LOG_LEVEL."""
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if level is not None:
+        env["NIXL_LOG_LEVEL"] = level
+    child = subprocess.run([sys.executable, "-c", _START_AGENT], capture_output=True, text=True,
+                           env=env, timeout=WAIT * 4, check=True)
+    if level is None:
+        assert child.stdout == ""
+    else:
+        assert "Initialized NIXL agent: quiet" in child.stdout
 
 
 def test_a_peer_that_raises_reports_its_traceback() -> None:

@@ -3,6 +3,7 @@ sender and a receiver (real managers and pools) over the in-process transport.""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,9 +24,12 @@ from kvmem.transfer import (
     Region,
     Sender,
     TransferMessage,
+    gather_pages,
     page_descs,
+    page_digests,
     paired_descs,
 )
+from kvmem.transfer._bundle import pool_page_digests, static_scales_of
 from kvmem.transfer._message import answer_bytes, confirm_bytes
 
 P = 4  # page size
@@ -169,6 +173,56 @@ def test_paired_descriptors_merge_only_where_both_sides_are_contiguous() -> None
         paired_descs(src, [0, 1], dst, [3])
 
 
+def _bytes_at(descs: np.ndarray) -> bytes:
+    return b"".join(ctypes.string_at(int(a), int(n)) for a, n, _ in descs)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_descriptors_name_the_pages_bytes_layer_major(merge: bool) -> None:
+    """Against a real pool-shaped tensor (bf16 ``[L, P, page_size, 2, heads, dim]``): the
+    descriptors' bytes, read in order, are the pages' bytes in every layer, layer-major."""
+    t = torch.randn(3, 16, 4, 2, 2, 8, generator=torch.Generator().manual_seed(0)
+                    ).to(torch.bfloat16)
+    region = Region.of(t)
+    assert region.page_nbytes == 4 * 2 * 2 * 8 * 2
+    ids = np.array([3, 4, 5, 9, 0])
+    descs = page_descs(region, ids, merge=merge)
+    assert descs.dtype == np.int64 and descs.shape == (3 * (3 if merge else 5), 3)
+    assert _bytes_at(descs) == t[:, ids].contiguous().view(torch.uint8).numpy().tobytes()
+    assert (descs[:, 2] == 0).all()
+
+
+def test_paired_descriptors_copy_the_source_pages_onto_the_destination_pages() -> None:
+    """A byte-level read with paired rows (memmove row by row) lands every source page on its
+    destination page and touches no other page."""
+    gen = torch.Generator().manual_seed(1)
+    src_t = torch.randint(0, 256, (2, 16, 64), dtype=torch.uint8, generator=gen)
+    dst_t = torch.zeros_like(src_t)
+    src_ids, dst_ids = np.array([0, 1, 2, 3, 15]), np.array([5, 6, 9, 10, 0])
+    s, d = paired_descs(Region.of(src_t), src_ids, Region.of(dst_t), dst_ids)
+    assert len(s) == 2 * 3  # per layer: [0-1 -> 5-6], [2-3 -> 9-10], [15 -> 0]
+    for (sa, n, _), (da, dn, _) in zip(s.tolist(), d.tolist(), strict=True):
+        assert n == dn
+        ctypes.memmove(da, sa, n)
+    assert torch.equal(dst_t[:, dst_ids], src_t[:, src_ids])
+    others = np.setdiff1d(np.arange(16), dst_ids)
+    assert not dst_t[:, others].any()
+
+
+def test_pages_outside_the_region_and_strided_tensors_are_refused() -> None:
+    t = torch.zeros(2, 16, 64, dtype=torch.uint8)
+    region = Region.of(t)
+    for bad in ([16], [-1], [0, 16]):
+        with pytest.raises(ArgumentError, match=r"out of the region's 0\.\.15"):
+            page_descs(region, bad)
+        with pytest.raises(ArgumentError, match="out of the region"):
+            paired_descs(region, [0] * len(bad), region, bad)
+    with pytest.raises(ArgumentError, match="contiguous"):
+        Region.of(t[:, ::2])  # pages of a layer not back to back
+    with pytest.raises(ArgumentError, match="contiguous"):
+        Region.of(torch.zeros(16))
+
+
 # -- bundles and the message -----------------------------------------------------------------
 
 
@@ -189,6 +243,49 @@ def test_a_bundle_round_trips_through_bytes_and_loads_bit_for_bit(dtype: str,
         other.static_scales.copy_(s.pool.static_scales)  # type: ignore[arg-type]
     back.write_into(other, [5, 9])
     assert same_pages(s.pool, pages, other, [5, 9])
+
+
+def _random_pool(dtype: str, scales: str | None, device: str = "cpu") -> PagePool:
+    pool = PagePool(PoolSpec(**{**SHAPE, "device": device}, dtype=dtype, scales=scales))
+    g = torch.Generator().manual_seed(3)
+    for t in (pool.data, pool.token_scales):
+        if t is not None:
+            u8 = t.view(torch.uint8)
+            u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=g))
+    return pool
+
+
+@pytest.mark.parametrize(("dtype", "scales"), [("bf16", None), ("fp8_e4m3", "token_head"),
+                                               ("fp8_e4m3", "tensor")])
+def test_pool_page_digests_equal_the_digests_of_the_gathered_pages(dtype: str,
+                                                                   scales: str | None) -> None:
+    """pool_page_digests (hashed in place, the sender's and receiver's fast path) agrees with
+    page_digests over gather_pages (a bundle's), and each digest covers every layer of its
+    page only: a byte changed in the last layer of one page changes that page's digest."""
+    pool = _random_pool(dtype, scales)
+    pages = np.array([5, 0, 6, 7])
+    tokens = np.arange(16, dtype=np.int64).reshape(4, P)
+    static = static_scales_of(pool)
+    plain = page_digests(gather_pages(pool, pages), tokens, static)
+    fast = pool_page_digests(pool, pages, tokens, static)
+    assert np.array_equal(fast, plain) and len({bytes(d) for d in fast}) == 4
+    pool.data.view(torch.uint8)[-1, 6].view(-1)[-1] ^= 1
+    changed = pool_page_digests(pool, pages, tokens, static)
+    assert (changed != fast).any(axis=1).tolist() == [False, False, True, False]
+    assert np.array_equal(changed, page_digests(gather_pages(pool, pages), tokens, static))
+
+
+def test_page_digests_keep_their_format() -> None:
+    """The digest is part of the wire and bundle format: BLAKE2b-128 (person "kvmem-page") over
+    a page's data in every layer, then its token scales in every layer, the static scales and
+    its token ids. Values from the first implementation (a copy per page and layer)."""
+    pool = _random_pool("fp8_e4m3", "token_head")
+    pages, tokens = [5, 0, 6], np.arange(12, dtype=np.int64).reshape(3, P)
+    want = ["5cfac119690d57cff14d2eca8dd616b4", "bef6600afb2a30680f0ddb49dc951cf7",
+            "eb26b88746a7cfc3c219298ece512595"]
+    for digests in (page_digests(gather_pages(pool, pages), tokens, None),
+                    pool_page_digests(pool, pages, tokens, None)):
+        assert [d.tobytes().hex() for d in digests] == want
 
 
 def test_a_corrupted_bundle_is_refused() -> None:

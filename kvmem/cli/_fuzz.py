@@ -59,8 +59,8 @@ def add_fuzz_parser(sub: Any) -> None:
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
     p.add_argument("--profile", choices=["ci", "ci-vllm"],
-                   help="ci: the derandomized CI profile (manager, toy, disagg); ci-vllm: the same for "
-                   "the vLLM engines")
+                   help="ci: the derandomized CI profile (manager, toy, disagg); ci-vllm: the "
+                   "same for the vLLM engines")
     p.add_argument("--config",
                    help="system shape: small (finds races fast; the default) or bench (4,096 "
                    "pages, 64 running)")

@@ -22,6 +22,7 @@ ids) lets a receiver that already holds a prefix check only the pages it read.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from kvmem.transfer._wire import namespace_from_json, namespace_json, pack, unpa
 if TYPE_CHECKING:
     from kvmem.cuda import PagePool
 
-__all__ = ["PageBundle", "gather_pages", "page_digests"]
+__all__ = ["PageBundle", "gather_pages", "page_digests", "pool_page_digests"]
 
 U8 = npt.NDArray[np.uint8]
 DIGEST_BYTES = 16
@@ -63,24 +64,62 @@ def static_scales_of(pool: PagePool) -> npt.NDArray[np.float32] | None:
     return None if pool.static_scales is None else pool.static_scales.cpu().numpy().copy()
 
 
+def _digests(num_pages: int, page_chunks: Callable[[int], Iterator[Any]],
+             token_ids: npt.NDArray[np.int64],
+             static_scales: npt.NDArray[np.float32] | None) -> U8:
+    """``[n, 16]`` uint8: page ``i``'s digest over ``page_chunks(i)`` (contiguous byte buffers,
+    hashed in order without a copy), the static scales and its token ids."""
+    static = b"" if static_scales is None else np.ascontiguousarray(static_scales).tobytes()
+    tokens = np.ascontiguousarray(token_ids, dtype="<i8")
+    out = np.empty((num_pages, DIGEST_BYTES), dtype=np.uint8)
+    for i in range(num_pages):
+        h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvmem-page")
+        for chunk in page_chunks(i):
+            h.update(chunk)
+        h.update(static)
+        h.update(tokens[i])
+        out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
+    return out
+
+
 def page_digests(pages: dict[str, U8], token_ids: npt.NDArray[np.int64],
                  static_scales: npt.NDArray[np.float32] | None) -> U8:
     """One BLAKE2b digest per page: ``[n, 16]`` uint8, over the page's bytes in every layer
-    (``pages`` as :func:`gather_pages` returns them), the static scales and its token ids
-    (``[n, page_size]``)."""
-    n = token_ids.shape[0]
-    static = b"" if static_scales is None else np.ascontiguousarray(static_scales).tobytes()
-    tokens = np.ascontiguousarray(token_ids, dtype="<i8")
-    out = np.empty((n, DIGEST_BYTES), dtype=np.uint8)
-    names = sorted(pages)
-    for i in range(n):
-        h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvmem-page")
-        for name in names:
-            h.update(np.ascontiguousarray(pages[name][:, i]).tobytes())
-        h.update(static)
-        h.update(tokens[i].tobytes())
-        out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
-    return out
+    (``pages`` as :func:`gather_pages` returns them, ``[L, n, B]`` per name, names in sorted
+    order, layer by layer), the static scales and its token ids (``[n, page_size]``)."""
+    arrays = [np.ascontiguousarray(pages[name]) for name in sorted(pages)]
+
+    def chunks(i: int) -> Iterator[U8]:
+        return (a[layer, i] for a in arrays for layer in range(a.shape[0]))
+
+    return _digests(token_ids.shape[0], chunks, token_ids, static_scales)
+
+
+def pool_page_digests(pool: PagePool, pages: npt.ArrayLike, token_ids: npt.NDArray[np.int64],
+                      static_scales: npt.NDArray[np.float32] | None) -> U8:
+    """``page_digests(gather_pages(pool, pages), token_ids, static_scales)`` without the
+    gather's copy: ``[n, 16]`` uint8. A host pool's pages are hashed where they lie, layer by
+    layer; a device pool's are copied to the host once, page-major (``[n, L, B]``), and each
+    page hashed in one call. The pages must not change meanwhile (leased, read final)."""
+    ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+    named = {"data": pool.data, "token_scales": pool.token_scales}
+    tensors = [_bytes_view(t) for _, t in sorted(named.items()) if t is not None]
+    if pool.device.type == "cpu":
+        arrays = [t.numpy() for t in tensors]  # [L, P, B] views of the pool
+        L = arrays[0].shape[0]
+
+        def chunks(i: int) -> Iterator[U8]:
+            p = int(ids[i])
+            return (a[layer, p] for a in arrays for layer in range(L))
+    else:
+        ids_t = torch.as_tensor(ids, device=pool.device)
+        host = [t.transpose(0, 1).index_select(0, ids_t).cpu().numpy().reshape(ids.size, -1)
+                for t in tensors]  # [n, L * B] each
+
+        def chunks(i: int) -> Iterator[U8]:
+            return (h[i] for h in host)
+
+    return _digests(ids.size, chunks, token_ids, static_scales)
 
 
 @dataclass(frozen=True)

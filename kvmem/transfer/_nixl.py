@@ -20,6 +20,11 @@ path is NIXL's own; it is not tested on a CPU-only machine.
 Progress: by default the agent has no background thread (NIXL's spins a core); it moves reads
 and notices when :meth:`~NixlTransport.state` or :meth:`~NixlTransport.notices` is called.
 
+Logging: NIXL's logging config prints INFO lines to stdout, where they would corrupt a program's
+own output (``--json``). Unless the user chose a level with ``NIXL_LOG_LEVEL`` (the variable
+NIXL's ``logging.py`` reads), the first transport of a process sets NIXL's ``"nixl"`` logger to
+WARNING; a level set on that logger afterwards is the user's and stays.
+
 Handles are ints. A read NIXL reports as "ERR" (the peer died, the remote range is not the
 peer's registered memory, the connection broke) is ``"failed"``; one whose request NIXL refused
 to make raises at :meth:`~NixlTransport.read`.
@@ -44,6 +49,7 @@ Descs = npt.NDArray[np.int64]
 Memory = Literal["DRAM", "VRAM"]
 
 DEFAULT_UCX_TLS = "tcp,self"
+_nixl_log_level_set = False
 _STATES: dict[str, ReadState] = {"DONE": "done", "PROC": "pending", "ERR": "failed"}
 
 
@@ -62,7 +68,19 @@ def _import_nixl() -> tuple[Any, Any, tuple[type[Exception], ...]]:
         v for k, v in vars(_bindings).items()
         if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type)
     )
+    _quiet_nixl_logging()
     return nixl_agent, nixl_agent_config, errors
+
+
+def _quiet_nixl_logging() -> None:
+    """Once per process: NIXL's logger at WARNING unless ``NIXL_LOG_LEVEL`` names a level.
+    Importing ``nixl._api`` has configured it (INFO, to stdout) and read the variable."""
+    global _nixl_log_level_set
+    if _nixl_log_level_set:
+        return
+    _nixl_log_level_set = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def _descs(descs: npt.ArrayLike, name: str) -> Descs:

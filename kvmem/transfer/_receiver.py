@@ -40,7 +40,7 @@ import torch
 from kvmem.allocator import Lease, PageAllocator
 from kvmem.cuda import PagePool
 from kvmem.errors import ArgumentError, IntegrityError, KVMemError
-from kvmem.transfer._bundle import gather_pages, page_digests, static_scales_of
+from kvmem.transfer._bundle import pool_page_digests, static_scales_of
 from kvmem.transfer._descs import Region, paired_descs, tensor_descs
 from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import CacheIdentity
@@ -309,12 +309,12 @@ class Receiver:
         msg, P = load.msg, self.manager.page_size
         lo, hi = load.hits, msg.num_pages
         if load.staging is None:
-            pages = gather_pages(self.pool, load.dst)
+            pool, pages = self.pool, load.dst
         else:
             assert load.staging_pages is not None
-            pages = gather_pages(load.staging.pool, load.staging_pages)
+            pool, pages = load.staging.pool, load.staging_pages
         tokens = msg.token_ids[lo * P : hi * P].reshape(hi - lo, P)
-        found = page_digests(pages, tokens, msg.static_scales)
+        found = pool_page_digests(pool, pages, tokens, msg.static_scales)
         return bool(np.array_equal(found, msg.page_digests[lo:hi]))
 
     def _complete(self, tid: str, load: _Load, count: bool = True) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvmem.allocator import Lease
 from kvmem.errors import ArgumentError, KVMemError
-from kvmem.transfer._bundle import gather_pages, page_digests, static_scales_of
+from kvmem.transfer._bundle import pool_page_digests, static_scales_of
 from kvmem.transfer._descs import Region, tensor_descs
 from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import CacheIdentity
@@ -109,7 +109,7 @@ class Sender:
             tags = m.allocator.tags[pages]
         page_tokens = tokens[: n * P].reshape(n, P)
         static = static_scales_of(self.pool)
-        digests = page_digests(gather_pages(self.pool, pages), page_tokens, static)
+        digests = pool_page_digests(self.pool, pages, page_tokens, static)
         cache = m.cache
         keys = (cache.run_keys(cache.root_key(namespace), 0, page_tokens)
                 if cache is not None and n else np.zeros((n, 2), dtype=np.uint64))
