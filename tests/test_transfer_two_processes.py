@@ -91,7 +91,7 @@ def prefill_side(conn: Connection, head_dim: int, model: str, lease_seconds: flo
     """The prefill process: a Sender over NIXL, obeying ``(command, *args)`` from the pipe.
 
     prefill rid prompt seed  -> the bytes of the request's full pages
-    export rid now           -> notify the offer; its transfer id
+    export rid now           -> notify the offer; (its transfer id, the offer)
     poll now answers         -> Sender.poll(now) until that many confirms were answered (at
                                 most WAIT s; at least one call); what was answered
     notify [bytes]           -> send raw notices to the decode side (duplicates, late ones)
@@ -121,7 +121,7 @@ def prefill_side(conn: Connection, head_dim: int, model: str, lease_seconds: flo
         elif cmd == "export":
             offer = sender.export(args[0], args[1])
             transport.notify(decode, offer)
-            reply = TransferMessage.from_bytes(offer).transfer_id
+            reply = (TransferMessage.from_bytes(offer).transfer_id, offer)
         elif cmd == "poll":
             now, answers = args
             reply = sender.poll(now)
@@ -237,7 +237,7 @@ def link() -> Iterator[Link]:
 def load(p: Prefill, d: Decode, rid: str, now: float = 0.0) -> tuple[str, LoadResult, Any]:
     """Export ``rid`` and let the sender poll until it answered: (transfer id, the load's result,
     the sender's answers)."""
-    tid = p.ask("export", rid, now)
+    tid, _ = p.ask("export", rid, now)
     p.start("poll", now, 1)
     (result,) = d.pump(lambda r: bool(r))
     return tid, result, p.peer.recv()
@@ -311,7 +311,7 @@ def test_a_lease_expired_before_the_confirm_makes_the_request_fall_back(link: Li
     assert load(p, d, "base")[1].status == "loaded"
     prompt = [*PROMPT[:4], 400, 401, 402, 403, 404, 405, 406]  # shares "base"'s first page
     want = p.ask("prefill", "x", prompt, 1)
-    tid = p.ask("export", "x", 0.0)
+    tid, _ = p.ask("export", "x", 0.0)
     p.start("poll", 10.0, 1)  # the lease expires first, then the confirm is read
     (res,) = d.pump(lambda r: bool(r))
     assert p.peer.recv() == [(tid, False)]
@@ -337,16 +337,20 @@ def test_a_lease_expired_before_the_confirm_makes_the_request_fall_back(link: Li
 def test_killing_the_prefill_process_mid_transfer_fails_only_the_pending_load(link: Link
                                                                               ) -> None:
     """"a" is loaded; "b"'s read is pending (the sender stopped polling) when the prefill
-    process is SIGKILLed: "b" falls back, "a" keeps its pages and bytes. The duplicate answer
-    for "a" and a malformed notice the sender sent before it died are ignored."""
+    process is SIGKILLed: "b" falls back, "a" keeps its pages and bytes. "a"'s offer again,
+    duplicate and late answers for "a" and a malformed notice, sent before the sender died, are
+    ignored (the dead process sends nothing after)."""
     p, d = link()
     want_a = p.ask("prefill", "a", PROMPT, 1)
     p.ask("prefill", "b", list(range(200, 211)), 2)
-    tid_a, res_a, _ = load(p, d, "a")
-    assert res_a.status == "loaded"
+    tid_a, offer_a = p.ask("export", "a", 0.0)
+    p.start("poll", 0.0, 1)
+    assert [r.status for r in d.pump(lambda r: bool(r))] == ["loaded"]
+    assert p.peer.recv() == [(tid_a, True)]
     pages_a = d.manager.pages_of("a").copy()
-    p.ask("notify", [answer_bytes(tid_a, True), answer_bytes(tid_a, False, "late"), b"junk"])
-    assert d.pump(lambda r: d.receiver.counts["ignored"] == 3) == []
+    p.ask("notify", [offer_a, answer_bytes(tid_a, True), answer_bytes(tid_a, False, "late"),
+                     b"junk"])
+    assert d.pump(lambda r: d.receiver.counts["ignored"] == 4) == []
     p.ask("export", "b", 0.0)
     assert d.pump(lambda r: "b" in d.receiver.loading) == []
     assert d.receiver.poll(0.0) == [] and d.receiver.loading == ("b",)  # its read is pending
@@ -357,7 +361,7 @@ def test_killing_the_prefill_process_mid_transfer_fails_only_the_pending_load(li
     assert np.array_equal(d.manager.pages_of("a"), pages_a) and d.manager.num_committed("a") == 8
     assert same(page_bytes(d.pool, pages_a[:2]), want_a)
     assert d.manager.num_committed("b") == 0 and d.manager.match_prefix(PROMPT).num_pages == 2
-    assert d.receiver.poll(100.0) == [] and d.receiver.counts["ignored"] == 3
+    assert d.receiver.poll(100.0) == [] and d.receiver.counts["ignored"] == 4
     d.manager.check()
 
 
@@ -372,7 +376,7 @@ def test_an_abort_keeps_the_destination_pages_until_the_read_is_final(link: Link
     when it is killed; bytes land in those pages only, then they go back."""
     p, d = link()
     want = p.ask("prefill", "a", PROMPT, 1)
-    tid = p.ask("export", "a", 0.0)
+    tid, _ = p.ask("export", "a", 0.0)
     d.pump(lambda r: "a" in d.receiver.loading)
     dst = d.manager.pages_of("a")[:2].copy()
     d.receiver.abort("a")

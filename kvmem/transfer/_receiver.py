@@ -254,6 +254,9 @@ class Receiver:
             msg = None
             try:
                 msg = TransferMessage.from_parts(head, arrays)
+                if self._duplicate(msg):
+                    self.counts["ignored"] += 1
+                    return
                 self.receive(msg, now)
             except KVMemError as e:
                 log.warning("kvmem receiver: refused an offer from %r: %s", peer, e)
@@ -267,6 +270,15 @@ class Receiver:
             self.counts["ignored"] += 1  # a duplicate or late answer, or not ours
             return
         load.answer = (bool(head.get("ok")), str(head.get("reason", "")))
+
+    def _duplicate(self, msg: TransferMessage) -> bool:
+        """Whether an offer notice repeats one received here: its transfer is loading, or its
+        request is known here (loaded, or recomputing). Declining it would end the lease of the
+        live load, and a "failed" result would name a request that runs."""
+        if msg.transfer_id in self._loads:
+            return True
+        m, rid = self.manager, msg.request_id
+        return rid in m.running or rid in m.preempted
 
     def _advance(self, tid: str, load: _Load, now: float) -> None:
         if load.state == "waiting":
