@@ -23,8 +23,8 @@ Life of a load (``hits``: full pages the receiver's prefix cache already held)::
 Only pages this load allocated are ever written (by the read or the conversion), and they
 enter the prefix cache only through commit after every check passed, so a failed load never
 touches a page another request shares (a recompute writes them again through its own slots).
-Answers for transfers this receiver does not wait for (duplicates, late ones) are counted and
-ignored.
+Answers for transfers this receiver does not wait for (duplicates, late ones), and offers of a
+transfer it is loading or of a request it holds (duplicates), are counted and ignored.
 """
 
 from __future__ import annotations
