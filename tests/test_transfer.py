@@ -531,6 +531,37 @@ def test_duplicate_and_late_notices_are_ignored() -> None:
     check_both(s, r)
 
 
+@pytest.mark.parametrize("when", ["reading", "loaded"])
+def test_a_duplicated_offer_is_ignored(when: str) -> None:
+    """Guards a bug: a duplicated offer notice was refused as "already being received" (or, once
+    loaded, "request id known here"), which declined the transfer to the sender and reported
+    the running request "failed"; while the read was pending the decline ended the sender's
+    lease, so the live load's own confirm was answered stale and it fell back."""
+    s, r, sender, receiver = pair()
+    prefill(s, "a", PROMPT)
+    r.transport.hold_reads = r.transport.hold_notices = True
+    send(s, sender, "a")
+    r.transport.duplicate(0)  # the offer arrives, and again later
+    assert receiver.poll(0.0) == [] and receiver.loading == ("a",)
+    if when == "loaded":
+        r.transport.complete(r.transport.pending[0])
+        receiver.poll(0.0)
+        sender.poll(0.0)
+        r.transport.deliver(1)  # the sender's answer
+        assert [x.status for x in receiver.poll(0.0)] == ["loaded"]
+    r.transport.deliver(0)  # the duplicate
+    assert receiver.poll(0.0) == [] and receiver.counts["ignored"] == 1
+    assert sender.poll(0.0) == [] and sender.counts["declined"] == 0
+    if when == "reading":
+        r.transport.hold_notices = False
+        r.transport.complete(r.transport.pending[0])
+        receiver.poll(0.0)
+        assert sender.poll(0.0)[0][1] is True
+        assert [x.status for x in receiver.poll(0.0)] == ["loaded"]
+    assert r.manager.num_committed("a") == 8 and receiver.counts["failed"] == 0
+    check_both(s, r)
+
+
 def test_a_failed_read_recomputes_correctly_beside_shared_prefix_pages() -> None:
     """A failed load never touches pages another request shares (vllm#49250): the receiver
     already holds the first page under request "c"; "a" hits it, its read of the second page

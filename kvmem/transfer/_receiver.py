@@ -23,8 +23,8 @@ Life of a load (``hits``: full pages the receiver's prefix cache already held)::
 Only pages this load allocated are ever written (by the read or the conversion), and they
 enter the prefix cache only through commit after every check passed, so a failed load never
 touches a page another request shares (a recompute writes them again through its own slots).
-Answers for transfers this receiver does not wait for (duplicates, late ones) are counted and
-ignored.
+Answers for transfers this receiver does not wait for (duplicates, late ones), and offers of a
+transfer it is loading or of a request it holds (duplicates), are counted and ignored.
 """
 
 from __future__ import annotations
@@ -254,6 +254,9 @@ class Receiver:
             msg = None
             try:
                 msg = TransferMessage.from_parts(head, arrays)
+                if self._duplicate(msg):
+                    self.counts["ignored"] += 1
+                    return
                 self.receive(msg, now)
             except KVMemError as e:
                 log.warning("kvmem receiver: refused an offer from %r: %s", peer, e)
@@ -267,6 +270,15 @@ class Receiver:
             self.counts["ignored"] += 1  # a duplicate or late answer, or not ours
             return
         load.answer = (bool(head.get("ok")), str(head.get("reason", "")))
+
+    def _duplicate(self, msg: TransferMessage) -> bool:
+        """Whether an offer notice repeats one received here: its transfer is loading, or its
+        request is known here (loaded, or recomputing). Declining it would end the lease of the
+        live load, and a "failed" result would name a request that runs."""
+        if msg.transfer_id in self._loads:
+            return True
+        m, rid = self.manager, msg.request_id
+        return rid in m.running or rid in m.preempted
 
     def _advance(self, tid: str, load: _Load, now: float) -> None:
         if load.state == "waiting":
