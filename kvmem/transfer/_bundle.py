@@ -72,11 +72,12 @@ def page_digests(pages: dict[str, U8], token_ids: npt.NDArray[np.int64],
     static = b"" if static_scales is None else np.ascontiguousarray(static_scales).tobytes()
     tokens = np.ascontiguousarray(token_ids, dtype="<i8")
     out = np.empty((n, DIGEST_BYTES), dtype=np.uint8)
-    names = sorted(pages)
+    arrays = [np.ascontiguousarray(pages[name]) for name in sorted(pages)]
     for i in range(n):
         h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvmem-page")
-        for name in names:
-            h.update(np.ascontiguousarray(pages[name][:, i]).tobytes())
+        for arr in arrays:
+            for row in arr[:, i]:  # one layer's page bytes, contiguous: hashed without a copy
+                h.update(row)
         h.update(static)
         h.update(tokens[i].tobytes())
         out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
