@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -347,6 +348,7 @@ class DiskTier:
             elif f.suffix == ".kvb":
                 st = f.stat()
                 entries.append((st.st_mtime_ns, f.stem, st.st_size))
+        self._last_use = max((e[0] for e in entries), default=0)
         for _, name, size in sorted(entries):
             self._size_of[name] = size
             self.bytes_used += size
@@ -379,9 +381,12 @@ class DiskTier:
     def _touch(self, names: list[str]) -> None:
         for name in reversed(names):  # the run's first page is the most recently used
             self._size_of.move_to_end(name)
-            # The order is kept in memory; a failed utime only gives a restart an older one.
+            # A file's mtime is its place in the order after a restart: strictly increasing
+            # (the file system's clock is too coarse to order touches in one call). A failed
+            # utime only gives a restart an older order.
+            self._last_use = max(time.time_ns(), self._last_use + 1)
             with contextlib.suppress(OSError):
-                os.utime(self._file(name))
+                os.utime(self._file(name), ns=(self._last_use, self._last_use))
 
     def put(self, bundle: PageBundle) -> int:
         """Store ``bundle``'s pages in order (those already stored are only touched); returns
