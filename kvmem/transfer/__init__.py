@@ -14,6 +14,7 @@
     _sender.py      Sender: the prefill side (export under a lease, answer confirms)
     _receiver.py    Receiver: the decode side (admit, read, check, commit or fall back)
     _faults.py      TransferFaults: protections a fuzzer switches off (fault injection only)
+    _tier.py        HostTier, DiskTier: full pages below the device, keyed by prefix and identity
 
 This room sits above the pools and the allocator and below the manager: it takes a
 ``KVCacheManager`` as an argument and never imports the manager's module. See
@@ -32,11 +33,14 @@ from kvmem.transfer._nixl import NixlTransport
 from kvmem.transfer._peer import Peer, PeerError
 from kvmem.transfer._receiver import LoadResult, Receiver, Receiving
 from kvmem.transfer._sender import Sender
+from kvmem.transfer._tier import DiskTier, HostTier, TierStats, tier_keys
 from kvmem.transfer._transport import ReadState, Transport
 
 __all__ = [
     "FORMAT_VERSION",
     "CacheIdentity",
+    "DiskTier",
+    "HostTier",
     "InProcessHub",
     "InProcessTransport",
     "LoadResult",
@@ -49,6 +53,7 @@ __all__ = [
     "Receiving",
     "Region",
     "Sender",
+    "TierStats",
     "TransferFaults",
     "TransferMessage",
     "Transport",
@@ -58,4 +63,5 @@ __all__ = [
     "page_digests",
     "paired_descs",
     "tensor_descs",
+    "tier_keys",
 ]
