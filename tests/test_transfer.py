@@ -276,16 +276,30 @@ def test_pool_page_digests_equal_the_digests_of_the_gathered_pages(dtype: str,
 
 
 def test_page_digests_keep_their_format() -> None:
-    """The digest is part of the wire and bundle format: BLAKE2b-128 (person "kvmem-page") over
-    a page's data in every layer, then its token scales in every layer, the static scales and
-    its token ids. Values from the first implementation (a copy per page and layer)."""
+    """The digest is part of the wire and bundle format (FORMAT_VERSION 2): the first 16 bytes
+    of SHA-256 over a domain prefix, a page's data in every layer, then its token scales in
+    every layer, the static scales and its token ids (little-endian int64). Built here from
+    hashlib directly, and pinned."""
+    import hashlib
+
     pool = _random_pool("fp8_e4m3", "token_head")
     pages, tokens = [5, 0, 6], np.arange(12, dtype=np.int64).reshape(3, P)
-    want = ["5cfac119690d57cff14d2eca8dd616b4", "bef6600afb2a30680f0ddb49dc951cf7",
-            "eb26b88746a7cfc3c219298ece512595"]
-    for digests in (page_digests(gather_pages(pool, pages), tokens, None),
-                    pool_page_digests(pool, pages, tokens, None)):
+    got = gather_pages(pool, pages)
+    want = []
+    for i in range(3):
+        h = hashlib.sha256(b"kvmem page digest v2\0")
+        for name in ("data", "token_scales"):
+            for layer in got[name]:
+                h.update(layer[i].tobytes())
+        h.update(tokens[i].astype("<i8").tobytes())
+        want.append(h.hexdigest()[:32])
+    assert want == PINNED_DIGESTS
+    for digests in (page_digests(got, tokens, None), pool_page_digests(pool, pages, tokens, None)):
         assert [d.tobytes().hex() for d in digests] == want
+
+
+PINNED_DIGESTS = ["05495e6ac75c077de198ecbd456eab49", "4a3ec76163c966d42583f40d5f735ffa",
+                  "a3958fb66c1163aa8261038934b7f775"]
 
 
 def test_a_corrupted_bundle_is_refused() -> None:

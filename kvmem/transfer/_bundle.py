@@ -12,11 +12,14 @@ A bundle is what every page mover shares (a transfer to another process, a host 
     static_scales   [L, C, Hs]       float32  the pool's fp8 tensor/head scales, or absent
     page_digests    [n, 16]          uint8    one digest per page (see page_digests)
 
-The digest is BLAKE2b (hashlib, 16 bytes): it runs at several GB/s in software, needs no
-dependency, and is a cryptographic hash, so bytes from another lifetime of a page, a torn read or
-a forged run cannot match by accident or by construction (a CRC only guards against noise). One
-digest per page (over every layer's bytes, its token scales, the static scales and its token
-ids) lets a receiver that already holds a prefix check only the pages it read.
+The digest is SHA-256 (hashlib), its first 16 bytes, after a domain prefix: a cryptographic hash,
+so bytes from another lifetime of a page, a torn read or a forged run cannot match by accident
+or by construction (a CRC only guards against noise), and the fastest one hashlib has where the
+CPU has SHA instructions (x86 SHA-NI, ARMv8 SHA2: 1.7 GB/s on this project's machine, BLAKE2b
+0.9). It is still the largest cost of moving a page that is not the copy itself (see
+docs/benchmarks.md, ``bench_transfer.py``). One digest per page (over every layer's bytes, its
+token scales, the static scales and its token ids) lets a receiver that already holds a prefix
+check only the pages it read.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = ["PageBundle", "gather_pages", "page_digests", "pool_page_digests"]
 
 U8 = npt.NDArray[np.uint8]
 DIGEST_BYTES = 16
+_PAGE_DOMAIN = b"kvmem page digest v2\0"  # what the hash is of, before any byte of a page
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -73,12 +77,12 @@ def _digests(num_pages: int, page_chunks: Callable[[int], Iterator[Any]],
     tokens = np.ascontiguousarray(token_ids, dtype="<i8")
     out = np.empty((num_pages, DIGEST_BYTES), dtype=np.uint8)
     for i in range(num_pages):
-        h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"kvmem-page")
+        h = hashlib.sha256(_PAGE_DOMAIN)
         for chunk in page_chunks(i):
             h.update(chunk)
         h.update(static)
         h.update(tokens[i])
-        out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
+        out[i] = np.frombuffer(h.digest()[:DIGEST_BYTES], dtype=np.uint8)
     return out
 
 

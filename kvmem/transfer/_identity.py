@@ -25,7 +25,7 @@ from kvmem.errors import ArgumentError, ArgumentTypeError, IncompatibleCacheErro
 
 __all__ = ["FORMAT_VERSION", "CacheIdentity"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _CONVERTED = ("dtype", "scales", "layout")  # differ -> converted, not refused
 
 

@@ -13,7 +13,7 @@
         prefix_keys  [n, 2] uint64   the sender's prefix keys of those pages
         regions                      Region of the sender's "data" (and "token_scales")
         static_scales [L, C, Hs] float32, or absent
-        page_digests [n, 16] uint8   BLAKE2b per page (see ``_bundle.py``)
+        page_digests [n, 16] uint8   SHA-256 per page (see ``_bundle.py``)
         lease_expiry                 when the sender's lease ends, on the sender's clock
     confirm  receiver -> sender   transfer_id and the tags it read under (the read's notice:
                                   it reaches the sender when the read has completed)
