@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import time
+import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -58,15 +60,29 @@ def kv(num_tokens: int, seed: int, head_dim: int = 16) -> list[tuple[torch.Tenso
             for _ in range(2)]
 
 
+def kv_of_tokens(prompt: list[int], head_dim: int = 16
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k, v), each ``[len(prompt), 2, head_dim]`` bfloat16; token i's values depend
+    on ``prompt[: i + 1]`` only, as a model's do: requests that share a prefix share its pages'
+    bytes, in either process and after a restart."""
+    rows = [torch.randn(4, 2, head_dim, generator=torch.Generator().manual_seed(
+        zlib.crc32(np.asarray(prompt[: i + 1], dtype=np.int64).tobytes())))
+        for i in range(len(prompt))]
+    x = torch.stack(rows, 1).bfloat16()  # [2 layers * (k, v), len(prompt), 2, head_dim]
+    return [(x[0], x[1]), (x[2], x[3])]
+
+
 def prefill(manager: KVCacheManager, pool: PagePool, rid: str, prompt: list[int],
-            seed: int, start: int = 0) -> None:
+            seed: int | None, start: int | None = None) -> None:
     """Admit (or continue from ``start`` computed tokens), write the K/V of the tokens not
-    cached through the pool, commit."""
-    if start == 0:
+    cached through the pool (from ``seed``, or from the tokens when it is None), commit."""
+    if start is None:
         start = manager.admit(rid, prompt).num_cached_tokens
     n = len(prompt) - start
     step = manager.reserve([rid], n)
-    for layer, (k, v) in enumerate(kv(len(prompt), seed, pool.spec.head_dim or 0)):
+    hd = pool.spec.head_dim or 0
+    values = kv_of_tokens(prompt, hd) if seed is None else kv(len(prompt), seed, hd)
+    for layer, (k, v) in enumerate(values):
         pool.write(layer, step.slot_mapping, k[start:], v[start:])
     manager.commit(rid, prompt[start:])
 
@@ -87,22 +103,23 @@ def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 # -- the prefill process ---------------------------------------------------------------------
 
 
-def prefill_side(conn: Connection, head_dim: int, model: str, lease_seconds: float) -> None:
+def prefill_side(conn: Connection, agent: str, head_dim: int, model: str,
+                 lease_seconds: float) -> None:
     """The prefill process: a Sender over NIXL, obeying ``(command, *args)`` from the pipe.
 
-    prefill rid prompt seed  -> the bytes of the request's full pages
+    prefill rid prompt seed  -> the bytes of the request's full pages (None if it does not fit)
     export rid now           -> notify the offer; (its transfer id, the offer)
     poll now answers         -> Sender.poll(now) until that many confirms were answered (at
                                 most WAIT s; at least one call); what was answered
     notify [bytes]           -> send raw notices to the decode side (duplicates, late ones)
-    release rid              -> release the request and clear the prefix cache
+    release rid              -> release the request (None: none) and clear the prefix cache
     state                    -> counts, open transfers, free pages, check()'s problem or ""
     stop
     """
     from kvmem.transfer import NixlTransport
 
     manager, pool, identity = cache(head_dim=head_dim, model=model)
-    transport = NixlTransport(f"prefill{next(_agents)}")
+    transport = NixlTransport(agent)
     sender = Sender(manager, pool, transport, identity, lease_seconds=lease_seconds)
     conn.send((transport.metadata(), identity.to_json()))
     decode = transport.add_peer(conn.recv())
@@ -116,8 +133,9 @@ def prefill_side(conn: Connection, head_dim: int, model: str, lease_seconds: flo
             return
         if cmd == "prefill":
             rid, prompt, seed = args
-            prefill(manager, pool, rid, prompt, seed)
-            reply = page_bytes(pool, manager.pages_of(rid)[: len(prompt) // P])
+            if manager.can_admit(prompt):
+                prefill(manager, pool, rid, prompt, seed)
+                reply = page_bytes(pool, manager.pages_of(rid)[: len(prompt) // P])
         elif cmd == "export":
             offer = sender.export(args[0], args[1])
             transport.notify(decode, offer)
@@ -133,7 +151,8 @@ def prefill_side(conn: Connection, head_dim: int, model: str, lease_seconds: flo
             for data in args[0]:
                 transport.notify(decode, data)
         elif cmd == "release":
-            manager.release(args[0])
+            if args[0] is not None:
+                manager.release(args[0])
             manager.clear_prefix_cache()
         elif cmd == "state":
             try:
@@ -183,7 +202,8 @@ class Prefill:
     """The prefill process as the decode side sees it."""
 
     def __init__(self, decode: Decode, head_dim: int, model: str, lease_seconds: float) -> None:
-        self.peer = Peer(prefill_side, head_dim, model, lease_seconds, timeout=WAIT)
+        self.peer = Peer(prefill_side, f"prefill{next(_agents)}", head_dim, model, lease_seconds,
+                         timeout=WAIT)
         metadata, identity = self.peer.recv()
         self.identity = CacheIdentity.from_json(identity)
         name = decode.transport.add_peer(metadata)
@@ -425,3 +445,152 @@ def test_bf16_pages_read_into_an_fp8_pool_equal_a_direct_fp8_write(link: Link,
     if scales == "tensor":
         assert torch.equal(direct.static_scales, d.pool.static_scales)  # type: ignore[arg-type]
     d.manager.check()
+
+
+# -- g. a seeded campaign --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [*range(3), *(pytest.param(seed, marks=pytest.mark.long)
+                                              for seed in range(3, 12))])
+def test_check_holds_on_both_sides_after_a_random_campaign_over_nixl(link: Link,
+                                                                     seed: int) -> None:
+    """Random moves between two processes: prefill and export of a new request (some share a
+    first page); the sender polls (every pending read completes, every confirm is answered,
+    leases past their expiry on its clock end first) or stays silent (reads stay pending);
+    the sender releases a request; the receiver aborts a loading request or releases a loaded
+    or recomputed one; an offer or answers the live sender sent before, and junk, come again;
+    the prefill process is SIGKILLed and a fresh one connects. After every move check() holds
+    on both managers; every "loaded" request holds the bytes the sender's pages had at export,
+    every recomputed one the same bytes once the engine (this test) prefills the rest. After
+    draining (every read final, every lease ended, everything released) both sides hold no
+    page. Odd seeds run the "fail" policy. With KVMEM_LONG_TESTS=1, more seeds, longer."""
+    rng = np.random.default_rng(seed)
+    num_moves = 40 if seed < 3 else 120
+    lease = 3.0
+    p, d = link(policy=("recompute", "fail")[seed % 2], lease_seconds=lease)
+    rx = d.receiver
+    started = [p]  # prefill processes started here after a kill (the fixture stops the first)
+    now = 0.0
+    prompts: dict[str, list[int]] = {}
+    want: dict[str, list[np.ndarray]] = {}  # the sender's bytes of a request's full pages
+    offers: dict[str, tuple[str, bytes]] = {}  # the live sender's offers: tid -> (rid, offer)
+    answers: dict[str, bytes] = {}  # the live sender's answers, by transfer id
+    due: set[str] = set()  # transfers whose confirm (the read's notice or a decline) is owed
+    on_sender: list[str] = []  # requests running on the live sender
+    finished: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
+    kills = i = 0
+
+    def settle(results: list[LoadResult]) -> None:
+        for res in results:
+            rid, status = res.request_id, res.status
+            finished[rid] += 1
+            statuses[status] += 1
+            n = len(prompts[rid]) // P
+            if status == "loaded":
+                assert res.num_computed_tokens == n * P
+            elif status == "recompute":
+                assert d.manager.num_committed(rid) == res.num_computed_tokens
+                prefill(d.manager, d.pool, rid, prompts[rid], None, start=res.num_computed_tokens)
+            else:
+                assert status == "failed" and rid not in d.manager.running, res
+                continue
+            assert same(page_bytes(d.pool, d.manager.pages_of(rid)[:n]), want[rid]), res
+
+    def pump(until: Callable[[], bool]) -> None:
+        """Receiver.poll(now), each result settled at once, until ``until()`` (at most WAIT s)."""
+        deadline = time.monotonic() + WAIT
+        while not until():
+            if time.monotonic() > deadline:
+                pytest.fail(f"the decode side did not get there in {WAIT} s (move {i})")
+            settle(rx.poll(now))
+            time.sleep(0.0005)
+
+    def sender_poll() -> None:
+        p.start("poll", now, len(due))
+        pump(lambda: p.peer.conn.poll(0))
+        answered = p.peer.recv()
+        assert sorted(t for t, _ in answered) == sorted(due)
+        answers.update((t, answer_bytes(t, ok)) for t, ok in answered)
+        live = {offers[t][0] for t, _ in answered}
+        due.clear()
+        pump(lambda: not live & set(rx.loading))  # their answers reached their loads
+
+    def export(rid: str, prompt: list[int]) -> None:
+        got = p.ask("prefill", rid, prompt, None)
+        if got is None:  # it does not fit the sender's pool now
+            return
+        prompts[rid], want[rid] = prompt, got
+        on_sender.append(rid)
+        tid, offer = p.ask("export", rid, now)
+        offers[tid] = (rid, offer)
+        due.add(tid)
+        pump(lambda: rid in rx.loading or finished[rid] > 0)  # received, read started or not
+
+    def offer_again(tid: str) -> None:
+        rid, offer = offers[tid]
+        ignored, before = rx.counts["ignored"], finished[rid]
+        known = rid in rx.loading or rid in d.manager.running
+        p.ask("notify", [offer])
+        pump(lambda: rx.counts["ignored"] > ignored or (not known and (
+            rid in rx.loading or finished[rid] > before)))
+        if rx.counts["ignored"] == ignored:  # received again (its request had ended here)
+            due.add(tid)
+
+    def answers_again() -> None:
+        """Answers whose loads ended, and junk: all ignored (a load that reads again would
+        take its transfer's answer)."""
+        late = [a for t, a in answers.items() if offers[t][0] not in rx.loading]
+        ignored = rx.counts["ignored"] + len(late) + 1
+        p.ask("notify", [*late, b"junk"])
+        pump(lambda: rx.counts["ignored"] == ignored)
+
+    try:
+        for i in range(num_moves):
+            now += float(rng.uniform(0, 1.0))
+            move = int(rng.choice(7, p=[0.35, 0.13, 0.12, 0.1, 0.1, 0.12, 0.08]))
+            if move == 0 and len(on_sender) < 4:  # prefill and export a new request
+                rid = f"q{i}"
+                prompt = [int(rng.integers(3))] * P + rng.integers(
+                    0, 50, int(rng.integers(2, 15))).tolist()
+                export(rid, prompt)
+            elif move == 1:
+                sender_poll()
+            elif move == 2 and on_sender:
+                p.ask("release", on_sender.pop(int(rng.integers(len(on_sender)))))
+            elif move == 3 and rx.loading:
+                rx.abort(rx.loading[int(rng.integers(len(rx.loading)))])
+            elif move == 4:
+                done = [r for r in d.manager.running if r not in rx.loading]
+                if done:
+                    d.manager.release(done[int(rng.integers(len(done)))])
+            elif move == 5 and offers:  # notices again: an offer, or answers and junk
+                if rng.integers(2):
+                    offer_again(list(offers)[int(rng.integers(len(offers)))])
+                else:
+                    answers_again()
+            elif move == 6 and kills < 2:  # the prefill process dies; a fresh one connects
+                kills += 1
+                p.peer.kill()
+                pump(lambda: not rx.loading and not d.manager.fences.leases)
+                p = Prefill(d, 16, "smol", lease)
+                started.append(p)
+                offers.clear(), answers.clear(), due.clear(), on_sender.clear()
+            settle(rx.poll(now))
+            d.manager.check()
+            assert p.ask("state")["check"] == ""
+        now += 100.0  # drain: every lease expires, every read completes, every confirm is stale
+        sender_poll()
+        pump(lambda: not rx.loading and not d.manager.fences.leases)
+        for rid in [*on_sender, None]:
+            p.ask("release", rid)
+        state = p.ask("state")
+        assert state["open"] == () and state["check"] == "" and state["num_free"] == NUM_PAGES
+        d.manager.release_batch(d.manager.running)
+        d.manager.clear_prefix_cache()
+        d.manager.check()
+        assert d.manager.allocator.num_free == NUM_PAGES and rx.loading == ()
+        assert statuses["loaded"] and statuses["recompute"] + statuses["failed"], statuses
+    finally:
+        for q in started[1:]:
+            q.stop()
