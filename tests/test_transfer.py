@@ -545,26 +545,36 @@ def test_duplicate_and_late_notices_are_ignored() -> None:
     check_both(s, r)
 
 
-@pytest.mark.parametrize("when", ["reading", "loaded"])
+@pytest.mark.parametrize("when", ["reading", "loaded", "released"])
 def test_a_duplicated_offer_is_ignored(when: str) -> None:
     """Guards a bug: a duplicated offer notice was refused as "already being received" (or, once
     loaded, "request id known here"), which declined the transfer to the sender and reported
     the running request "failed"; while the read was pending the decline ended the sender's
-    lease, so the live load's own confirm was answered stale and it fell back."""
+    lease, so the live load's own confirm was answered stale and it fell back. And one: a copy
+    arriving after its request was released here admitted the finished request again."""
     s, r, sender, receiver = pair()
     prefill(s, "a", PROMPT)
     r.transport.hold_reads = r.transport.hold_notices = True
-    send(s, sender, "a")
+    offer = sender.export("a", 0.0)
+    s.transport.notify("decode", offer)
     r.transport.duplicate(0)  # the offer arrives, and again later
     assert receiver.poll(0.0) == [] and receiver.loading == ("a",)
-    if when == "loaded":
+    if when in ("loaded", "released"):
         r.transport.complete(r.transport.pending[0])
         receiver.poll(0.0)
         sender.poll(0.0)
         r.transport.deliver(1)  # the sender's answer
         assert [x.status for x in receiver.poll(0.0)] == ["loaded"]
+    if when == "released":  # the request finished here before the copy arrived
+        r.manager.release("a")
     r.transport.deliver(0)  # the duplicate
     assert receiver.poll(0.0) == [] and receiver.counts["ignored"] == 1
+    if when == "released":
+        assert "a" not in r.manager.running and receiver.loading == ()
+        with pytest.raises(ArgumentError, match="already been received"):
+            receiver.receive(offer, 0.0)  # nor is it received when handed over directly
+        check_both(s, r)
+        return
     assert sender.poll(0.0) == [] and sender.counts["declined"] == 0
     if when == "reading":
         r.transport.hold_notices = False

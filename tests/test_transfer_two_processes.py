@@ -450,8 +450,13 @@ def test_bf16_pages_read_into_an_fp8_pool_equal_a_direct_fp8_write(link: Link,
 # -- g. a seeded campaign --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [*range(3), *(pytest.param(seed, marks=pytest.mark.long)
-                                              for seed in range(3, 12))])
+# Seeds whose runs (40 moves by default, 120 in the long runs) both load and fall back.
+DEFAULT_SEEDS = (0, 1, 3)
+LONG_SEEDS = (4, 5, 6, 7, 8, 9, 10, 11, 12)
+
+
+@pytest.mark.parametrize("seed", [*DEFAULT_SEEDS, *(
+    pytest.param(seed, marks=pytest.mark.long) for seed in LONG_SEEDS)])
 def test_check_holds_on_both_sides_after_a_random_campaign_over_nixl(link: Link,
                                                                      seed: int) -> None:
     """Random moves between two processes: prefill and export of a new request (some share a
@@ -465,7 +470,7 @@ def test_check_holds_on_both_sides_after_a_random_campaign_over_nixl(link: Link,
     draining (every read final, every lease ended, everything released) both sides hold no
     page. Odd seeds run the "fail" policy. With KVMEM_LONG_TESTS=1, more seeds, longer."""
     rng = np.random.default_rng(seed)
-    num_moves = 40 if seed < 3 else 120
+    num_moves = 40 if seed in DEFAULT_SEEDS else 120
     lease = 3.0
     p, d = link(policy=("recompute", "fail")[seed % 2], lease_seconds=lease)
     rx = d.receiver
@@ -528,14 +533,13 @@ def test_check_holds_on_both_sides_after_a_random_campaign_over_nixl(link: Link,
         pump(lambda: rid in rx.loading or finished[rid] > 0)  # received, read started or not
 
     def offer_again(tid: str) -> None:
+        """An offer again: ignored, whether its load runs or ended (its request is never
+        admitted a second time)."""
         rid, offer = offers[tid]
         ignored, before = rx.counts["ignored"], finished[rid]
-        known = rid in rx.loading or rid in d.manager.running
         p.ask("notify", [offer])
-        pump(lambda: rx.counts["ignored"] > ignored or (not known and (
-            rid in rx.loading or finished[rid] > before)))
-        if rx.counts["ignored"] == ignored:  # received again (its request had ended here)
-            due.add(tid)
+        pump(lambda: rx.counts["ignored"] > ignored)
+        assert finished[rid] == before and rx.counts["ignored"] == ignored + 1
 
     def answers_again() -> None:
         """Answers whose loads ended, and junk: all ignored (a load that reads again would

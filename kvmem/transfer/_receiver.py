@@ -24,7 +24,9 @@ Only pages this load allocated are ever written (by the read or the conversion),
 enter the prefix cache only through commit after every check passed, so a failed load never
 touches a page another request shares (a recompute writes them again through its own slots).
 Answers for transfers this receiver does not wait for (duplicates, late ones), and offers of a
-transfer it is loading or of a request it holds (duplicates), are counted and ignored.
+transfer it is loading or has finished (the last ``REMEMBERED`` transfers: loaded, fallen back,
+failed, aborted or declined) or of a request it holds (duplicates), are counted and ignored: a
+late copy of an offer never admits its request a second time.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ __all__ = ["LoadResult", "Receiver", "Receiving"]
 
 log = logging.getLogger(__name__)
 Policy = Literal["recompute", "fail"]
+REMEMBERED = 65536  # transfer ids whose loads ended, kept to ignore late copies of their offers
 _READ_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -143,6 +146,7 @@ class Receiver:
         self.counts = dict.fromkeys(("loaded", "recompute", "failed", "aborted", "ignored",
                                      "bytes_read", "descriptors"), 0)
         self.faults = TransferFaults()  # (fault injection only: all on)
+        self._ended: dict[str, None] = {}  # transfers whose loads ended, oldest first
 
     @property
     def loading(self) -> tuple[Any, ...]:
@@ -160,8 +164,9 @@ class Receiver:
         msg = offer if isinstance(offer, TransferMessage) else TransferMessage.from_bytes(offer)
         self.identity.check(msg.identity)
         m, P, rid = self.manager, self.manager.page_size, msg.request_id
-        if msg.transfer_id in self._loads:
-            raise ArgumentError(f"transfer {msg.transfer_id!r} is already being received")
+        if msg.transfer_id in self._loads or msg.transfer_id in self._ended:
+            raise ArgumentError(f"transfer {msg.transfer_id!r} has already been received here; "
+                                "a transfer is received once (nothing changed)")
         convert = not self.identity.same_storage(msg.identity) or not _same(
             static_scales_of(self.pool), msg.static_scales)
         if convert and msg.num_pages > self.staging_pages:
@@ -170,6 +175,7 @@ class Receiver:
         admitted = m.admit(rid, msg.token_ids, msg.namespace)
         n, hits = msg.num_pages, admitted.num_cached_tokens // P
         if hits >= n:  # every page is here already: the sender's lease can end
+            self._ended_now(msg.transfer_id)
             self._decline(msg)
             self._finish_result(LoadResult(rid, "loaded", hits * P), "loaded")
             return Receiving(msg.transfer_id, admitted, np.empty(0, dtype=np.int32), None)
@@ -261,6 +267,7 @@ class Receiver:
             except KVMemError as e:
                 log.warning("kvmem receiver: refused an offer from %r: %s", peer, e)
                 if msg is not None:
+                    self._ended_now(msg.transfer_id)
                     self._decline(msg)
                     self._finish_result(LoadResult(msg.request_id, "failed", 0, str(e)),
                                         "failed")
@@ -272,10 +279,11 @@ class Receiver:
         load.answer = (bool(head.get("ok")), str(head.get("reason", "")))
 
     def _duplicate(self, msg: TransferMessage) -> bool:
-        """Whether an offer notice repeats one received here: its transfer is loading, or its
-        request is known here (loaded, or recomputing). Declining it would end the lease of the
-        live load, and a "failed" result would name a request that runs."""
-        if msg.transfer_id in self._loads:
+        """Whether an offer notice repeats one received here: its transfer is loading or has
+        ended here, or its request is known here (loaded, or recomputing). Declining it would
+        end the lease of the live load, a "failed" result would name a request that runs, and
+        receiving it again would admit a finished request a second time."""
+        if msg.transfer_id in self._loads or msg.transfer_id in self._ended:
             return True
         m, rid = self.manager, msg.request_id
         return rid in m.running or rid in m.preempted
@@ -383,6 +391,13 @@ class Receiver:
         self._end_hold(load)
         self._free_staging(load)
         self._loads.pop(tid, None)
+        self._ended_now(tid)
+
+    def _ended_now(self, tid: str) -> None:
+        """Remember that ``tid``'s load ended (the last REMEMBERED of them)."""
+        self._ended[tid] = None
+        if len(self._ended) > REMEMBERED:
+            del self._ended[next(iter(self._ended))]
 
     def _finish_result(self, result: LoadResult, status: str) -> None:
         self.counts[status] += 1
