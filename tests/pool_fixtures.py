@@ -74,3 +74,13 @@ SMALL_GQA: dict[str, Any] = {
 
 def small_pool(**kw: Any) -> PagePool:
     return PagePool(PoolSpec(**{**SMALL_GQA, "device": "cpu", **kw}))
+
+
+def page_bytes(pool: PagePool, pages: Any) -> list[torch.Tensor]:
+    """Copies of ``pages``' bytes in every layer: ``[L, n, B]`` uint8 data, and the token scales
+    when the pool has them."""
+    ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    out = [pool.page_bytes.index_select(1, ids)]
+    if pool.token_scales is not None:
+        out.append(pool.token_scales.index_select(1, ids))
+    return out

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from pool_fixtures import page_bytes
 
 from kvmem import IncompatibleCacheError, PagePool, PoolSpec
 from kvmem.allocator._prefix_keys import PrefixKeys
@@ -56,14 +57,6 @@ def bundle(pool: PagePool, pages: list[int], tokens: list[int], namespace: Any =
            weights: str = "w1") -> PageBundle:
     return PageBundle.of(pool, pages, tokens, identity(pool, weights), namespace,
                          keys_of(tokens, namespace))
-
-
-def page_bytes(pool: PagePool, pages: Any) -> list[torch.Tensor]:
-    ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-    out = [pool.page_bytes.index_select(1, ids)]
-    if pool.token_scales is not None:
-        out.append(pool.token_scales.index_select(1, ids))
-    return out
 
 
 def loads_bit_exact(src: PagePool, src_pages: list[int], got: PageBundle) -> bool:

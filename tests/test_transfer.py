@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from pool_fixtures import page_bytes
 
 from kvmem import IncompatibleCacheError, IntegrityError, KVCacheManager, PagePool, PoolSpec
 from kvmem.errors import ArgumentError
@@ -83,14 +84,6 @@ def prefill(s: Side, rid: Any, prompt: list[int], seed: int = 0) -> None:
     for layer, (k, v) in enumerate(kv(len(prompt), seed)):
         s.pool.write(layer, step.slot_mapping, k[-n:], v[-n:])
     s.manager.commit(rid, prompt[-n:])
-
-
-def page_bytes(pool: PagePool, pages: Any) -> list[torch.Tensor]:
-    ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-    out = [pool.page_bytes.index_select(1, ids)]
-    if pool.token_scales is not None:
-        out.append(pool.token_scales.index_select(1, ids))
-    return out
 
 
 def same_pages(a: PagePool, pa: Any, b: PagePool, pb: Any) -> bool:

@@ -24,6 +24,9 @@ from kvmem.errors import ArgumentError
 if TYPE_CHECKING:
     import torch
 
+    from kvmem.cuda import PagePool
+    from kvmem.transfer._transport import Transport
+
 __all__ = ["Region", "merge_descs", "page_descs", "paired_descs", "tensor_descs"]
 
 Descs = npt.NDArray[np.int64]
@@ -116,3 +119,12 @@ def paired_descs(src: Region, src_pages: npt.ArrayLike, dst: Region, dst_pages: 
         return s, d
     joins = _joins(s) & _joins(d)
     return _merge_where(s, joins), _merge_where(d, joins)
+
+
+def register_pool(pool: PagePool, transport: Transport) -> dict[str, Region]:
+    """Register ``pool``'s page tensors (data and, for fp8 token_head scales, its scales) with
+    ``transport`` for reads; their regions (:class:`Region`) by name, as a message names them."""
+    tensors = {name: t for name, t in (("data", pool.data), ("token_scales", pool.token_scales))
+               if t is not None}
+    transport.register(tensor_descs(*tensors.values()))
+    return {name: Region.of(t) for name, t in tensors.items()}

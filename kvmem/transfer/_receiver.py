@@ -43,7 +43,7 @@ from kvmem.allocator import Lease, PageAllocator
 from kvmem.cuda import PagePool
 from kvmem.errors import ArgumentError, IntegrityError, KVMemError
 from kvmem.transfer._bundle import pool_page_digests, static_scales_of
-from kvmem.transfer._descs import Region, paired_descs, tensor_descs
+from kvmem.transfer._descs import Region, paired_descs, register_pool
 from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import CacheIdentity
 from kvmem.transfer._message import TransferMessage, confirm_bytes, parse_notice
@@ -88,6 +88,7 @@ class Receiving(NamedTuple):
 class _Staging:
     pool: PagePool
     free: PageAllocator
+    regions: dict[str, Region]
 
 
 @dataclass
@@ -135,11 +136,7 @@ class Receiver:
         self.policy: Policy = policy
         self.answer_timeout = float(answer_timeout)
         self.staging_pages = manager.max_pages_per_seq if staging_pages is None else staging_pages
-        self.regions = {name: Region.of(t) for name, t in
-                        (("data", pool.data), ("token_scales", pool.token_scales))
-                        if t is not None}
-        transport.register(tensor_descs(*(t for t in (pool.data, pool.token_scales)
-                                          if t is not None)))
+        self.regions = register_pool(pool, transport)
         self._loads: dict[str, _Load] = {}
         self._staging: dict[str, _Staging] = {}
         self._results: list[LoadResult] = []
@@ -198,9 +195,8 @@ class Receiver:
         st = self._staging.get(key)
         if st is None:
             pool = PagePool(identity.pool_spec(self.staging_pages, str(self.pool.device)))
-            self.transport.register(tensor_descs(*(t for t in (pool.data, pool.token_scales)
-                                                   if t is not None)))
-            st = self._staging[key] = _Staging(pool, PageAllocator(self.staging_pages))
+            st = self._staging[key] = _Staging(pool, PageAllocator(self.staging_pages),
+                                               register_pool(pool, self.transport))
         return st
 
     def _start(self, load: _Load) -> None:
@@ -213,11 +209,7 @@ class Receiver:
             if not load.staging.free.can_allocate(hi - lo):
                 return  # waiting
             load.staging_pages = load.staging.free.allocate(hi - lo)
-            sp = load.staging.pool
-            dst_regions = {name: Region.of(t) for name, t in
-                           (("data", sp.data), ("token_scales", sp.token_scales))
-                           if t is not None}
-            dst_pages = load.staging_pages
+            dst_regions, dst_pages = load.staging.regions, load.staging_pages
         local, remote = [], []
         for name, dst in dst_regions.items():
             r, d = paired_descs(msg.regions[name], src_pages, dst, dst_pages)

@@ -25,7 +25,7 @@ import numpy as np
 from kvmem.allocator import Lease
 from kvmem.errors import ArgumentError, KVMemError
 from kvmem.transfer._bundle import pool_page_digests, static_scales_of
-from kvmem.transfer._descs import Region, tensor_descs
+from kvmem.transfer._descs import register_pool
 from kvmem.transfer._faults import TransferFaults
 from kvmem.transfer._identity import CacheIdentity
 from kvmem.transfer._message import TransferMessage, answer_bytes, parse_notice
@@ -70,11 +70,7 @@ class Sender:
             raise ArgumentError("the pool and the manager differ in page size or page count")
         self.manager, self.pool, self.transport, self.identity = manager, pool, transport, identity
         self.lease_seconds = float(lease_seconds)
-        self.regions = {name: Region.of(t) for name, t in
-                        (("data", pool.data), ("token_scales", pool.token_scales))
-                        if t is not None}
-        transport.register(tensor_descs(*(t for t in (pool.data, pool.token_scales)
-                                          if t is not None)))
+        self.regions = register_pool(pool, transport)
         self._out: dict[str, _Out] = {}
         self._next = 1
         self.counts = dict.fromkeys(("confirmed", "stale", "expired", "declined", "ignored"), 0)
