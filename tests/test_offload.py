@@ -245,3 +245,16 @@ def test_a_random_workload_fills_the_same_pages_with_and_without_a_tier(seed: in
     (with_tier, stats), (without, _) = contents
     assert all(same_bytes(a, b) for a, b in zip(with_tier, without, strict=True))
     assert stats is not None and stats.loaded_pages > 0
+
+
+def test_pages_stored_under_other_static_scales_are_recomputed() -> None:
+    """Guards the static-scale confirmation on load: an fp8 pool whose tensor scales changed
+    after a store must not read the stored bytes through the new scales."""
+    pool = make_pool(dtype="fp8_e4m3", scales="tensor")
+    mgr = make_manager(pool)
+    evict_a(mgr)
+    pool.static_scales.mul_(2)  # type: ignore[union-attr]
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_host_pages) == (0, 0)
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.load_misses, stats.loaded_pages) == (3, 0)
