@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,9 @@ from kvmem._validate import INT32_MAX, integer
 from kvmem.allocator import HashedPrefixCache, Pages, PrefixCache, StepMetadata, page_classes
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConcurrentUseError, HookError
 from kvmem.integrity import IntegrityReport, Tracker, VerifierStats, tracker_for
+
+if TYPE_CHECKING:
+    from kvmem.transfer import OffloadStats
 
 __all__ = [
     "HOOK_KINDS",
@@ -141,6 +144,7 @@ class AdmitResult(NamedTuple):
     num_prompt_tokens: the prompt's length
     num_pages: pages mapped (the whole prompt's)
     num_hit_pages: how many of them came from the prefix cache
+    num_host_pages: how many came from the host tier (loaded into fresh pages, after the hits)
     """
 
     request_id: Any
@@ -148,6 +152,7 @@ class AdmitResult(NamedTuple):
     num_prompt_tokens: int
     num_pages: int
     num_hit_pages: int
+    num_host_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,17 +202,18 @@ class ManagerStats:
     num_preempted: int
     num_prefix_queries: int  # admissions (and resumes) that looked up the prefix cache
     prefix_query_tokens: int
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # found on the device (host-tier loads: ``offload.loaded_pages``)
     num_evictions: int  # pages evicted from the prefix cache
     num_preemptions: int
     num_integrity_failures: int
     num_cow_copies: int
     num_forks: int
     steps_in_flight: int
+    offload: OffloadStats | None = None  # the host tier's and its loads' counts (None: no tier)
 
     @classmethod
     def of(cls, pages: Pages, counters: dict[str, int], num_running: int, num_preempted: int,
-           num_cow_copies: int) -> ManagerStats:
+           num_cow_copies: int, offload: OffloadStats | None = None) -> ManagerStats:
         """A snapshot of a manager's pages (a few numpy passes over them) and counters."""
         used, cached, fenced = page_classes(pages)
         c = counters
@@ -220,7 +226,7 @@ class ManagerStats:
             prefix_hit_tokens=c["prefix_hit_tokens"], num_evictions=pages.num_evictions,
             num_preemptions=c["preemptions"], num_integrity_failures=c["integrity_failures"],
             num_cow_copies=num_cow_copies, num_forks=c["forks"],
-            steps_in_flight=len(pages.fences.open_steps),
+            steps_in_flight=len(pages.fences.open_steps), offload=offload,
         )
 
     @property

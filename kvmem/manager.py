@@ -135,6 +135,10 @@ class KVCacheManager:
     evict_ahead: when cached pages must be evicted, how many least-recently-used pages to take
         beyond the shortfall (an eviction has a fixed cost; the next allocations find them
         free). Default ``num_pages // 512``; 0 evicts exactly the shortfall (vLLM's behaviour).
+    offload: a ``kvmem.transfer.HostTier`` of the pool's identity (IncompatibleCacheError
+        naming the field otherwise): pages the prefix cache evicts are stored there, and
+        admission loads the prompt pages it holds after the device hits into fresh pages
+        (``kvmem.transfer._offload``). Needs ``pool`` and a prefix cache (ConfigError).
 
     Attributes
     ----------
@@ -156,6 +160,7 @@ class KVCacheManager:
         watermark: float = 0.01,
         kv_events: bool = False,
         evict_ahead: int | None = None,
+        offload: Any = None,
     ) -> None:
         cfg = ManagerConfig.make(num_pages, page_size, max_seqs, max_pages_per_seq, watermark,
                                  kv_events, evict_ahead)
@@ -166,6 +171,7 @@ class KVCacheManager:
         self._most_tokens = cfg.max_pages_per_seq * cfg.page_size  # a request's most tokens
         check_pool(pool, cfg)
         cache = make_cache(prefix_cache)
+        self.offload = None if offload is None else self._host_offload(offload, pool, cache)
         self.tracker = make_tracker(tracker, cfg)
         self._recorder = Recorder(self.tracker, cfg.max_pages_per_seq)
         self._lock = threading.RLock()
@@ -196,6 +202,8 @@ class KVCacheManager:
                                         "prefix_hit_tokens", "preemptions",
                                         "integrity_failures", "forks"), 0)
         self._recorder.claim()  # its rows are this manager's (make_tracker refuses a 2nd)
+        if self.offload is not None:  # (last: a refused manager leaves the tier free)
+            self.offload.attach(self.pages.tokens, self.namespaces.name)
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -210,14 +218,34 @@ class KVCacheManager:
 
     # -- events the rooms report -------------------------------------------------------------------
 
-    def _evicted(self, pages: Int32Array, keys: npt.NDArray[np.uint64]) -> None:
+    def _host_offload(self, tier: Any, pool: Any, cache: PrefixCache | None) -> Any:
+        """The offload of ``tier``, checked (changes nothing until ``attach``)."""
+        from kvmem.transfer import HostOffload  # (torch: only with a tier)
+
+        offload = HostOffload(tier, pool, cache)
+        if self.config.kv_events:
+            offload.on_stored = self._stored_on_host
+            offload.on_removed = lambda keys: self._removed(keys, "CPU")
+        return offload
+
+    def _evicted(self, pages: Int32Array, keys: npt.NDArray[np.uint64],
+                 namespace_ids: Int64Array) -> None:
         self._hooks.emit("evict", pages=pages)
         self._hooks.emit("free", pages=pages)
         self._removed(keys)
+        if self.offload is not None:  # (the pages are free, their bytes not yet overwritten)
+            self.offload.store(pages, keys, namespace_ids)
 
-    def _removed(self, keys: npt.NDArray[np.uint64]) -> None:
+    def _removed(self, keys: npt.NDArray[np.uint64], medium: str = "GPU") -> None:
         if self._hooks.kv_events and keys.size:
-            self._hooks.kv_event(PagesRemoved(tuple(_keys_as_ints(keys))))
+            self._hooks.kv_event(PagesRemoved(tuple(_keys_as_ints(keys)), medium))
+
+    def _stored_on_host(self, keys: npt.NDArray[np.uint64], tokens: Int64Array,
+                        namespace: Any) -> None:
+        # Stored page by page as evicted: the parent of a run is not known (as vLLM's offload).
+        self._hooks.kv_event(PagesStored(tuple(_keys_as_ints(keys)), None,
+                                         tuple(tokens.reshape(-1).tolist()), self.page_size,
+                                         namespace, "CPU"))
 
     def _freed(self, pages: Int32Array) -> None:
         self._hooks.emit("free", pages=pages)
@@ -274,10 +302,15 @@ class KVCacheManager:
         confirmed against its tokens, lifetime and namespace. A lookup: takes no reference and
         changes nothing (an engine that schedules itself, e.g. vLLM's, asks first)."""
         tokens = token_array(token_ids, "token_ids")
-        return self._admission.match(tokens, namespace, (tokens.size - 1) // self.page_size
-                                     if max_pages is None else integer(max_pages, "max_pages",
-                                                                       minimum=0),
-                                     self._mutations)  # (an admit right after may reuse it)
+        most = ((tokens.size - 1) // self.page_size if max_pages is None
+                else integer(max_pages, "max_pages", minimum=0))
+        match = self._admission.match(tokens, namespace, most,
+                                      self._mutations)  # (an admit right after may reuse it)
+        most = min(most, tokens.size // self.page_size)  # (full pages only)
+        if self.offload is None or match.pages.size >= most:
+            return match
+        return match._replace(num_offloaded=self.offload.num_pages(
+            tokens, match.last_key, match.pages.size, most))
 
     @public
     def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> AdmitResult:
@@ -309,17 +342,40 @@ class KVCacheManager:
         return self._admit(request_id, plan, namespace)
 
     def _admit(self, request_id: Any, plan: Plan, namespace: Any) -> AdmitResult:
-        row, pages, new = self._admission.map(plan)
-        num_cached = plan.hits * self.page_size
+        loaded = None
+        if self.offload is not None and plan.match is not None:
+            self._admission.require(plan)  # (a refused admission leaves the tier untouched)
+            loaded = self.offload.fetch(plan.tokens, namespace, plan.match.last_key, plan.hits,
+                                        (plan.tokens.size - 1) // self.page_size)
+        num_loaded = 0 if loaded is None else loaded.num_pages
+        row, pages, new = self._admission.map(plan, num_loaded)
+        if loaded is not None:
+            self._load(row, loaded, new[:num_loaded])
+        num_cached = (plan.hits + num_loaded) * self.page_size
         if plan.match is not None:
             self._counters["prefix_queries"] += 1
             self._counters["prefix_query_tokens"] += plan.tokens.size
-            self._counters["prefix_hit_tokens"] += num_cached
+            self._counters["prefix_hit_tokens"] += plan.hits * self.page_size
         self._open(request_id, row, pages, Request(namespace, plan.namespace_id, plan.tokens))
+        if num_loaded:  # the loaded pages' K/V is written: committed, offered to the cache
+            first = plan.hits * self.page_size
+            self._committer.commit(np.array([row], dtype=np.intp),
+                                   np.array([num_cached - first], dtype=np.int64),
+                                   plan.tokens[first:num_cached], (request_id,))
         self._hooks.emit("allocate", request_id, new)
         self._hooks.emit("admit", request_id, pages, detail=num_cached)
         return AdmitResult(request_id, num_cached, int(plan.tokens.size), plan.num_pages,
-                           plan.hits)
+                           plan.hits, num_loaded)
+
+    def _load(self, row: int, bundle: Any, pages: Int32Array) -> None:
+        """Write a tier's pages into a new row's first fresh pages; if that fails, close the
+        row again (its pages dropped: nothing leaks) and raise."""
+        assert self.offload is not None
+        try:
+            self.offload.load(bundle, pages)
+        except BaseException:
+            self.pages.drop(self.table.remove_row(row))
+            raise
 
     def _open(self, request_id: Any, row: int, pages: Int32Array, req: Request) -> None:
         """Register a request that maps a new row; its tracker records the row's pages."""
@@ -653,7 +709,8 @@ class KVCacheManager:
         """A frozen snapshot (costs a few numpy passes over the pages)."""
         return ManagerStats.of(self.pages, self._counters, len(self._rows),
                                len(self._requests.known) - len(self._rows),
-                               self._reserver.num_cow_copies)
+                               self._reserver.num_cow_copies,
+                               None if self.offload is None else self.offload.stats())
 
     def check(self) -> None:
         """Verify every bookkeeping invariant (``kvmem.allocator._invariants``); raise
@@ -664,12 +721,16 @@ class KVCacheManager:
 
     @public
     def clear_prefix_cache(self) -> int:
-        """Forget every cached prefix; return how many pages the cache forgot (those no request
-        or step fence holds return to the free list; the others stay with their holders)."""
+        """Forget every cached prefix, on the device and in the host tier; return how many
+        device pages the cache forgot (those no request or step fence holds return to the free
+        list; the others stay with their holders)."""
         if self.cache is None:
             return 0
         num = self.pages.clear_cache()
         self._hooks.kv_event(AllPagesCleared())
+        if self.offload is not None:
+            self.offload.clear()
+            self._hooks.kv_event(AllPagesCleared("CPU"))
         return num
 
     def __repr__(self) -> str:

@@ -194,9 +194,8 @@ class Admission:
                                                                     plan.encoding))
         return plan
 
-    def map(self, plan: Plan) -> tuple[int, Int32Array, Int32Array]:
-        """Share the hits, allocate the rest, open the row: (row, its pages, the new ones).
-        Raises (nothing changed) when no row is free or the pages are not there."""
+    def require(self, plan: Plan) -> None:
+        """Raise (nothing changed) unless a row is free and the plan's pages are there."""
         t = self.table
         if t.num_free_rows == 0:
             raise KVMemError(f"all max_seqs={t.max_seqs} rows are mapped; release or preempt a "
@@ -205,10 +204,19 @@ class Admission:
             raise OutOfPagesError(plan.num_pages - plan.hits,
                                   self.pages.available() - plan.evictable_hits,
                                   MANAGER_OUT_OF_PAGES)
+
+    def map(self, plan: Plan, num_loaded: int = 0) -> tuple[int, Int32Array, Int32Array]:
+        """Share the hits, allocate the rest, open the row: (row, its pages, the new ones).
+        ``num_loaded``: the first new pages hold the prompt's next pages already (loaded from
+        a tier by the caller, who commits them): the row starts with their tokens too.
+        Raises (nothing changed) when no row is free or the pages are not there."""
+        t = self.table
+        self.require(plan)
         hit_pages = _EMPTY_PAGES if plan.match is None else plan.match.pages
         self.pages.share_hits(hit_pages)
         new = self.pages.allocate(plan.num_pages - hit_pages.size, plan.namespace_id)
         pages = np.concatenate([hit_pages, new]) if hit_pages.size else new
-        row = t.open_row(pages, hit_pages.size * t.page_size, namespace_id=plan.namespace_id,
+        row = t.open_row(pages, (hit_pages.size + num_loaded) * t.page_size,
+                         hit_pages.size * t.page_size, namespace_id=plan.namespace_id,
                          prefix_key=None if plan.match is None else plan.match.last_key)
         return row, pages, new

@@ -69,7 +69,8 @@ class Pages:
     ----------
     num_pages, page_size: the pool's shape.
     cache: a prefix cache to bind (or None: no reuse).
-    on_evict: ``fn(pages, keys)`` after cached pages were evicted (and freed).
+    on_evict: ``fn(pages, keys, namespace_ids)`` after cached pages were evicted (and freed,
+        before anything else can allocate them: their bytes are still the cached content).
     on_free: ``fn(pages)`` after pages lost their last reference.
     evict_ahead: extra least-recently-used pages an eviction takes beyond the shortfall (None:
         ``num_pages // 512``; 0: exactly the shortfall).
@@ -78,7 +79,7 @@ class Pages:
     """
 
     def __init__(self, num_pages: int, page_size: int, cache: PrefixCache | None = None,
-                 on_evict: Callable[[Int32Array, KeyArray], None] = _ignore,
+                 on_evict: Callable[[Int32Array, KeyArray, Int64Array], None] = _ignore,
                  on_free: Callable[[Int32Array], None] = _ignore,
                  evict_ahead: int | None = None,
                  promised: Callable[[Pages], int] | None = None) -> None:
@@ -140,9 +141,10 @@ class Pages:
         assert self.cache is not None
         ahead = min(self._evict_ahead, self.cache.num_evictable - short)
         pages, keys = self.cache.evict(short + max(ahead, 0))
+        namespace_ids = self.namespace_ids[pages]
         self.namespace_ids[pages] = -1
         self.num_evictions += pages.size
-        self.on_evict(pages, keys)
+        self.on_evict(pages, keys, namespace_ids)
 
     def allocate(self, num: int, namespace_ids: Int64Array | int) -> Int32Array:
         """``num`` fresh pages holding ``namespace_ids``' content (one reference each)."""

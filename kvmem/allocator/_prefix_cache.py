@@ -55,12 +55,15 @@ class PrefixMatch(NamedTuple):
     keys: ``[k, 2]``, uint64 — their chained keys
     root_key: ``[2]``, uint64 — the namespace's root key (the parent of page 0)
     num_evictable: how many of ``pages`` only the cache holds (a hit makes them unevictable)
+    num_offloaded: how many prompt pages after ``pages`` a tier below the device holds
+        (``KVCacheManager.match_prefix`` with an offload tier; admission loads them)
     """
 
     pages: Int32Array
     keys: KeyArray
     root_key: KeyArray
     num_evictable: int
+    num_offloaded: int = 0
 
     @property
     def num_pages(self) -> int:

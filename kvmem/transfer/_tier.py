@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,11 @@ class HostTier:
     capacity_bytes: the page bytes the tier may hold (at least one page: ``identity``'s
         ``bytes_per_page``, data and token scales of every layer).
     identity: the identity of every page stored (a bundle of another is refused).
+
+    Attributes
+    ----------
+    on_removed: ``fn(prefix_keys [k, 2] uint64)`` after pages left the tier other than by
+        :meth:`clear` (LRU eviction, a failed digest or identity check), or None.
     """
 
     medium = "CPU"
@@ -185,6 +191,12 @@ class HostTier:
         self._free = list(range(n - 1, -1, -1))
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # tier key -> slot, oldest first
         self._n = _Counters()
+        self.on_removed: Callable[[KeyArray], None] | None = None
+
+    def _removed(self, slots: list[int]) -> None:
+        """Slots just freed (by eviction or a failed check): tell ``on_removed``."""
+        if self.on_removed is not None and slots:
+            self.on_removed(self._keys[slots].copy())
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -204,10 +216,13 @@ class HostTier:
             if key in self._slot_of:
                 self._slot_of.move_to_end(key)
         new = [i for i, key in enumerate(keys) if key not in self._slot_of]
+        evicted = []
         while len(self._free) < len(new):
             _, slot = self._slot_of.popitem(last=False)
             self._free.append(slot)
+            evicted.append(slot)
             self._n.num_evictions += 1
+        self._removed(evicted)
         slots = np.array([self._free.pop() for _ in new], dtype=np.int64)
         idx = np.array(new, dtype=np.int64)
         for k, slab in self._slabs.items():
@@ -248,6 +263,7 @@ class HostTier:
                     and _same_scales(self._static[slot], self._static[first])):
                 self._free.append(self._slot_of.pop(k))
                 self._n.num_identity_misses += 1
+                self._removed([slot])
                 break
             slots.append(slot)
         n = len(slots)
@@ -261,6 +277,7 @@ class HostTier:
                 n = int(bad[0])
                 self._free.append(self._slot_of.pop(tks[n]))
                 self._n.num_digest_failures += 1
+                self._removed([slots[n]])
                 log.warning("host tier: a page failed its digest check; removed")
                 ids, pages, tokens = ids[:n], {k: v[:, :n] for k, v in pages.items()}, tokens[:n]
         self._n.hit_pages += n

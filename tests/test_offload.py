@@ -1,0 +1,260 @@
+"""A KVCacheManager with a host tier (``offload=HostTier(...)``): evicted prefix pages stored, and
+loaded back on admission. Real PagePool, real manager, real tier; the engine's K/V is a
+deterministic function of (namespace, prefix) so recomputed and loaded pages can be compared."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvmem import IncompatibleCacheError, PagePool, PoolSpec
+from kvmem.allocator import keys_as_ints
+from kvmem.errors import ArgumentTypeError, ConfigError, KVMemError
+from kvmem.manager import AllPagesCleared, KVCacheManager, PagesRemoved, PagesStored
+from kvmem.transfer import CacheIdentity, DiskTier, HostTier, tier_keys
+
+P = 4
+SHAPE = {"num_layers": 2, "page_size": P, "num_kv_heads": 2, "head_dim": 8, "device": "cpu"}
+FORMATS = [("bf16", None), ("fp8_e4m3", "token_head"), ("fp8_e4m3", "tensor")]
+
+
+def make_pool(num_pages: int = 8, dtype: str = "bf16", scales: str | None = None) -> PagePool:
+    return PagePool(PoolSpec(**SHAPE, num_pages=num_pages, dtype=dtype, scales=scales))
+
+
+def identity(pool: PagePool, weights: str = "w1") -> CacheIdentity:
+    return CacheIdentity.of(pool.spec, "smol", weights)
+
+
+def make_manager(pool: PagePool, tier_pages: int | None = 64, **kw: Any) -> KVCacheManager:
+    """A manager over ``pool`` (a host tier of ``tier_pages`` pages, or none)."""
+    tier = None if tier_pages is None else HostTier(tier_pages * pool.spec.bytes_per_page,
+                                                      identity(pool))
+    kw = {"max_seqs": 3, "tracker": "checking", "kv_events": True, **kw}
+    return KVCacheManager(pool.spec.num_pages, P, pool=pool, offload=tier, **kw)
+
+
+def kv(namespace: Any, prefix: list[int]) -> torch.Tensor:
+    """The K and V of the last token of ``prefix`` in every layer: ``[L, 2, 2, 8]`` bf16, a
+    function of (namespace, prefix) only, as a model's would be."""
+    seed = int.from_bytes(hashlib.sha256(repr((namespace, prefix)).encode()).digest()[:6], "big")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE["num_layers"], 2, 2, 8, generator=g).bfloat16()
+
+
+def prefill(mgr: KVCacheManager, rid: Any, prompt: list[int], namespace: Any = None) -> Any:
+    """Admit, write the K/V of the tokens not cached, commit; check() after."""
+    res = mgr.admit(rid, prompt, namespace)
+    start = res.num_cached_tokens
+    step = mgr.reserve([rid], len(prompt) - start)
+    assert not mgr.verify([rid], step).aborted
+    values = torch.stack([kv(namespace, prompt[: i + 1]) for i in range(start, len(prompt))])
+    slots = torch.as_tensor(step.slot_mapping)
+    for layer in range(SHAPE["num_layers"]):
+        mgr.pool.write(layer, slots, values[:, layer, 0], values[:, layer, 1])
+    mgr.commit(rid, prompt[start:])
+    mgr.check()
+    return res
+
+
+def page_bytes(pool: PagePool, pages: Any) -> list[torch.Tensor]:
+    """Every byte of ``pages`` (data, and token scales where the pool has them)."""
+    ids = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    out = [pool.page_bytes.index_select(1, ids)]
+    if pool.token_scales is not None:
+        out.append(pool.token_scales.index_select(1, ids))
+    return out
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+A = list(range(100, 113))  # 13 tokens: 3 full pages and one token
+B = list(range(200, 229))  # 29 tokens: 8 pages, the whole pool
+
+
+def evict_a(mgr: KVCacheManager, namespace: Any = None) -> list[torch.Tensor]:
+    """Prefill A, release it, then B (which takes every page, evicting A's): A's full pages'
+    bytes before they left the device."""
+    prefill(mgr, "a", A, namespace)
+    before = page_bytes(mgr.pool, mgr.pages_of("a")[:3])
+    mgr.release("a")
+    prefill(mgr, "b", B)
+    mgr.release("b")
+    mgr.check()
+    assert mgr.match_prefix(A, namespace).num_pages == 0  # gone from the device
+    return before
+
+
+@pytest.mark.parametrize(("dtype", "scales"), FORMATS)
+def test_an_evicted_prefix_comes_back_from_the_host_tier_bit_exact(dtype: str,
+                                                                   scales: str | None) -> None:
+    pool = make_pool(dtype=dtype, scales=scales)
+    mgr = make_manager(pool)
+    before = evict_a(mgr, "t")
+    stats = mgr.stats().offload
+    assert stats is not None and stats.stored_pages >= 3 and stats.tier.num_pages >= 3
+    assert mgr.match_prefix(A, "t").num_offloaded == 3
+    res = prefill(mgr, "a2", A, "t")
+    assert (res.num_cached_tokens, res.num_hit_pages, res.num_host_pages) == (12, 0, 3)
+    assert same_bytes(page_bytes(pool, mgr.pages_of("a2")[:3]), before)
+    assert mgr.tokens_of("a2").tolist() == A
+    # The loaded pages are committed device pages now: a third request hits them on the device.
+    mgr.release("a2")
+    res = mgr.admit("a3", A, "t")
+    assert (res.num_hit_pages, res.num_host_pages) == (3, 0)
+    after = mgr.stats().offload
+    assert after is not None and (after.loaded_pages, after.load_misses) == (3, 0)
+    mgr.check()
+
+
+def test_eviction_and_load_report_kv_events_per_medium() -> None:
+    pool = make_pool()
+    mgr = make_manager(pool, tier_pages=3)
+    mgr.take_events()
+    evict_a(mgr)
+    events = mgr.take_events()
+    keys = mgr.cache.prompt_keys(np.asarray(A), None, 3)
+    a_hashes = set(keys_as_ints(keys))
+    cpu = [e for e in events if isinstance(e, PagesStored) and e.medium == "CPU"]
+    assert a_hashes <= {h for e in cpu for h in e.page_hashes}
+    assert all(e.parent_page_hash is None and len(e.token_ids) == P * len(e.page_hashes)
+               for e in cpu)
+    # Filling the 3-page tier with B's pages pushed A's out: removed from the CPU medium.
+    prefill(mgr, "c", list(range(300, 329)))
+    removed = [h for e in mgr.take_events() if isinstance(e, PagesRemoved) and e.medium == "CPU"
+               for h in e.page_hashes]
+    assert removed
+
+
+def test_a_corrupted_host_page_is_recomputed_never_loaded() -> None:
+    """Guards the digest check on load: a stored page whose bytes changed ends the hit at that
+    page; the request recomputes it and ends with the right bytes."""
+    pool = make_pool()
+    mgr = make_manager(pool)
+    before = evict_a(mgr)
+    tier = mgr.offload.tier  # type: ignore[union-attr]
+    key = tier_keys(mgr.cache.prompt_keys(np.asarray(A), None, 3), tier.identity)[1]
+    tier._slabs["data"][0, tier._slot_of[key], 5] ^= 0x40  # page 1 of A's run
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_host_pages) == (P, 1)
+    assert same_bytes(page_bytes(pool, mgr.pages_of("a2")[:3]), before)
+    stats = mgr.stats().offload
+    assert stats is not None
+    assert (stats.tier.num_digest_failures, stats.load_misses, stats.loaded_pages) == (1, 2, 1)
+
+
+def test_another_namespace_never_hits_the_host_tier() -> None:
+    pool = make_pool()
+    mgr = make_manager(pool)
+    evict_a(mgr, "t")
+    assert mgr.match_prefix(A, "u").num_offloaded == 0
+    res = prefill(mgr, "a2", A, "u")
+    assert (res.num_cached_tokens, res.num_host_pages) == (0, 0)
+    assert mgr.match_prefix(A, "t").num_offloaded == 3  # still there for its own namespace
+
+
+def test_a_tier_of_another_identity_is_refused_naming_the_field() -> None:
+    pool = make_pool()
+    for other, field in ((make_pool(dtype="fp8_e4m3", scales="token_head"), "dtype"),
+                         (PagePool(PoolSpec(**{**SHAPE, "page_size": 8}, num_pages=8)),
+                          "page_size")):
+        tier = HostTier(1 << 20, identity(other))
+        with pytest.raises(IncompatibleCacheError) as e:
+            KVCacheManager(8, P, pool=pool, offload=tier)
+        assert e.value.field == field
+
+
+def test_a_tier_needs_a_pool_a_prefix_cache_and_its_own_manager(tmp_path: Any) -> None:
+    pool = make_pool()
+    tier = HostTier(1 << 20, identity(pool))
+    with pytest.raises(ConfigError, match="pool"):
+        KVCacheManager(8, P, offload=tier)
+    with pytest.raises(ConfigError, match="prefix cache"):
+        KVCacheManager(8, P, pool=pool, prefix_cache=None, offload=tier)
+    with pytest.raises(ArgumentTypeError, match="HostTier"):
+        KVCacheManager(8, P, pool=pool, offload=DiskTier(tmp_path, 1 << 20, identity(pool)))
+    KVCacheManager(8, P, pool=pool, offload=tier)
+    with pytest.raises(ConfigError, match="already serves"):
+        KVCacheManager(8, P, pool=make_pool(), offload=tier)
+
+
+def test_clear_prefix_cache_clears_the_host_tier() -> None:
+    pool = make_pool()
+    mgr = make_manager(pool)
+    evict_a(mgr)
+    mgr.take_events()
+    mgr.clear_prefix_cache()
+    stats = mgr.stats().offload
+    assert stats is not None and stats.tier.num_pages == 0
+    assert AllPagesCleared("CPU") in mgr.take_events()
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_host_pages) == (0, 0)
+
+
+def test_a_refused_admission_changes_neither_the_manager_nor_the_tier() -> None:
+    pool = make_pool()
+    mgr = make_manager(pool, max_seqs=2)
+    evict_a(mgr)
+    for rid in ("x", "y"):
+        mgr.admit(rid, [7, 8])
+    tier_before, stats_before = mgr.offload.tier.stats(), mgr.stats()  # type: ignore[union-attr]
+    with pytest.raises(KVMemError, match="rows"):
+        mgr.admit("a2", A)
+    assert mgr.offload.tier.stats() == tier_before  # type: ignore[union-attr]
+    assert mgr.stats() == stats_before
+    mgr.check()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_random_workload_fills_the_same_pages_with_and_without_a_tier(seed: int) -> None:
+    """Prompts that share prefixes, in two namespaces, through a 10-page pool: every admitted
+    prompt's full pages hold the same bytes whether a host tier served part of its prefix or
+    the engine recomputed it; and the tier did serve some."""
+    rng = random.Random(seed)
+    bases = [[rng.randrange(1000) for _ in range(5 * P)] for _ in range(3)]
+    prompts = []
+    for _ in range(40):
+        base = rng.choice(bases)
+        prompts.append((base[: rng.randrange(1, len(base))]
+                        + [rng.randrange(1000) for _ in range(rng.randrange(4))],
+                        rng.choice([None, "x"]), rng.random() < 0.3))
+    contents = []
+    for tier_pages in (16, None):
+        pool = make_pool(num_pages=10)
+        mgr = make_manager(pool, tier_pages)
+        running: list[str] = []
+        seen = []
+        for i, (prompt, namespace, keep) in enumerate(prompts):
+            while running and not mgr.can_admit(prompt, namespace):
+                mgr.release(running.pop(0))
+            prefill(mgr, i, prompt, namespace)
+            seen.append(page_bytes(pool, mgr.pages_of(i)[: len(prompt) // P]))
+            if keep:
+                running.append(i)  # type: ignore[arg-type]
+            else:
+                mgr.release(i)
+            mgr.check()
+        contents.append((seen, mgr.stats().offload))
+    (with_tier, stats), (without, _) = contents
+    assert all(same_bytes(a, b) for a, b in zip(with_tier, without, strict=True))
+    assert stats is not None and stats.loaded_pages > 0
+
+
+def test_pages_stored_under_other_static_scales_are_recomputed() -> None:
+    """Guards the static-scale confirmation on load: an fp8 pool whose tensor scales changed
+    after a store must not read the stored bytes through the new scales."""
+    pool = make_pool(dtype="fp8_e4m3", scales="tensor")
+    mgr = make_manager(pool)
+    evict_a(mgr)
+    pool.static_scales.mul_(2)  # type: ignore[union-attr]
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_host_pages) == (0, 0)
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.load_misses, stats.loaded_pages) == (3, 0)
