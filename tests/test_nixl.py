@@ -61,8 +61,10 @@ def serve(conn: Connection, agent: str, seed: int) -> None:
             return
         if cmd == "peer":
             conn.send(transport.add_peer(args[0]))
-        elif cmd == "notices":  # wait for the first notice(s)
-            inbox += _wait_notices(transport, inbox)
+        elif cmd == "notices":  # the notices so far, or wait for the first
+            # (_wait_notices returns the inbox itself when it holds some: adding it to itself
+            # sent a notice that arrived while idle twice)
+            inbox = _wait_notices(transport, inbox)
             conn.send(inbox)
             inbox = []
         elif cmd == "echo":  # wait for a notice and send it back, reversed
