@@ -205,7 +205,8 @@ def shrink(schedule: Sequence[Move], oracle: str, *, max_replays: int = 400,
             if n >= len(s):
                 break
             n = min(2 * n, len(s))
-    for i in range(len(s)):
+    i = 0
+    while i < len(s):  # (a simpler move may make it fail earlier: the cut shortens s)
         name, a, b = s[i]
         for simpler in ((name, 0, 0), (name, a, 0), (name, 0, b)):
             if simpler == s[i] or not budget():
@@ -216,6 +217,7 @@ def shrink(schedule: Sequence[Move], oracle: str, *, max_replays: int = 400,
             if ok and f is not None:
                 s, failure = cut(cand, f), f
                 break
+        i += 1
     return s, failure
 
 
