@@ -174,6 +174,9 @@ def test_the_simulate_figures_are_the_ones_the_docs_print(
         ("serve_smollm2.py", ["--drill"], "--tracker checking"),
         ("serve_smollm2.py", ["--max-new-tokens", "0"], "--max-new-tokens"),
         ("serve_smollm2.py", ["--kv-dtype", "bf16", "--scales", "head"], "fp8"),
+        ("serve_smollm2.py", ["--offload-gib", "0"], "--offload-gib"),
+        ("serve_smollm2.py", ["--offload-gib", "1", "--drill", "--tracker", "checking"],
+         "--drill"),
     ],
 )
 def test_bad_arguments_fail_fast_in_one_line(script: str, argv: list[str], message: str) -> None:
@@ -302,6 +305,35 @@ def test_serve_example_makes_room_for_its_max_new_tokens() -> None:
     assert serve.parse_args([]).max_new_tokens == 48
     with pytest.raises(SystemExit):
         serve.parse_args(["--max-new-tokens", str(serve.MAX_NEW_TOKENS + 1)])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_the_offload_example_loads_evicted_turns_from_the_host_tier_bit_exact(
+        smollm2: tuple[Any, Any], kv_dtype: str) -> None:  # noqa: F811
+    """`serve_smollm2.py --offload-gib`: the chats' earlier turns leave the small device pool
+    and come back from the host tier; the tokens are those of the run whose pages never left
+    the device (same cached tokens per turn, so the same prefill chunks: loaded pages are
+    bit-exact), and every turn's figures add up to its prompt."""
+    model, tokenizer = smollm2
+    serve = example("serve_smollm2")
+    kw = {"kv_dtype": kv_dtype, "max_new_tokens": 4, "num_turns": 2}
+    tiered = serve.converse(model, tokenizer, offload_gib=0.05, **kw)
+    kept = serve.converse(model, tokenizer, offload_gib=None, keep_every_page=True, **kw)
+    figures = serve.turn_figures(tiered, kept)
+    assert tiered["stats"].num_evictions > 0 and kept["stats"].num_evictions == 0
+    assert sum(figures["host_hits"]) > 0 and figures["tokens_match_without_tier"]
+    assert [r.num_cached_tokens for r in tiered["turns"]] == [
+        r.num_cached_tokens for r in kept["turns"]]
+    offload = tiered["stats"].offload
+    assert offload.loaded_pages * 16 == sum(figures["host_hits"])
+    assert offload.tier.num_digest_failures == offload.load_misses == 0
+    for i, prompt in enumerate(figures["prompt_tokens"]):
+        assert figures["disk_hits"][i] == 0 and figures["ttft_s"][i] > 0
+        assert (figures["device_hits"][i] + figures["host_hits"][i]
+                + figures["recomputed_tokens"][i]) == prompt
+    assert len(figures["turns"]) == 2 * serve.NUM_CONVERSATIONS
+    model.set_attn_implementation("sdpa")
 
 
 def test_the_loops_size_in_the_transformers_doc_is_the_files() -> None:
