@@ -248,6 +248,7 @@ def converse(
             turns.append(r)
             if progress:
                 print(f"  {r.request_id}: {len(r.prompt_ids)} prompt tokens, "
+                      f"{r.num_cached_tokens - r.num_host_tokens} on the device, "
                       f"{r.num_host_tokens} loaded from the host tier", file=sys.stderr)
             if t + 1 < num_turns:
                 answer = r.output_ids if r.output_ids[-1] == stop else [*r.output_ids, stop]

@@ -336,6 +336,30 @@ def test_the_offload_example_loads_evicted_turns_from_the_host_tier_bit_exact(
     model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.model
+def test_the_offload_examples_json_has_the_documented_keys_per_turn(
+        smollm2: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """`serve_smollm2.py --offload-gib G --json`: one entry per turn under each documented key,
+    no disk hits, host hits, and exit status 0 because the tokens match the run without a
+    tier that kept every page."""
+    import kvmem.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "load_smollm2", lambda: smollm2)
+    serve = example("serve_smollm2")
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()):
+        status = serve.main(["--offload-gib", "0.05", "--max-new-tokens", "2", "--json"])
+    figures = json.loads(out.getvalue())
+    num_turns = serve.NUM_CONVERSATIONS * serve.NUM_TURNS
+    for key in ("turns", "prompt_tokens", "device_hits", "host_hits", "disk_hits",
+                "recomputed_tokens", "ttft_s", "ttft_s_recomputed"):
+        assert len(figures[key]) == num_turns, key
+    assert status == 0 and figures["tokens_match_without_tier"] is True
+    assert isinstance(figures["tokens_match_recomputed"], bool)
+    assert set(figures["disk_hits"]) == {0} and sum(figures["host_hits"]) > 0
+    smollm2[0].set_attn_implementation("sdpa")
+
+
 def test_the_loops_size_in_the_transformers_doc_is_the_files() -> None:
     # docs/transformers.md said "It is about 200 lines" of a 549-line engine.py.
     import re
