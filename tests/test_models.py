@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,39 @@ def test_continuous_batch_equals_generate(tiny: Any) -> None:
     assert mgr.stats().num_used == 0
     mgr.check()
 
+
+
+def test_requests_report_host_tier_tokens_and_time_to_first_token(tiny: Any) -> None:
+    """The engine's per-request figures: a prompt whose pages another request evicted comes
+    back from the manager's host tier (``num_host_tokens``, counted in ``num_cached_tokens``)
+    and generates what generate() does; ``ttft_s`` is None until the first token, then the
+    time from queueing to that token, within the run's wall time."""
+    from kvmem.transfer import CacheIdentity, HostTier
+
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(3, VOCAB, 13).tolist(), rng.integers(3, VOCAB, 25).tolist()
+    lm = PagedCausalLM.build(tiny, 8, "fp32", page_size=4, device="cpu")
+    tier = HostTier(16 * lm.pool.spec.bytes_per_page, CacheIdentity.of(lm.pool.spec, "tiny", "0"))
+    mgr = KVCacheManager(8, page_size=4, pool=lm.pool, watermark=0.0, offload=tier)
+    engine = Engine(lm, mgr)
+    first, other, again = (Request(i, p, max_new_tokens=3) for i, p in
+                           enumerate((a, b, [*a, 5, 6, 7])))
+    assert first.ttft_s is None
+    engine.run({0: [first]})
+    engine.run({0: [other]})  # 7 of the 8 pages: evicts a's cached pages into the tier
+    start = time.perf_counter()
+    engine.run({0: [again]})
+    wall = time.perf_counter() - start
+    assert first.num_host_tokens == other.num_host_tokens == 0
+    assert again.num_host_tokens > 0 and again.num_host_tokens % 4 == 0
+    assert again.num_cached_tokens >= again.num_host_tokens
+    assert mgr.stats().offload is not None and mgr.stats().offload.loaded_pages == \
+        again.num_host_tokens // 4
+    for r in (first, other, again):
+        assert r.output_ids == _reference(tiny, list(r.prompt_ids), 3), r.request_id
+        assert r.ttft_s is not None and r.ttft_s > 0
+    assert again.ttft_s is not None and again.ttft_s <= wall
+    mgr.check()
 
 
 def test_a_request_computed_outside_the_engine_joins_it_and_generates_the_same(tiny: Any) -> None:

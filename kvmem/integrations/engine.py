@@ -92,8 +92,18 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = "waiting"
     abort_reason: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt tokens whose KV was in pages at admission
+    num_host_tokens: int = 0  # of those, the tokens loaded from the manager's host tier
     num_computed: int = 0  # tokens (prompt + fed outputs) whose KV is in pages
+    queued_at: float | None = None  # time.perf_counter() when the engine took the request
+    first_token_at: float | None = None  # time.perf_counter() when its first token was sampled
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token in seconds (queued to first sampled token); None before it."""
+        if self.queued_at is None or self.first_token_at is None:
+            return None
+        return self.first_token_at - self.queued_at
 
     @property
     def num_tokens(self) -> int:
@@ -227,6 +237,7 @@ class Engine:
         """
         self._check_request(request)
         request.status = "waiting"
+        request.queued_at = time.perf_counter()
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
@@ -262,6 +273,7 @@ class Engine:
                                 f"requests; add request {rid!r} after one has finished")
         request.status = "running"
         request.num_cached_tokens = request.num_computed = computed
+        request.queued_at = time.perf_counter()
         self.running.append(request)
 
     def _check_request(self, request: Any) -> None:
@@ -473,6 +485,7 @@ class Engine:
             self.waiting.popleft()
             r.status = "running"
             r.num_cached_tokens = r.num_computed = res.num_cached_tokens
+            r.num_host_tokens = res.num_host_pages * mgr.page_size
             self.running.append(r)
 
     def _schedule(self) -> tuple[list[Request], list[list[int]]]:
@@ -581,6 +594,8 @@ class Engine:
             r.num_computed += len(fed)
             if r.num_computed < len(r.prompt_ids):
                 continue  # a prefill chunk short of the prompt's end: its logits are not used
+            if not r.output_ids:
+                r.first_token_at = time.perf_counter()
             r.output_ids.append(int(tok))
             if len(r.output_ids) >= r.max_new_tokens or tok in r.stop_token_ids:
                 self.manager.release(r.request_id)
