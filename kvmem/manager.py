@@ -135,10 +135,13 @@ class KVCacheManager:
     evict_ahead: when cached pages must be evicted, how many least-recently-used pages to take
         beyond the shortfall (an eviction has a fixed cost; the next allocations find them
         free). Default ``num_pages // 512``; 0 evicts exactly the shortfall (vLLM's behaviour).
-    offload: a ``kvmem.transfer.HostTier`` of the pool's identity (IncompatibleCacheError
-        naming the field otherwise): pages the prefix cache evicts are stored there, and
-        admission loads the prompt pages it holds after the device hits into fresh pages
-        (``kvmem.transfer._offload``). Needs ``pool`` and a prefix cache (ConfigError).
+    offload: tiers below the device, of the pool's identity (IncompatibleCacheError naming
+        the field otherwise): a ``kvmem.transfer.HostTier``, a ``DiskTier``, ``(host, disk)``,
+        or a ``kvmem.transfer.OffloadConfig`` (write policy, deferred copies). Pages the
+        prefix cache evicts (or, write-through, commits) are stored there, and admission loads
+        the prompt pages they hold after the device hits into fresh pages
+        (``kvmem.transfer._offload``, docs/offload.md). Needs ``pool`` and a prefix cache
+        (ConfigError).
 
     Attributes
     ----------
@@ -171,7 +174,7 @@ class KVCacheManager:
         self._most_tokens = cfg.max_pages_per_seq * cfg.page_size  # a request's most tokens
         check_pool(pool, cfg)
         cache = make_cache(prefix_cache)
-        self.offload = None if offload is None else self._host_offload(offload, pool, cache)
+        self.offload = None if offload is None else self._offload(offload, pool, cache)
         self.tracker = make_tracker(tracker, cfg)
         self._recorder = Recorder(self.tracker, cfg.max_pages_per_seq)
         self._lock = threading.RLock()
@@ -186,8 +189,11 @@ class KVCacheManager:
         self.pool = pool
         self._reserver = Reserver(self.table, self.pages, self.steps, self._forks, self._recorder,
                                   None if pool is None else pool.copy_pages, self._allocated)
+        through = None
+        if self.offload is not None and self.offload.config.write == "through":
+            through = self.offload.store_committed
         self._committer = Committer(self.table, self.pages, self.steps,
-                                    self._stored if cfg.kv_events else None)
+                                    self._stored if cfg.kv_events else None, through)
         self.mirror = TagMirror(self.allocator.tags, self.pages.namespace_ids,
                                 None if pool is None else self.allocator.changes.reader(), pool)
         self.verifier = Verifier(self._recorder, self.table, self.allocator.tags,
@@ -203,7 +209,7 @@ class KVCacheManager:
                                         "integrity_failures", "forks"), 0)
         self._recorder.claim()  # its rows are this manager's (make_tracker refuses a 2nd)
         if self.offload is not None:  # (last: a refused manager leaves the tier free)
-            self.offload.attach(self.pages.tokens, self.namespaces.name)
+            self.offload.attach(self.pages, self.namespaces.name)
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -218,14 +224,14 @@ class KVCacheManager:
 
     # -- events the rooms report -------------------------------------------------------------------
 
-    def _host_offload(self, tier: Any, pool: Any, cache: PrefixCache | None) -> Any:
-        """The offload of ``tier``, checked (changes nothing until ``attach``)."""
-        from kvmem.transfer import HostOffload  # (torch: only with a tier)
+    def _offload(self, config: Any, pool: Any, cache: PrefixCache | None) -> Any:
+        """The offload of ``config``, checked (changes nothing until ``attach``)."""
+        from kvmem.transfer import Offload  # (torch: only with a tier)
 
-        offload = HostOffload(tier, pool, cache)
+        offload = Offload(config, pool, cache)
         if self.config.kv_events:
-            offload.on_stored = self._stored_on_host
-            offload.on_removed = lambda keys: self._removed(keys, "CPU")
+            offload.on_stored = self._stored_below
+            offload.on_removed = self._removed
         return offload
 
     def _evicted(self, pages: Int32Array, keys: npt.NDArray[np.uint64],
@@ -234,18 +240,18 @@ class KVCacheManager:
         self._hooks.emit("free", pages=pages)
         self._removed(keys)
         if self.offload is not None:  # (the pages are free, their bytes not yet overwritten)
-            self.offload.store(pages, keys, namespace_ids)
+            self.offload.store_evicted(pages, keys, namespace_ids)
 
     def _removed(self, keys: npt.NDArray[np.uint64], medium: str = "GPU") -> None:
         if self._hooks.kv_events and keys.size:
             self._hooks.kv_event(PagesRemoved(tuple(_keys_as_ints(keys)), medium))
 
-    def _stored_on_host(self, keys: npt.NDArray[np.uint64], tokens: Int64Array,
-                        namespace: Any) -> None:
+    def _stored_below(self, keys: npt.NDArray[np.uint64], tokens: Int64Array,
+                      namespace: Any, medium: str) -> None:
         # Stored page by page as evicted: the parent of a run is not known (as vLLM's offload).
         self._hooks.kv_event(PagesStored(tuple(_keys_as_ints(keys)), None,
                                          tuple(tokens.reshape(-1).tolist()), self.page_size,
-                                         namespace, "CPU"))
+                                         namespace, medium))
 
     def _freed(self, pages: Int32Array) -> None:
         self._hooks.emit("free", pages=pages)
@@ -342,40 +348,79 @@ class KVCacheManager:
         return self._admit(request_id, plan, namespace)
 
     def _admit(self, request_id: Any, plan: Plan, namespace: Any) -> AdmitResult:
-        loaded = None
+        fetched = None
         if self.offload is not None and plan.match is not None:
             self._admission.require(plan)  # (a refused admission leaves the tier untouched)
-            loaded = self.offload.fetch(plan.tokens, namespace, plan.match.last_key, plan.hits,
-                                        (plan.tokens.size - 1) // self.page_size)
-        num_loaded = 0 if loaded is None else loaded.num_pages
+            fetched = self.offload.fetch(plan.tokens, namespace, plan.match.last_key, plan.hits,
+                                         (plan.tokens.size - 1) // self.page_size)
+        num_loaded = 0 if fetched is None else fetched.bundle.num_pages
         row, pages, new = self._admission.map(plan, num_loaded)
-        if loaded is not None:
-            self._load(row, loaded, new[:num_loaded])
+        if fetched is not None and not self.offload.deferred:  # type: ignore[union-attr]
+            self._load(row, fetched, new[:num_loaded])
         num_cached = (plan.hits + num_loaded) * self.page_size
         if plan.match is not None:
             self._counters["prefix_queries"] += 1
             self._counters["prefix_query_tokens"] += plan.tokens.size
             self._counters["prefix_hit_tokens"] += plan.hits * self.page_size
         self._open(request_id, row, pages, Request(namespace, plan.namespace_id, plan.tokens))
-        if num_loaded:  # the loaded pages' K/V is written: committed, offered to the cache
-            first = plan.hits * self.page_size
-            self._committer.commit(np.array([row], dtype=np.intp),
-                                   np.array([num_cached - first], dtype=np.int64),
-                                   plan.tokens[first:num_cached], (request_id,))
+        first = plan.hits * self.page_size
+        if fetched is not None and self.offload.deferred:  # type: ignore[union-attr]
+            self.offload.defer_load(request_id, row, fetched,  # type: ignore[union-attr]
+                                    new[:num_loaded], first, plan.tokens[first:num_cached])
+        elif num_loaded:  # the loaded pages' K/V is written: committed, offered to the cache
+            self._commit_loaded(request_id, row, plan.tokens[first:num_cached])
         self._hooks.emit("allocate", request_id, new)
         self._hooks.emit("admit", request_id, pages, detail=num_cached)
         return AdmitResult(request_id, num_cached, int(plan.tokens.size), plan.num_pages,
                            plan.hits, num_loaded)
 
-    def _load(self, row: int, bundle: Any, pages: Int32Array) -> None:
+    def _load(self, row: int, fetched: Any, pages: Int32Array) -> None:
         """Write a tier's pages into a new row's first fresh pages; if that fails, close the
         row again (its pages dropped: nothing leaks) and raise."""
         assert self.offload is not None
         try:
-            self.offload.load(bundle, pages)
+            self.offload.load(fetched, pages)
         except BaseException:
             self.pages.drop(self.table.remove_row(row))
             raise
+
+    def _commit_loaded(self, request_id: Any, row: int, tokens: Int64Array) -> None:
+        """A load's tokens landed in the row's pages after its committed ones: commit them
+        (the full pages are offered to the prefix cache)."""
+        self._committer.commit(np.array([row], dtype=np.intp),
+                               np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
+
+    @public
+    def land_copies(self) -> dict[Any, int]:
+        """Land the offload's deferred copies (``OffloadConfig(copies="deferred")``; a no-op
+        otherwise): write-through stores enter the tier, loads write their pages, and each
+        request whose load landed has its loaded tokens committed. The engine calls it once a
+        step, before scheduling.
+
+        Returns ``{request_id: tokens computed}`` for each running request whose load ended:
+        its committed tokens now (the loaded ones included when the load landed, not when a
+        reset cancelled it: then the request recomputes them, and its reserved slots end at its
+        committed tokens)."""
+        if self.offload is None or not (self.offload.loads or self.offload.stores):
+            return {}
+        done: dict[Any, int] = {}
+        for ended in self.offload.land():
+            p = ended.load
+            rid = p.request_id
+            if p.left:
+                continue  # (the request left before its load landed)
+            row = p.row
+            if ended.ok and int(self.table.num_committed[row]) == p.first_token:
+                self._commit_loaded(rid, row, p.tokens)
+            else:  # cancelled by a reset: the loaded slots are the request's to recompute
+                self.table.set_num_tokens(row, int(self.table.num_committed[row]))
+            done[rid] = int(self.table.num_committed[row])
+        return done
+
+    def is_loading(self, request_id: Any) -> bool:
+        """Whether a deferred load into a running request's pages has not landed (the engine
+        must not schedule it: ``verify`` would abort it)."""
+        return self.offload is not None and self.offload.loading(request_id)
 
     def _open(self, request_id: Any, row: int, pages: Int32Array, req: Request) -> None:
         """Register a request that maps a new row; its tracker records the row's pages."""
@@ -475,17 +520,40 @@ class KVCacheManager:
         Failing requests are released, counted, sent to the ``integrity_failure`` hook and
         listed in ``report.aborted``.
         """
-        if not self.tracker.enabled:  # nothing recorded, nothing to look at
-            return VerifyReport(id_tuple(request_ids, "request_ids"))
-        ids, rows, b = self._batch(request_ids, "verified")
-        md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
-                              None if b is None else b.step, lambda: self.table.csr(rows)[:2])
-        verdict = self.verifier.check(ids, rows, md, b)
+        landing: dict[Any, tuple[int, str]] = {}
         aborted: dict[Any, str] = {}
-        for i, (first_bad, reason) in verdict.failed.items():
-            aborted[ids[i]] = reason
-            self._abort(ids[i], first_bad, reason)
-        return VerifyReport(ids, aborted, verdict.report)
+        if self.offload is not None and self.offload.loads:
+            landing = self._reads_landing(id_tuple(request_ids, "request_ids"))
+        if not self.tracker.enabled:  # nothing recorded, nothing to look at
+            ids, report = id_tuple(request_ids, "request_ids"), None
+        else:
+            ids, rows, b = self._batch(request_ids, "verified")
+            md = resolve_metadata(rows.size, step, kv_indptr, kv_indices, metadata,
+                                  None if b is None else b.step, lambda: self.table.csr(rows)[:2])
+            verdict = self.verifier.check(ids, rows, md, b)
+            report = verdict.report
+            for i, (first_bad, reason) in verdict.failed.items():
+                aborted[ids[i]] = reason
+                self._abort(ids[i], first_bad, reason)
+        for rid, (first_bad, reason) in landing.items():
+            if rid not in aborted:
+                aborted[rid] = reason
+                self._abort(rid, first_bad, reason)
+        return VerifyReport(ids, aborted, report)
+
+    def _reads_landing(self, ids: tuple[Any, ...]) -> dict[Any, tuple[int, str]]:
+        """(first landing position, reason) of each request of ``ids`` that maps a page whose
+        deferred load has not landed."""
+        assert self.offload is not None
+        found = {}
+        for rid in ids:
+            row = self._requests.row_of(rid)
+            landing = np.flatnonzero(self.offload.landing[self.table.row_pages(row)])
+            if landing.size:
+                found[rid] = (int(landing[0]), f"its step would read page position "
+                              f"{int(landing[0])} before the tier's load into it landed; "
+                              "schedule a request only once land_copies() reported it")
+        return found
 
     def _abort(self, request_id: Any, first_bad: int, reason: str) -> None:
         row = self._rows[request_id]
@@ -540,7 +608,10 @@ class KVCacheManager:
         each row's pages, or (``owned``, given for one request, or found when its row disagrees
         with what it recorded) only those it provably holds. The pages dropped, per request."""
         runs = []
+        loads = self.offload is not None and self.offload.loads
         for request_id in request_ids:
+            if loads:
+                self.offload.cancel(request_id)  # type: ignore[union-attr]
             row = self._requests.close(request_id)
             pages = owned
             if pages is None and not self._recorder.holds(row, self.table.row_pages(row),
@@ -721,7 +792,8 @@ class KVCacheManager:
 
     @public
     def clear_prefix_cache(self) -> int:
-        """Forget every cached prefix, on the device and in the host tier; return how many
+        """Forget every cached prefix, on the device and in every tier (pending deferred copies
+        are cancelled: their bytes may be of other weights); return how many
         device pages the cache forgot (those no request or step fence holds return to the free
         list; the others stay with their holders)."""
         if self.cache is None:
@@ -729,8 +801,8 @@ class KVCacheManager:
         num = self.pages.clear_cache()
         self._hooks.kv_event(AllPagesCleared())
         if self.offload is not None:
-            self.offload.clear()
-            self._hooks.kv_event(AllPagesCleared("CPU"))
+            for medium in self.offload.clear():
+                self._hooks.kv_event(AllPagesCleared(medium))
         return num
 
     def __repr__(self) -> str:

@@ -14,9 +14,9 @@ import torch
 
 from kvmem import IncompatibleCacheError, PagePool, PoolSpec
 from kvmem.allocator import keys_as_ints
-from kvmem.errors import ArgumentTypeError, ConfigError, KVMemError
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError, KVMemError
 from kvmem.manager import AllPagesCleared, KVCacheManager, PagesRemoved, PagesStored
-from kvmem.transfer import CacheIdentity, DiskTier, HostTier, tier_keys
+from kvmem.transfer import CacheIdentity, DiskTier, HostTier, OffloadConfig, tier_keys
 
 P = 4
 SHAPE = {"num_layers": 2, "page_size": P, "num_kv_heads": 2, "head_dim": 8, "device": "cpu"}
@@ -139,7 +139,7 @@ def test_a_corrupted_host_page_is_recomputed_never_loaded() -> None:
     pool = make_pool()
     mgr = make_manager(pool)
     before = evict_a(mgr)
-    tier = mgr.offload.tier  # type: ignore[union-attr]
+    tier = mgr.offload.tiers[0]  # type: ignore[union-attr]
     key = tier_keys(mgr.cache.prompt_keys(np.asarray(A), None, 3), tier.identity)[1]
     tier._slabs["data"][0, tier._slot_of[key], 5] ^= 0x40  # page 1 of A's run
     res = prefill(mgr, "a2", A)
@@ -178,8 +178,16 @@ def test_a_tier_needs_a_pool_a_prefix_cache_and_its_own_manager(tmp_path: Any) -
         KVCacheManager(8, P, offload=tier)
     with pytest.raises(ConfigError, match="prefix cache"):
         KVCacheManager(8, P, pool=pool, prefix_cache=None, offload=tier)
+    disk = DiskTier(tmp_path, 1 << 20, identity(pool))
     with pytest.raises(ArgumentTypeError, match="HostTier"):
-        KVCacheManager(8, P, pool=pool, offload=DiskTier(tmp_path, 1 << 20, identity(pool)))
+        KVCacheManager(8, P, pool=pool, offload="host")
+    with pytest.raises(ConfigError, match="in that order"):
+        KVCacheManager(8, P, pool=pool, offload=(disk, tier))
+    with pytest.raises(ArgumentError, match="write="):
+        KVCacheManager(8, P, pool=pool, offload=OffloadConfig((tier,), write="later"))
+    with pytest.raises(ArgumentError, match="copies="):
+        KVCacheManager(8, P, pool=pool, offload=OffloadConfig((tier,), copies="async"))
+    assert tier.on_removed is None and disk.on_removed is None  # (refusals bound nothing)
     KVCacheManager(8, P, pool=pool, offload=tier)
     with pytest.raises(ConfigError, match="already serves"):
         KVCacheManager(8, P, pool=make_pool(), offload=tier)
@@ -204,10 +212,10 @@ def test_a_refused_admission_changes_neither_the_manager_nor_the_tier() -> None:
     evict_a(mgr)
     for rid in ("x", "y"):
         mgr.admit(rid, [7, 8])
-    tier_before, stats_before = mgr.offload.tier.stats(), mgr.stats()  # type: ignore[union-attr]
+    tier_before, stats_before = mgr.offload.tiers[0].stats(), mgr.stats()  # type: ignore[union-attr]
     with pytest.raises(KVMemError, match="rows"):
         mgr.admit("a2", A)
-    assert mgr.offload.tier.stats() == tier_before  # type: ignore[union-attr]
+    assert mgr.offload.tiers[0].stats() == tier_before  # type: ignore[union-attr]
     assert mgr.stats() == stats_before
     mgr.check()
 

@@ -892,8 +892,9 @@ def test_the_transfer_room_exports_exactly_its_public_names() -> None:
     import kvmem.transfer
 
     assert set(kvmem.transfer.__all__) == {
-        "FORMAT_VERSION", "CacheIdentity", "DiskTier", "HostOffload", "HostTier",
-        "InProcessHub", "InProcessTransport", "LoadResult", "NixlTransport", "OffloadStats",
+        "FORMAT_VERSION", "CacheIdentity", "DiskTier", "HostTier",
+        "InProcessHub", "InProcessTransport", "LoadResult", "NixlTransport", "Offload",
+        "OffloadConfig", "OffloadFaults", "OffloadStats",
         "PageBundle", "Peer", "PeerError", "ReadState", "Receiver", "Receiving", "Region",
         "Sender", "TierStats", "TransferFaults", "TransferMessage", "Transport", "gather_pages",
         "merge_descs", "page_descs", "page_digests", "paired_descs", "tensor_descs",

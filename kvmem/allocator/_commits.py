@@ -35,6 +35,9 @@ KeyArray = npt.NDArray[np.uint64]
 # fn(row, page keys, parent key (None at the prompt's start), token ids) per run of pages a
 # commit inserted into the cache: what a KV event (PagesStored) says.
 OnStored = Callable[[int, tuple[int, ...], "int | None", tuple[int, ...]], None]
+# fn(pages [k] int32, their prefix keys [k, 2] uint64, namespace ids [k] int64) with the pages a
+# commit inserted into the cache (their K/V is written): a write-through tier's stores.
+OnCached = Callable[[Int32Array, KeyArray, Int64Array], None]
 
 
 def keys_as_ints(keys: KeyArray) -> list[int]:
@@ -51,14 +54,16 @@ class Committer:
     table, pages, steps: the manager's page table, page references (with the cache) and step
         builder (the latest reserved batches, whose slots a decode commit reuses).
     on_stored: called per run of pages newly cached (KV events), or None.
+    on_cached: called with every commit's newly cached pages (a write-through tier), or None.
     """
 
     def __init__(self, table: PageTable, pages: Pages, steps: StepBuilder,
-                 on_stored: OnStored | None) -> None:
+                 on_stored: OnStored | None, on_cached: OnCached | None = None) -> None:
         self.table = table
         self.pages = pages
         self.steps = steps
         self.on_stored = on_stored
+        self.on_cached = on_cached
         self._ones = np.ones(table.max_seqs, dtype=np.int64)
         self._ones.flags.writeable = False
         self._arange = np.arange(table.max_seqs + 1, dtype=np.int64)
@@ -141,8 +146,11 @@ class Committer:
         assert cache is not None
         pages = t.pages[row, first : first + count].copy()
         keys = cache.run_keys(t.prefix_keys[row], first, self.pages.tokens[pages])
-        cache.insert(keys, pages, np.full(count, t.namespace_ids[row], dtype=np.int64))
+        namespace_ids = np.full(count, t.namespace_ids[row], dtype=np.int64)
+        inserted = cache.insert(keys, pages, namespace_ids)
         t.set_prefix_keys(row, keys[-1])
+        if self.on_cached is not None and inserted.size:
+            self._cached(pages, keys, namespace_ids, inserted)
 
     def commit_decode(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
         """:meth:`commit` of one token per row of ``b``, the latest reserve's batch, when
@@ -179,8 +187,11 @@ class Committer:
         tokens = self.pages.tokens[pages]
         parent = t.prefix_keys[rows]
         keys = cache.page_keys(parent, counts, first, tokens)
-        inserted = cache.insert(keys, pages, t.namespace_ids[rep])
+        namespace_ids = t.namespace_ids[rep]
+        inserted = cache.insert(keys, pages, namespace_ids)
         t.set_prefix_keys(rows, keys if last is None else keys[last])
+        if self.on_cached is not None and inserted.size:
+            self._cached(pages, keys, namespace_ids, inserted)
         if self.on_stored is not None and inserted.size:
             # A page listed by two rows (a fork's shared page, committed by both in one batch)
             # is cached once: one event, at its first listing.
@@ -188,6 +199,14 @@ class Committer:
             is_new = np.zeros(pages.size, dtype=bool)
             is_new[first_at[np.isin(pages[first_at], inserted)]] = True
             self._stored(rows, starts, counts, cols, keys, parent, tokens, is_new)
+
+    def _cached(self, pages: Int32Array, keys: KeyArray, namespace_ids: npt.NDArray[np.integer],
+                inserted: Int32Array) -> None:
+        """``on_cached`` with the pages the cache took (each once, in commit order)."""
+        assert self.on_cached is not None
+        _, first_at = np.unique(pages, return_index=True)
+        at = np.sort(first_at[np.isin(pages[first_at], inserted)])
+        self.on_cached(pages[at], keys[at], namespace_ids[at].astype(np.int64))
 
     def _stored(self, rows: IntpArray, starts: Int64Array, counts: Int64Array,
                 cols: Int64Array, keys: KeyArray, parent: KeyArray, tokens: Int32Array,

@@ -15,7 +15,7 @@
     _receiver.py    Receiver: the decode side (admit, read, check, commit or fall back)
     _faults.py      TransferFaults: protections a fuzzer switches off (fault injection only)
     _tier.py        HostTier, DiskTier: full pages below the device, keyed by prefix and identity
-    _offload.py     HostOffload: a manager's evicted pages into a HostTier, loaded on admission
+    _offload.py     Offload: a manager's prefix pages in its tiers (host, disk), loaded back
 
 This room sits above the pools and the allocator and below the manager: it takes a
 ``KVCacheManager`` as an argument and never imports the manager's module. See
@@ -31,7 +31,7 @@ from kvmem.transfer._identity import FORMAT_VERSION, CacheIdentity
 from kvmem.transfer._inprocess import InProcessHub, InProcessTransport
 from kvmem.transfer._message import TransferMessage
 from kvmem.transfer._nixl import NixlTransport
-from kvmem.transfer._offload import HostOffload, OffloadStats
+from kvmem.transfer._offload import Offload, OffloadConfig, OffloadFaults, OffloadStats
 from kvmem.transfer._peer import Peer, PeerError
 from kvmem.transfer._receiver import LoadResult, Receiver, Receiving
 from kvmem.transfer._sender import Sender
@@ -42,12 +42,14 @@ __all__ = [
     "FORMAT_VERSION",
     "CacheIdentity",
     "DiskTier",
-    "HostOffload",
     "HostTier",
     "InProcessHub",
     "InProcessTransport",
     "LoadResult",
     "NixlTransport",
+    "Offload",
+    "OffloadConfig",
+    "OffloadFaults",
     "OffloadStats",
     "PageBundle",
     "Peer",

@@ -161,6 +161,8 @@ class HostTier:
     ----------
     on_removed: ``fn(prefix_keys [k, 2] uint64)`` after pages left the tier other than by
         :meth:`clear` (LRU eviction, a failed digest or identity check), or None.
+    on_evicted: ``fn(bundle)`` with the pages LRU eviction is about to overwrite, one bundle
+        per namespace (their bytes, before they are gone: a tier below takes them), or None.
     """
 
     medium = "CPU"
@@ -192,6 +194,31 @@ class HostTier:
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # tier key -> slot, oldest first
         self._n = _Counters()
         self.on_removed: Callable[[KeyArray], None] | None = None
+        self.on_evicted: Callable[[PageBundle], None] | None = None
+
+    def _bundle(self, slots: list[int]) -> PageBundle:
+        """Stored pages ``slots`` (one namespace, one set of static scales) as a bundle."""
+        ids = np.array(slots, dtype=np.int64)
+        return PageBundle(self.identity, self._namespace[slots[0]], self._tokens[ids],
+                          self._keys[ids], {k: slab[:, ids] for k, slab in self._slabs.items()},
+                          self._static[slots[0]], self._digests[ids])
+
+    def _evicted(self, slots: list[int]) -> None:
+        """Slots LRU eviction freed, their bytes still there: hand them to ``on_evicted``,
+        oldest first, grouped by namespace (never raises: the tier below counts its own
+        failures)."""
+        if self.on_evicted is None or not slots:
+            return
+        groups: dict[tuple[int, int], list[int]] = {}
+        for slot in slots:
+            group_of = (id(self._namespace[slot]), id(self._static[slot]))
+            groups.setdefault(group_of, []).append(slot)
+        for group in groups.values():
+            try:
+                self.on_evicted(self._bundle(group))
+            except Exception:
+                log.warning("host tier: the tier below refused %d evicted pages", len(group),
+                            exc_info=True)
 
     def _removed(self, slots: list[int]) -> None:
         """Slots just freed (by eviction or a failed check): tell ``on_removed``."""
@@ -222,6 +249,7 @@ class HostTier:
             self._free.append(slot)
             evicted.append(slot)
             self._n.num_evictions += 1
+        self._evicted(evicted)
         self._removed(evicted)
         slots = np.array([self._free.pop() for _ in new], dtype=np.int64)
         idx = np.array(new, dtype=np.int64)
@@ -247,9 +275,10 @@ class HostTier:
             n += 1
         return n
 
-    def get(self, keys: npt.ArrayLike) -> PageBundle | None:
+    def get(self, keys: npt.ArrayLike, check_digests: bool = True) -> PageBundle | None:
         """The bundle of the longest stored prefix of ``keys`` (``[n, 2]`` uint64), every page's
-        digest checked (a page that fails is removed and ends the hit), or None."""
+        digest checked (a page that fails is removed and ends the hit), or None.
+        ``check_digests=False`` serves the bytes unchecked (fault injection only)."""
         asked = _as_keys(keys)
         tks = tier_keys(asked, self.identity)
         slots: list[int] = []
@@ -272,7 +301,7 @@ class HostTier:
             pages = {k: slab[:, ids] for k, slab in self._slabs.items()}  # [L, n, bytes] copies
             tokens, static = self._tokens[ids], self._static[slots[0]]
             bad = np.flatnonzero((page_digests(pages, tokens, static)
-                                  != self._digests[ids]).any(axis=1))
+                                  != self._digests[ids]).any(axis=1)) if check_digests else ids[:0]
             if bad.size:
                 n = int(bad[0])
                 self._free.append(self._slot_of.pop(tks[n]))
@@ -319,6 +348,11 @@ class DiskTier:
     capacity_bytes: the file bytes the tier may hold.
     identity: pages of other identities in the directory are ignored, never deleted (unless
         :meth:`remove_other_identities`).
+
+    Attributes
+    ----------
+    on_removed: ``fn(prefix_keys [k, 2] uint64)`` after pages left the tier by LRU eviction
+        (a file that fails its check is removed unread: its key is not known), or None.
     """
 
     medium = "DISK"
@@ -370,6 +404,8 @@ class DiskTier:
             self._size_of[name] = size
             self.bytes_used += size
         self._n = _Counters()
+        self._keys: dict[str, KeyArray] = {}  # prefix keys of the pages stored by this process
+        self.on_removed: Callable[[KeyArray], None] | None = None
         self._make_room(0)
 
     def close(self) -> None:
@@ -388,12 +424,17 @@ class DiskTier:
 
     def _remove(self, name: str) -> None:
         self.bytes_used -= self._size_of.pop(name)
+        self._keys.pop(name, None)
         self._file(name).unlink(missing_ok=True)
 
     def _make_room(self, nbytes: int) -> None:
         while self._size_of and self.bytes_used + nbytes > self.capacity_bytes:
-            self._remove(next(iter(self._size_of)))
+            name = next(iter(self._size_of))
+            key = self._keys.get(name)
+            self._remove(name)
             self._n.num_evictions += 1
+            if self.on_removed is not None and key is not None:
+                self.on_removed(key[None])
 
     def _touch(self, names: list[str]) -> None:
         for name in reversed(names):  # the run's first page is the most recently used
@@ -432,6 +473,7 @@ class DiskTier:
                             len(names), i, e)
                 break
             self._size_of[name] = len(data)
+            self._keys[name] = bundle.prefix_keys[i].copy()
             self.bytes_used += len(data)
             self._n.bytes_stored += len(data)
             stored += 1
