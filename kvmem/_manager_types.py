@@ -145,6 +145,9 @@ class AdmitResult(NamedTuple):
     num_pages: pages mapped (the whole prompt's)
     num_hit_pages: how many of them came from the prefix cache
     num_host_pages: how many came from the host tier (loaded into fresh pages, after the hits)
+    num_disk_pages: how many came from the disk tier (after the host's)
+    loading: the loads have not landed (``OffloadConfig(copies="deferred")``): the request is
+        not ready before ``land_copies`` reports it
     """
 
     request_id: Any
@@ -153,6 +156,8 @@ class AdmitResult(NamedTuple):
     num_pages: int
     num_hit_pages: int
     num_host_pages: int = 0
+    num_disk_pages: int = 0
+    loading: bool = False
 
 
 @dataclass(frozen=True)

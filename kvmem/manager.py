@@ -371,8 +371,10 @@ class KVCacheManager:
             self._commit_loaded(request_id, row, plan.tokens[first:num_cached])
         self._hooks.emit("allocate", request_id, new)
         self._hooks.emit("admit", request_id, pages, detail=num_cached)
+        media = {} if fetched is None else fetched.media
         return AdmitResult(request_id, num_cached, int(plan.tokens.size), plan.num_pages,
-                           plan.hits, num_loaded)
+                           plan.hits, media.get("CPU", 0), media.get("DISK", 0),
+                           fetched is not None and self.offload.deferred)  # type: ignore[union-attr]
 
     def _load(self, row: int, fetched: Any, pages: Int32Array) -> None:
         """Write a tier's pages into a new row's first fresh pages; if that fails, close the

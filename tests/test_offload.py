@@ -32,9 +32,11 @@ def identity(pool: PagePool, weights: str = "w1") -> CacheIdentity:
 
 
 def make_manager(pool: PagePool, tier_pages: int | None = 64, **kw: Any) -> KVCacheManager:
-    """A manager over ``pool`` (a host tier of ``tier_pages`` pages, or none)."""
+    """A manager over ``pool`` (a host tier of ``tier_pages`` pages, or none; ``offload=``
+    in ``kw`` replaces it)."""
     tier = None if tier_pages is None else HostTier(tier_pages * pool.spec.bytes_per_page,
                                                       identity(pool))
+    tier = kw.pop("offload", tier)
     kw = {"max_seqs": 3, "tracker": "checking", "kv_events": True, **kw}
     return KVCacheManager(pool.spec.num_pages, P, pool=pool, offload=tier, **kw)
 
@@ -48,9 +50,14 @@ def kv(namespace: Any, prefix: list[int]) -> torch.Tensor:
 
 
 def prefill(mgr: KVCacheManager, rid: Any, prompt: list[int], namespace: Any = None) -> Any:
-    """Admit, write the K/V of the tokens not cached, commit; check() after."""
+    """Admit (landing a deferred load first), write the K/V of the tokens not cached,
+    commit; check() after."""
     res = mgr.admit(rid, prompt, namespace)
     start = res.num_cached_tokens
+    if res.loading:
+        assert mgr.is_loading(rid)
+        start = mgr.land_copies()[rid]
+        assert not mgr.is_loading(rid)
     step = mgr.reserve([rid], len(prompt) - start)
     assert not mgr.verify([rid], step).aborted
     values = torch.stack([kv(namespace, prompt[: i + 1]) for i in range(start, len(prompt))])
@@ -85,6 +92,7 @@ def evict_a(mgr: KVCacheManager, namespace: Any = None) -> list[torch.Tensor]:
     prefill(mgr, "a", A, namespace)
     before = page_bytes(mgr.pool, mgr.pages_of("a")[:3])
     mgr.release("a")
+    mgr.land_copies()  # (deferred write-through stores hold A's pages until they land)
     prefill(mgr, "b", B)
     mgr.release("b")
     mgr.check()
@@ -220,11 +228,32 @@ def test_a_refused_admission_changes_neither_the_manager_nor_the_tier() -> None:
     mgr.check()
 
 
+def tiers(pool: PagePool, config: str, directory: Any, host_pages: int = 16) -> Any:
+    """The offload of a named configuration: host, disk, host+disk (a host tier too small
+    for the workload: its evictions go to disk), write-through, deferred copies."""
+    host = HostTier(host_pages * pool.spec.bytes_per_page, identity(pool))
+    if config == "disk":
+        return DiskTier(directory, 1 << 24, identity(pool))
+    if config == "host+disk":
+        return (HostTier(3 * pool.spec.bytes_per_page, identity(pool)),
+                DiskTier(directory, 1 << 24, identity(pool)))
+    if config == "through":
+        return OffloadConfig((host,), write="through")
+    if config == "deferred":
+        return OffloadConfig((host,), write="through", copies="deferred")
+    return host
+
+
+CONFIGS = ["host", "disk", "host+disk", "through", "deferred"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_random_workload_fills_the_same_pages_with_and_without_a_tier(seed: int) -> None:
+def test_a_random_workload_fills_the_same_pages_with_and_without_a_tier(
+        seed: int, config: str, tmp_path: Any) -> None:
     """Prompts that share prefixes, in two namespaces, through a 10-page pool: every admitted
-    prompt's full pages hold the same bytes whether a host tier served part of its prefix or
-    the engine recomputed it; and the tier did serve some."""
+    prompt's full pages hold the same bytes whether a tier (each configuration) served part
+    of its prefix or the engine recomputed it; and the tiers did serve some."""
     rng = random.Random(seed)
     bases = [[rng.randrange(1000) for _ in range(5 * P)] for _ in range(3)]
     prompts = []
@@ -234,12 +263,13 @@ def test_a_random_workload_fills_the_same_pages_with_and_without_a_tier(seed: in
                         + [rng.randrange(1000) for _ in range(rng.randrange(4))],
                         rng.choice([None, "x"]), rng.random() < 0.3))
     contents = []
-    for tier_pages in (16, None):
+    for tiered in (True, False):
         pool = make_pool(num_pages=10)
-        mgr = make_manager(pool, tier_pages)
+        mgr = make_manager(pool, None, offload=tiers(pool, config, tmp_path) if tiered else None)
         running: list[str] = []
         seen = []
         for i, (prompt, namespace, keep) in enumerate(prompts):
+            mgr.land_copies()  # (an engine's step; a no-op unless copies are deferred)
             while running and not mgr.can_admit(prompt, namespace):
                 mgr.release(running.pop(0))
             prefill(mgr, i, prompt, namespace)
@@ -266,3 +296,171 @@ def test_pages_stored_under_other_static_scales_are_recomputed() -> None:
     assert (res.num_cached_tokens, res.num_host_pages) == (0, 0)
     stats = mgr.stats().offload
     assert stats is not None and (stats.load_misses, stats.loaded_pages) == (3, 0)
+
+
+def test_the_host_tiers_evictions_go_to_disk_and_come_back_bit_exact(tmp_path: Any) -> None:
+    pool = make_pool()
+    mgr = make_manager(pool, None, offload=tiers(pool, "host+disk", tmp_path))
+    before = evict_a(mgr)  # A's 3 pages fill the 3-page host tier
+    mgr.take_events()
+    prefill(mgr, "c", list(range(300, 329)))  # evicts B's pages: the host tier sends A's down
+    mgr.release("c")
+    events = mgr.take_events()
+    a_hashes = set(keys_as_ints(mgr.cache.prompt_keys(np.asarray(A), None, 3)))
+    stored_on_disk = {h for e in events if isinstance(e, PagesStored) and e.medium == "DISK"
+                      for h in e.page_hashes}
+    removed_from_host = {h for e in events if isinstance(e, PagesRemoved) and e.medium == "CPU"
+                         for h in e.page_hashes}
+    assert a_hashes <= stored_on_disk and a_hashes <= removed_from_host
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_host_pages, res.num_disk_pages) == (12, 0, 3)
+    assert same_bytes(page_bytes(pool, mgr.pages_of("a2")[:3]), before)
+    stats = mgr.stats().offload
+    assert stats is not None and stats.loaded_by_medium == {"CPU": 0, "DISK": 3}
+    assert [t.medium for t in stats.tiers] == ["CPU", "DISK"]
+    mgr.take_events()
+    mgr.clear_prefix_cache()
+    cleared = [e for e in mgr.take_events() if isinstance(e, AllPagesCleared)]
+    assert {e.medium for e in cleared} == {"GPU", "CPU", "DISK"}
+    assert all(t.num_pages == 0 for t in mgr.stats().offload.tiers)  # type: ignore[union-attr]
+
+
+def test_a_disk_tier_serves_a_restarted_manager_of_its_identity_only(tmp_path: Any) -> None:
+    pool = make_pool()
+    disk = DiskTier(tmp_path, 1 << 24, identity(pool))
+    before = evict_a(make_manager(pool, None, offload=disk))
+    disk.close()  # the process ends
+    for weights, hits in (("w2", 0), ("w1", 3)):
+        pool2 = make_pool()
+        disk2 = DiskTier(tmp_path, 1 << 24, identity(pool2, weights))
+        mgr = make_manager(pool2, None, offload=disk2)
+        res = prefill(mgr, "a", A)
+        assert res.num_disk_pages == hits
+        assert same_bytes(page_bytes(pool2, mgr.pages_of("a")[:3]), before)
+        disk2.close()
+
+
+def test_write_through_stores_at_commit_and_an_eviction_stores_nothing_twice() -> None:
+    pool = make_pool()
+    mgr = make_manager(pool, None, offload=tiers(pool, "through", None))
+    prefill(mgr, "a", A)
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.stored_pages, stats.tier.num_pages) == (3, 3)
+    before = page_bytes(pool, mgr.pages_of("a")[:3])
+    mgr.release("a")
+    prefill(mgr, "b", B)  # evicts A's pages: stored already
+    mgr.release("b")
+    stats = mgr.stats().offload
+    assert stats is not None and stats.tier.bytes_stored == (3 + 7) * pool.spec.bytes_per_page
+    res = prefill(mgr, "a2", A)
+    assert res.num_host_pages == 3
+    assert same_bytes(page_bytes(pool, mgr.pages_of("a2")[:3]), before)
+
+
+def deferred_manager(pool: PagePool, **kw: Any) -> KVCacheManager:
+    return make_manager(pool, None, offload=tiers(pool, "deferred", None), **kw)
+
+
+def test_a_deferred_load_lands_before_its_request_may_run() -> None:
+    """Guards the landing marks: a request scheduled before its load landed is aborted by
+    verify (the rest of the batch proceeds); after land_copies its tokens are committed and its
+    pages hold the stored bytes."""
+    pool = make_pool()
+    mgr = deferred_manager(pool)
+    before = evict_a(mgr)
+    mgr.land_copies()
+    mgr.admit("other", [1, 2, 3])
+    res = mgr.admit("early", A)
+    assert res.loading and res.num_host_pages == 3 and mgr.is_loading("early")
+    mgr.reserve(["other", "early"], [1, 1])
+    report = mgr.verify(["other", "early"])
+    assert list(report.aborted) == ["early"] and "landed" in report.aborted["early"]
+    assert not mgr.is_loading("early")
+    mgr.check()
+    assert mgr.land_copies() == {}  # the aborted request's load ended unwritten
+    res = mgr.admit("a2", A)
+    assert res.loading and mgr.num_committed("a2") == 0
+    assert mgr.land_copies() == {"a2": 12}
+    assert mgr.num_committed("a2") == 12
+    assert same_bytes(page_bytes(pool, mgr.pages_of("a2")[:3]), before)
+    assert mgr.verify(["a2"]).ok
+    mgr.check()
+
+
+def test_a_released_requests_pending_load_keeps_its_pages_until_it_lands() -> None:
+    """Guards the load's lease: the destination pages are not reused while the copy may still
+    write them, whoever releases the request; nothing leaks once it lands."""
+    pool = make_pool()
+    mgr = deferred_manager(pool)
+    evict_a(mgr)
+    mgr.land_copies()
+    mgr.admit("a2", A)
+    dest = mgr.pages_of("a2")[:3].tolist()
+    mgr.release("a2")
+    free_while_pending = mgr.stats().num_free
+    mgr.admit("x", list(range(500, 500 + P * free_while_pending)))  # every free page
+    assert not set(dest) & set(mgr.pages_of("x").tolist())
+    mgr.release("x")
+    assert mgr.land_copies() == {}
+    mgr.check()
+    assert mgr.stats().num_free > free_while_pending
+
+
+def test_a_reset_during_a_pending_load_cancels_it_and_the_request_recomputes() -> None:
+    pool = make_pool()
+    mgr = deferred_manager(pool)
+    evict_a(mgr)
+    mgr.land_copies()
+    res = mgr.admit("a2", A)
+    assert res.loading
+    mgr.clear_prefix_cache()  # new weights: the tier's bytes are stale
+    assert mgr.land_copies() == {"a2": 0}
+    assert mgr.num_tokens("a2") == 0 and mgr.stats().offload.cancelled_loads == 1  # type: ignore[union-attr]
+    step = mgr.reserve(["a2"], len(A))
+    assert mgr.verify(["a2"], step).ok
+    mgr.commit("a2", A)
+    mgr.check()
+
+
+def test_a_deferred_store_holds_its_pages_until_it_lands_and_a_reset_drops_it() -> None:
+    pool = make_pool()
+    mgr = deferred_manager(pool)
+    prefill(mgr, "a", A)
+    mgr.release("a")
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.pending_stores, stats.tier.num_pages) == (1, 0)
+    assert not mgr.can_admit(B)  # A's pages are leased by the store: not evictable
+    mgr.land_copies()
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.pending_stores, stats.tier.num_pages) == (0, 3)
+    assert mgr.can_admit(B)
+    prefill(mgr, "b", B[:9])
+    mgr.clear_prefix_cache()
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.pending_stores, stats.tier.num_pages) == (0, 0)
+    mgr.land_copies()
+    assert mgr.stats().offload.tier.num_pages == 0  # type: ignore[union-attr]
+    mgr.check()
+
+
+def test_a_tier_hit_is_recomputed_when_that_is_estimated_faster() -> None:
+    pool = make_pool()
+    mgr = make_manager(pool, offload=OffloadConfig(
+        (HostTier(64 * pool.spec.bytes_per_page, identity(pool)),), prefill_tokens_per_s=1e9))
+    evict_a(mgr)
+    offload = mgr.offload
+    assert offload is not None
+    assert prefill(mgr, "a1", A).num_host_pages == 3  # the tier's bandwidth unknown: loaded
+    offload.bandwidth["CPU"].value = 1.0  # a byte a second: recomputing wins
+    mgr.release("a1")
+    mgr.clear_prefix_cache()
+    evict_a(mgr)
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_host_pages) == (0, 0)
+    stats = mgr.stats().offload
+    assert stats is not None and (stats.chose_load, stats.chose_recompute) == (3, 3)
+    offload.prefill_rate.value = 1e-6  # now the engine prefills a token in 11 days
+    mgr.release("a2")
+    mgr.clear_prefix_cache()
+    evict_a(mgr)
+    assert prefill(mgr, "a3", A).num_host_pages == 3

@@ -45,6 +45,7 @@ class HashedPrefixCache(PrefixCache):
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = self._seed(seed)
+        self.seed_given = seed is not None  # (False: a tier may give the seed before bind)
         self.page_size = 0
         # First 64-bit lane of a key -> page. An entry may be stale (its page was forgotten, or
         # cached again under another key): lookups confirm it (_live_page, _walk).

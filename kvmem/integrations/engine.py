@@ -94,6 +94,8 @@ class Request:
     abort_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV was in pages at admission
     num_host_tokens: int = 0  # of those, the tokens loaded from the manager's host tier
+    num_disk_tokens: int = 0  # ... and from its disk tier
+    loading: bool = False  # a deferred tier load into its pages has not landed
     num_computed: int = 0  # tokens (prompt + fed outputs) whose KV is in pages
     queued_at: float | None = None  # time.perf_counter() when the engine took the request
     first_token_at: float | None = None  # time.perf_counter() when its first token was sampled
@@ -376,6 +378,7 @@ class Engine:
             Nothing was allocated; the requests stay running.
         """
         t0 = time.perf_counter()
+        self._land()
         self._admit()
         t1 = time.perf_counter()
         batch, feeds = self._schedule()
@@ -395,6 +398,11 @@ class Engine:
         t5 = time.perf_counter()
         next_ids = self.lm.forward(input_ids, kv, last).argmax(dim=-1).tolist()
         t6 = time.perf_counter()
+        if self.manager.offload is not None:  # the prefill rate it weighs loads against
+            prefilled = sum(len(f) for r, f in zip(batch, feeds, strict=True)
+                            if r.num_computed < len(r.prompt_ids))
+            if prefilled:
+                self.manager.offload.observe_prefill(prefilled, t6 - t5)
         self._commit(batch, feeds)
         t7 = time.perf_counter()
         num_decode, finished = self._sample(batch, feeds, next_ids)
@@ -486,13 +494,25 @@ class Engine:
             r.status = "running"
             r.num_cached_tokens = r.num_computed = res.num_cached_tokens
             r.num_host_tokens = res.num_host_pages * mgr.page_size
+            r.num_disk_tokens = res.num_disk_pages * mgr.page_size
+            r.loading = res.loading
             self.running.append(r)
 
+    def _land(self) -> None:
+        """Land the manager's deferred tier copies; requests whose loads ended are ready."""
+        landed = self.manager.land_copies()
+        for r in self.running:
+            if r.request_id in landed:
+                r.loading = False
+                r.num_computed = landed[r.request_id]
+
     def _schedule(self) -> tuple[list[Request], list[list[int]]]:
-        """Decode tokens first (one per decoding request), then prefill chunks, in budget."""
+        """Decode tokens first (one per decoding request), then prefill chunks, in budget;
+        a request whose tier load has not landed waits."""
         budget = self.max_num_batched_tokens
         decoding = [r for r in self.running if r.num_computed >= len(r.prompt_ids)]
-        prefilling = [r for r in self.running if r.num_computed < len(r.prompt_ids)]
+        prefilling = [r for r in self.running
+                      if r.num_computed < len(r.prompt_ids) and not r.loading]
         batch, feeds = [], []
         for r in decoding[:budget]:
             batch.append(r)

@@ -266,6 +266,10 @@ class Offload:
             if tier.on_removed is not None:
                 raise ConfigError(f"this {type(tier).__name__} already serves a manager; give "
                                   "each manager tiers of its own")
+        disk = [t for t in config.tiers if isinstance(t, DiskTier)]
+        if disk and getattr(cache, "seed_given", True) is False:
+            # Keys that survive a restart: the directory's seed, not a per-process one.
+            cache.seed = disk[0].key_seed  # type: ignore[attr-defined]
         self.config, self.tiers, self.pool, self.cache = config, config.tiers, pool, cache
         self.identity: CacheIdentity = ident
         self.page_size = ident.page_size  # (the pool's, as checked)

@@ -339,6 +339,7 @@ class DiskTier:
     ::
 
         directory/kvmem.lock                      held (flock) by the one DiskTier using it
+        directory/kvmem.seed                      the prefix keys' seed (``key_seed``)
         directory/<identity digest>/<tier key>.kvb
 
     Parameters
@@ -386,6 +387,7 @@ class DiskTier:
             probe = self.path / f"probe.{os.getpid()}.tmp"
             self._write(probe, b"kvmem")
             probe.unlink()
+            self.key_seed = self._key_seed()
         except OSError as e:
             self.close()
             raise ConfigError(f"disk tier: cannot write in {self.path} ({e}); give a directory "
@@ -407,6 +409,20 @@ class DiskTier:
         self._keys: dict[str, KeyArray] = {}  # prefix keys of the pages stored by this process
         self.on_removed: Callable[[KeyArray], None] | None = None
         self._make_room(0)
+
+    def _key_seed(self) -> int:
+        """The seed of the prefix keys that name this directory's pages: drawn once, kept in
+        ``kvmem.seed`` (a manager whose prefix cache was given no seed takes it, so that a
+        restarted process computes the same keys)."""
+        path = self.root / "kvmem.seed"
+        try:
+            return int(path.read_text().strip())
+        except (OSError, ValueError):
+            seed = int.from_bytes(os.urandom(16), "little")
+            tmp = self.root / f"kvmem.seed.{os.getpid()}.tmp"
+            self._write(tmp, str(seed).encode())
+            os.replace(tmp, path)
+            return seed
 
     def close(self) -> None:
         """Release the directory (another DiskTier may open it)."""
