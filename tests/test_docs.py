@@ -175,6 +175,7 @@ def test_the_simulate_figures_are_the_ones_the_docs_print(
         ("serve_smollm2.py", ["--max-new-tokens", "0"], "--max-new-tokens"),
         ("serve_smollm2.py", ["--kv-dtype", "bf16", "--scales", "head"], "fp8"),
         ("serve_smollm2.py", ["--offload-gib", "0"], "--offload-gib"),
+        ("serve_smollm2.py", ["--offload-dir", "/tmp/x"], "--offload-gib"),
         ("serve_smollm2.py", ["--offload-gib", "1", "--drill", "--tracker", "checking"],
          "--drill"),
     ],
@@ -333,6 +334,26 @@ def test_the_offload_example_loads_evicted_turns_from_the_host_tier_bit_exact(
         assert (figures["device_hits"][i] + figures["host_hits"][i]
                 + figures["recomputed_tokens"][i]) == prompt
     assert len(figures["turns"]) == 2 * serve.NUM_CONVERSATIONS
+    model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.model
+def test_the_offload_example_with_a_disk_tier_serves_evicted_turns_and_a_restart(
+        smollm2: tuple[Any, Any], tmp_path: Any) -> None:  # noqa: F811
+    """`serve_smollm2.py --offload-gib G --offload-dir DIR` with a host tier of a few pages:
+    its evictions go to disk and come back bit-exact (tokens of the run that kept every page),
+    and stay in the directory."""
+    model, tokenizer = smollm2
+    serve = example("serve_smollm2")
+    kw = {"kv_dtype": "bf16", "max_new_tokens": 4, "num_turns": 2}
+    few_pages = 4 * 30 * 16 * 2 * 3 * 64 * 2 / (1 << 30)  # 4 bf16 pages of SmolLM2-135M
+    first = serve.converse(model, tokenizer, offload_gib=few_pages, offload_dir=str(tmp_path),
+                           **kw)
+    kept = serve.converse(model, tokenizer, offload_gib=None, keep_every_page=True, **kw)
+    figures = serve.turn_figures(first, kept)
+    assert sum(figures["disk_hits"]) > 0 and figures["tokens_match_without_tier"]
+    assert first["stats"].offload.loaded_by_medium["DISK"] * 16 == sum(figures["disk_hits"])
+    assert any(tmp_path.glob("*/*.kvb"))  # kept for the next run (the manager tests restart)
     model.set_attn_implementation("sdpa")
 
 
