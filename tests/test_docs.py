@@ -338,7 +338,7 @@ def test_the_offload_example_loads_evicted_turns_from_the_host_tier_bit_exact(
 
 
 @pytest.mark.model
-def test_the_offload_example_with_a_disk_tier_serves_evicted_turns_and_a_restart(
+def test_the_offload_example_with_a_disk_tier_serves_evicted_turns_from_disk(
         smollm2: tuple[Any, Any], tmp_path: Any) -> None:  # noqa: F811
     """`serve_smollm2.py --offload-gib G --offload-dir DIR` with a host tier of a few pages:
     its evictions go to disk and come back bit-exact (tokens of the run that kept every page),
