@@ -58,6 +58,8 @@ HOOK_KINDS = (
     "step_end",  # a step retired: detail (the step id), pages (references it released)
     "integrity_failure",  # a request failed verification and was aborted: request_id, detail
     "kv_event",  # a KV event for routers: event (PagesStored / PagesRemoved / AllPagesCleared)
+    "offload_drop",  # a tier dropped pages it was given (no room, a failing write or store):
+    # detail (medium, number of pages)
 )
 
 

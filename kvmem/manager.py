@@ -229,6 +229,8 @@ class KVCacheManager:
         from kvmem.transfer import Offload  # (torch: only with a tier)
 
         offload = Offload(config, pool, cache)
+        offload.on_dropped = lambda medium, n: self._hooks.emit("offload_drop",
+                                                               detail=(medium, n))
         if self.config.kv_events:
             offload.on_stored = self._stored_below
             offload.on_removed = self._removed

@@ -587,7 +587,7 @@ def test_the_documented_defaults_dtypes_stats_and_hook_kinds(make_manager: Any) 
     assert KVCacheManager(1024, page_size=4, evict_ahead=0).pages._evict_ahead == 0
     assert set(HOOK_KINDS) == {"admit", "allocate", "free", "evict", "preempt", "release",
                                "fork", "step_begin", "step_end", "integrity_failure",
-                               "kv_event"}
+                               "kv_event", "offload_drop"}
     stats = {f.name for f in dataclasses.fields(ManagerStats)} | {"usage", "prefix_hit_rate"}
     assert {"num_free", "num_used", "num_cached", "num_fenced", "usage", "num_running",
             "num_preempted", "num_prefix_queries", "prefix_query_tokens", "prefix_hit_tokens",

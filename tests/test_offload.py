@@ -464,3 +464,21 @@ def test_a_tier_hit_is_recomputed_when_that_is_estimated_faster() -> None:
     mgr.clear_prefix_cache()
     evict_a(mgr)
     assert prefill(mgr, "a3", A).num_host_pages == 3
+
+
+def test_a_store_the_disk_cannot_take_is_dropped_with_an_event_and_loses_nothing(
+        tmp_path: Any) -> None:
+    """A disk tier too small for one page file (as a full disk): every store is dropped, an
+    ``offload_drop`` event says so, the device pages and the manager are whole, and the prompt
+    is recomputed."""
+    pool = make_pool()
+    mgr = make_manager(pool, None, offload=DiskTier(tmp_path, 100, identity(pool)))
+    drops: list[Any] = []
+    mgr.add_hook("offload_drop", lambda e: drops.append(e.detail))
+    evict_a(mgr)
+    assert ("DISK", 3) in drops
+    stats = mgr.stats().offload
+    assert stats is not None and stats.tier.num_dropped_stores >= 3 and stats.stored_pages == 0
+    res = prefill(mgr, "a2", A)
+    assert (res.num_cached_tokens, res.num_disk_pages) == (0, 0)
+    mgr.check()

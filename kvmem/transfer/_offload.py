@@ -285,6 +285,7 @@ class Offload:
         self.stores: list[PendingStore] = []
         self.on_stored: OnStored | None = None  # pages that entered a tier
         self.on_removed: Callable[[KeyArray, str], None] | None = None  # pages that left one
+        self.on_dropped: Callable[[str, int], None] | None = None  # (medium, pages) not stored
         self.stored_pages = self.failed_stores = self.load_misses = 0
         self.chose_load = self.chose_recompute = self.cancelled_loads = 0
         self.loaded: dict[str, int] = {t.medium: 0 for t in self.tiers}
@@ -330,6 +331,7 @@ class Offload:
         for ns in np.unique(namespace_ids).tolist():
             sel = order[namespace_ids[order] == ns]
             namespace = self._namespace(int(ns))
+            dropped = top.num_dropped_stores
             try:
                 bundle = PageBundle.of(self.pool, pages[sel], self._page_tokens[pages[sel]],
                                        self.identity, namespace, keys[sel])
@@ -337,7 +339,9 @@ class Offload:
             except Exception:  # a store is best effort: eviction must go on
                 self.failed_stores += int(sel.size)
                 log.warning("offload: storing %d pages failed; dropped", sel.size, exc_info=True)
+                self._dropped(top.medium, int(sel.size))
                 continue
+            self._dropped(top.medium, top.num_dropped_stores - dropped)
             self.stored_pages += kept
             if self.on_stored is not None and kept:
                 self.on_stored(keys[sel[:kept]], bundle.token_ids[:kept], namespace, top.medium)
@@ -345,7 +349,9 @@ class Offload:
     def _cascade(self, bundle: PageBundle) -> None:
         """The host tier's LRU evictions, into the disk tier."""
         disk = self.tiers[1]
+        dropped = disk.num_dropped_stores
         kept = disk.put(bundle)
+        self._dropped(disk.medium, disk.num_dropped_stores - dropped)
         if self.on_stored is not None and kept:
             self.on_stored(bundle.prefix_keys[:kept], bundle.token_ids[:kept],
                            bundle.namespace, disk.medium)
@@ -519,6 +525,10 @@ class Offload:
                                    tokens[first * P : stop * P].reshape(stop - first, P))
 
     # -- the rest ---------------------------------------------------------------------------------
+
+    def _dropped(self, medium: str, num_pages: int) -> None:
+        if num_pages and self.on_dropped is not None:
+            self.on_dropped(medium, num_pages)
 
     def _removed(self, keys: KeyArray, medium: str) -> None:
         if self.on_removed is not None:

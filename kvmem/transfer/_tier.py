@@ -228,6 +228,11 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._slot_of)
 
+    @property
+    def num_dropped_stores(self) -> int:
+        """Pages ``put`` could not store so far."""
+        return self._n.num_dropped_stores
+
     def put(self, bundle: PageBundle) -> int:
         """Store ``bundle``'s pages (those already stored are only touched); returns the pages
         stored. A bundle larger than the tier stores its leading pages, the rest dropped."""
@@ -423,6 +428,11 @@ class DiskTier:
             self._write(tmp, str(seed).encode())
             os.replace(tmp, path)
             return seed
+
+    @property
+    def num_dropped_stores(self) -> int:
+        """Pages ``put`` could not store so far (no room, a failing write)."""
+        return self._n.num_dropped_stores
 
     def close(self) -> None:
         """Release the directory (another DiskTier may open it)."""
