@@ -482,3 +482,90 @@ def test_a_store_the_disk_cannot_take_is_dropped_with_an_event_and_loses_nothing
     res = prefill(mgr, "a2", A)
     assert (res.num_cached_tokens, res.num_disk_pages) == (0, 0)
     mgr.check()
+
+
+def expected_bytes(pool: PagePool, namespace: Any, tokens: list[int]) -> list[torch.Tensor]:
+    """The bytes of ``tokens``' full pages as a fresh pool holds them after a prefill."""
+    fresh = make_pool(num_pages=len(tokens) // P + 1)
+    values = torch.stack([kv(namespace, tokens[: i + 1]) for i in range(len(tokens))])
+    slots = torch.arange(len(tokens))
+    for layer in range(SHAPE["num_layers"]):
+        fresh.write(layer, slots, values[:, layer, 0], values[:, layer, 1])
+    return page_bytes(fresh, list(range(len(tokens) // P)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deferred_copies_under_random_releases_preemptions_and_resets(seed: int,
+                                                                     tmp_path: Any) -> None:
+    """Random admissions (shared prefixes, two namespaces), steps for the requests that are
+    ready, releases and preemptions (also before a load landed), resumes, resets and landings,
+    on an 8-page pool and a write-through host tier of 4 pages over disk, deferred copies: ``check()`` holds
+    after every call, ``verify`` never aborts a request the engine only scheduled once ready,
+    and every prefilled request's full pages hold the K/V of its own prefix."""
+    rng = random.Random(seed)
+    pool = make_pool(num_pages=8)
+    host = HostTier(4 * pool.spec.bytes_per_page, identity(pool))
+    disk = DiskTier(tmp_path, 1 << 24, identity(pool))
+    mgr = make_manager(pool, None, max_seqs=3, offload=OffloadConfig(
+        (host, disk), write="through", copies="deferred"))
+    bases = [[rng.randrange(1000) for _ in range(4 * P)] for _ in range(4)]
+    state: dict[Any, tuple[list[int], Any]] = {}  # running: (prompt, namespace)
+    ready: set[Any] = set()
+    preempted: list[Any] = []
+    for i in range(300):
+        if rng.random() < 0.6:  # an engine's step lands what is pending (not always first)
+            for rid, done in mgr.land_copies().items():
+                assert done == mgr.num_committed(rid)
+                ready.add(rid)
+        op = rng.random()
+        if op < 0.3 and len(state) < 3:
+            ns = rng.choice([None, "x"])
+            prompt = rng.choice(bases)[: rng.randrange(P, 4 * P)] + [rng.randrange(1000)]
+            if mgr.can_admit(prompt, ns):
+                res = mgr.admit(i, prompt, ns)
+                state[i] = (prompt, ns)
+                if not res.loading:
+                    ready.add(i)
+        elif op < 0.6 and ready:
+            rid = rng.choice(sorted(ready, key=str))
+            prompt, ns = state[rid]
+            start = mgr.num_tokens(rid)
+            if start < len(prompt) and mgr.can_reserve([rid], len(prompt) - start):
+                step = mgr.reserve([rid], len(prompt) - start)
+                assert mgr.verify([rid], step).ok
+                values = torch.stack([kv(ns, prompt[: j + 1]) for j in range(start, len(prompt))])
+                slots = torch.as_tensor(step.slot_mapping)
+                for layer in range(SHAPE["num_layers"]):
+                    pool.write(layer, slots, values[:, layer, 0], values[:, layer, 1])
+                mgr.commit(rid, prompt[start:])
+                full = len(prompt) // P
+                assert same_bytes(page_bytes(pool, mgr.pages_of(rid)[:full]),
+                                  expected_bytes(pool, ns, prompt[: full * P]))
+        elif op < 0.8 and state:
+            rid = rng.choice(sorted(state, key=str))
+            mgr.release(rid)
+            del state[rid]
+            ready.discard(rid)
+        elif op < 0.86 and state:
+            rid = rng.choice(sorted(state, key=str))
+            mgr.preempt(rid)
+            preempted.append((rid, state.pop(rid)))
+            ready.discard(rid)
+        elif op < 0.93 and preempted and len(state) < 3:
+            rid, (prompt, ns) = preempted[0]
+            if mgr.can_resume(rid):
+                preempted.pop(0)
+                res = mgr.resume(rid)
+                state[rid] = (prompt, ns)
+                if not res.loading:
+                    ready.add(rid)
+        elif op < 0.935:
+            mgr.clear_prefix_cache()
+        mgr.check()
+    stats = mgr.stats().offload
+    assert stats is not None and stats.loaded_pages > 0  # (the tiers did serve)
+    mgr.land_copies()
+    for rid in list(state):
+        mgr.release(rid)
+    mgr.check()
+    assert mgr.stats().num_used == 0
