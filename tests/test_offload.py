@@ -499,9 +499,10 @@ def test_deferred_copies_under_random_releases_preemptions_and_resets(seed: int,
                                                                      tmp_path: Any) -> None:
     """Random admissions (shared prefixes, two namespaces), steps for the requests that are
     ready, releases and preemptions (also before a load landed), resumes, resets and landings,
-    on an 8-page pool and a write-through host tier of 4 pages over disk, deferred copies: ``check()`` holds
-    after every call, ``verify`` never aborts a request the engine only scheduled once ready,
-    and every prefilled request's full pages hold the K/V of its own prefix."""
+    on an 8-page pool and a write-through host tier of 4 pages over disk, deferred copies:
+    ``check()`` holds after every call, ``verify`` never aborts a request the engine only
+    scheduled once ready, and every prefilled request's full pages hold the K/V of its own
+    prefix."""
     rng = random.Random(seed)
     pool = make_pool(num_pages=8)
     host = HostTier(4 * pool.spec.bytes_per_page, identity(pool))
@@ -520,7 +521,7 @@ def test_deferred_copies_under_random_releases_preemptions_and_resets(seed: int,
         op = rng.random()
         if op < 0.3 and len(state) < 3:
             ns = rng.choice([None, "x"])
-            prompt = rng.choice(bases)[: rng.randrange(P, 4 * P)] + [rng.randrange(1000)]
+            prompt = [*rng.choice(bases)[: rng.randrange(P, 4 * P)], rng.randrange(1000)]
             if mgr.can_admit(prompt, ns):
                 res = mgr.admit(i, prompt, ns)
                 state[i] = (prompt, ns)
