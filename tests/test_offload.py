@@ -20,7 +20,8 @@ from kvmem.transfer import CacheIdentity, DiskTier, HostTier, OffloadConfig, tie
 
 P = 4
 SHAPE = {"num_layers": 2, "page_size": P, "num_kv_heads": 2, "head_dim": 8, "device": "cpu"}
-FORMATS = [("bf16", None), ("fp8_e4m3", "token_head"), ("fp8_e4m3", "tensor")]
+FORMATS = [("bf16", None), ("fp16", None), ("fp8_e4m3", "token_head"), ("fp8_e4m3", "tensor"),
+           ("fp8_e5m2", "head")]
 
 
 def make_pool(num_pages: int = 8, dtype: str = "bf16", scales: str | None = None) -> PagePool:
