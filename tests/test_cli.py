@@ -113,6 +113,30 @@ def test_plan_table_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
     assert "bf16" in header and "fp8_e4m3" in header
 
 
+def test_plan_offload_gib_gives_host_tier_tokens_in_the_table_and_json(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, _ = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--compare", "bf16,fp8_e4m3",
+                         "--offload-gib", "1024", "--dp", "2")
+    assert status == 0
+    expected = [plan_capacity("kimi-k2.6", "h200", 8, dp=2, kv_dtype=d, offload_gib=1024)
+                for d in ("bf16", "fp8_e4m3")]
+    tokens = next(line for line in out.splitlines() if line.startswith("host tier tokens / "))
+    assert tokens.split()[-2:] == [f"{p.offload_tokens:,}" for p in expected]
+    assert "host tier pages / GPU (1024 GiB / replica)" in out
+    assert "host tier tokens, all replicas" in out
+    status, out, _ = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--offload-gib", "1024",
+                         "--json")
+    data = json.loads(out)
+    assert data["offload_gib"] == 1024
+    assert data["offload_tokens"] == expected[0].offload_tokens
+    assert data["offload_pages_per_gpu"] == expected[0].offload_pages_per_gpu
+    status, out, _ = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--json")
+    assert json.loads(out)["offload_tokens"] is None
+    status, out, err = run(capsys, "plan", "llama-3.1-8b", "--offload-gib", "0.001")
+    assert status == 2 and out == "" and "holds no KV page" in err
+
+
 def test_plan_compare_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(
         capsys, "plan", "glm-5.2", "--tp", "8", "--weights", "int4-g32", "--compare",
