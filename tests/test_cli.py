@@ -49,6 +49,8 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     ("bench_fuzz.py", ["--moves", "0"], "--moves"),
     ("bench_fuzz_lockstep.py", ["--slices", "-1"], "--slices"),
     ("bench_manager.py", ["--seed", "-1"], "--seed"),
+    ("bench_offload.py", ["--parts", "roundtrip,nope"], "--parts"),
+    ("bench_offload.py", ["--lengths", "1"], "--lengths"),
     ("bench_pool.py", ["--device", "nope"], "--device"),
     ("bench_prompt_hash.py", ["--repeats", "0"], "--repeats"),
     ("bench_vllm_scheduler.py", ["--decode-steps", "0"], "--decode-steps"),
@@ -63,6 +65,23 @@ def test_a_bad_benchmark_option_is_one_line_and_status_2(script: str, argv: list
     assert run.stdout == ""
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_offload_benchmarks_idle_part_keeps_the_tier_idle() -> None:
+    """bench_offload.py --parts idle (docs/benchmarks.md): both managers ran the trace, the
+    tier stored and loaded nothing (the script checks), and the ratios are reported."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "bench_offload.py"), "--parts",
+                          "idle", "--steps", "30", "--batch", "16", "--json"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    idle = result["idle"]
+    assert (idle["batch"], idle["steps"]) == (16, 30)
+    assert result["idle_tier_step_ratio"] == idle["idle_tier_step_ratio"] > 0
+    assert idle["decode_step_us_tier"] > 0 and idle["decode_step_us_no_tier"] > 0
+    assert "ttft" not in result and "rows" not in result
 
 
 def test_the_prompt_hash_benchmark_prints_kvmem_figures_per_length() -> None:
