@@ -30,13 +30,13 @@ Shorter prompts (``--lengths``) are measured the same way.
 
 Where the load-or-recompute choice switches: loading ``n`` pages is timed alone
 (``HostTier.get`` with its digest checks + ``PageBundle.write_into`` the pool, n = 1, 4, 16,
-64) and modelled as ``a + b n`` (``b`` the slope between 16 and 64 pages, ``a`` what one page
-costs beyond it); recomputing a prefix of ``L`` tokens costs ``L / rate`` on top of the forward
-that computes the last page anyway, with ``rate`` = prefix tokens / (recompute TTFT - (tier
-TTFT - load time)) at ``--prompt-len``. Load time equals recompute time at
-``L* = a / (1 / rate - b / P)`` tokens of prefix, P = 16 tokens a page
-(``switch_prefix_tokens``; below one page: the tier wins for every page it can serve; null:
-recomputing is always faster).
+64) and modelled as ``a + b n`` (``b`` the slope between 16 and 64 pages; ``a`` at most the
+time of one page, an upper bound); recomputing a prefix of ``L`` tokens costs ``L / rate`` on
+top of the forward that computes the last page anyway, with ``rate`` = prefix tokens /
+(recompute TTFT - (tier TTFT - load time)) at ``--prompt-len``. Load time equals recompute
+time at ``L* = a / (1 / rate - b / P)`` tokens of prefix, P = 16 tokens a page
+(``switch_prefix_tokens_at_most``, from the upper bound of ``a``; below one page: the tier
+wins for every page it can serve; null: recomputing is always faster).
 
 **idle** (``idle_tier_step_ratio``): bench_manager.py's decode trace (batch 256, 1% of requests
 replaced per step by a 500..2,000-token prompt) on two managers with a page pool, tracker
@@ -217,24 +217,24 @@ def load_times(model: Any, kv_dtype: str, repeat: int) -> tuple[dict[int, float]
 
 def switch_point(loads: dict[int, float], page_bytes: int, row: dict[str, Any]
                  ) -> dict[str, Any]:
-    """The fitted load time ``a + b n`` and the recompute rate; where they cross."""
-    # The slope from the two largest loads, the fixed part what one page costs beyond it (a
-    # least-squares line through noisy small loads can give a negative fixed cost).
+    """Load time ``a + b n`` against recomputing at the measured rate; where they cross."""
+    # The slope between the two largest loads; the fixed part, at most what one page costs
+    # (a line fitted through noisy small loads can give a negative fixed cost).
     (n1, t1), (n2, t2) = sorted(loads.items())[-2:]
     b = (t2 - t1) / (n2 - n1)
-    a = max(0.0, loads[min(loads)] - b * min(loads))
-    served = row["host_tokens"]
+    a = loads[min(loads)]  # an upper bound of the fixed cost: the switch is at most where
+    served = row["host_tokens"]  # this line crosses the recompute line
     load_s = a + b * served / PAGE
     suffix_s = row["ttft_tier_ms"] / 1e3 - load_s  # the last page's forward, and the rest
     rate = served / (row["ttft_recompute_ms"] / 1e3 - suffix_s)
     per_token = 1 / rate - b / PAGE  # recompute minus load, per prefix token
     switch = a / per_token if per_token > 0 else None
-    return {"load_fixed_us": round(a * 1e6, 1), "load_us_per_page": round(b * 1e6, 2),
+    return {"load_us_one_page": round(a * 1e6, 1), "load_us_per_page": round(b * 1e6, 2),
             "load_us_by_pages": {k: round(v * 1e6, 1) for k, v in loads.items()},
             "tier_load_gb_s": round(page_bytes / b / 1e9, 2) if b > 0 else None,
             "prefill_tokens_per_s": round(rate, 1),
             "recompute_over_load_per_page": round(PAGE / rate / b, 1) if b > 0 else None,
-            "switch_prefix_tokens": None if switch is None else round(switch, 2)}
+            "switch_prefix_tokens_at_most": None if switch is None else round(switch, 2)}
 
 
 def ttft_part(args: Any) -> dict[str, Any]:
@@ -353,9 +353,9 @@ def main() -> None:
             print(f"{r['prompt_len']:6d}  {r['host_tokens']:11d}  {r['ttft_tier_ms']:12.1f}  "
                   f"{r['ttft_recompute_ms']:17.1f}  {r['ttft_recompute_over_tier']:14.2f}  "
                   f"{r['paired_ttft_recompute_over_tier']:6.2f}")
-        print(f"load: {t['load_fixed_us']} us + {t['load_us_per_page']} us/page "
+        print(f"load: at most {t['load_us_one_page']} us + {t['load_us_per_page']} us/page "
               f"({t['tier_load_gb_s']} GB/s); prefill {t['prefill_tokens_per_s']} tok/s; "
-              f"load = recompute at {t['switch_prefix_tokens']} prefix tokens")
+              f"load = recompute at <= {t['switch_prefix_tokens_at_most']} prefix tokens")
     if "idle" in args.parts:
         i = out["idle"]
         print(f"decode step, batch {i['batch']}: {i['decode_step_us_tier']} us with an idle "
