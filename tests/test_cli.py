@@ -49,6 +49,8 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     ("bench_fuzz.py", ["--moves", "0"], "--moves"),
     ("bench_fuzz_lockstep.py", ["--slices", "-1"], "--slices"),
     ("bench_manager.py", ["--seed", "-1"], "--seed"),
+    ("bench_offload.py", ["--parts", "roundtrip,nope"], "--parts"),
+    ("bench_offload.py", ["--lengths", "1"], "--lengths"),
     ("bench_pool.py", ["--device", "nope"], "--device"),
     ("bench_prompt_hash.py", ["--repeats", "0"], "--repeats"),
     ("bench_vllm_scheduler.py", ["--decode-steps", "0"], "--decode-steps"),
@@ -63,6 +65,23 @@ def test_a_bad_benchmark_option_is_one_line_and_status_2(script: str, argv: list
     assert run.stdout == ""
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_offload_benchmarks_idle_part_keeps_the_tier_idle() -> None:
+    """bench_offload.py --parts idle (docs/benchmarks.md): both managers ran the trace, the
+    tier stored and loaded nothing (the script checks), and the ratios are reported."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "bench_offload.py"), "--parts",
+                          "idle", "--steps", "30", "--batch", "16", "--json"], cwd=BENCHMARKS,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    idle = result["idle"]
+    assert (idle["batch"], idle["steps"]) == (16, 30)
+    assert result["idle_tier_step_ratio"] == idle["idle_tier_step_ratio"] > 0
+    assert idle["decode_step_us_tier"] > 0 and idle["decode_step_us_no_tier"] > 0
+    assert "ttft" not in result and "rows" not in result
 
 
 def test_the_prompt_hash_benchmark_prints_kvmem_figures_per_length() -> None:
@@ -111,6 +130,30 @@ def test_plan_table_and_compare(capsys: pytest.CaptureFixture[str]) -> None:
     assert "max concurrency @ 16,384 tok" in out and "decode tok/s bound @ 64" in out
     header = next(line for line in out.splitlines() if line.startswith("KV dtype"))
     assert "bf16" in header and "fp8_e4m3" in header
+
+
+def test_plan_offload_gib_gives_host_tier_tokens_in_the_table_and_json(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, _ = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--compare", "bf16,fp8_e4m3",
+                         "--offload-gib", "1024", "--dp", "2")
+    assert status == 0
+    expected = [plan_capacity("kimi-k2.6", "h200", 8, dp=2, kv_dtype=d, offload_gib=1024)
+                for d in ("bf16", "fp8_e4m3")]
+    tokens = next(line for line in out.splitlines() if line.startswith("host tier tokens / "))
+    assert tokens.split()[-2:] == [f"{p.offload_tokens:,}" for p in expected]
+    assert "host tier pages / GPU (1024 GiB / replica)" in out
+    assert "host tier tokens, all replicas" in out
+    status, out, _ = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--offload-gib", "1024",
+                         "--json")
+    data = json.loads(out)
+    assert data["offload_gib"] == 1024
+    assert data["offload_tokens"] == expected[0].offload_tokens
+    assert data["offload_pages_per_gpu"] == expected[0].offload_pages_per_gpu
+    status, out, _ = run(capsys, "plan", "kimi-k2.6", "--tp", "8", "--json")
+    assert json.loads(out)["offload_tokens"] is None
+    status, out, err = run(capsys, "plan", "llama-3.1-8b", "--offload-gib", "0.001")
+    assert status == 2 and out == "" and "holds no KV page" in err
 
 
 def test_plan_compare_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:

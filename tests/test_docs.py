@@ -163,6 +163,28 @@ def test_the_simulate_figures_are_the_ones_the_docs_print(
         1265, 1876)
 
 
+def test_the_host_tier_figures_are_the_ones_the_docs_print(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/capacity_planning.md: `kvmem plan kimi-k2.6 --tp 8 --compare bf16,fp8_e4m3
+    --offload-gib 1024` and the `kvmem simulate ... --offload-gib 64` line."""
+    import json
+
+    from kvmem.planning import plan_capacity
+
+    plans = [plan_capacity("kimi-k2.6", "h200", 8, kv_dtype=d, offload_gib=1024)
+             for d in ("bf16", "fp8_e4m3")]
+    assert [(p.offload_pages_per_gpu, p.offload_tokens) for p in plans] == [
+        (122_238, 1_955_808), (244_476, 3_911_616)]
+    argv = ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "2000",
+            "--concurrency", "64", "--prompt-len", "2000-6000", "--output-len", "200-400",
+            "--prefixes", "200", "--prefix-len", "4000", "--prefill-tps", "10000",
+            "--offload-gib", "64", "--offload-gbs", "25", "--json", "--no-progress"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["offload_pages_per_gpu"], round(r["prefix_hit_rate"], 3),
+            round(r["host_hit_rate"], 3)) == (32_768, 0.366, 0.258)
+
+
 @pytest.mark.parametrize(
     ("script", "argv", "message"),
     [

@@ -56,6 +56,7 @@ PLAN_ARGS: dict[str, Any] = {
     "model": "llama-3.1-8b", "gpu": "h100-80g", "tp": 2, "dp": 2, "kv_dtype": "fp8_e4m3",
     "kv_scale_layout": "head", "weights": "int4-g32", "policy": FixedReserve(reserve_gib=4),
     "page_size": 16, "context_len": 4096, "concurrency": 8, "use_mtp": False,
+    "offload_gib": 64.0,
 }
 
 
@@ -75,7 +76,8 @@ SPEC_CASES: list[tuple[Callable[..., Any], dict[str, Any]]] = [
 
 PLAN_OPTIONS = ["--gpu", "--gpu-memory-gib", "--gpu-bandwidth-gbs", "--tp", "--dp", "--kv-dtype",
                 "--kv-scales", "--compare", "--weights", "--context", "--concurrency",
-                "--page-size", "--reserve-gib", "--mem-fraction", "--runtime-overhead-gib"]
+                "--page-size", "--reserve-gib", "--mem-fraction", "--runtime-overhead-gib",
+                "--offload-gib"]
 
 
 WORDS = st.one_of(
@@ -510,6 +512,64 @@ def test_data_parallel_multiplies_totals() -> None:
     assert four.num_gpus == 8
     assert four.kv_tokens_total == 4 * one.kv_tokens_per_gpu
     assert four.max_concurrency_total == 4 * (one.max_concurrency or 0)
+
+
+def test_a_host_tier_holds_as_many_pages_as_the_planner_says() -> None:
+    """offload_pages_per_gpu is what a real HostTier of the rank's share of the GiB holds
+    (its page bytes: every layer's K/V and token scales), for GQA split over TP and MLA."""
+    from kvmem.transfer import CacheIdentity, HostTier
+
+    gib = 0.02
+    cases = [("llama-3.1-8b", tp, dtype, scales) for tp in (1, 2, 8)
+             for dtype, scales in (("bf16", None), ("fp8_e4m3", "token_head"),
+                                   ("fp8_e4m3", "tensor"))]
+    cases += [("kimi-k2.6", 8, "bf16", None), ("kimi-k2.6", 8, "fp8_e4m3", "token_head")]
+    for name, tp, dtype, scales in cases:
+        model = get_model(name)
+        plan = plan_capacity(model, "h200", tp, kv_dtype=dtype, kv_scale_layout=scales,
+                             offload_gib=gib)
+        attn = model.attention
+        if attn.kind == "mla":
+            shape: dict[str, Any] = dict(attention="mla", kv_lora_rank=attn.kv_lora_rank,
+                                         qk_rope_head_dim=attn.qk_rope_head_dim)
+        else:
+            shape = dict(attention="gqa", num_kv_heads=kv_heads_per_rank(attn, tp),
+                         head_dim=attn.head_dim)
+        spec = PoolSpec(num_layers=model.num_layers, num_pages=1, page_size=16, dtype=dtype,
+                        scales=scales, device="cpu", **shape)
+        tier = HostTier(int(gib * GIB) // tp, CacheIdentity.of(spec, name, "w"))
+        assert plan.offload_pages_per_gpu == tier.num_slots > 0, (name, tp, dtype, scales)
+        assert plan.offload_tokens == 16 * tier.num_slots
+        assert plan.offload_tokens_total == plan.offload_tokens
+        assert plan.offload_pages(gib) == tier.num_slots
+
+
+def test_a_host_tier_plan_scales_with_gib_and_data_parallel() -> None:
+    base = plan_capacity("kimi-k2.6", "h200", 8, kv_dtype="fp8_e4m3", offload_gib=1024)
+    # 1024 GiB over 8 ranks, 61 layers x 576 B x 16 tokens per page
+    assert base.offload_pages_per_gpu == 128 * GIB // (61 * 576 * 16)
+    assert base.offload_tokens == 16 * base.offload_pages_per_gpu
+    bf16 = plan_capacity("kimi-k2.6", "h200", 8, kv_dtype="bf16", offload_gib=1024)
+    assert bf16.offload_pages_per_gpu == base.offload_pages_per_gpu // 2
+    two = plan_capacity("kimi-k2.6", "h200", 8, dp=2, kv_dtype="fp8_e4m3", offload_gib=1024)
+    assert two.offload_tokens == base.offload_tokens
+    assert two.offload_tokens_total == 2 * base.offload_tokens
+    without = plan_capacity("kimi-k2.6", "h200", 8, kv_dtype="fp8_e4m3")
+    assert without.offload_gib is without.offload_tokens is None
+    assert base.model_dump(exclude={"offload_gib", "offload_pages_per_gpu", "offload_tokens",
+                                    "offload_tokens_total"}) == without.model_dump(
+        exclude={"offload_gib", "offload_pages_per_gpu", "offload_tokens",
+                 "offload_tokens_total"})
+
+
+def test_a_host_tier_too_small_for_a_page_or_absurd_is_refused() -> None:
+    with pytest.raises(ConfigError, match="holds no KV page of 2,097,152 bytes"):
+        plan_capacity("llama-3.1-8b", "h100-80g", offload_gib=0.001)
+    for bad in (0, -1.0, float("inf"), 1e30):
+        with pytest.raises(ArgumentError, match="offload_gib"):
+            plan_capacity("llama-3.1-8b", "h100-80g", offload_gib=bad)
+    with pytest.raises(ArgumentTypeError, match="offload_gib"):
+        plan_capacity("llama-3.1-8b", "h100-80g", offload_gib="8")
 
 
 def test_unknown_names_list_the_known_ones() -> None:

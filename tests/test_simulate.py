@@ -35,6 +35,9 @@ from kvmem.planning import (
 )
 from kvmem.simulate import Arrivals, LengthDist, Workload, simulate
 
+GIB = 1 << 30
+
+
 CLI_SETTINGS = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -42,7 +45,8 @@ CLI_SETTINGS = settings(
 
 SIMULATE_NUMERIC = ["--tp", "--page-size", "--requests", "--concurrency", "--rate", "--prefixes",
                     "--prefix-len", "--prefix-fraction", "--max-running", "--chunk",
-                    "--prefill-tps", "--t0-ms", "--efficiency", "--seed"]
+                    "--prefill-tps", "--t0-ms", "--efficiency", "--seed", "--offload-gib",
+                    "--offload-gbs"]
 
 
 SMALL_SIM = ["simulate", "llama-3.1-8b", "--gpu", "h100-80g", "--tp", "1", "--requests", "3",
@@ -495,3 +499,108 @@ def test_a_fixed_seed_gives_the_same_report() -> None:
     assert got == (200, 193, 246, 246, 130154, 29563, 17, 221947)
     assert r.prefix_hit_rate == pytest.approx(0.3296730215944228, rel=1e-12)
     assert r.simulated_seconds == pytest.approx(184.5930648318171, rel=1e-9)
+
+
+def _returning_prefixes(num_requests: int = 60, concurrency: int = 1) -> Workload:
+    """8 prefixes of 1,024 tokens (8,192 tokens of prefixes), more than the tiny plan's device
+    pool keeps cached beside the running requests: prefixes leave the device and come back."""
+    return Workload(num_requests=num_requests, concurrency=concurrency,
+                    prompt_len=LengthDist(kind="uniform", a=1100, b=1400),
+                    output_len=LengthDist(kind="fixed", a=16), num_prefixes=8, prefix_len=1024,
+                    seed=5)
+
+
+def test_a_host_tier_serves_the_prefixes_the_device_evicted() -> None:
+    """One request at a time: every request after the first of its prefix finds the whole
+    prefix on the device or in an unbounded host tier, as on a device that never evicts; the
+    report's per-tier figures agree with each other and with the plan's bytes."""
+    plan = tiny_plan()
+    workload = _returning_prefixes()
+    arr = Arrivals(workload)
+    without = simulate(workload, plan)
+    tier = simulate(workload, plan, offload_gib=64.0)
+    huge = simulate(workload, tiny_plan(memory_mib=64 * 1024))
+    assert without.offload_gib is None and without.host_hit_rate is None
+    assert without.num_evictions > 0 and huge.num_evictions == 0
+    assert tier.num_preemptions == without.num_preemptions == huge.num_preemptions == 0
+    query = float(arr.prompt.sum())
+    firsts = len(set(arr.prefix_id.tolist()))
+    expected = (workload.num_requests - firsts) * 1024
+    assert huge.prefix_hit_rate * query == pytest.approx(expected)
+    assert without.prefix_hit_rate * query < expected  # the device alone lost some
+    assert tier.host_hit_rate is not None and tier.host_hit_rate > 0
+    assert (tier.prefix_hit_rate + tier.host_hit_rate) * query == pytest.approx(expected)
+    assert tier.host_hit_tokens == 16 * tier.host_loaded_pages
+    assert tier.host_hit_rate * query == pytest.approx(tier.host_hit_tokens)
+    page_bytes = plan.kv_bytes_per_page_per_gpu
+    assert tier.host_bytes_loaded_per_gpu == tier.host_loaded_pages * page_bytes
+    assert tier.host_bytes_stored_per_gpu == tier.host_stored_pages * page_bytes
+    assert 0 < (tier.host_stored_pages or 0) <= tier.num_evictions
+    assert tier.host_evictions == 0 and tier.host_load_seconds == 0.0
+    assert tier.offload_pages_per_gpu == plan.offload_pages(64.0)
+    assert tier.output_tokens == without.output_tokens
+    assert "hit rate device" in tier.summary() and "host" in tier.summary()
+
+
+def test_a_small_host_tier_evicts_and_serves_less() -> None:
+    plan = tiny_plan()
+    workload = _returning_prefixes()
+    small_gib = 10 * plan.kv_bytes_per_page_per_gpu / GIB  # 10 pages: a sixth of a prefix
+    small = simulate(workload, plan, offload_gib=small_gib)
+    big = simulate(workload, plan, offload_gib=64.0)
+    assert small.offload_pages_per_gpu == 10
+    assert (small.host_evictions or 0) > 0
+    assert 0 < (small.host_hit_tokens or 0) < (big.host_hit_tokens or 0)
+
+
+def test_host_loads_are_charged_at_the_given_bandwidth() -> None:
+    plan = tiny_plan()
+    workload = _returning_prefixes()
+    free = simulate(workload, plan, prefill_tokens_per_s=5000.0, offload_gib=64.0)
+    charged = simulate(workload, plan, prefill_tokens_per_s=5000.0, offload_gib=64.0,
+                       offload_gbs=0.5)
+    assert charged.host_loaded_pages == free.host_loaded_pages
+    load_s = (free.host_loaded_pages or 0) * plan.kv_bytes_per_page_per_gpu / 0.5e9
+    assert load_s > 0 and charged.host_load_seconds == pytest.approx(load_s)
+    assert charged.simulated_seconds - free.simulated_seconds == pytest.approx(load_s, rel=0.05)
+    # the tier saves prefill: fewer tokens prefilled than without it
+    without = simulate(workload, plan, prefill_tokens_per_s=5000.0)
+    assert free.simulated_seconds < without.simulated_seconds
+
+
+def test_bad_host_tier_arguments_are_refused() -> None:
+    plan, workload = tiny_plan(), _returning_prefixes(num_requests=8)
+    with pytest.raises(ConfigError, match="give offload_gib as well"):
+        simulate(workload, plan, offload_gbs=10.0)
+    with pytest.raises(ConfigError, match="keep the prefix cache"):
+        simulate(workload, plan, offload_gib=1.0, prefix_cache=False)
+    with pytest.raises(ConfigError, match="holds no page"):
+        simulate(workload, plan, offload_gib=1e-6)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ArgumentError, match="offload_gib"):
+            simulate(workload, plan, offload_gib=bad)
+        with pytest.raises(ArgumentError, match="offload_gbs"):
+            simulate(workload, plan, offload_gib=1.0, offload_gbs=bad)
+    with pytest.raises(ArgumentTypeError, match="offload_gib"):
+        simulate(workload, plan, offload_gib="1")  # type: ignore[arg-type]
+
+
+def test_cli_simulate_offload_reports_each_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "smollm2-135m", "--gpu", "h100-80g", "--tp", "1", "--requests", "20",
+            "--concurrency", "1", "--prompt-len", "300", "--output-len", "4", "--prefixes", "2",
+            "--prefix-len", "256", "--no-progress", "--offload-gib", "1"]
+    status, out, _ = run(capsys, *argv)
+    assert status == 0 and "host tier:" in out and "hit rate device" in out
+    status, out, _ = run(capsys, *argv, "--json")
+    data = json.loads(out)
+    for key in ("offload_gib", "offload_pages_per_gpu", "host_hit_rate", "host_hit_tokens",
+                "host_stored_pages", "host_loaded_pages", "host_bytes_stored_per_gpu",
+                "host_bytes_loaded_per_gpu", "host_evictions", "host_load_seconds"):
+        assert data[key] is not None, key
+    assert data["offload_gib"] == 1.0
+    status, out, _ = run(capsys, *argv[:-2], "--json")
+    assert json.loads(out)["host_hit_rate"] is None
+    err = _one_line_error(capsys, [*argv[:-2], "--offload-gbs", "10"])
+    assert "offload_gib" in err
+    err = _one_line_error(capsys, [*argv, "--no-prefix-cache"])
+    assert "prefix cache" in err

@@ -158,6 +158,39 @@ def test_a_bundle_without_prefix_keys_is_refused(written: tuple[PagePool, PageBu
     assert tier.stats().num_pages == 0
 
 
+def test_longest_prefix_counts_the_leading_stored_keys_and_checks_them_first(
+        tmp_path: Path) -> None:
+    """longest_prefix (which hashes only up to the first miss, and nothing in an empty tier)
+    equals the count of leading keys whose tier_keys are stored, for every run of asked keys;
+    an empty tier still refuses keys that are not [n, 2] uint64."""
+    pool = make_pool()
+    fill(pool, list(range(6)))
+    host = HostTier(16 * pool.spec.bytes_per_page, identity(pool))
+    disk = DiskTier(tmp_path, 1 << 24, identity(pool))
+    try:
+        for tier in (host, disk):
+            with pytest.raises(ArgumentError):
+                tier.longest_prefix(np.zeros((2, 3), dtype=np.uint64))
+            assert tier.longest_prefix(keys_of(TOKENS)) == 0
+            # pages 0, 1 and 3 of the six stored (a gap at 2)
+            full = bundle(pool, list(range(6)), TOKENS)
+            tier.put(page_of(full, 0))
+            tier.put(page_of(full, 1))
+            tier.put(page_of(full, 3))
+            stored = set(tier_keys(keys_of(TOKENS)[[0, 1, 3]], identity(pool)))
+            for first in range(6):
+                for stop in range(first, 7):
+                    asked = keys_of(TOKENS)[first:stop]
+                    expected = 0
+                    for key in tier_keys(asked, identity(pool)):
+                        if key not in stored:
+                            break
+                        expected += 1
+                    assert tier.longest_prefix(asked) == expected, (tier.medium, first, stop)
+    finally:
+        disk.close()
+
+
 def test_a_capacity_below_one_page_is_refused() -> None:
     pool = make_pool()
     with pytest.raises(ConfigError, match="holds no page"):

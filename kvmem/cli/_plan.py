@@ -4,7 +4,7 @@
 
     kvmem plan MODEL --gpu h200 --tp 8 --kv-dtype fp8_e4m3 [--weights int4-g32]
                [--context 32768] [--concurrency 64] [--compare bf16,fp8_e4m3]
-               [--json] [--plot FILE.png]
+               [--offload-gib 512] [--json] [--plot FILE.png]
 
 Imports neither torch nor the manager: planning is pure.
 """
@@ -76,6 +76,9 @@ def add_plan_parser(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="CUDA context etc. to take off the SGLang-like budget (default 0; not "
                         "with --reserve-gib or --mem-fraction)")
     p.add_argument("--use-mtp", action="store_true", help="load the MTP layers (speculative)")
+    p.add_argument("--offload-gib", type=POSITIVE,
+                   help="host memory of a host KV tier per replica in GiB, over its TP ranks "
+                        "(> 0): the tokens it holds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also plot max concurrency against context into FILE.png (matplotlib)")
@@ -214,6 +217,14 @@ def format_plans(plans: Sequence[object]) -> str:
                 lambda p: f"{p.decode_tokens_per_s_bound:,.0f}",
             )
         )
+    if first.offload_gib is not None:
+        rows += [
+            (f"host tier pages / GPU ({first.offload_gib:g} GiB / replica)",
+             lambda p: f"{p.offload_pages_per_gpu:,}"),
+            ("host tier tokens / replica", lambda p: f"{p.offload_tokens:,}"),
+        ]
+        if first.dp > 1:
+            rows.append(("host tier tokens, all replicas", lambda p: f"{p.offload_tokens_total:,}"))
     width = max(len(label) for label, _ in rows) + 2
     col = max(14, *(len(fmt(p)) + 2 for _, fmt in rows for p in ps))
     for label, fmt in rows:
@@ -241,6 +252,7 @@ def _plans(
             context_len=args.context,
             concurrency=args.concurrency,
             use_mtp=args.use_mtp,
+            offload_gib=args.offload_gib,
         )
         for dtype in dtypes
     ]

@@ -91,6 +91,12 @@ def add_simulate_parser(sub: argparse._SubParsersAction[Parser]) -> None:
                    help="fraction of peak bandwidth a decode step reaches, in (0, 1] "
                         "(default 0.70, the Kimi K2.6 fit)")
     p.add_argument("--no-prefix-cache", action="store_true", help="run without prefix reuse")
+    p.add_argument("--offload-gib", type=POSITIVE,
+                   help="a host KV tier of this many GiB per replica (> 0): evicted prefix pages "
+                        "stored there and loaded back; reports hit rates per tier and bytes moved")
+    p.add_argument("--offload-gbs", type=POSITIVE,
+                   help="host-to-device GB/s per GPU charged for each load (> 0; default: loads "
+                        "cost no time; needs --offload-gib)")
     p.add_argument("--seed", type=number(int, 0, maximum=2**32 - 1), default=0,
                    help="random seed of the workload (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -146,6 +152,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                 prefill_tokens_per_s=args.prefill_tps,
                 prefix_cache=not args.no_prefix_cache,
                 progress=bar,
+                offload_gib=args.offload_gib,
+                offload_gbs=args.offload_gbs,
             )
         )
     if args.json:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from kvmem._validate import choice, flag, integer, show
+from kvmem._validate import choice, flag, integer, real, show
 from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.planning._accounting import GIB, KVLayout, WeightBytes, kv_layout, weight_bytes
 from kvmem.planning._presets import get_gpu, get_model, weight_scheme
@@ -45,6 +45,7 @@ __all__ = [
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _MAX_BYTES = 1 << 1000  # far below a float's largest (about 2**1024)
+_MAX_OFFLOAD_GIB = float(1 << 40)  # a GiB count beyond any host (an exbibyte is 2**30 GiB)
 
 
 class CapacityPlan(BaseModel):
@@ -100,6 +101,12 @@ class CapacityPlan(BaseModel):
     decode_concurrency: int | None = None
     decode_tokens_per_s_bound: float | None = None
 
+    # A host tier (offload_gib of host memory per replica, over its TP ranks): what it holds.
+    offload_gib: float | None = None
+    offload_pages_per_gpu: int | None = None
+    offload_tokens: int | None = None
+    offload_tokens_total: int | None = None
+
     def sequence_bytes(self, context_len: int) -> int:
         """KV bytes one sequence of ``context_len`` tokens takes on one GPU, pages rounded up."""
         context_len = integer(context_len, "context_len", minimum=1)
@@ -114,6 +121,18 @@ class CapacityPlan(BaseModel):
         """Sequences of ``context_len`` tokens one replica holds at once (pages rounded up)."""
         budget = int(self.kv_budget_gib_per_gpu * GIB)
         return max(0, budget // self.sequence_bytes(context_len))
+
+    def offload_pages(self, offload_gib: float) -> int:
+        """Full pages a host tier of ``offload_gib`` GiB per replica holds on each TP rank.
+
+        The replica's host memory is split evenly over its ``tp`` ranks (as vLLM's
+        ``--kv-offloading-size``), and each rank's tier stores whole pages of that rank's
+        ``kv_bytes_per_page_per_gpu`` bytes (a host page holds what a device page holds:
+        every layer's K/V and its token scales), as :class:`kvmem.transfer.HostTier` rounds.
+        """
+        offload_gib = real(offload_gib, "offload_gib", minimum=0, exclusive_minimum=True,
+                           maximum=_MAX_OFFLOAD_GIB)
+        return int(offload_gib * GIB) // self.tp // self.kv_bytes_per_page_per_gpu
 
     def to_json_dict(self) -> dict[str, object]:
         """The plan as one JSON-ready dict (what ``kvmem plan --json`` prints)."""
@@ -180,6 +199,7 @@ def plan_capacity(
     context_len: int | None = None,
     concurrency: int | None = None,
     use_mtp: bool = False,
+    offload_gib: float | None = None,
 ) -> CapacityPlan:
     """How many tokens of KV fit, and how many requests of a given length run at once.
 
@@ -211,6 +231,10 @@ def plan_capacity(
         Sequences per decode step for ``decode_tokens_per_s_bound`` (needs ``context_len``).
     use_mtp : bool
         Load the MTP layers (speculative decoding).
+    offload_gib : float, optional
+        Host memory of a host tier per replica, in GiB, summed over its TP ranks (each rank
+        stores its own pages): fills ``offload_pages_per_gpu``, ``offload_tokens`` (per
+        replica) and ``offload_tokens_total`` (all replicas).
 
     Returns
     -------
@@ -244,6 +268,9 @@ def plan_capacity(
     if concurrency is not None:
         concurrency = integer(concurrency, "concurrency", minimum=1)
     use_mtp = flag(use_mtp, "use_mtp")
+    if offload_gib is not None:
+        offload_gib = real(offload_gib, "offload_gib", minimum=0, exclusive_minimum=True,
+                           maximum=_MAX_OFFLOAD_GIB)
     spec = get_model(model) if isinstance(model, str) else model
     card = get_gpu(gpu) if isinstance(gpu, str) else gpu
     scheme = weight_scheme(weights, spec) if isinstance(weights, str) else (weights or spec.weights)
@@ -251,7 +278,7 @@ def plan_capacity(
         spec, card, scheme, policy or SGLangPolicy(), tp, dp, kv_dtype, kv_scale_layout,
         page_size, use_mtp,
     )
-    return _with_context(plan, context_len, concurrency)
+    return _with_offload(_with_context(plan, context_len, concurrency), offload_gib)
 
 
 def _scale_layout(kv_dtype: str, kv_scale_layout: str | None) -> str | None:
@@ -396,6 +423,23 @@ def _with_context(
             decode_concurrency=concurrency, decode_tokens_per_s_bound=concurrency / step_s
         )
     return plan.model_copy(update=updates) if updates else plan
+
+
+def _with_offload(plan: CapacityPlan, offload_gib: float | None) -> CapacityPlan:
+    """``plan`` with what a host tier of ``offload_gib`` GiB per replica holds."""
+    if offload_gib is None:
+        return plan
+    pages = plan.offload_pages(offload_gib)
+    if pages == 0:
+        raise ConfigError(
+            f"a host tier of {offload_gib:g} GiB over {plan.tp} rank(s) holds no KV page of "
+            f"{plan.kv_bytes_per_page_per_gpu:,} bytes per rank ({plan.page_size} tokens); give "
+            f"at least {plan.kv_bytes_per_page_per_gpu * plan.tp / GIB:.3g} GiB."
+        )
+    tokens = pages * plan.page_size
+    return plan.model_copy(update={
+        "offload_gib": offload_gib, "offload_pages_per_gpu": pages, "offload_tokens": tokens,
+        "offload_tokens_total": tokens * plan.dp})
 
 
 def tokens_freed(before: CapacityPlan, after: CapacityPlan) -> int:

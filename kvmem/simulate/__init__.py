@@ -22,6 +22,11 @@ The loop is event-driven and batched, so a million requests take minutes, not ho
 
 A request admitted or finishing inside a chunk is admitted or released at the chunk's end, so
 times are quantized to ``chunk`` decode steps (16 by default: a few hundred milliseconds).
+
+With ``offload_gib`` the manager also runs a host tier (:class:`~kvmem.transfer.HostTier` of
+``plan.offload_pages(offload_gib)`` pages), which needs a page pool: a stand-in one (the plan's
+page count and page size, one layer, one KV head of width 1, bf16), so evicted pages are stored
+and loaded for real while the bytes reported are pages times the plan's bytes per page.
 """
 
 from __future__ import annotations

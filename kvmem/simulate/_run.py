@@ -13,7 +13,7 @@ from kvmem._validate import INT32_MAX, flag, integer, real, show
 from kvmem.errors import ArgumentTypeError, ConfigError
 from kvmem.manager import KVCacheManager
 from kvmem.planning import CapacityPlan, ThroughputModel, plan_capacity
-from kvmem.simulate._simulation import Simulation, SimulationReport, StepClock
+from kvmem.simulate._simulation import HostPlan, Simulation, SimulationReport, StepClock
 from kvmem.simulate._workload import Arrivals, Workload
 
 __all__ = ["DEFAULT_STEP_MODEL", "simulate"]
@@ -39,6 +39,8 @@ def simulate(
     prefix_cache: bool = True,
     sample_every: float | None = None,
     progress: Callable[[int, int], None] | None = None,
+    offload_gib: float | None = None,
+    offload_gbs: float | None = None,
 ) -> SimulationReport:
     """Simulate continuous batching of ``workload`` on the KV pool of ``plan``.
 
@@ -66,6 +68,15 @@ def simulate(
         Simulated seconds between timeline samples (about 200 samples by default).
     progress : callable, optional
         ``progress(completed, total)``, called about every 0.2 s of wall time.
+    offload_gib : float, optional
+        A host tier of this many GiB per replica (``plan.offload_pages``: split over the TP
+        ranks, whole pages of the plan's bytes): evicted prefix pages are stored in it and
+        loaded back on admission, through the real manager, :class:`~kvmem.transfer.HostTier`
+        and a stand-in page pool (see :mod:`kvmem.simulate`). Needs the prefix cache.
+    offload_gbs : float, optional
+        Host-to-device bandwidth per GPU in GB/s, to charge loads
+        (``pages * kv_bytes_per_page_per_gpu / bandwidth``); ``None`` charges nothing, as a
+        disaggregated pool charges no prefill.
 
     Returns
     -------
@@ -75,9 +86,10 @@ def simulate(
     max_running, chunk, prefill_tokens_per_s, sample_every, prefix_cache = _checked_arguments(
         workload, plan, step_model, max_running, chunk, prefill_tokens_per_s, sample_every,
         prefix_cache, progress)
+    offload = _checked_offload(offload_gib, offload_gbs, prefix_cache)
     plan = plan or plan_capacity(model, gpu, tp, kv_dtype=kv_dtype)
     sim = _simulation(workload, plan, step_model, max_running, chunk, prefill_tokens_per_s,
-                      sample_every, prefix_cache)
+                      sample_every, prefix_cache, offload)
     sim.run(progress, wall0)
     return sim.report(wall0)
 
@@ -115,6 +127,22 @@ def _checked_arguments(
     return max_running, chunk, prefill_tokens_per_s, sample_every, prefix_cache
 
 
+def _checked_offload(offload_gib: float | None, offload_gbs: float | None,
+                     prefix_cache: bool) -> tuple[float, float | None] | None:
+    """``(offload_gib, offload_gbs)`` checked, or None without a host tier."""
+    if offload_gib is None:
+        if offload_gbs is not None:
+            raise ConfigError("offload_gbs charges host-tier loads: give offload_gib as well.")
+        return None
+    offload_gib = real(offload_gib, "offload_gib", minimum=0, exclusive_minimum=True)
+    if offload_gbs is not None:
+        offload_gbs = real(offload_gbs, "offload_gbs", minimum=0, exclusive_minimum=True)
+    if not prefix_cache:
+        raise ConfigError("a host tier stores the pages the prefix cache evicts: keep the "
+                          "prefix cache (prefix_cache=True) or drop offload_gib.")
+    return offload_gib, offload_gbs
+
+
 def _simulation(
     workload: Workload,
     plan: CapacityPlan,
@@ -124,32 +152,42 @@ def _simulation(
     prefill_tokens_per_s: float | None,
     sample_every: float | None,
     prefix_cache: bool,
+    offload: tuple[float, float | None] | None = None,
 ) -> Simulation:
     """The simulation of ``workload`` on a manager over ``plan``'s pool, ready to run."""
-    mgr = _manager(plan, workload, max_running, prefix_cache)
     arr = Arrivals(workload)
+    host = None if offload is None else HostPlan.of(plan, arr, *offload)
+    mgr = _manager(plan, workload, max_running, prefix_cache, host)
     _check_fits(arr, plan)
     clock = StepClock(plan, step_model or DEFAULT_STEP_MODEL)
     if sample_every is None:
         sample_every = _default_sample_every(arr, workload, clock, max_running,
                                              prefill_tokens_per_s)
     return Simulation(
-        workload, plan, mgr, arr, clock, max_running, chunk, prefill_tokens_per_s, sample_every
+        workload, plan, mgr, arr, clock, max_running, chunk, prefill_tokens_per_s, sample_every,
+        host,
     )
 
 
 def _manager(
-    plan: CapacityPlan, workload: Workload, max_running: int, prefix_cache: bool
+    plan: CapacityPlan, workload: Workload, max_running: int, prefix_cache: bool,
+    host: HostPlan | None = None,
 ) -> KVCacheManager:
-    """A manager on the plan's pool, with rows long enough for the longest request."""
+    """A manager on the plan's pool, with rows long enough for the longest request (and a
+    stand-in page pool with a host tier when ``host`` is given)."""
     longest = workload.prompt_len.high() + workload.output_len.high()
     max_pages_per_seq = max(1, min(plan.kv_pages_per_gpu, math.ceil(longest / plan.page_size) + 1))
+    pool = tier = None
+    if host is not None:
+        pool, tier = host.pool_and_tier(plan)
     return KVCacheManager(
         num_pages=plan.kv_pages_per_gpu,
         page_size=plan.page_size,
         max_seqs=max_running,
         max_pages_per_seq=max_pages_per_seq,
         prefix_cache="hashed" if prefix_cache else None,
+        pool=pool,
+        offload=tier,
     )
 
 

@@ -7,6 +7,8 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,7 +19,7 @@ from kvmem.manager import KVCacheManager
 from kvmem.planning import CapacityPlan, ThroughputModel
 from kvmem.simulate._workload import Arrivals, Workload
 
-__all__ = ["Simulation", "SimulationReport", "StepClock", "TimelinePoint"]
+__all__ = ["HostPlan", "Simulation", "SimulationReport", "StepClock", "TimelinePoint"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -65,6 +67,18 @@ class SimulationReport(BaseModel):
     peak_page_usage: float
     num_evictions: int
     timeline: list[TimelinePoint]
+    # With a host tier (offload_gib): prefix_hit_rate is the device's, host_hit_rate the tier's
+    # (loaded tokens over the same looked-up prompt tokens); bytes are the plan's, per GPU.
+    offload_gib: float | None = None
+    offload_pages_per_gpu: int | None = None
+    host_hit_rate: float | None = None
+    host_hit_tokens: int | None = None
+    host_stored_pages: int | None = None
+    host_loaded_pages: int | None = None
+    host_bytes_stored_per_gpu: int | None = None
+    host_bytes_loaded_per_gpu: int | None = None
+    host_evictions: int | None = None
+    host_load_seconds: float | None = None
 
     def summary(self) -> str:
         """A few readable lines."""
@@ -83,7 +97,70 @@ class SimulationReport(BaseModel):
             f"recomputed); prefix hit rate {self.prefix_hit_rate:.1%}; "
             f"{self.num_evictions:,} cached pages evicted",
         ]
+        if self.offload_gib is not None:
+            stored_gib = (self.host_bytes_stored_per_gpu or 0) / GIB
+            loaded_gib = (self.host_bytes_loaded_per_gpu or 0) / GIB
+            lines.append(
+                f"  host tier: {self.offload_pages_per_gpu:,} pages / GPU "
+                f"({self.offload_gib:g} GiB / replica); hit rate device "
+                f"{self.prefix_hit_rate:.1%}, host {self.host_hit_rate:.1%}; stored "
+                f"{self.host_stored_pages:,} pages ({stored_gib:,.2f} GiB / GPU), loaded "
+                f"{self.host_loaded_pages:,} ({loaded_gib:,.2f} GiB / GPU, "
+                f"{self.host_load_seconds:,.2f} s); {self.host_evictions:,} evicted from the tier"
+            )
         return "\n".join(lines)
+
+
+GIB = 1 << 30
+SIMULATED_WEIGHTS = "simulated"  # the stand-in pool's weights fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class HostPlan:
+    """A simulated host tier: the pages a tier of ``gib`` GiB per replica holds on one GPU
+    (``plan.offload_pages``), the slots it is built with, and how loads are charged.
+
+    The tier is a real :class:`~kvmem.transfer.HostTier` beside a stand-in pool (one layer, one
+    KV head of width 1, bf16: the bookkeeping of the plan's pages, not their bytes); bytes moved
+    are counted as pages times the plan's ``kv_bytes_per_page_per_gpu``. It has ``slots =
+    min(pages, pages the workload can ever commit)`` slots: a tier that holds every page the
+    workload writes never evicts, whatever its size, so the run is the same.
+    """
+
+    gib: float
+    pages: int
+    slots: int
+    page_bytes: int
+    load_bytes_per_s: float | None
+
+    @classmethod
+    def of(cls, plan: CapacityPlan, arr: Arrivals, gib: float, gbs: float | None) -> HostPlan:
+        pages = plan.offload_pages(gib)
+        if pages == 0:
+            raise ConfigError(
+                f"a host tier of {gib:g} GiB over {plan.tp} rank(s) holds no page of "
+                f"{plan.kv_bytes_per_page_per_gpu:,} bytes; give at least "
+                f"{plan.kv_bytes_per_page_per_gpu * plan.tp / GIB:.3g} GiB."
+            )
+        written = int((-(-(arr.prompt + arr.output) // plan.page_size)).sum())
+        return cls(gib, pages, min(pages, written), plan.kv_bytes_per_page_per_gpu,
+                   None if gbs is None else gbs * 1e9)
+
+    def pool_and_tier(self, plan: CapacityPlan) -> tuple[Any, Any]:
+        """The stand-in pool of ``plan.kv_pages_per_gpu`` pages and its host tier."""
+        from kvmem.cuda import PagePool, PoolSpec  # (torch: only with a tier)
+        from kvmem.transfer import CacheIdentity, HostTier
+
+        spec = PoolSpec(num_pages=plan.kv_pages_per_gpu, page_size=plan.page_size, num_layers=1,
+                        num_kv_heads=1, head_dim=1, dtype="bf16", device="cpu")
+        identity = CacheIdentity.of(spec, plan.model, SIMULATED_WEIGHTS)
+        return PagePool(spec), HostTier(self.slots * spec.bytes_per_page, identity)
+
+    def load_seconds(self, num_pages: int) -> float:
+        """Time to load ``num_pages`` pages (0 when loads are not charged)."""
+        if self.load_bytes_per_s is None:
+            return 0.0
+        return num_pages * self.page_bytes / self.load_bytes_per_s
 
 
 class StepClock:
@@ -142,8 +219,10 @@ class Simulation:
         chunk: int,
         prefill_tokens_per_s: float | None,
         sample_every: float,
+        host: HostPlan | None = None,
     ) -> None:
         self.workload, self.plan, self.mgr, self.arr, self.clock = workload, plan, mgr, arr, clock
+        self.host, self.host_load_s = host, 0.0
         self.max_running = max_running
         self.chunk = chunk
         self.prefill_tokens_per_s = prefill_tokens_per_s
@@ -253,6 +332,10 @@ class Simulation:
                 prompt = arr.tokens(i) if resuming else tokens
                 tails.append(_tail(prompt, generated, work))
             spent += self.clock.tokens(work, self.prefill_tokens_per_s)
+            if res.num_host_pages and self.host is not None:
+                loading = self.host.load_seconds(res.num_host_pages)
+                self.host_load_s += loading
+                spent += loading
             if np.isnan(self.admitted_at[i]):
                 self.admitted_at[i] = self.now
             self.running.append(i)
@@ -381,7 +464,27 @@ class Simulation:
             peak_page_usage=self.peak_used / self.mgr.num_pages,
             num_evictions=stats.num_evictions,
             timeline=self.timeline,
+            **self._host_figures(stats),
         )
+
+    def _host_figures(self, stats: Any) -> dict[str, Any]:
+        """The report's host-tier fields (none without a tier)."""
+        host, off = self.host, stats.offload
+        if host is None or off is None:
+            return {}
+        stand_in = off.tier.capacity_bytes // host.slots  # the stand-in pool's page bytes
+        stored = off.tier.bytes_stored // stand_in
+        hit_tokens = off.loaded_pages * self.plan.page_size
+        query = stats.prefix_query_tokens
+        return {
+            "offload_gib": host.gib, "offload_pages_per_gpu": host.pages,
+            "host_hit_rate": hit_tokens / query if query else 0.0,
+            "host_hit_tokens": hit_tokens, "host_stored_pages": stored,
+            "host_loaded_pages": off.loaded_pages,
+            "host_bytes_stored_per_gpu": stored * host.page_bytes,
+            "host_bytes_loaded_per_gpu": off.loaded_pages * host.page_bytes,
+            "host_evictions": off.tier.num_evictions, "host_load_seconds": self.host_load_s,
+        }
 
 
 def _available(mgr: KVCacheManager) -> int:

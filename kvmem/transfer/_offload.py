@@ -362,7 +362,7 @@ class Offload:
         """How many prompt pages ``first..stop-1`` (``tokens`` the prompt, ``parent_key`` the
         key of page ``first - 1`` or the root) the tiers hold, leading ones only (host pages,
         then disk pages after them). Reads no bytes and changes nothing."""
-        if stop <= first:
+        if stop <= first or not any(map(len, self.tiers)):  # (an empty tier: no keys to hash)
             return 0
         return sum(self._promised(self._keys(tokens, parent_key, first, stop)))
 
@@ -383,7 +383,7 @@ class Offload:
         namespace and static scales the pool's), or None, also when recomputing them is
         estimated faster than loading. Only the tiers' LRU touches and their removal of a
         corrupted page change them."""
-        if stop <= first:
+        if stop <= first or not any(map(len, self.tiers)):
             return None
         keys = self._keys(tokens, parent_key, first, stop)
         promised = self._promised(keys)

@@ -71,9 +71,30 @@ def _as_keys(keys: npt.ArrayLike) -> KeyArray:
 
 def tier_keys(prefix_keys: npt.ArrayLike, identity: CacheIdentity) -> list[bytes]:
     """The tier key of each page: ``prefix_keys [n, 2]`` uint64 -> n keys of 16 bytes."""
-    secret = identity_digest(identity)
-    return [hashlib.blake2b(row.tobytes(), digest_size=16, key=secret,
-                            person=b"kvmem-tier").digest() for row in _as_keys(prefix_keys)]
+    return _keys_under(identity_digest(identity), _as_keys(prefix_keys))
+
+
+def _keys_under(secret: bytes, keys: KeyArray) -> list[bytes]:
+    """:func:`tier_keys` with the identity's digest already taken (a tier takes it once)."""
+    return [_key_under(secret, row) for row in keys]
+
+
+def _key_under(secret: bytes, row: KeyArray) -> bytes:
+    return hashlib.blake2b(row.tobytes(), digest_size=16, key=secret,
+                           person=b"kvmem-tier").digest()
+
+
+def _leading_keys_present(secret: bytes, keys: KeyArray, present: Any) -> int:
+    """How many leading ``keys`` have their tier key in ``present``: hashes up to the first
+    miss only (an admission that misses pays for one page, not for its whole prompt)."""
+    if not present:
+        return 0
+    n = 0
+    for row in keys:
+        if _key_under(secret, row) not in present:
+            break
+        n += 1
+    return n
 
 
 def require_identity(mine: CacheIdentity, theirs: CacheIdentity) -> None:
@@ -116,6 +137,19 @@ def join_pages(parts: list[PageBundle]) -> PageBundle:
 def _same_scales(a: npt.NDArray[Any] | None, b: npt.NDArray[Any] | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None
                                          and np.array_equal(a, b))
+
+
+class _HexKeys:
+    """A DiskTier's file names seen as a set of tier keys (``key in``, ``bool``)."""
+
+    def __init__(self, names: dict[str, int]) -> None:
+        self.names = names
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and key.hex() in self.names
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +208,7 @@ class HostTier:
         capacity = integer(capacity_bytes, "capacity_bytes", minimum=0)
         spec = identity.pool_spec(1, "cpu")
         self.identity, self.page_nbytes = identity, spec.bytes_per_page
+        self._secret = identity_digest(identity)  # (the identity is frozen: taken once)
         n = capacity // self.page_nbytes
         if n == 0:
             raise ConfigError(f"capacity_bytes={capacity} holds no page of {self.page_nbytes} "
@@ -243,7 +278,7 @@ class HostTier:
                 raise ArgumentError(f"the bundle's {k} pages do not fit the tier's identity")
         count = min(bundle.num_pages, self.num_slots)
         self._n.num_dropped_stores += bundle.num_pages - count
-        keys = tier_keys(bundle.prefix_keys[:count], self.identity)
+        keys = _keys_under(self._secret, _as_keys(bundle.prefix_keys[:count]))
         for key in reversed(keys):  # touched first: what follows never evicts them
             if key in self._slot_of:
                 self._slot_of.move_to_end(key)
@@ -273,19 +308,14 @@ class HostTier:
 
     def longest_prefix(self, keys: npt.ArrayLike) -> int:
         """The number of leading pages of ``keys`` (``[n, 2]`` uint64 prefix keys) stored."""
-        n = 0
-        for k in tier_keys(keys, self.identity):
-            if k not in self._slot_of:
-                break
-            n += 1
-        return n
+        return _leading_keys_present(self._secret, _as_keys(keys), self._slot_of)
 
     def get(self, keys: npt.ArrayLike, check_digests: bool = True) -> PageBundle | None:
         """The bundle of the longest stored prefix of ``keys`` (``[n, 2]`` uint64), every page's
         digest checked (a page that fails is removed and ends the hit), or None.
         ``check_digests=False`` serves the bytes unchecked (fault injection only)."""
         asked = _as_keys(keys)
-        tks = tier_keys(asked, self.identity)
+        tks = _keys_under(self._secret, asked)
         slots: list[int] = []
         for i, k in enumerate(tks):
             slot = self._slot_of.get(k)
@@ -370,7 +400,8 @@ class DiskTier:
                                     f"{type(identity).__name__}")
         self.capacity_bytes = integer(capacity_bytes, "capacity_bytes", minimum=1)
         self.identity, self.root = identity, Path(directory)
-        self.path = self.root / identity_digest(identity).hex()
+        self._secret = identity_digest(identity)  # (the identity is frozen: taken once)
+        self.path = self.root / self._secret.hex()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.root / "kvmem.lock", "a+")  # noqa: SIM115 (held until close)
@@ -429,6 +460,9 @@ class DiskTier:
             os.replace(tmp, path)
             return seed
 
+    def __len__(self) -> int:
+        return len(self._size_of)
+
     @property
     def num_dropped_stores(self) -> int:
         """Pages ``put`` could not store so far (no room, a failing write)."""
@@ -477,7 +511,7 @@ class DiskTier:
         the pages stored. A write that fails (disk full, an I/O error) drops that page and the
         rest of the run, counted and logged: it raises nothing."""
         _checked_bundle(self.identity, bundle)
-        names = [k.hex() for k in tier_keys(bundle.prefix_keys, self.identity)]
+        names = [k.hex() for k in _keys_under(self._secret, _as_keys(bundle.prefix_keys))]
         self._touch([n for n in names if n in self._size_of])
         stored = 0
         for i, name in enumerate(names):
@@ -521,19 +555,14 @@ class DiskTier:
     def longest_prefix(self, keys: npt.ArrayLike) -> int:
         """The number of leading pages of ``keys`` (``[n, 2]`` uint64) with a file (``get``
         may serve fewer: a file is checked only when read)."""
-        n = 0
-        for k in tier_keys(keys, self.identity):
-            if k.hex() not in self._size_of:
-                break
-            n += 1
-        return n
+        return _leading_keys_present(self._secret, _as_keys(keys), _HexKeys(self._size_of))
 
     def get(self, keys: npt.ArrayLike) -> PageBundle | None:
         """The bundle of the longest prefix of ``keys`` (``[n, 2]`` uint64) read back intact,
         or None. A truncated or corrupted file ends the hit and is removed; a file of another
         identity or key ends it too (counted)."""
         asked = _as_keys(keys)
-        names = [k.hex() for k in tier_keys(asked, self.identity)]
+        names = [k.hex() for k in _keys_under(self._secret, asked)]
         parts: list[PageBundle] = []
         for i, name in enumerate(names):
             if name not in self._size_of:
