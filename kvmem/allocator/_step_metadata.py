@@ -263,13 +263,6 @@ class StepBuilder:
         c.splice = None  # (a record keeps only its own splice, not a chain of them)
         if not changed.size:
             return c.indices, Splice(c.serial, changed, _EMPTY_PAGES, _EMPTY_TAGS, [])
-        if not np.count_nonzero(fresh != 1) and kept.all():
-            # The decode step: rows that grew one page each, nothing cut: one insertion.
-            flat_at = rows_w[changed] + first
-            pages = self.table.pages.reshape(-1)[flat_at]
-            wants = _EMPTY_TAGS if self.expected_flat is None else self.expected_flat[flat_at]
-            return (np.insert(c.indices, c.indptr[changed + 1], pages),
-                    Splice(c.serial, changed, pages, wants, []))
         # Kept: the base's entries up to each changed row's cut and from its end on.
         indices, pages, wants, gone = splice(
             c.indices, [0, *c.indptr[changed + 1].tolist()],
