@@ -479,6 +479,45 @@ class KVCacheManager:
                                np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
 
     @public
+    def reject(self, request_id: Any, num_tokens: int) -> None:
+        """Give back a running request's last ``num_tokens`` reserved, uncommitted slots: the
+        draft tokens a speculative step's verifier rejected (``reserve(ids, 1 + k)``, commit
+        the accepted ones, reject the rest).
+
+        The request ends at its committed tokens plus the slots it keeps; pages that no longer
+        hold any of them are unmapped and their references dropped (held by a step fence while
+        a step in flight may still read them, then freed: their lifetime ends, so a later read
+        through an old page list fails ``verify``); the tracker forgets them. A read of a
+        rejected slot in a page the request keeps fails ``verify`` too: the request's lengths
+        no longer cover it. Changes nothing on error.
+
+        Raises
+        ------
+        ArgumentError: ``num_tokens`` is negative or more than the request's uncommitted slots
+            (committed tokens cannot be rejected); the request is not running.
+        """
+        row = self._requests.row_of(request_id)
+        t = self.table
+        total, committed = int(t.num_tokens[row]), int(t.num_committed[row])
+        n = integer(num_tokens, "num_tokens", minimum=0)
+        if n > total - committed:
+            raise ArgumentError(
+                f"request {request_id!r} has {total - committed} reserved, uncommitted slots "
+                f"({total} reserved, {committed} committed); cannot reject {n} (committed "
+                "tokens are never rejected; nothing was changed)")
+        if n == 0:
+            return
+        keep = -(-(total - n) // self.page_size)
+        recorded = self._recorder.recorded(row, keep)
+        if recorded is None and self._recorder.enabled:
+            recorded = self._reserver.expected(t.row_pages(row)[:keep],
+                                               int(t.namespace_ids[row]))
+        dropped = t.truncate(row, total - n)
+        if recorded is not None:
+            self._recorder.truncate(row, keep, recorded.copy())
+        self.pages.drop(dropped)
+
+    @public
     def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:
         """:meth:`commit` for a batch in one vectorized call.
 

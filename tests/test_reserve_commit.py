@@ -670,3 +670,116 @@ def test_pages_committed_later_chain_from_the_last_page_committed_before(first: 
     m.commit("a", prompt[:first])
     m.commit("a", prompt[first:])
     assert m.match_prefix([*prompt, 99]).num_pages == 4
+
+
+# -- speculative decoding: reject the drafts a verifier refused ---------------------------------
+
+
+def speculate(mgr: KVCacheManager, rid: Any, num_drafts: int, accepted: list[int]) -> Any:
+    """One speculative step: reserve the next token and ``num_drafts`` drafts, commit the
+    accepted tokens, reject the rest. The step's metadata."""
+    step = mgr.reserve([rid], 1 + num_drafts)
+    assert mgr.verify([rid], step).ok
+    mgr.commit(rid, accepted)
+    mgr.reject(rid, 1 + num_drafts - len(accepted))
+    mgr.check()
+    return step
+
+
+@pytest.mark.parametrize("tracker", [None, "checking", "paranoid"])
+def test_rejected_drafts_give_back_their_slots_and_the_pages_they_emptied(
+        make_manager: Any, tracker: Any) -> None:
+    mgr = make_manager(num_pages=8, tracker=tracker)
+    mgr.admit("a", list(range(6)))
+    mgr.reserve(["a"], 6)
+    mgr.commit("a", list(range(6)))
+    free = mgr.allocator.num_free
+    speculate(mgr, "a", 4, [7, 8])  # 6 + 5 slots span 3 pages; 8 tokens fill 2
+    assert (mgr.num_tokens("a"), mgr.num_committed("a"), mgr.pages_of("a").size) == (8, 8, 2)
+    assert mgr.allocator.num_free == free
+    speculate(mgr, "a", 3, [9, 10, 11, 12])  # every draft accepted: nothing to give back
+    assert (mgr.num_tokens("a"), mgr.num_committed("a")) == (12, 12)
+    step = mgr.reserve(["a"], 1)  # the next step sees the request as it is now
+    assert mgr.verify(["a"], step).ok and step.seq_lens.tolist() == [13]
+    mgr.commit("a", [13])
+    assert mgr.tokens_of("a").tolist() == [*range(6), *range(7, 14)]
+    mgr.check()
+
+
+def test_a_read_through_the_step_before_a_rejection_fails_verify(make_manager: Any) -> None:
+    """Guards the end of the rejected tail's lifetime: a kernel given the page list of the
+    speculative step (the rejected page still listed) or its lengths (rejected slots still
+    counted) is aborted by ``verify``; the other request of the batch goes on."""
+    for stale in ("indices", "lengths"):
+        mgr = make_manager(num_pages=16)
+        for rid in ("a", "b"):
+            mgr.admit(rid, list(range(7)))
+            mgr.reserve([rid], 7 - mgr.num_tokens(rid))
+            mgr.commit(rid, list(range(mgr.num_committed(rid), 7)))
+        step = mgr.reserve(["a", "b"], 2)  # a's drafts cross into a new page
+        mgr.commit_batch(["a", "b"], [[7, 8], [7, 8]])
+        spec = mgr.reserve(["a", "b"], [4, 1])
+        mgr.commit_batch(["a", "b"], [[9], [9]])
+        mgr.reject("a", 3)
+        assert mgr.pages_of("a").size == 3 and spec.kv_indptr.tolist()[1] == 4
+        fresh = mgr.reserve(["a", "b"], 1)
+        if stale == "indices":
+            report = mgr.verify(["a", "b"], kv_indptr=spec.kv_indptr, kv_indices=spec.kv_indices)
+        else:
+            report = mgr.verify(["a", "b"], metadata={
+                "kv_indptr": fresh.kv_indptr, "kv_indices": fresh.kv_indices,
+                "slot_mapping": fresh.slot_mapping,
+                "seq_lens": np.array([14, 11], dtype=np.int32)})
+        assert list(report.aborted) == ["a"], stale
+        mgr.check()
+    del step
+
+
+def test_rejecting_more_than_the_uncommitted_slots_is_refused_and_changes_nothing(
+        make_manager: Any, snapshot: Any) -> None:
+    mgr = make_manager()
+    mgr.admit("a", list(range(5)))
+    mgr.reserve(["a"], 5)
+    mgr.commit("a", list(range(5)))
+    mgr.reserve(["a"], 3)
+    mgr.commit("a", [5])
+    before = snapshot(mgr)
+    for bad, error in ((3, ArgumentError), (-1, ArgumentError), (1.0, ArgumentTypeError)):
+        with pytest.raises(error):
+            mgr.reject("a", bad)
+    with pytest.raises(ArgumentError, match=r"unknown|not running"):
+        mgr.reject("nobody", 1)
+    assert snapshot(mgr) == before
+    mgr.reject("a", 2)
+    assert mgr.num_tokens("a") == 6
+
+
+def test_a_rejected_page_a_step_in_flight_reads_is_held_until_it_retires(
+        make_manager: Any) -> None:
+    mgr = make_manager(num_pages=6)
+    mgr.admit("a", list(range(4)))
+    mgr.reserve(["a"], 4)
+    mgr.commit("a", list(range(4)))
+    mgr.reserve(["a"], 4)  # drafts fill a second page
+    handle = mgr.begin_step()
+    rejected = int(mgr.pages_of("a")[1])
+    mgr.reject("a", 4)
+    assert mgr.allocator.refcounts[rejected] == 1  # (the fence's reference)
+    mgr.retire(handle)
+    assert mgr.allocator.refcounts[rejected] == 0
+    mgr.check()
+
+
+def test_drafts_are_never_cached_and_a_fork_keeps_its_pages(make_manager: Any) -> None:
+    mgr = make_manager(num_pages=16)
+    prompt = list(range(8))
+    mgr.admit("a", prompt)
+    mgr.reserve(["a"], 8)
+    mgr.commit("a", prompt)
+    mgr.fork("a", "child")
+    speculate(mgr, "a", 4, [8])  # the parent's drafts: a page of its own, rejected
+    assert mgr.tokens_of("child").tolist() == prompt
+    assert mgr.match_prefix([*prompt, 8, 9, 10, 11, 12]).num_pages == 2  # the committed pages
+    step = mgr.reserve(["a", "child"], 1)
+    assert mgr.verify(["a", "child"], step).ok
+    mgr.check()

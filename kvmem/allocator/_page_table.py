@@ -224,6 +224,20 @@ class PageTable:
         self.pages[row, start : start + pages.size] = pages
         self.num_pages[row] = start + pages.size
 
+    def truncate(self, row: int, num_tokens: int) -> Int32Array:
+        """Give back a row's slots past its first ``num_tokens`` (at least its committed ones):
+        the pages past those that hold them are unmapped (PAD) and returned (the caller drops
+        their references); the row gets a new generation (no step record of it is reused)."""
+        keep = -(-num_tokens // self.page_size)
+        num = int(self.num_pages[row])
+        dropped = self.pages[row, keep:num].copy()
+        self.pages[row, keep:num] = PAD
+        self.num_pages[row] = min(num, keep)
+        self.num_tokens[row] = num_tokens
+        self.write_from[row] = min(int(self.write_from[row]), num_tokens)
+        self.touch(row)
+        return dropped
+
     def set_num_tokens(self, row: int, num_tokens: int) -> None:
         """Declare that ``num_tokens`` of the row's slots hold tokens (e.g. after a prefix hit)."""
         self._require_live_rows(np.array([integer(row, "row")]))

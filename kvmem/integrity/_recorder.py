@@ -118,6 +118,13 @@ class Recorder:
         elif self.enabled:
             self.tracker.forget([row])
 
+    def truncate(self, row: int, num_pages: int, tags: Int64Array) -> None:
+        """A row keeps only its first ``num_pages`` pages, whose qualified tags it recorded as
+        ``tags`` (``[num_pages]``): what it recorded past them is dropped."""
+        if self.enabled:
+            self.clear_row(row)
+            self.record_row(row, tags)
+
     def append(self, rows: IntpArray, cols: npt.NDArray[np.integer],
                flat_at: npt.NDArray[np.integer], tags: Int64Array) -> None:
         """Rows gained pages past the ones they had, at columns ``cols`` (``flat_at``: ``row *
