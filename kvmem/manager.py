@@ -485,7 +485,8 @@ class KVCacheManager:
         the accepted ones, reject the rest).
 
         The request ends at its committed tokens plus the slots it keeps; pages that no longer
-        hold any of them are unmapped and their references dropped (held by a step fence while
+        hold any of them (past the pages its prompt was admitted with, which it keeps: the
+        prompt's capacity guarantee) are unmapped and their references dropped (held by a step fence while
         a step in flight may still read them, then freed: their lifetime ends, so a later read
         through an old page list fails ``verify``); the tracker forgets them. A read of a
         rejected slot in a page the request keeps fails ``verify`` too: the request's lengths
@@ -508,14 +509,25 @@ class KVCacheManager:
         if n == 0:
             return
         keep = -(-(total - n) // self.page_size)
+        # The prompt's own pages past them stay (its capacity guarantee); a shared one, and
+        # every page after it, goes (the next write would land in another holder's page).
+        prompt_pages = -(-self._requests.known[request_id].prompt.size // self.page_size)
+        room = t.pages[row, keep : min(prompt_pages, int(t.num_pages[row]))]
+        if room.size:
+            own = self.pages.writers(room) == 1
+            keep += room.size if own.all() else int(np.argmin(own))
         recorded = self._recorder.recorded(row, keep)
         if recorded is None and self._recorder.enabled:
             recorded = self._reserver.expected(t.row_pages(row)[:keep],
                                                int(t.namespace_ids[row]))
-        dropped = t.truncate(row, total - n)
+        dropped = t.truncate(row, total - n, keep)
         if recorded is not None:
             self._recorder.truncate(row, keep, recorded.copy())
         self.pages.drop(dropped)
+        tail = t.pages[row, (total - n) // self.page_size]
+        if (total - n) % self.page_size and self.pages.writers(tail[None])[0] > 1:
+            # Its tail is partly filled again and shared (a fork's): copied on the next write.
+            t.set_forked(np.array([row]), True)
 
     @public
     def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:

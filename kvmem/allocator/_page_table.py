@@ -224,11 +224,12 @@ class PageTable:
         self.pages[row, start : start + pages.size] = pages
         self.num_pages[row] = start + pages.size
 
-    def truncate(self, row: int, num_tokens: int) -> Int32Array:
+    def truncate(self, row: int, num_tokens: int, min_pages: int = 0) -> Int32Array:
         """Give back a row's slots past its first ``num_tokens`` (at least its committed ones):
-        the pages past those that hold them are unmapped (PAD) and returned (the caller drops
-        their references); the row gets a new generation (no step record of it is reused)."""
-        keep = -(-num_tokens // self.page_size)
+        the pages past those that hold them (and past its first ``min_pages``) are unmapped
+        (PAD) and returned (the caller drops their references); the row gets a new generation
+        (no step record of it is reused)."""
+        keep = max(-(-num_tokens // self.page_size), min_pages)
         num = int(self.num_pages[row])
         dropped = self.pages[row, keep:num].copy()
         self.pages[row, keep:num] = PAD

@@ -169,6 +169,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self._note_commits(ids, before)
 
     @precondition(lambda self: self.mgr.running)
+    @rule(data=st.data())
+    def reject(self, data: st.DataObject) -> None:
+        """Give back some uncommitted slots (a speculative step's rejected drafts)."""
+        rid = data.draw(st.sampled_from(self._running()))
+        most = self.mgr.num_tokens(rid) - self.mgr.num_committed(rid)
+        self.engine.reject(rid, data.draw(st.integers(0, most)))
+
+    @precondition(lambda self: self.mgr.running)
     @rule()
     def verify(self) -> None:
         report = self.mgr.verify(self._running())
@@ -235,6 +243,7 @@ class ManagerMachine(RuleBasedStateMachine):
             lambda: self.mgr.reserve(bad, 1),
             lambda: self.mgr.commit(rid, bad),
             lambda: self.mgr.commit_batch([rid], [bad]),
+            lambda: self.mgr.reject(rid, bad),
             lambda: self.mgr.admit(f"r{self.next_id}", bad),
             lambda: self.mgr.admit(f"r{self.next_id}", [1, 2], [bad]),
             lambda: self.mgr.verify([rid, rid]),

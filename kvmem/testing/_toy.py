@@ -167,6 +167,15 @@ class ToyEngine:
                 self.mgr.commit(rid, np.asarray(seq.tokens[seq.committed : seq.written]))
                 seq.committed = seq.written
 
+    def reject(self, request_id: Any, num_tokens: int) -> None:
+        """Give back the last ``num_tokens`` written, uncommitted tokens (rejected drafts): the
+        manager's slots, and the tokens sampled for them past the prompt."""
+        seq = self._seq(request_id)
+        self.mgr.reject(request_id, num_tokens)
+        seq.written -= num_tokens
+        del seq.values[seq.written :]
+        del seq.tokens[max(seq.written, seq.prompt_len) :]
+
     def fork(self, parent_id: Any, child_id: Any) -> None:
         self.mgr.fork(parent_id, child_id)
         parent = self.seqs[parent_id]
