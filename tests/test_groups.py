@@ -466,6 +466,10 @@ def test_true_bytes_never_exceed_padded_bytes(num_tokens: int) -> None:
 def test_request_cost_counts_a_qwen3_next_prompt() -> None:
     cost = request_cost(QWEN3_NEXT, 1000)
     assert cost.num_pages == (63, 1, 1, 1) and cost.padded_num_pages == (2, 1, 1, 1)
+    ga = GroupAllocator(QWEN3_NEXT, budget_bytes=4 * cost.total_bytes)
+    pages = ga.allocate(cost.needs)
+    assert ga.stats().used_bytes == cost.total_bytes
+    assert {name: ids.size for name, ids in pages.items()} == cost.needs
     assert cost.bytes[0] == 63 * 16 * 12 * 2048
     with pytest.raises(ArgumentError, match="num_tokens=-1"):
         request_cost(QWEN3_NEXT, -1)

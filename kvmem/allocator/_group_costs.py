@@ -69,6 +69,11 @@ class RequestCost:
         return sum(self.bytes)
 
     @property
+    def needs(self) -> dict[str, int]:
+        """``{group: num_pages}``, as :meth:`GroupAllocator.allocate` takes it."""
+        return dict(zip(self.names, self.num_pages))
+
+    @property
     def total_padded_bytes(self) -> int:
         return sum(self.padded_bytes)
 
