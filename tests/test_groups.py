@@ -17,6 +17,7 @@ from kvmem.allocator import (
     ByteArena,
     FullAttentionSpec,
     GroupAllocator,
+    GroupSpec,
     IndexerSpec,
     PaddedLayout,
     SlidingWindowSpec,
@@ -69,12 +70,14 @@ def test_specs_give_their_page_geometry() -> None:
 @pytest.mark.parametrize("make, error, words", [
     (lambda: FullAttentionSpec("full", 0, 8), ConfigError, "page_size=0"),
     (lambda: FullAttentionSpec("full", 16, -1), ConfigError, "bytes_per_token=-1"),
-    (lambda: FullAttentionSpec("full", 16.0, 8), ArgumentTypeError, "page_size=16.0"),
+    (lambda: FullAttentionSpec("full", 16.0, 8), ArgumentTypeError,  # type: ignore[arg-type]
+     "page_size=16.0"),
     (lambda: FullAttentionSpec("full", True, 8), ArgumentTypeError, "page_size=True"),
     (lambda: FullAttentionSpec("", 16, 8), ConfigError, "name=''"),
-    (lambda: FullAttentionSpec(3, 16, 8), ArgumentTypeError, "name=3"),
+    (lambda: FullAttentionSpec(3, 16, 8), ArgumentTypeError, "name=3"),  # type: ignore[arg-type]
     (lambda: SlidingWindowSpec("swa", 0, 16, 8), ConfigError, "window=0"),
-    (lambda: SlidingWindowSpec("swa", "128", 16, 8), ArgumentTypeError, "window='128'"),
+    (lambda: SlidingWindowSpec("swa", "128", 16, 8),  # type: ignore[arg-type]
+     ArgumentTypeError, "window='128'"),
     (lambda: StateSpec("state", 0), ConfigError, "bytes_per_state=0"),
     (lambda: IndexerSpec("idx", SWA, 132), ArgumentTypeError, "FullAttentionSpec"),  # type: ignore[arg-type]
     (lambda: IndexerSpec("idx", FULL, 0), ConfigError, "bytes_per_token=0"),
@@ -197,12 +200,13 @@ def test_a_bad_free_in_one_group_frees_nothing_in_any() -> None:
     pages = ga.allocate({"full": 3, "state": 2})
     ga.free({"state": pages["state"][:1]})
     before = state_of(ga)
-    for bad, words in [
+    bad_frees: list[tuple[dict[str, Any], str]] = [
         ({"full": pages["full"], "state": pages["state"][:1]}, "free or listed more"),
         ({"full": pages["full"], "state": [pages["state"][1]] * 2}, "more times"),
         ({"full": pages["full"], "indexer": [0]}, "chunks the group does not hold"),
         ({"full": pages["full"], "swa": [10**6]}, "outside 0.."),
-    ]:
+    ]
+    for bad, words in bad_frees:
         with pytest.raises(InvalidFreeError, match=words):
             ga.free(bad)
         assert state_of(ga) == before
@@ -409,7 +413,9 @@ def test_window_pages_released_plus_listed_cover_the_row_and_listed_hold_the_win
 # -- per-request cost --------------------------------------------------------------------------
 
 
-QWEN3_NEXT = (  # Qwen3-Next-80B-A3B as vLLM groups it: 12 attention layers, 3 x 12 GDN layers
+# Qwen3-Next-80B-A3B as vLLM groups it: 12 attention layers (2 KV heads of 256, bf16), and
+# 3 x 12 gated-delta-net layers (conv state 8192 x 3, SSM state 32 x 128 x 128, bf16)
+QWEN3_NEXT: tuple[GroupSpec, ...] = (
     FullAttentionSpec("attention", page_size=16, bytes_per_token=12 * 2 * 2 * 256 * 2),
     *(StateSpec(f"gdn{i}", bytes_per_state=12 * (8192 * 3 * 2 + 32 * 128 * 128 * 2))
       for i in range(3)),
@@ -438,7 +444,7 @@ def test_a_short_prompt_pins_a_padded_page_in_every_group() -> None:
     their true bytes: 35.8% here, since 21 states of almost a padded page each dominate; the
     two attention-side groups cost a page of 64 tokens instead of 7,808."""
     attention = FullAttentionSpec("attention", page_size=64, bytes_per_token=1024)
-    groups = [attention, IndexerSpec("indexer", attention, 256),
+    groups: list[GroupSpec] = [attention, IndexerSpec("indexer", attention, 256),
               *(StateSpec(f"gdn{i}", bytes_per_state=7808 * 1024 - 100) for i in range(21))]
     cost = request_cost(groups, 12)
     assert cost.padded.page_size == 7808
