@@ -410,6 +410,50 @@ def test_window_pages_released_plus_listed_cover_the_row_and_listed_hold_the_win
     assert sorted(released + row.held_pages().tolist()) == list(range(row.num_pages))
 
 
+@settings(max_examples=50, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=30))
+def test_one_group_on_the_arena_fits_exactly_what_a_plain_pool_would(
+        steps: list[tuple[bool, int]]) -> None:
+    """With a single group nothing is stranded: whatever the history, n pages fit exactly
+    when n <= pages in all chunks - pages held (the plain PageAllocator's answer)."""
+    ga = GroupAllocator([FULL], budget_bytes=10 * 3 * FULL.page_bytes,
+                        chunk_bytes=3 * FULL.page_bytes)
+    held: list[int] = []
+    for allocate, num in steps:
+        total = ga.arena.num_chunks * ga.pages_per_chunk[0]
+        assert ga.can_allocate({"full": num}) == (num <= total - len(held))
+        if allocate and ga.can_allocate({"full": num}):
+            held += ga.allocate({"full": num})["full"].tolist()
+        elif held:
+            gone, held = held[:num], held[num:]
+            ga.free({"full": gone})
+    ga.free({"full": held})
+    assert ga.stats().num_free_chunks == ga.arena.num_chunks
+
+
+def test_a_long_decode_in_a_window_group_holds_a_bounded_number_of_chunks() -> None:
+    """WindowRow and GroupAllocator together: pages released as the window moves go back to
+    the allocator, chunks that empty go back to the arena, and a 2,000-token decode never
+    holds more than the pages of its window and the chunks under them."""
+    swa = SlidingWindowSpec("swa", window=40, page_size=8, bytes_per_token=64)
+    ga = GroupAllocator([FULL, swa], budget_bytes=40 * 4 * FULL.page_bytes)
+    row = WindowRow(swa)
+    most_pages = 0
+    for num_computed in range(1, 2001):
+        if row.num_pages * swa.page_size < num_computed:
+            row.append(ga.allocate({"swa": 1})["swa"])
+        released = row.advance(num_computed)
+        if released.size:
+            ga.free({"swa": released})
+        held = row.held_pages().size
+        assert held == swa.num_pages(num_computed)  # the spec's count is what the row holds
+        most_pages = max(most_pages, held)
+        ga.check()
+    usage = ga.stats().groups[1]
+    assert most_pages <= 40 // 8 + 2 and usage.num_used_pages == row.held_pages().size
+    assert usage.num_chunks <= -(-most_pages // ga.pages_per_chunk[1]) + 1
+
+
 # -- per-request cost --------------------------------------------------------------------------
 
 
