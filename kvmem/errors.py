@@ -3,7 +3,8 @@
 ::
 
     KVMemError                          root: catch this to catch everything kvmem raises
-    ├── OutOfPagesError                 an allocation asked for more pages than are free
+    ├── OutOfPagesError                 an allocation asked for more pages (or byte-arena
+    │                                   chunks) than are free
     ├── InvalidFreeError                a free of a page that is free, out of range, or over-freed
     ├── IntegrityError                  bookkeeping or a request's page mapping is inconsistent
     ├── ConcurrentUseError              a second thread entered a manager another one is in
@@ -46,13 +47,14 @@ class KVMemError(Exception):
 class OutOfPagesError(KVMemError):
     """An allocation asked for more pages than are free; nothing was allocated."""
 
-    def __init__(self, num_requested: int, num_free: int, what_to_do: str | None = None) -> None:
+    def __init__(self, num_requested: int, num_free: int, what_to_do: str | None = None,
+                 unit: str = "pages") -> None:
         self.num_requested = num_requested
         self.num_free = num_free
         if what_to_do is None:
             what_to_do = "Free or evict pages first, or check can_allocate() before allocating."
         super().__init__(
-            f"asked for {num_requested} pages but only {num_free} are free; nothing was "
+            f"asked for {num_requested} {unit} but only {num_free} are free; nothing was "
             f"allocated. {what_to_do}"
         )
 

@@ -631,3 +631,25 @@ def test_the_pool_holds_one_page_up_to_int32_max() -> None:
     assert alloc.allocate(1).tolist() == [0]
     with pytest.raises(ArgumentError, match=r"^num_pages=1099511627776: expected an integer"):
         PageAllocator(2**40)
+
+
+def test_take_allocates_exactly_the_listed_free_pages() -> None:
+    alloc = PageAllocator(8)
+    alloc.allocate(2)
+    alloc.take([5, 3])
+    assert alloc.refcounts.tolist() == [1, 1, 0, 1, 0, 1, 0, 0]
+    assert alloc.tags[[5, 3]].tolist() == [3, 4] and alloc.num_free == 4
+    assert sorted(alloc.allocate(4).tolist()) == [2, 4, 6, 7]  # 3 and 5 left the free stack
+    alloc.check()
+    assert alloc.pop_changed_pages().tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("pages, words", [
+    ([1], "held, not free"), ([4, 4], "twice"), ([8], "0..7"), ([-1], "0..7")])
+def test_a_bad_take_changes_nothing(pages: list[int], words: str) -> None:
+    alloc = PageAllocator(8)
+    alloc.allocate(2)
+    before = allocator_state(alloc)
+    with pytest.raises(ArgumentError, match=words):
+        alloc.take(pages)
+    assert allocator_state(alloc) == before

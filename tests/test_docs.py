@@ -499,3 +499,17 @@ def test_the_diary_check_fires_on_load_and_issue_phrases_and_not_on_loading() ->
               "issue and pull-request numbers of the projects named", "download the wheel"]
     for line in silent:
         assert not hits(DIARY, line), line
+
+
+def test_hybrid_md_code_runs_as_written() -> None:
+    """docs/hybrid.md's two blocks (the groups, then one budget for them) run in order: the
+    allocation takes pages in every group it names, and the bookkeeping checks out."""
+    ns: dict[str, Any] = {}
+    exec(compile(_doc_block("docs/hybrid.md", "## Groups"), "hybrid.md", "exec"), ns)
+    exec(compile(_doc_block("docs/hybrid.md", "## One byte budget"), "hybrid.md", "exec"), ns)
+    assert ns["fit"].fits and {k: v.size for k, v in ns["pages"].items()} == {
+        "full": 40, "gdn": 1, "indexer": 40}
+    ga = ns["ga"]
+    chunk = ns["offsets"].tolist()[0] // ga.chunk_bytes  # the state lies in a chunk of its group
+    assert ga.arena.owners[chunk] == ga.names.index("gdn")
+    ga.check()

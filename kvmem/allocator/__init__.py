@@ -17,15 +17,32 @@
     _reserve.py         Reserver: a batch's token slots, pages, copy-on-write, step metadata
     _commits.py         Committer: committed tokens, full pages offered to the prefix cache
     _invariants.py      the bookkeeping invariants, checked in full
+    _groups.py          KV cache group specs: full attention, sliding window, state, indexer
+    _arena.py           ByteArena: one byte budget in equal chunks, each lent to one group
+    _group_allocator.py GroupAllocator: every group's pages from the arena's chunks, unpadded
+    _window.py          WindowRow: a request's sliding-window pages, released as it advances
+    _group_costs.py     a request's bytes in every group, kvmem's and padded to one page size
 """
 
 from __future__ import annotations
 
 from kvmem.allocator._admission import Admission, Namespaces, Plan
+from kvmem.allocator._arena import ByteArena
 from kvmem.allocator._change_log import ChangeLog, ChangeReader
 from kvmem.allocator._commits import Committer, batch_tokens, keys_as_ints
 from kvmem.allocator._fences import Lease, StepFences, StepHandle
 from kvmem.allocator._forks import Forks
+from kvmem.allocator._group_allocator import GroupAllocator, GroupFit, GroupStats, GroupUsage
+from kvmem.allocator._group_costs import PaddedLayout, RequestCost, padded_layout, request_cost
+from kvmem.allocator._groups import (
+    FullAttentionSpec,
+    GroupSpec,
+    IndexerSpec,
+    SlidingWindowSpec,
+    StateSpec,
+    check_groups,
+    first_window_page,
+)
 from kvmem.allocator._hashed_prefix_cache import HashedPrefixCache
 from kvmem.allocator._invariants import page_classes, problems
 from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
@@ -35,23 +52,33 @@ from kvmem.allocator._prefix_cache import PrefixCache, PrefixMatch
 from kvmem.allocator._prefix_keys import Namespace, PrefixKeys, namespace_bytes
 from kvmem.allocator._reserve import Reserver, token_counts
 from kvmem.allocator._step_metadata import StepBuilder, StepMetadata, StepRecord
+from kvmem.allocator._window import WindowRow
 from kvmem.integrity import PAD, Splice
 
 __all__ = [
     "PAD",
     "Admission",
     "AllocatorStats",
+    "ByteArena",
     "CSRMetadata",
     "ChangeLog",
     "ChangeReader",
     "Committer",
     "FaultHooks",
     "Forks",
+    "FullAttentionSpec",
+    "GroupAllocator",
+    "GroupFit",
+    "GroupSpec",
+    "GroupStats",
+    "GroupUsage",
     "GrowResult",
     "HashedPrefixCache",
+    "IndexerSpec",
     "Lease",
     "Namespace",
     "Namespaces",
+    "PaddedLayout",
     "PageAllocator",
     "PageTable",
     "Pages",
@@ -59,17 +86,25 @@ __all__ = [
     "PrefixCache",
     "PrefixKeys",
     "PrefixMatch",
+    "RequestCost",
     "Reserver",
+    "SlidingWindowSpec",
     "Splice",
+    "StateSpec",
     "StepBuilder",
     "StepFences",
     "StepHandle",
     "StepMetadata",
     "StepRecord",
+    "WindowRow",
     "batch_tokens",
+    "check_groups",
+    "first_window_page",
     "keys_as_ints",
     "namespace_bytes",
+    "padded_layout",
     "page_classes",
     "problems",
+    "request_cost",
     "token_counts",
 ]

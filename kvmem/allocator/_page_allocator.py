@@ -168,6 +168,38 @@ class PageAllocator:
         self.changes.append(pages)
         return pages
 
+    def take(self, pages: npt.ArrayLike) -> None:
+        """Take exactly the listed free pages, each with one holder and a fresh tag; all or
+        nothing. Costs one pass over the free stack (a chunk of pages going back to a byte
+        arena, not a per-step call).
+
+        ``pages``: ``[k]``, distinct free page ids. Raises ArgumentError (nothing changed) if
+        one is out of range, listed twice or held.
+        """
+        pages = as_page_ids(pages)
+        if pages.size == 0:
+            return
+        idx = pages.astype(np.intp)
+        if _min(idx) < 0 or _max(idx) >= self.num_pages:
+            raise ArgumentError(f"take() got page ids {pages.tolist()[:16]}: pages are in "
+                                f"0..{self.num_pages - 1}; nothing changed.")
+        if np.unique(idx).size != idx.size:
+            raise ArgumentError(f"take() lists a page twice in {pages.tolist()[:16]}; nothing "
+                                "changed.")
+        held = np.flatnonzero(self._refcounts[idx])
+        if held.size:
+            raise ArgumentError(f"take() got pages {pages[held].tolist()[:16]} that are held, "
+                                "not free; nothing changed.")
+        stack = self._free_stack[: self._num_free]
+        kept = stack[~np.isin(stack, pages)]
+        self._free_stack[: kept.size] = kept
+        self._num_free = kept.size
+        self._refcounts[idx] = 1
+        self._tags[idx] = np.arange(self._last_tag + 1, self._last_tag + 1 + idx.size,
+                                    dtype=np.int64)
+        self._last_tag += idx.size
+        self.changes.append(pages.copy())
+
     def share(self, pages: npt.ArrayLike) -> None:
         """Add one holder to each listed live page (a page listed twice gains two)."""
         pages = as_page_ids(pages)
