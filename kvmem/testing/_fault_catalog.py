@@ -270,11 +270,11 @@ class LoadAfterReuse(_OffloadFault):
     and the late load writes into them (vllm#47282)."""
 
     name = "tier_load_after_reuse"
-    bugs = (9, 20)
+    bugs = (9,)
     switch = "load_without_fence"
     expected = "happens_before"
-    weights: ClassVar[dict[str, float]] = {"submit": 12, "abort": 6, "clear": 0.05,
-                                           "corrupt": 0.2}
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "abort": 6, "clear": 0, "corrupt": 0,
+                                           "fork": 0, "hook": 0}
 
 
 class StoreAfterFree(_OffloadFault):
@@ -283,7 +283,7 @@ class StoreAfterFree(_OffloadFault):
     prefix's key (vllm#45704)."""
 
     name = "tier_store_after_free"
-    bugs = (9, 20)
+    bugs = (9,)
     switch = "store_without_fence"
     expected = "happens_before"
     weights: ClassVar[dict[str, float]] = {"submit": 12, "transfer": 1, "clear": 0.05}
@@ -294,7 +294,7 @@ class CorruptedTierPageServed(_OffloadFault):
     changed in host memory is loaded as the prompt's K/V."""
 
     name = "tier_digest_skipped"
-    bugs = (21,)
+    bugs = (22,)
     timeline = False
     switch = "skip_digest"
     expected = "reads"
@@ -310,7 +310,8 @@ class NamespaceBlindTier(_OffloadFault):
     timeline = False
     switch = "namespace_blind"
     expected = "reads"
-    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 0.05, "corrupt": 0.2}
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 0, "corrupt": 0, "abort": 0,
+                                           "fork": 0, "hook": 0, "preempt": 0}
 
 
 class ResetKeepsPendingCopies(_OffloadFault):
@@ -319,10 +320,12 @@ class ResetKeepsPendingCopies(_OffloadFault):
     store puts it into the tier (vllm#57727)."""
 
     name = "tier_reset_keeps_pending"
-    bugs = (22,)
+    bugs = (20,)
     switch = "reset_keeps_pending"
     expected = "reads"
-    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 3, "corrupt": 0.2}
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 1, "transfer": 2,
+                                           "corrupt": 0, "abort": 0, "fork": 0, "preempt": 0,
+                                           "hook": 0}
 
 
 class PartialRestore(_OffloadFault):
@@ -330,7 +333,7 @@ class PartialRestore(_OffloadFault):
     request reads a page no byte of its prefix reached (sglang#30057)."""
 
     name = "tier_partial_restore"
-    bugs = (23,)
+    bugs = (21,)
     timeline = False
     switch = "partial_restore"
     expected = "reads"
