@@ -13,7 +13,7 @@ import pytest
 
 from kvmem.cli import main
 from kvmem.testing import ENGINES, FuzzFailure, campaign, hunt, replay
-from kvmem.testing._fuzz_offload import OffloadEngine, epoch_key
+from kvmem.testing._fuzz_offload import OffloadDiskEngine, OffloadEngine, epoch_key
 from kvmem.testing._kv_values import namespace_key
 from kvmem.testing.faults import CATALOG
 
@@ -78,8 +78,8 @@ def _quiet() -> Any:
 
 
 def test_the_engine_is_registered_and_its_faults_apply_to_it_alone() -> None:
-    assert ENGINES["offload"] is OffloadEngine
-    mine = [n for n, f in CATALOG.items() if f.engines == ("offload",)]
+    assert ENGINES["offload"] is OffloadEngine and ENGINES["offload-disk"] is OffloadDiskEngine
+    mine = [n for n, f in CATALOG.items() if f.engines == ("offload", "offload-disk")]
     assert mine == list(FAULTS)
     for name in mine:
         assert CATALOG[name].side == "kvmem"
@@ -138,6 +138,31 @@ def test_fault_free_campaigns_are_silent_and_exercise_the_tier() -> None:
     for key in ("loads", "stores", "landings", "corruptions", "resets", "evictions",
                 "loaded_pages", "digest_failures", "tier_evictions", "reads"):
         assert totals[key] > 0, (key, totals)
+
+
+def test_the_disk_engine_cascades_to_disk_loads_from_it_and_removes_its_directory() -> None:
+    """offload-disk: the host tier's evictions go to a disk tier in a temporary directory,
+    loads come from both tiers, corrupted files are misses, no oracle fires; the directory is
+    gone once the engine is."""
+    loaded: dict[str, int] = {}
+    disk_failures = 0
+    directories = []
+    for seed in range(3):
+        r = campaign("offload-disk", "small", None, seed, max_moves=1500)
+        assert r.failure is None, r.failure
+        run = replay(r.schedule, "offload-disk", None, seed, "small")
+        engine: Any = run.engine
+        directories.append(engine.disk.root)
+        off = engine.manager.stats().offload
+        for medium, n in off.loaded_by_medium.items():
+            loaded[medium] = loaded.get(medium, 0) + n
+        disk_failures += off.tiers[1].num_digest_failures
+        del run, engine
+    assert loaded["CPU"] > 0 and loaded["DISK"] > 0 and disk_failures > 0
+    import gc
+
+    gc.collect()
+    assert not any(d.exists() for d in directories)
 
 
 def test_a_reset_cancels_a_pending_load_and_the_request_recomputes() -> None:

@@ -50,8 +50,9 @@ def add_fuzz_parser(sub: Any) -> None:
     p.add_argument("--engine",
                    help="engine adapter: manager (kvmem's, async), toy (synchronous), disagg "
                    "(a decode side fed over a transport), offload (a host tier below a small "
-                   "pool, deferred copies), vllm and vllm-async (vLLM's Scheduler / "
-                   "AsyncScheduler on kvmem; need vLLM), or one registered in "
+                   "pool, deferred copies), offload-disk (and a disk tier below it), vllm "
+                   "and vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), or "
+                   "one registered in "
                    "kvmem.testing.ENGINES (default manager)")
     p.add_argument("--minutes", type=float,
                    help="time budget, > 0 (default 1 without --faults; with --faults, 0.25 a "

@@ -258,7 +258,7 @@ class _OffloadFault(Fault):
 
     switch: ClassVar[str] = ""
     timeline = True
-    engines = ("offload",)
+    engines = ("offload", "offload-disk")
 
     def install(self, run: Run) -> None:
         setattr(run.engine.manager.offload.faults, self.switch, True)

@@ -30,7 +30,11 @@ imply, so the ``reads`` oracle sees a request that reads it.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -46,11 +50,10 @@ from kvmem.testing._launch import Launch
 from kvmem.testing._oracles import FuzzFailure
 from kvmem.testing._value_oracles import ValueOracles
 
-__all__ = ["OffloadEngine"]
+__all__ = ["OffloadDiskEngine", "OffloadEngine"]
 
 Int64Array = npt.NDArray[np.int64]
 
-HOST_PAGES = 48  # the host tier's pages: its LRU evicts now and then
 LOADING = RECEIVING  # a request whose deferred load has not landed (not scheduled)
 
 
@@ -108,7 +111,10 @@ class OffloadEngine(ManagerEngine):
 
     Attributes
     ----------
-    pool: the device pool (``PagePool``); tier: its ``HostTier``
+    host_pages: the host tier's pages (small: its LRU evicts now and then)
+    disk_pages: > 0: a ``DiskTier`` of about as many pages below the host tier (the host tier's
+        evictions go there), in a temporary directory removed with the engine
+    pool: the device pool (``PagePool``); tier: its ``HostTier``; disk: its ``DiskTier`` or None
     epoch: the weights' epoch (the ``clear`` move starts a new one)
     counts: tier traffic the run caused (loads started, stores started, corruptions, resets)
     """
@@ -116,10 +122,12 @@ class OffloadEngine(ManagerEngine):
     name: ClassVar[str] = "offload"
     capabilities: ClassVar[frozenset[str]] = frozenset(
         {"fork", "preempt", "resume", "clear", "hooks", "copies", "tiers"})
+    host_pages: ClassVar[int] = 48
+    disk_pages: ClassVar[int] = 0
 
     def __init__(self, config: FuzzConfig) -> None:
         from kvmem.manager import KVCacheManager
-        from kvmem.transfer import CacheIdentity, HostTier, OffloadConfig
+        from kvmem.transfer import CacheIdentity, DiskTier, HostTier, OffloadConfig
 
         # Half the config's pages (at least a longest request's): the device evicts often.
         num_pages = max(config.num_pages // 2, -(-config.max_len // config.page_size) + 2)
@@ -127,12 +135,22 @@ class OffloadEngine(ManagerEngine):
                         num_kv_heads=1, head_dim=4, dtype="fp32", device="cpu")
         self.pool = PagePool(spec)
         identity = CacheIdentity.of(spec, "fuzz", "w0")
-        self.tier = HostTier(HOST_PAGES * spec.bytes_per_page, identity)
+        self.tier = HostTier(self.host_pages * spec.bytes_per_page, identity)
+        tiers: tuple[Any, ...] = (self.tier,)
+        self.disk: Any = None
+        if self.disk_pages:
+            directory = tempfile.mkdtemp(prefix="kvmem-fuzz-disk-")
+            # (a file holds a page's bytes and a header of about a KiB)
+            self.disk = DiskTier(directory, self.disk_pages * (spec.bytes_per_page + 1024),
+                                 identity)
+            # (the lock file closes when the tier is collected; the finalizer holds nothing of it)
+            weakref.finalize(self, shutil.rmtree, directory, True)
+            tiers = (self.tier, self.disk)
         mgr = KVCacheManager(
             num_pages, page_size=config.page_size, max_seqs=config.max_seqs,
             max_pages_per_seq=-(-config.max_len // config.page_size) + 1,
             tracker=config.tracker, watermark=0.0, pool=self.pool,
-            offload=OffloadConfig((self.tier,), write="through", copies="deferred"))
+            offload=OffloadConfig(tiers, write="through", copies="deferred"))
         # Copy-on-write copies go to the device model like the manager engine's (the step lists
         # them); the engine makes them in the pool when it launches the step.
         mgr._reserver.copy_pages = None
@@ -274,17 +292,25 @@ class OffloadEngine(ManagerEngine):
     # -- the tier and the weights --------------------------------------------------------------
 
     def corrupt(self, a: int, b: int) -> bool:
-        """One stored page's K/V value changes in the host tier (a chunk of one slot's value
-        plus one: its bytes, not its digest)."""
+        """One stored page's bytes change: in the host tier a chunk of one slot's K/V value
+        plus one, on disk one byte of its file (its bytes, not its digest)."""
         slots = sorted(self.tier._slot_of.values())
-        if not slots:
+        files = [] if self.disk is None else sorted(self.disk.path.glob("*.kvb"))
+        if not slots and not files:
             return False
-        slot = slots[a % len(slots)]
+        self.counts["corruptions"] += 1
+        pick = a % (len(slots) + len(files))
+        if pick >= len(slots):
+            path: Path = files[pick - len(slots)]
+            data = bytearray(path.read_bytes())
+            data[b % len(data)] ^= 0x10
+            path.write_bytes(bytes(data))
+            return True
+        slot = slots[pick]
         P = self.manager.page_size
         k = self.tier._slabs["data"][0, slot].view(np.float32)[: P * 4]  # K: [P, 1 head, 4]
         j = b % k.size
         k[j] = (k[j] + 1) % 65536
-        self.counts["corruptions"] += 1
         return True
 
     def clear_cache(self) -> bool:
@@ -299,3 +325,12 @@ class OffloadEngine(ManagerEngine):
         self.epoch += 1
         self.counts["resets"] += 1
         return True
+
+
+class OffloadDiskEngine(OffloadEngine):
+    """The offload engine with a disk tier below a smaller host tier (``kvmem fuzz --engine
+    offload-disk``): the host tier's evictions cascade to disk, loads come from both."""
+
+    name: ClassVar[str] = "offload-disk"
+    host_pages: ClassVar[int] = 12
+    disk_pages: ClassVar[int] = 48

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from kvmem.errors import ArgumentError
 from kvmem.testing._fuzz_disagg import DisaggEngine
 from kvmem.testing._fuzz_manager import ManagerEngine
-from kvmem.testing._fuzz_offload import OffloadEngine
+from kvmem.testing._fuzz_offload import OffloadDiskEngine, OffloadEngine
 from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._fuzz_toy import ToyEngineAdapter
 
@@ -19,6 +19,7 @@ ENGINES: dict[str, Callable[[FuzzConfig], FuzzEngine]] = {
     "manager": ManagerEngine,
     "disagg": DisaggEngine,
     "offload": OffloadEngine,
+    "offload-disk": OffloadDiskEngine,
     "toy": ToyEngineAdapter,
 }
 
