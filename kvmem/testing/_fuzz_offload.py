@@ -228,12 +228,13 @@ class OffloadEngine(ManagerEngine):
     def take_copies(self) -> tuple[list[Launch], list[Launch]]:
         offload = self.manager.offload
         pending = {id(c): c for c in (*offload.loads, *offload.stores)}
+        loads = {id(c) for c in offload.loads}
         started = []
         P = self.manager.page_size
         for key, copy in pending.items():
             if key in self.copy_ops:
                 continue
-            if hasattr(copy, "request_id"):  # a load into a request's fresh pages
+            if key in loads:  # a load into a request's fresh pages
                 s = self.slot_of[copy.request_id]
                 slots = (copy.pages.astype(np.int64)[:, None] * P + np.arange(P)).reshape(-1)
                 op = Launch((copy.request_id,), [copy.first_token], [copy.tokens.size],
