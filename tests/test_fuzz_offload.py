@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,6 +86,16 @@ def test_the_engine_is_registered_and_its_faults_apply_to_it_alone() -> None:
     for name in mine:
         assert CATALOG[name].side == "kvmem"
         assert CATALOG[name].expected == FAULTS[name][0]
+
+
+def test_the_docs_table_names_each_tier_fault_and_its_oracle() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "fuzzing.md").read_text()
+    section = doc[doc.index("### On the offload engine") : doc.index("## Engines plug in")]
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)`.*?\| `(\w+)` \|", section, flags=re.M)
+    assert [(name, oracle) for name, _, oracle in rows] == [
+        (name, oracle) for name, (oracle, _) in FAULTS.items()]
+    for name, switch, _ in rows:
+        assert CATALOG[name].switch == switch  # type: ignore[attr-defined]
 
 
 def test_the_pool_holds_salted_values_that_change_with_the_weights() -> None:
