@@ -273,15 +273,24 @@ class OffloadEngine(ManagerEngine):
 
     def _landed(self, load: Any, op: Launch) -> Int64Array:
         """What the load's slots hold now, as the device model's values: a slot that holds
-        the current weights' value of the request's own token gives that token's model value;
-        anything else its raw pool value (which no request's tokens imply)."""
+        the current weights' value of the request's tokens in some namespace gives that
+        namespace's model value (the request's own, or another tenant's: a failure names it);
+        anything else its raw pool value (which no request's tokens imply: the old weights',
+        a corrupted chunk, bytes no load reached)."""
         got = read_values(self.pool, op.slot_mapping)
         s = self.ops[op][1][0]
         start, stop = int(op.starts[0]), int(op.starts[0] + op.num_new[0])
         if self.ids[s] != load.request_id or self.specs[s] is None:
             return got  # (the request is gone: nobody reads these slots)
-        want = self._values(s, start, stop, self.epoch)
-        return np.where(got == want, self._values(s, start, stop, None), got)
+        landed = got.copy()
+        tokens = self.tok[s, :stop]
+        for ns in (self.specs[s].namespace, *self.config.namespaces):
+            key = namespace_key(ns)
+            same = got == kv_value_array(epoch_key(key, self.epoch), tokens)[start:]
+            landed[same] = kv_value_array(key, tokens)[start:][same]
+            if same.all():
+                break
+        return landed
 
     def finish(self, op: Launch) -> Sequence[Any]:
         if op.kind != "transfer":
