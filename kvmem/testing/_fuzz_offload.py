@@ -126,6 +126,7 @@ class OffloadEngine(ManagerEngine):
     disk_pages: ClassVar[int] = 0
 
     def __init__(self, config: FuzzConfig) -> None:
+        from kvmem.allocator import HashedPrefixCache
         from kvmem.manager import KVCacheManager
         from kvmem.transfer import CacheIdentity, DiskTier, HostTier, OffloadConfig
 
@@ -146,8 +147,10 @@ class OffloadEngine(ManagerEngine):
             # (the lock file closes when the tier is collected; the finalizer holds nothing of it)
             weakref.finalize(self, shutil.rmtree, directory, True)
             tiers = (self.tier, self.disk)
+        # (a seeded key: the tiers' keys and files are the same in every replay)
         mgr = KVCacheManager(
             num_pages, page_size=config.page_size, max_seqs=config.max_seqs,
+            prefix_cache=HashedPrefixCache(seed=0),
             max_pages_per_seq=-(-config.max_len // config.page_size) + 1,
             tracker=config.tracker, watermark=0.0, pool=self.pool,
             offload=OffloadConfig(tiers, write="through", copies="deferred"))
