@@ -485,10 +485,12 @@ class KVCacheManager:
         the accepted ones, reject the rest).
 
         The request ends at its committed tokens plus the slots it keeps; pages that no longer
-        hold any of them (past the pages its prompt was admitted with, which it keeps: the
-        prompt's capacity guarantee) are unmapped and their references dropped (held by a step fence while
-        a step in flight may still read them, then freed: their lifetime ends, so a later read
-        through an old page list fails ``verify``); the tracker forgets them. A read of a
+        hold any of them (past the pages its prompt was admitted with, which it keeps unless
+        shared: the prompt's capacity guarantee) are unmapped and their references dropped
+        (held by a step fence while a step in flight may still read them, then freed: their
+        lifetime ends, so a later read through an old page list fails ``verify``); the
+        tracker forgets them. A tail partly filled again and shared with a fork is copied on
+        the next write. A read of a
         rejected slot in a page the request keeps fails ``verify`` too: the request's lengths
         no longer cover it. Changes nothing on error.
 

@@ -232,10 +232,11 @@ def test_the_ci_profile_runs_the_documented_fault_free_moves() -> None:
     from kvmem.cli import _fuzz as _fuzz_cli
 
     assert "50,000 fault-free moves on the manager" in DOC
-    assert "10,000 each on the toy and the disaggregated engines" in DOC
+    assert "10,000 each on the toy, the disaggregated and the offload engines" in DOC
     assert _fuzz_cli._CI_CLEAN["manager"] == 50_000
-    assert _fuzz_cli._CI_CLEAN["toy"] == _fuzz_cli._CI_CLEAN["disagg"] == 10_000
-    assert _fuzz_cli._CI_ENGINES == ("manager", "toy", "disagg")
+    assert (_fuzz_cli._CI_CLEAN["toy"] == _fuzz_cli._CI_CLEAN["disagg"]
+            == _fuzz_cli._CI_CLEAN["offload"] == 10_000)
+    assert _fuzz_cli._CI_ENGINES == ("manager", "toy", "disagg", "offload")
 
 
 def test_a_seed_gives_the_same_run_and_json_goes_to_stdout_progress_to_stderr(

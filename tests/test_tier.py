@@ -311,9 +311,13 @@ def test_a_disk_file_of_another_identity_under_this_key_is_an_identity_miss(
     assert mine.stats().num_identity_misses == 1 and mine.stats().num_pages == 0
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "array_name"])
 def test_a_truncated_or_corrupted_disk_file_is_a_miss_and_removed(
         tmp_path: Path, written: tuple[PagePool, PageBundle], damage: str) -> None:
+    """``array_name`` guards a bug the offload fuzz engine found: a byte flipped in a page
+    array's name ("pages.data") passed the digests (they cover the bytes, not the names), the
+    page was served as a hit, and joining it to the host tier's pages raised KeyError out of
+    ``admit``."""
     pool, b = written
     tier = DiskTier(tmp_path, 1 << 20, identity(pool))
     tier.put(b)
@@ -322,6 +326,8 @@ def test_a_truncated_or_corrupted_disk_file_is_a_miss_and_removed(
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
+    elif damage == "array_name":
+        data[data.index(b"pages.data") + 7] ^= 0x10  # "pages.dqta"
     else:
         data[-40] ^= 1  # a byte of page data
     path.write_bytes(bytes(data))

@@ -13,7 +13,7 @@ failure is shrunk and, with ``--save``, written as a pytest file that replays it
 an oracle fires, the failing interleaving is shrunk, and a fault-free campaign of at least
 10,000 moves follows (``fault: "none"``). ``--json`` prints one JSON list, one entry per fault
 (``fault``, ``detected``, ``detected_by``, ``schedule_len``, ``seconds``, ...). ``--profile ci``
-is the derandomized CI run (fixed seeds and move budgets, both shipped engines, about 30 s
+is the derandomized CI run (fixed seeds and move budgets, the shipped engines, about 50 s
 on two cores): it exits 1 if a fault goes undetected or a fault-free run trips a check.
 ``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
 A progress line goes to stderr. Exit status: 0, or 1 when the outcome is not the expected one.
@@ -48,9 +48,12 @@ def add_fuzz_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine",
-                   help="engine adapter: manager (kvmem's, async), toy (synchronous), vllm and "
-                   "vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), or one "
-                   "registered in kvmem.testing.ENGINES (default manager)")
+                   help="engine adapter: manager (kvmem's, async), toy (synchronous), disagg "
+                   "(a decode side fed over a transport), offload (a host tier below a small "
+                   "pool, deferred copies), offload-disk (and a disk tier below it), vllm "
+                   "and vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), or "
+                   "one registered in "
+                   "kvmem.testing.ENGINES (default manager)")
     p.add_argument("--minutes", type=float,
                    help="time budget, > 0 (default 1 without --faults; with --faults, 0.25 a "
                    "fault, at least 1)")
@@ -59,8 +62,8 @@ def add_fuzz_parser(sub: Any) -> None:
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
     p.add_argument("--profile", choices=["ci", "ci-vllm"],
-                   help="ci: the derandomized CI profile (manager, toy, disagg); ci-vllm: the "
-                   "same for the vLLM engines")
+                   help="ci: the derandomized CI profile (manager, toy, disagg, offload); "
+                   "ci-vllm: the same for the vLLM engines")
     p.add_argument("--config",
                    help="system shape: small (finds races fast; the default) or bench (4,096 "
                    "pages, 64 running)")
@@ -283,10 +286,11 @@ def _save(args: argparse.Namespace, r: Any, config: Any) -> None:
 
 
 # The CI profiles: fixed seeds and budgets, so the outcome depends on the code only.
-_CI_ENGINES = ("manager", "toy", "disagg")
+_CI_ENGINES = ("manager", "toy", "disagg", "offload")
 _VLLM_ENGINES = ("vllm", "vllm-async")  # ci-vllm: vLLM's import alone takes 5-20 s
 _CI_CAMPAIGNS, _CI_MOVES, _CI_SHRINK = 25, 1500, 100
 _CI_CLEAN = {"manager": 5 * _CLEAN_MOVES, "toy": _CLEAN_MOVES, "disagg": _CLEAN_MOVES,
+             "offload": _CLEAN_MOVES,
              "vllm": _CLEAN_MOVES // 2, "vllm-async": _CLEAN_MOVES // 2}  # fault-free moves
 
 

@@ -249,6 +249,97 @@ class RecomputeWithSharedPages(_TransferFault):
     weights: ClassVar[dict[str, float]] = {"receive": 10, "kill": 2, "expire": 3}
 
 
+# kvmem-side, tiers: switches of the offload engine's tiers ----------------------------------
+
+
+class _OffloadFault(Fault):
+    """kvmem's offload skips one of its own protections: a switch of the ``offload`` engine's
+    :class:`~kvmem.transfer.OffloadFaults` (``manager.offload.faults``)."""
+
+    switch: ClassVar[str] = ""
+    timeline = True
+    engines = ("offload", "offload-disk")
+
+    def install(self, run: Run) -> None:
+        setattr(run.engine.manager.offload.faults, self.switch, True)
+
+
+class LoadAfterReuse(_OffloadFault):
+    """A deferred load from the host tier neither leases nor marks its destination pages: its
+    request is aborted (or preempted) before the load lands, the pages go to another request,
+    and the late load writes into them (vllm#47282)."""
+
+    name = "tier_load_after_reuse"
+    bugs = (9,)
+    switch = "load_without_fence"
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "abort": 6, "clear": 0, "corrupt": 0,
+                                           "fork": 0, "hook": 0}
+
+
+class StoreAfterFree(_OffloadFault):
+    """A deferred write-through store holds no lease on the pages it reads: they are evicted
+    and reused before the copy lands, and the tier stores another prompt's K/V under this
+    prefix's key (vllm#45704)."""
+
+    name = "tier_store_after_free"
+    bugs = (9,)
+    switch = "store_without_fence"
+    expected = "happens_before"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "transfer": 1, "clear": 0.05}
+
+
+class CorruptedTierPageServed(_OffloadFault):
+    """The host tier serves a stored page without checking its digest: a page whose bytes
+    changed in host memory is loaded as the prompt's K/V."""
+
+    name = "tier_digest_skipped"
+    bugs = (22,)
+    timeline = False
+    switch = "skip_digest"
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "corrupt": 6, "clear": 0.05}
+
+
+class NamespaceBlindTier(_OffloadFault):
+    """Tier lookups ignore the namespace (keys chain from the root of no tenant, a hit's tenant
+    is not confirmed): a tenant's prompt loads another tenant's stored pages."""
+
+    name = "tier_namespace_blind"
+    bugs = (11,)
+    timeline = False
+    switch = "namespace_blind"
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 0, "corrupt": 0, "abort": 0,
+                                           "fork": 0, "hook": 0, "preempt": 0}
+
+
+class ResetKeepsPendingCopies(_OffloadFault):
+    """A prefix-cache reset for new weights lets the copies in flight finish: a pending load
+    lands the old weights' K/V into a request that computes with the new ones, and a pending
+    store puts it into the tier (vllm#57727)."""
+
+    name = "tier_reset_keeps_pending"
+    bugs = (20,)
+    switch = "reset_keeps_pending"
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 1, "transfer": 2,
+                                           "corrupt": 0, "abort": 0, "fork": 0, "preempt": 0,
+                                           "hook": 0}
+
+
+class PartialRestore(_OffloadFault):
+    """A load writes every page of its run but the last, and reports the whole run loaded: the
+    request reads a page no byte of its prefix reached (sglang#30057)."""
+
+    name = "tier_partial_restore"
+    bugs = (21,)
+    timeline = False
+    switch = "partial_restore"
+    expected = "reads"
+    weights: ClassVar[dict[str, float]] = {"submit": 12, "clear": 0.05, "corrupt": 0.2}
+
+
 # engine-side: switches the adapters honour --------------------------------------------------
 
 
@@ -475,4 +566,6 @@ CATALOG: dict[str, Fault] = {f.name: f for f in (
     SecondReleasePath(), RefcountOverincrement(), StalePageTableEntry(), StaleBlockTable(),
     WrongChunkSlice(), StaleTransferReference(), LateWriteAfterAbort(), CommitAfterLeaseExpiry(),
     DuplicatedCompletion(), LostCompletion(), KilledSenderReadAsDone(), RecomputeWithSharedPages(),
+    LoadAfterReuse(), StoreAfterFree(), CorruptedTierPageServed(), NamespaceBlindTier(),
+    ResetKeepsPendingCopies(), PartialRestore(),
 )}

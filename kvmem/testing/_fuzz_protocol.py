@@ -70,7 +70,7 @@ class FuzzConfig:
         "submit": 6, "launch": 10, "complete": 10, "retire": 10, "finish": 10, "copy": 6,
         "transfer": 4,
         "abort": 2, "fork": 3, "preempt": 2, "resume": 3, "receive": 2, "clear": 0.3,
-        "hook": 1, "inject": 2, "expire": 1, "kill": 0.3, "notice": 8,
+        "hook": 1, "inject": 2, "expire": 1, "kill": 0.3, "notice": 8, "corrupt": 1,
     }
 
     def __init__(self, num_pages: int = 48, page_size: int = 4, max_seqs: int = 10,
@@ -204,7 +204,9 @@ class FuzzEngine:
         ``"receive"``, ``"clear"`` (:meth:`clear_cache`), ``"hooks"`` (the ``hook`` move: the
         next manager hook of some kind raises), ``"transport"`` (transfers land through
         :meth:`land`), ``"leases"``, ``"kill"``, ``"notices"`` (the ``expire``, ``kill`` and
-        ``notice`` moves)
+        ``notice`` moves), ``"copies"`` (deferred copies the engine starts itself,
+        :meth:`take_copies`, landing together at the ``transfer`` move, :meth:`land_copies`),
+        ``"tiers"`` (the ``corrupt`` move)
     bugs: engine-side fault switches the adapter honours (see :mod:`kvmem.testing.faults`)
     source_manager: for an engine that receives pages from another manager over a real
         transport (capability ``"transport"``), that manager (the prefill side): the fuzzer
@@ -283,6 +285,21 @@ class FuzzEngine:
     def waiting_on_clock(self) -> bool:
         """(``"leases"``) Whether a lease or an answer still waits for a term the clock has not
         passed (the drain's ``expire`` ends it; a lease past its term is stranded)."""
+        return False
+
+    def take_copies(self) -> tuple[list[Launch], list[Launch]]:
+        """(``"copies"``) Device work the engine started on its own since the last call
+        (deferred copies to and from a tier: transfer ops, a store's ``read_pages`` guarded),
+        and those of its ops that ended without landing (cancelled)."""
+        return [], []
+
+    def land_copies(self) -> list[tuple[Launch, Any]]:
+        """(``"copies"``) Every deferred copy lands now (the ``transfer`` move): each op in
+        flight with what it wrote into its slots (``[T]`` int64)."""
+        raise NotImplementedError
+
+    def corrupt(self, a: int, b: int) -> bool:
+        """(``"tiers"``) A stored page's bytes change in a tier below the device."""
         return False
 
     def check(self) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvmem.errors import ArgumentError
 from kvmem.testing._fuzz_disagg import DisaggEngine
 from kvmem.testing._fuzz_manager import ManagerEngine
+from kvmem.testing._fuzz_offload import OffloadDiskEngine, OffloadEngine
 from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._fuzz_toy import ToyEngineAdapter
 
@@ -17,6 +18,8 @@ __all__ = ["ENGINES", "make_engine"]
 ENGINES: dict[str, Callable[[FuzzConfig], FuzzEngine]] = {
     "manager": ManagerEngine,
     "disagg": DisaggEngine,
+    "offload": OffloadEngine,
+    "offload-disk": OffloadDiskEngine,
     "toy": ToyEngineAdapter,
 }
 

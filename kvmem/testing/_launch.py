@@ -82,12 +82,14 @@ class Launch:
         it reads there (the ``transfer_lifetime`` oracle watches their lifetimes); default none
     source_tags: ``[S]`` int64 — their lifetime tags when the transfer was offered (default: their
         tags when the fuzzer sees the launch)
+    read_pages: ``[R]`` int — pages of this pool a transfer reads (a copy into a tier below the
+        device): guarded like the pages it writes until it lands; default none
     """
 
     __slots__ = ("copy_dst", "copy_src", "ent_flat", "fence", "guard", "held_sources", "id",
                  "kind", "kv_counts", "kv_indices", "kv_indptr", "mrows", "num_new",
-                 "pending_copies", "request_ids", "slot_mapping", "source_pages", "source_tags",
-                 "starts", "write_pages", "writes_first")
+                 "pending_copies", "read_pages", "request_ids", "slot_mapping", "source_pages",
+                 "source_tags", "starts", "write_pages", "writes_first")
 
     def __init__(self, request_ids: tuple[Any, ...], starts: npt.ArrayLike,
                  num_new: npt.ArrayLike, kv_indptr: npt.ArrayLike, kv_indices: npt.ArrayLike,
@@ -95,7 +97,8 @@ class Launch:
                  copy_dst: npt.ArrayLike = _EMPTY32, fence: int | None = None,
                  kind: str = "step", held_sources: npt.ArrayLike | None = None,
                  writes_first: bool = False, source_pages: npt.ArrayLike = _EMPTY32,
-                 source_tags: npt.ArrayLike | None = None) -> None:
+                 source_tags: npt.ArrayLike | None = None,
+                 read_pages: npt.ArrayLike = _EMPTY32) -> None:
         if kind not in ("step", "transfer"):
             raise ArgumentError(f"Launch kind must be 'step' or 'transfer', got {kind!r}")
         self.request_ids = tuple(request_ids)
@@ -114,6 +117,7 @@ class Launch:
         self.source_pages = np.asarray(source_pages, dtype=np.int64)
         self.source_tags = None if source_tags is None else np.asarray(source_tags,
                                                                          dtype=np.int64)
+        self.read_pages = np.asarray(read_pages, dtype=np.int64)
         b = len(self.request_ids)
         if (self.starts.shape != (b,) or self.num_new.shape != (b,)
                 or self.kv_indptr.shape != (b + 1,) or self.copy_src.shape != self.copy_dst.shape):

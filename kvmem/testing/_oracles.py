@@ -4,7 +4,8 @@ Oracles (each named; :class:`FuzzFailure.oracle` says which fired):
 
 =================  ==========================================================================
 ``happens_before`` no page listed by a launched op (step reads and writes, copy source and
-                   destination, transfer) changes lifetime (tag) before the op completes
+                   destination, transfer, a tier store's source) changes lifetime (tag) before
+                   the op completes
 ``fences``         an op's fence (step handle) is not retired before the op completes on the
                    device, and is retired when the host learns of the completion
 ``reads``          every read of a step sees exactly the K/V of its request's own tokens in its

@@ -33,7 +33,8 @@ __all__ = ["HOOK_KINDS_FAILED", "MOVES", "OPTIONAL_MOVES", "ArmedHookFailure", "
 Move = tuple[str, int, int]
 
 MOVES = ("submit", "launch", "retire", "finish", "complete", "copy", "transfer", "abort", "fork",
-         "preempt", "resume", "receive", "clear", "hook", "inject", "expire", "kill", "notice")
+         "preempt", "resume", "receive", "clear", "hook", "inject", "expire", "kill", "notice",
+         "corrupt")
 """Every move: ``submit`` (a request arrives), ``launch`` (the scheduler launches a step),
 ``retire`` (the host learns that the oldest op done on the device is done: its fence is
 retired), ``finish`` (the host processes the oldest done op's outputs: commit, release
@@ -43,7 +44,9 @@ page copy lands), ``transfer`` (a transfer lands), ``abort``
 prompt K/V on a transfer), ``clear`` (the prefix cache is cleared), ``hook`` (the next hook of
 some kind raises), ``inject`` (the fault's one-shot injection); with a source manager over a
 real transport: ``expire`` (the clock passes the lease term), ``kill`` (the source process
-dies), ``notice`` (a notice in flight is delivered, lost or duplicated)."""
+dies), ``notice`` (a notice in flight is delivered, lost or duplicated); with tiers below the
+device: ``corrupt`` (a stored page's bytes change), and ``transfer`` lands every deferred tier
+copy at once (the engine's ``land_copies``)."""
 
 class ArmedHookFailure(RuntimeError):
     """What an armed hook raises (the manager turns it into a HookError)."""
@@ -65,7 +68,7 @@ needs (see the report: a HookError loses ``reserve``'s metadata)."""
 
 OPTIONAL_MOVES = {"fork": "fork", "preempt": "preempt", "resume": "resume", "receive": "receive",
                   "clear": "clear", "hook": "hooks", "expire": "leases", "kill": "kill",
-                  "notice": "notices"}  # optional move -> the capability it needs
+                  "notice": "notices", "corrupt": "tiers"}  # optional move -> capability
 
 
 def to_fault(fault: Any) -> Any:
@@ -116,6 +119,8 @@ class Run:
         if self.engine.source_manager is not None:
             self.transfers = TransferOracles(self.engine.source_manager, mgr)
         self.timeline.extra_check = self._extra_check
+        if "copies" in self.engine.capabilities:
+            self.timeline.copies = self.engine.take_copies
         rng = np.random.default_rng(seed)
         self._material = rng.integers(0, c.vocab, size=1 << 16).astype(np.int64)
         self._stems = [rng.integers(0, c.vocab, size=c.prompt_len[1]).astype(np.int64)
@@ -306,6 +311,13 @@ class Run:
 
     def _m_transfer(self, a: int, b: int) -> bool:
         tl = self.timeline
+        if tl.copies is not None:  # the engine lands every deferred copy at once
+            if not tl.transfers:
+                return False
+            for op, landed in self.engine.land_copies():
+                tl.land_transfer(tl.transfers.index(op), landed)
+            tl.after_host_move()  # (what landing commits may start copies)
+            return True
         if self.transfers is None or not tl.transfers:
             return tl.land_transfer(a)
         op = tl.transfers[a % len(tl.transfers)]
@@ -404,6 +416,12 @@ class Run:
         if not self.engine.notice(a, b):
             return False
         self.timeline.after_host_move()
+        return True
+
+    def _m_corrupt(self, a: int, b: int) -> bool:
+        if not self.engine.corrupt(a, b):
+            return False
+        self.timeline.after_device_move()
         return True
 
     def _m_inject(self, a: int, b: int) -> bool:

@@ -106,6 +106,9 @@ class Timeline:
         self.moves = 0
         self.aborted_by_verify: list[tuple[Any, str]] = []
         self.extra_check: Callable[[], None] | None = None  # the engine's own checks
+        # The engine's own device work (deferred tier copies): (ops it started, ops that ended
+        # without landing) since the last call; None: an engine that starts none.
+        self.copies: Callable[[], tuple[list[Launch], list[Launch]]] | None = None
         for kind in ("admit", "fork", "preempt", "release", "integrity_failure", "step_end"):
             manager.add_hook(kind, self._on_event)
 
@@ -229,9 +232,11 @@ class Timeline:
                 if kind == "integrity_failure":
                     self.aborted_by_verify.append((rid, str(detail)))
 
-    def _observe_launch(self, op: Launch) -> None:
+    def _observe_launch(self, op: Launch, reserved: bool = True) -> None:
         """The launch's metadata tells the model each request's first pages now (growth and
-        copy-on-write happen in reserve, which emits no per-request event)."""
+        copy-on-write happen in reserve, which emits no per-request event). ``reserved``: the
+        op comes from a reserve (which replaces the copy-on-write sources held); an engine's
+        own copy does not."""
         ids = op.request_ids
         try:
             mrows = np.fromiter(map(self._mrow_of.__getitem__, ids), dtype=np.int64,
@@ -268,6 +273,8 @@ class Timeline:
             # request listed twice by a buggy engine keeps the longer).
             np.maximum.at(self.map_len, mrows, counts)
         # The manager keeps the latest reserve's copy-on-write sources until the next reserve.
+        if not reserved:
+            return
         if self._copy_hold_pages.size:
             self.oracles.unhold_copies(self._copy_hold_pages)
         self._copy_hold_pages = op.held_sources
@@ -291,6 +298,14 @@ class Timeline:
             self._process_events()
         if op is not None:
             self._observe_launch(op)
+        started: list[Launch] = []
+        if self.copies is not None:
+            started, ended = self.copies()
+            for extra in started:
+                self._observe_launch(extra, reserved=False)
+            for extra in ended:  # (cancelled: they land nothing)
+                self.transfers.remove(extra)
+                self._finish_on_device(extra, reads=False, landed=EMPTY64)
         self.oracles.check_pages(self._op_listing)
         if self.aborted_by_verify:
             rid, reason = self.aborted_by_verify[0]
@@ -301,6 +316,8 @@ class Timeline:
                               f"fence {fence} but never retired it: the pages it holds leak")
         if op is not None:
             self._register(op)
+        for extra in started:
+            self._register(extra)
         if self.check_every and self.moves % self.check_every == 0:
             self.full_check()
 
@@ -346,7 +363,8 @@ class Timeline:
                                   f"0..{self.num_pages - 1}")
         if not (self.stream_ordered and op.kind == "step" and not op.copy_src.size):
             op.guard = (np.concatenate([op.kv_indices, op.write_pages, op.copy_src, op.copy_dst])
-                        if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages]))
+                        if op.copy_src.size else np.concatenate([op.kv_indices, op.write_pages,
+                                                                 op.read_pages]))
             self.oracles.guard_pages(op.guard)
         op.pending_copies = int(op.copy_src.size)
         if op.fence is not None:

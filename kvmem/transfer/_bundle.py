@@ -201,6 +201,7 @@ class PageBundle:
                          arrays.get("static_scales"), arrays["page_digests"])
         except (KeyError, TypeError) as e:
             raise ArgumentError(f"a page bundle without {e}") from None
+        _require_layout(bundle)  # (the digests cover the arrays' bytes, not their names)
         bundle.check()
         if bundle.digest.hex() != head.get("digest"):
             raise IntegrityError("page bundle: its digest does not match its contents")
@@ -228,3 +229,18 @@ class PageBundle:
             t = targets[name]
             assert t is not None
             _bytes_view(t).index_copy_(1, ids, torch.from_numpy(arr.copy()).to(pool.device))
+
+
+def _require_layout(bundle: PageBundle) -> None:
+    """Raise ArgumentError unless ``bundle.pages`` holds exactly the page arrays of its
+    identity's layout, each ``[L, n, bytes]`` (a corrupted name or shape is refused)."""
+    ident, n = bundle.identity, bundle.num_pages
+    spec = ident.pool_spec(1, "cpu")
+    L = ident.num_layers
+    want = {k: (L, n, b // L) for k, b in (("data", spec.data_bytes_per_page),
+                                          ("token_scales", spec.token_scale_bytes_per_page)) if b}
+    got = {k: tuple(v.shape) for k, v in bundle.pages.items()}
+    if got != want:
+        raise ArgumentError(f"a page bundle whose page arrays {got} do not fit its identity's "
+                            f"layout {want}")
+
