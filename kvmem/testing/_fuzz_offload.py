@@ -81,7 +81,8 @@ class OffloadValues(ValueOracles):
         problems = []
         if result is not None and (result.num_cached_tokens != held
                                    or result.num_hit_pages != hits
-                                   or result.num_host_pages * P != loaded):
+                                   or (result.num_host_pages + result.num_disk_pages) * P
+                                   != loaded):
             problems.append(f"returned {result}, but the request holds {held} tokens of which "
                             f"{committed} committed")
         if committed % P or held % P or loaded <= 0 or held > (n - 1) // P * P:
