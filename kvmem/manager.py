@@ -650,6 +650,9 @@ class KVCacheManager:
         if self.table.num_free_rows == 0:
             raise KVMemError(f"all max_seqs={self.max_seqs} rows are mapped; release a request "
                              "before forking")
+        if self.is_loading(parent_id):
+            raise ArgumentError(f"request {parent_id!r} waits for a tier load into its pages; "
+                                "fork it once land_copies() reported it (nothing was changed)")
         row, pages, own = self._forks.fork(prow, self.pages)
         parent = self._requests.known[parent_id]
         self._open(child_id, row, pages,

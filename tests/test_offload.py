@@ -376,6 +376,10 @@ def test_a_deferred_load_lands_before_its_request_may_run() -> None:
     mgr.reserve(["other", "early"], [1, 1])
     report = mgr.verify(["other", "early"])
     assert list(report.aborted) == ["early"] and "landed" in report.aborted["early"]
+    res = mgr.admit("fork-me", A)
+    with pytest.raises(ArgumentError, match="land_copies"):
+        mgr.fork("fork-me", "child")  # (the child would share pages not landed yet)
+    mgr.release("fork-me")
     assert not mgr.is_loading("early")
     mgr.check()
     assert mgr.land_copies() == {}  # the aborted request's load ended unwritten
