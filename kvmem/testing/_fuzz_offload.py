@@ -202,23 +202,6 @@ class OffloadEngine(ManagerEngine):
             self.sched[s] = self.manager.num_tokens(rid)
             self.state[s] = LOADING
 
-    def _admit_waiting(self) -> None:
-        mgr = self.manager
-        while self.waiting:
-            s = self.waiting[0]
-            spec = self.specs[s]
-            assert spec is not None
-            prompt, ns = spec.prompt, self._namespace(spec)
-            if not mgr.can_admit(prompt, ns):
-                return
-            self.waiting.popleft()
-            match = self.values.lookup(prompt, ns)
-            res = self._call(mgr.admit, spec.request_id, prompt, ns)
-            cached = self.values.admitted(s, spec.request_id, prompt, match, res)
-            self.sched[s] = self.comm[s] = cached
-            self._start_running(s)
-            self._admitted(s)
-
     def resume(self, choice: int) -> bool:
         before = self._pick(PREEMPTED, choice)
         if not super().resume(choice):

@@ -269,3 +269,7 @@ class SlotEngine(FuzzEngine):
             cached = self.values.admitted(s, spec.request_id, prompt, match, res)
             self.sched[s] = self.comm[s] = cached
             self._start_running(s)
+            self._admitted(s)
+
+    def _admitted(self, s: int) -> None:
+        """Slot ``s`` was just admitted (an engine that must wait for something overrides)."""
