@@ -196,6 +196,11 @@ def test_a_tier_needs_a_pool_a_prefix_cache_and_its_own_manager(tmp_path: Any) -
         KVCacheManager(8, P, pool=pool, offload=OffloadConfig((tier,), write="later"))
     with pytest.raises(ArgumentError, match="copies="):
         KVCacheManager(8, P, pool=pool, offload=OffloadConfig((tier,), copies="async"))
+    for rate, error in ((True, ArgumentTypeError), ("fast", ArgumentTypeError),
+                        (0, ArgumentError), (-1.0, ArgumentError), (float("nan"), ArgumentError),
+                        (float("inf"), ArgumentError)):
+        with pytest.raises(error, match="prefill_tokens_per_s"):
+            OffloadConfig((tier,), prefill_tokens_per_s=rate)
     assert tier.on_removed is None and disk.on_removed is None  # (refusals bound nothing)
     KVCacheManager(8, P, pool=pool, offload=tier)
     with pytest.raises(ConfigError, match="already serves"):

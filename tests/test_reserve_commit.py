@@ -744,13 +744,16 @@ def test_rejecting_more_than_the_uncommitted_slots_is_refused_and_changes_nothin
     mgr.reserve(["a"], 3)
     mgr.commit("a", [5])
     before = snapshot(mgr)
-    for bad, error in ((3, ArgumentError), (-1, ArgumentError), (1.0, ArgumentTypeError)):
+    for bad, error in ((3, ArgumentError), (-1, ArgumentError), (2**63, ArgumentError),
+                       (1.0, ArgumentTypeError), (True, ArgumentTypeError),
+                       ("2", ArgumentTypeError), ([1], ArgumentTypeError),
+                       (None, ArgumentTypeError)):
         with pytest.raises(error):
             mgr.reject("a", bad)
     with pytest.raises(ArgumentError, match=r"unknown|not running"):
         mgr.reject("nobody", 1)
     assert snapshot(mgr) == before
-    mgr.reject("a", 2)
+    mgr.reject("a", np.int64(2))
     assert mgr.num_tokens("a") == 6
 
 

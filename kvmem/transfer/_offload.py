@@ -38,6 +38,7 @@ recomputed), never wrong K/V.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -105,9 +106,12 @@ class OffloadConfig:
         if self.copies not in COPY_MODES:
             raise ArgumentError(f"offload copies={self.copies!r}: expected one of {COPY_MODES}")
         rate = self.prefill_tokens_per_s
-        if rate is not None and not (isinstance(rate, int | float) and rate > 0):
-            raise ArgumentError(f"offload prefill_tokens_per_s={rate!r}: expected a positive "
-                                "number or None")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float)):
+            raise ArgumentTypeError(f"offload prefill_tokens_per_s={rate!r}: expected a number "
+                                    "of tokens per second, or None")
+        if rate is not None and not 0 < rate < math.inf:
+            raise ArgumentError(f"offload prefill_tokens_per_s={rate!r}: expected a positive, "
+                                "finite number of tokens per second, or None")
 
     @classmethod
     def of(cls, value: Any) -> OffloadConfig:
