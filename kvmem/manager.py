@@ -417,7 +417,8 @@ class KVCacheManager:
             if ended.ok and int(self.table.num_committed[row]) == p.first_token:
                 self._commit_loaded(rid, row, p.tokens)
             else:  # cancelled by a reset: the loaded slots are the request's to recompute
-                self.table.set_num_tokens(row, int(self.table.num_committed[row]))
+                self.table.truncate(row, int(self.table.num_committed[row]),
+                                    int(self.table.num_pages[row]))  # (its pages all kept)
             done[rid] = int(self.table.num_committed[row])
         return done
 
@@ -490,9 +491,8 @@ class KVCacheManager:
         (held by a step fence while a step in flight may still read them, then freed: their
         lifetime ends, so a later read through an old page list fails ``verify``); the
         tracker forgets them. A tail partly filled again and shared with a fork is copied on
-        the next write. A read of a
-        rejected slot in a page the request keeps fails ``verify`` too: the request's lengths
-        no longer cover it. Changes nothing on error.
+        the next write. A read of a rejected slot in a page the request keeps fails ``verify``
+        too: the request's lengths no longer cover it. Changes nothing on error.
 
         Raises
         ------
@@ -526,8 +526,8 @@ class KVCacheManager:
         if recorded is not None:
             self._recorder.truncate(row, keep, recorded.copy())
         self.pages.drop(dropped)
-        tail = t.pages[row, (total - n) // self.page_size]
-        if (total - n) % self.page_size and self.pages.writers(tail[None])[0] > 1:
+        if (total - n) % self.page_size and self.pages.writers(
+                t.pages[row, (total - n) // self.page_size : keep])[0] > 1:
             # Its tail is partly filled again and shared (a fork's): copied on the next write.
             t.set_forked(np.array([row]), True)
 
