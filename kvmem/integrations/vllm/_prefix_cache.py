@@ -147,9 +147,9 @@ class VllmOrderPrefixCache(PrefixCache):
         if k <= 0 or not self._num_cached:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         tokens = np.asarray(token_ids[: k * p], dtype=np.int64).reshape(k, p)
-        # Page 0 alone first: a prompt that misses on it costs one key, not the prompt's.
-        first = self._keyer.prompt_keys(tokens[0], root, 1)
-        if self._index.get((int(first[0, 0]), int(first[0, 1]))) is None:
+        # Page 0 alone first (in Python ints): a prompt that misses on it costs one key, not
+        # the prompt's.
+        if self._index.get(self._keyer.first_key(root, tokens[0])) is None:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         keys = self._keyer.prompt_keys(tokens.reshape(-1), root, k)
         found = self._confirmed(keys, tokens, namespace_id)
