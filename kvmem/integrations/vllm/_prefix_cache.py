@@ -198,19 +198,24 @@ class VllmOrderPrefixCache(PrefixCache):
         self._num_cached += idx.size
         return idx.astype(np.int32)
 
-    def _forget(self, plist: list[int]) -> KeyArray:
-        """Drop cached pages (distinct) from the index and the LRU; not from the allocator."""
+    def _forget(self, plist: list[int], evicted: bool = False) -> KeyArray:
+        """Drop cached pages (distinct) from the index and the LRU; not from the allocator.
+        ``evicted``: they were just taken from the LRU."""
         if not plist:
             return _NO_KEYS
         idx = np.array(plist, dtype=np.intp)
         keys = self._keys[idx].copy()
-        for page, (k0, k1) in zip(plist, keys.tolist()):
-            entry = self._index.get((k0, k1))
+        index = self._index
+        for page, key in zip(plist, map(tuple, keys.tolist())):
+            entry = index.get(key)
             if entry is not None:
                 entry.pop(page, None)
                 if not entry:
-                    del self._index[(k0, k1)]
-            self._lru.pop(page, None)
+                    del index[key]
+        if not evicted:
+            lru = self._lru
+            for page in plist:
+                lru.pop(page, None)
         self._cached[idx] = False
         self._tag[idx] = 0
         self._num_cached -= idx.size
@@ -276,7 +281,7 @@ class VllmOrderPrefixCache(PrefixCache):
             return _NO_PAGES, _NO_KEYS
         lru = self._lru
         victims = [lru.popitem(last=False)[0] for _ in range(num_pages)]
-        keys = self._forget(victims)
+        keys = self._forget(victims, evicted=True)
         idx = np.array(victims, dtype=np.intp)
         self.allocator.free_distinct(idx)
         return idx.astype(np.int32), keys
