@@ -19,7 +19,7 @@ numpy and hashlib only.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -247,8 +247,9 @@ class PrefixKeys:
             np.add.accumulate(keys, axis=0, out=keys)
         return keys
 
-    def key_ints(self, parent0: int, parent1: int, tokens: npt.ArrayLike,
-                  position: int) -> tuple[int, int]:
+    def key_ints(self, parent0: int, parent1: int,
+                 tokens: npt.NDArray[np.integer] | Sequence[int], position: int
+                 ) -> tuple[int, int]:
         """The key of one page (``tokens``: its ``page_size`` ids) as two Python ints (the
         key's lanes), all in Python ints (one page's arithmetic costs less than numpy's fixed
         cost per call); equal to :meth:`page_keys`."""
