@@ -257,13 +257,13 @@ class VllmKVCacheAdapter:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        token_list = request._all_token_ids  # the list behind all_token_ids
-        tokens = np.asarray(token_list, dtype=np.int64)
+        # The list behind all_token_ids, as it is: match_prefix checks and converts it once.
+        tokens = request._all_token_ids
         namespace = self.namespace_of(request)
         max_pages = max_cache_hit_length // self.block_size
         match = self.manager.match_prefix(tokens, namespace, max_pages)
         q = self._queue
-        if (q.entries or q.commits) and q.changes_lookup(token_list, namespace, match.pages,
+        if (q.entries or q.commits) and q.changes_lookup(tokens, namespace, match.pages,
                                                          max_pages):
             self.flush()
             match = self.manager.match_prefix(tokens, namespace, max_pages)
@@ -370,7 +370,7 @@ class VllmKVCacheAdapter:
         # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens
         # its prefix match can find at most the hit (nothing changed since the lookup), and a
         # request that must not read the cache (num_hit_tokens == 0) finds nothing.
-        res = self.manager.admit(rid, np.asarray(tokens[: num_hit_tokens + 1], dtype=np.int64),
+        res = self.manager.admit(rid, tokens[: num_hit_tokens + 1],
                                  namespace=self.namespace_of(request))
         if res.num_cached_tokens != num_hit_tokens:
             self.manager.release(rid)

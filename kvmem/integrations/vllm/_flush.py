@@ -283,12 +283,10 @@ class FlushQueue:
         indptr = step.kv_indptr
         indices = step.kv_indices
         ends = indptr[np.fromiter(map(_REQUEST, outs), dtype=np.intp, count=len(outs)) + 1]
-        if all(o[1] == 1 for o in outs):  # the decode step: one new page each
-            for (_, _, out), block in zip(outs, (indices[ends - 1] + 1).tolist()):
-                out.ids = [block]
-            return
-        for (_, k, out), end in zip(outs, ends.tolist()):
-            out.ids = (indices[end - k : end] + 1).tolist()
+        # One new page each (the decode step's growth) in one gather; longer runs by slices.
+        lasts = (indices[ends - 1] + 1).tolist() if indices.size else [0] * len(outs)
+        for (_, k, out), block, end in zip(outs, lasts, ends.tolist()):
+            out.ids = [block] if k == 1 else (indices[end - k : end] + 1).tolist()
 
     def _verify_worker_table(self, ids: tuple[str, ...], q: list[Any], step: Any,
                              outs: list[tuple[int, int, KVMemBlocks]]) -> Any:
