@@ -185,6 +185,17 @@ class StepBuilder:
             return b
         return None
 
+    def leading_rows(self, ids: tuple[Any, ...]) -> IntpArray | None:
+        """The rows of ``ids`` when they are the leading requests of the latest record's batch
+        and no row changed since (a churning step's decodes, committed before its
+        admissions): a read-only slice of its rows; else None."""
+        b = self.latest
+        n = len(ids)
+        if (b is None or not 1 < n < len(b.ids) or b.epoch != self.table.epoch
+                or b.ids[:n] != ids):
+            return None
+        return b.rows[:n]
+
     def uncommitted(self, ids: tuple[Any, ...], committed: Int64Array) -> StepRecord | None:
         """A recent one-token record of ``ids``' batch that nothing was committed into yet:
         the rows have the same generations (nothing but appends since) and commit exactly its
