@@ -142,7 +142,7 @@ class PrefixKeys:
         x, y, k_rows = self._hash_buffers(k)
         # A row per page: its tokens once per lane, so that no operation broadcasts (a
         # broadcast runs a short loop per page and lane: twice the cost at a decode step).
-        np.concatenate((token_ids, token_ids), axis=1, out=x, casting="unsafe")
+        x.reshape(k, 2, p)[...] = token_ids[:, None, :]  # (a cast copy: no arithmetic)
         x += _ONE
         x *= k_rows  # (token + 1) * K: token 0 still moves the sum
         np.right_shift(x, _S31, out=y)

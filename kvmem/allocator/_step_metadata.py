@@ -223,6 +223,10 @@ class StepBuilder:
         """``num_new_tokens`` ``[size]`` (all ``k``) and ``qo_indptr`` ``[size + 1]``
         (``0, k, 2k, ...``), int32, fresh copies of cached arrays; and the cached
         ``qo_indptr`` itself (read-only: a record's private copy)."""
+        if size == 1:  # one request's chunk: three tiny arrays cost less than the lookup
+            qo = np.array([0, k], dtype=np.int32)
+            qo.flags.writeable = False
+            return np.array([k], dtype=np.int32), qo.copy(), qo
         got = self._counts.get((size, k))
         if got is None:
             got = (np.full(size, k, dtype=np.int32),
