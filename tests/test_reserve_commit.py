@@ -670,3 +670,31 @@ def test_pages_committed_later_chain_from_the_last_page_committed_before(first: 
     m.commit("a", prompt[:first])
     m.commit("a", prompt[first:])
     assert m.match_prefix([*prompt, 99]).num_pages == 4
+
+
+def test_a_churning_steps_decodes_commit_before_its_admission_by_the_reserved_rows() -> None:
+    """The leading requests of the reserved batch (a churning step's decodes, committed
+    before its admission: StepBuilder.leading_rows) commit into their own rows, as after a
+    fresh lookup; once a row changed, or in another order, the ids are looked up again."""
+    mgr = KVCacheManager(64, page_size=P, max_seqs=8, tracker="checking")
+    for rid in ("a", "b", "c"):
+        mgr.admit(rid, [1, 2, 3])
+        mgr.reserve([rid], 3)
+        mgr.commit(rid, [1, 2, 3])
+    mgr.admit("d", [7, 8, 9, 10, 11])
+    mgr.reserve(["a", "b", "c", "d"], np.array([1, 1, 1, 5]))
+    assert mgr.steps.leading_rows(("a", "b", "c")) is not None
+    assert mgr.steps.leading_rows(("b", "a")) is None  # (not the leading requests, in order)
+    mgr.commit_batch(["a", "b", "c"], [4, 5, 6])
+    mgr.commit("d", [7, 8, 9, 10, 11])
+    assert [mgr.tokens_of(r).tolist() for r in "abcd"] == [
+        [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6], [7, 8, 9, 10, 11]]
+    mgr.reserve(["a", "b", "c", "d"], 1)
+    mgr.release("d")  # a row changed: the reserved rows are no longer taken as they are
+    assert mgr.steps.leading_rows(("a", "b")) is None
+    mgr.commit_batch(["b", "a"], [15, 14])
+    with pytest.raises(ArgumentError):
+        mgr.commit_batch(["a", "d"], [1, 1])
+    assert mgr.tokens_of("a").tolist() == [1, 2, 3, 4, 14]
+    assert mgr.tokens_of("b").tolist() == [1, 2, 3, 5, 15]
+    mgr.check()
