@@ -698,3 +698,26 @@ def test_a_churning_steps_decodes_commit_before_its_admission_by_the_reserved_ro
     assert mgr.tokens_of("a").tolist() == [1, 2, 3, 4, 14]
     assert mgr.tokens_of("b").tolist() == [1, 2, 3, 5, 15]
     mgr.check()
+
+
+def test_a_prefill_commit_lands_in_the_reserved_slots_whole_or_in_parts() -> None:
+    """Guards Committer._reserved_slots: one request's commit takes the slots its reserve just
+    handed out only when it commits exactly them; a part of them, or a commit after another
+    row's reserve, reads its slots from the row."""
+    mgr = KVCacheManager(64, page_size=P, max_seqs=8, tracker="checking")
+    mgr.admit("a", list(range(1, 11)))
+    mgr.admit("b", [5, 6, 7])
+    step = mgr.reserve(["a"], 10)
+    mgr.commit("a", list(range(1, 11)))  # exactly the reserved tokens: the reserve's slots
+    pages = mgr.pages_of("a")
+    want = (pages[np.arange(10) // P].astype(np.int64) * P + np.arange(10) % P).tolist()
+    assert step.slot_mapping.tolist() == want
+    assert mgr.pages.tokens_at(np.array(want)).tolist() == list(range(1, 11))
+    mgr.reserve(["b"], 3)
+    mgr.reserve(["a"], 5)
+    mgr.commit("a", [11, 12])  # a part of the reserved tokens
+    mgr.commit("a", [13, 14, 15])  # the rest, not the whole reserve any more
+    mgr.commit("b", [5, 6, 7])  # after another row's reserve
+    assert mgr.tokens_of("a").tolist() == list(range(1, 16))
+    assert mgr.tokens_of("b").tolist() == [5, 6, 7]
+    mgr.check()
