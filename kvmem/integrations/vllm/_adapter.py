@@ -301,9 +301,9 @@ class VllmKVCacheAdapter:
         lookup and an append: the slots are reserved at the flush, for the whole batch."""
         st = self._reqs.get(request.request_id)
         if st is not None and not num_new_computed_tokens:
-            if num_new_tokens and (request.num_computed_tokens + num_new_tokens
-                                   + num_lookahead_tokens <= st.cap):
-                self._queue.entries.append((request, st, num_new_tokens, None))
+            computed = request.num_computed_tokens
+            if num_new_tokens and computed + num_new_tokens + num_lookahead_tokens <= st.cap:
+                self._queue.entries.append((request, st, num_new_tokens, None, computed))
                 return self._empty
             return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
                               reserved_blocks)
@@ -329,17 +329,17 @@ class VllmKVCacheAdapter:
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new tokens; nothing changed)")
         p = self.block_size
-        need_tokens = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
-                          self.max_model_len)
+        computed = request.num_computed_tokens
+        need_tokens = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = _cdiv(need_tokens, p) - st.cap // p
         if need > self._num_free() - reserved_blocks:
             return None
         if need <= 0:
-            self._queue.entries.append((request, st, num_new_tokens, None))
+            self._queue.entries.append((request, st, num_new_tokens, None, computed))
             return self._empty
         st.cap += need * p
         out = KVMemBlocks(self, None)
-        self._queue.add_growth(request, st, num_new_tokens, need, out)
+        self._queue.add_growth(request, st, num_new_tokens, computed, need, out)
         return out
 
     def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
