@@ -262,10 +262,8 @@ class VllmOrderPrefixCache(PrefixCache):
         if plist.size == 0:
             return
         now = plist[self._cached[plist] & (self.allocator.refcounts[plist] == 1)]
-        lru = self._lru
-        for page in now.tolist():
-            if page not in lru:
-                lru[page] = None
+        # Appended in order; a page the LRU lists already keeps its place (update's rule).
+        self._lru.update(dict.fromkeys(now.tolist()))
 
     def released_many(self, runs: Sequence[Int32Array]) -> None:
         for run in runs:  # a request's pages are distinct and rows never share a release
