@@ -269,6 +269,8 @@ class StepBuilder:
                 ) -> tuple[Int32Array, Splice] | None:
         """``kv_indices`` spliced from ``c``'s, or None when too much changed."""
         kept = gens == c.gens
+        if kept.size - np.count_nonzero(kept) > self._max_spliced(c):
+            return None  # (rows left or joined mid-batch: every row after moved; by row next)
         first = c.counts * kept  # entries each row keeps
         changed = ((counts != first) | ~kept).nonzero()[0]
         first = first[changed]
