@@ -116,7 +116,7 @@ class PrefixKeys:
         self._Q = rng.integers(1, 2**63, size=2, dtype=np.uint64) | np.uint64(1)
         self._pq = self._position_table(1024)
         self._Q_int = [int(v) for v in self._Q]  # for one key at a time (key_ints)
-        self._K_ints = self._K.tolist()
+        self._K_ints = self._K.tolist()  # the same, as Python ints (key_ints)
         self._ones = np.ones(self.page_size, dtype=np.uint64)  # sums tokens by matmul
         # Scratch for _page_values, [pages, 2 * page_size] each: see _hash_buffers.
         self._hash_x = self._hash_y = self._K_rows = np.empty((0, 2 * self.page_size), np.uint64)
