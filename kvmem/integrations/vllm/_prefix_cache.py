@@ -168,7 +168,33 @@ class VllmOrderPrefixCache(PrefixCache):
             return _NO_PAGES
         keys = np.asarray(keys, dtype=np.uint64)
         plist = idx.tolist()
-        was_cached = self._cached[idx].tolist()
+        cached = self._cached[idx]
+        if not np.count_nonzero(cached) and len(set(plist)) == len(plist):
+            # The usual case (pages that just filled, none cached, each listed once): each
+            # page goes after those its key lists already (the block pool caches duplicate
+            # blocks too).
+            setdefault = self._index.setdefault
+            for key, page in zip(map(tuple, keys.tolist()), plist):
+                setdefault(key, {})[page] = None
+        else:
+            take = self._index_new(keys, plist, cached.tolist())
+            if not take:
+                return _NO_PAGES
+            if len(take) < len(plist):
+                sel = np.array(take, dtype=np.intp)
+                idx, keys = idx[sel], keys[sel]
+                namespace_ids = np.asarray(namespace_ids).reshape(-1)[sel]
+        self.allocator.share_distinct(idx)
+        self._cached[idx] = True
+        self._keys[idx] = keys
+        self._namespace[idx] = np.asarray(namespace_ids).reshape(-1)
+        self._tag[idx] = self.allocator.tags[idx]
+        self._num_cached += idx.size
+        return idx.astype(np.int32)
+
+    def _index_new(self, keys: KeyArray, plist: list[int], was_cached: list[bool]
+                   ) -> list[int]:
+        """Index the pages not cached yet (each once) under their keys; their positions."""
         index = self._index
         take: list[int] = []
         seen: set[int] = set()
@@ -184,19 +210,7 @@ class VllmOrderPrefixCache(PrefixCache):
             else:
                 entry[page] = None
             take.append(i)
-        if not take:
-            return _NO_PAGES
-        if len(take) < len(plist):
-            sel = np.array(take, dtype=np.intp)
-            idx, keys = idx[sel], keys[sel]
-            namespace_ids = np.asarray(namespace_ids).reshape(-1)[sel]
-        self.allocator.share_distinct(idx)
-        self._cached[idx] = True
-        self._keys[idx] = keys
-        self._namespace[idx] = np.asarray(namespace_ids).reshape(-1)
-        self._tag[idx] = self.allocator.tags[idx]
-        self._num_cached += idx.size
-        return idx.astype(np.int32)
+        return take
 
     def _forget(self, plist: list[int], evicted: bool = False) -> KeyArray:
         """Drop cached pages (distinct) from the index and the LRU; not from the allocator.
