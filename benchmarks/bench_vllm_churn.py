@@ -23,6 +23,11 @@ manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts
   ratio (vLLM's over kvmem's): a shared machine's slow spell slows both steps of a pair;
 * ``joined_per_step``: requests added per measured step.
 
+``--by-call`` adds ``kv_us_by_call``: per manager, the mean microseconds a measured step spends
+in each method (outermost calls: kvmem's ``get_block_ids`` includes the flush it starts), and
+``kv_calls_by_call``, the calls a step. Its bookkeeping (a dict update per timed call, on both
+sides) runs in the same pass, so the other figures of that run include it.
+
 ``--sweep`` runs instead a grid of churn rates (0, 1, 2, 8 requests joining per step) and
 prompt lengths (128, 512, 1024, 4096 tokens, each prompt within 10% of it, a quarter sharing a
 prefix of half that length) and prints, under ``sweep``, one cell per pair with the keys above
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="the grid of churn rates and prompt lengths (module docstring)")
     p.add_argument("--seed", type=number(int), default=0)
+    p.add_argument("--by-call", action="store_true",
+                   help="also the KV time per method (kv_us_by_call; module docstring)")
     try:
         args = p.parse_args(argv)
         sweep = args.sweep
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args.seed)
         rng = random.Random(args.seed)
         arrivals = [(rid, prompt, rng.randint(50, 400)) for rid, prompt in prompts]
-        result = _lockstep(spec, arrivals, n, None, warmup, steps)
+        result = _lockstep(spec, arrivals, n, None, warmup, steps, args.by_call)
     result["load_average"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=2))
     return 0
@@ -141,7 +148,8 @@ def _cell(n: int, rate: int, prompt_len: int, steps: int, warmup: int,
 
 
 def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
-              max_joins: int | None, warmup: int, steps: int) -> dict[str, Any]:
+              max_joins: int | None, warmup: int, steps: int, by_call: bool = False
+              ) -> dict[str, Any]:
     """vLLM's ``Scheduler`` on its own manager and on kvmem's, stepped in lockstep.
 
     Before each step, each scheduler takes the next ``arrivals`` (request id, prompt,
@@ -162,7 +170,7 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
             s.add_request(bench._make(rid, prompt, max_tokens, spec.block_size))
             added[name] += 1
 
-    timers = {w: bench._KVTimer() for w in scheds}
+    timers = {w: _CallTimer() if by_call else bench._KVTimer() for w in scheds}
     undo = [bench._instrument(s, timers[w], w == "kvmem") for w, s in scheds.items()]
     kv: dict[str, list[int]] = {w: [] for w in scheds}
     adapter = scheds["kvmem"].kv_cache_manager
@@ -189,6 +197,10 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
             flushes.clear()
             for v in (*step_times.values(), *kv.values()):
                 v.clear()
+            for timer in timers.values():
+                if isinstance(timer, _CallTimer):
+                    timer.by_call.clear()
+                    timer.calls_by.clear()
         outs = {}
         for name, s in scheds.items():
             top_up(name, s)
@@ -204,6 +216,13 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
     med = statistics.median
     vllm_kv, kvmem_kv = (med(kv[w]) / 1e3 for w in ("vllm", "kvmem"))
     vllm_us, kvmem_us = (med(step_times[w]) * 1e6 for w in ("vllm", "kvmem"))
+    extra: dict[str, Any] = {}
+    if by_call:
+        extra["kv_us_by_call"] = {w: {name: round(ns / steps / 1e3, 1) for name, ns in sorted(
+            t.by_call.items(), key=lambda kv: -kv[1])} for w, t in timers.items()
+            if isinstance(t, _CallTimer)}
+        extra["kv_calls_by_call"] = {w: {name: round(c / steps, 2) for name, c in sorted(
+            t.calls_by.items())} for w, t in timers.items() if isinstance(t, _CallTimer)}
     return {
         "requests": n, "steps": steps, "requests_added": added["kvmem"],
         "joined_per_step": round((added["kvmem"] - added_before) / steps, 3),
@@ -218,7 +237,43 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
         "kvmem_flush_us_median": round(med(flushes) * 1e6, 1),
         "kvmem_flushes_per_step": round((adapter.num_flushes - flushes_before) / steps, 3),
         "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
+        **extra,
     }
+
+
+class _CallTimer:
+    """``kvmem.integrations.vllm.bench``'s KV timer (``total_ns``, ``calls``, outermost calls
+    only) that also sums the time inside each method name and counts its calls
+    (``--by-call``)."""
+
+    def __init__(self) -> None:
+        self.total_ns = 0
+        self.calls = 0
+        self.depth = 0
+        self.by_call: dict[str, int] = {}
+        self.calls_by: dict[str, int] = {}
+
+    def wrap(self, fn: Any) -> Any:
+        clock = time.perf_counter_ns
+        name = fn.__name__
+        by_call, calls_by = self.by_call, self.calls_by
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return fn(*args, **kwargs)
+            self.depth = 1
+            self.calls += 1
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = clock() - t0
+                self.total_ns += spent
+                by_call[name] = by_call.get(name, 0) + spent
+                calls_by[name] = calls_by.get(name, 0) + 1
+                self.depth = 0
+
+        return timed
 
 
 if __name__ == "__main__":

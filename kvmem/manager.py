@@ -290,7 +290,8 @@ class KVCacheManager:
         b = self.steps.current(ids)
         if b is not None:
             return ids, b.rows, b
-        return ids, self._requests.rows_of(ids, what), None
+        rows = self.steps.leading_rows(ids)  # (distinct running rows: checked when reserved)
+        return ids, self._requests.rows_of(ids, what) if rows is None else rows, None
 
     # -- admission ---------------------------------------------------------------------------------
 

@@ -498,7 +498,19 @@ def test_one_key_at_a_time_equals_the_vectorized_keys() -> None:
         parent = rng.integers(0, 2**63, 2).astype(np.uint64)
         position = int(rng.integers(0, 5000))
         want = cache.page_keys(parent[None], np.array([1]), np.array([position]), tokens[None])
-        assert np.array_equal(key_of(cache, parent, tokens.tolist(), position), want[0])
+        for form in (tokens.tolist(), tokens, tokens.astype(np.int32)):
+            assert np.array_equal(key_of(cache, parent, form, position), want[0])
+    edge = np.array([0, 2**31 - 1] * (P // 2))  # (Python ints wrap modulo 2**64 as numpy's)
+    want = cache.page_keys(np.zeros((1, 2), np.uint64), np.array([1]), np.array([0]), edge[None])
+    assert np.array_equal(key_of(cache, np.zeros(2, np.uint64), edge.tolist(), 0), want[0])
+
+
+@pytest.mark.parametrize("num", [P - 1, P + 1])
+def test_one_key_at_a_time_refuses_anything_but_one_page(num: int) -> None:
+    """Guards key_ints' Python loop, which would key a longer list's first page silently."""
+    cache, _ = bound(seed=7)
+    with pytest.raises(ArgumentError, match="one page"):
+        cache.keys.key_ints(0, 0, list(range(num)), 0)
 
 
 def test_a_recent_match_is_reused_only_while_its_pages_are_cached() -> None:

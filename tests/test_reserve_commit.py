@@ -785,4 +785,54 @@ def test_drafts_are_never_cached_and_a_fork_keeps_its_pages(make_manager: Any) -
     assert mgr.match_prefix([*prompt, 8, 9, 10, 11, 12]).num_pages == 2  # the committed pages
     step = mgr.reserve(["a", "child"], 1)
     assert mgr.verify(["a", "child"], step).ok
+
+
+def test_a_churning_steps_decodes_commit_before_its_admission_by_the_reserved_rows() -> None:
+    """The leading requests of the reserved batch (a churning step's decodes, committed
+    before its admission: StepBuilder.leading_rows) commit into their own rows, as after a
+    fresh lookup; once a row changed, or in another order, the ids are looked up again."""
+    mgr = KVCacheManager(64, page_size=P, max_seqs=8, tracker="checking")
+    for rid in ("a", "b", "c"):
+        mgr.admit(rid, [1, 2, 3])
+        mgr.reserve([rid], 3)
+        mgr.commit(rid, [1, 2, 3])
+    mgr.admit("d", [7, 8, 9, 10, 11])
+    mgr.reserve(["a", "b", "c", "d"], np.array([1, 1, 1, 5]))
+    assert mgr.steps.leading_rows(("a", "b", "c")) is not None
+    assert mgr.steps.leading_rows(("b", "a")) is None  # (not the leading requests, in order)
+    mgr.commit_batch(["a", "b", "c"], [4, 5, 6])
+    mgr.commit("d", [7, 8, 9, 10, 11])
+    assert [mgr.tokens_of(r).tolist() for r in "abcd"] == [
+        [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6], [7, 8, 9, 10, 11]]
+    mgr.reserve(["a", "b", "c", "d"], 1)
+    mgr.release("d")  # a row changed: the reserved rows are no longer taken as they are
+    assert mgr.steps.leading_rows(("a", "b")) is None
+    mgr.commit_batch(["b", "a"], [15, 14])
+    with pytest.raises(ArgumentError):
+        mgr.commit_batch(["a", "d"], [1, 1])
+    assert mgr.tokens_of("a").tolist() == [1, 2, 3, 4, 14]
+    assert mgr.tokens_of("b").tolist() == [1, 2, 3, 5, 15]
+    mgr.check()
+
+
+def test_a_prefill_commit_lands_in_the_reserved_slots_whole_or_in_parts() -> None:
+    """Guards Committer._reserved_slots: one request's commit takes the slots its reserve just
+    handed out only when it commits exactly them; a part of them, or a commit after another
+    row's reserve, reads its slots from the row."""
+    mgr = KVCacheManager(64, page_size=P, max_seqs=8, tracker="checking")
+    mgr.admit("a", list(range(1, 11)))
+    mgr.admit("b", [5, 6, 7])
+    step = mgr.reserve(["a"], 10)
+    mgr.commit("a", list(range(1, 11)))  # exactly the reserved tokens: the reserve's slots
+    pages = mgr.pages_of("a")
+    want = (pages[np.arange(10) // P].astype(np.int64) * P + np.arange(10) % P).tolist()
+    assert step.slot_mapping.tolist() == want
+    assert mgr.pages.tokens_at(np.array(want)).tolist() == list(range(1, 11))
+    mgr.reserve(["b"], 3)
+    mgr.reserve(["a"], 5)
+    mgr.commit("a", [11, 12])  # a part of the reserved tokens
+    mgr.commit("a", [13, 14, 15])  # the rest, not the whole reserve any more
+    mgr.commit("b", [5, 6, 7])  # after another row's reserve
+    assert mgr.tokens_of("a").tolist() == list(range(1, 16))
+    assert mgr.tokens_of("b").tolist() == [5, 6, 7]
     mgr.check()

@@ -771,6 +771,25 @@ def test_the_churn_benchmark_prints_the_documented_keys(
     assert result["steps"] == 3 and result["mismatched_steps"] == 0
 
 
+def test_the_churn_benchmark_by_call_splits_each_managers_kv_time_by_method(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_vllm_churn.py --by-call (docs/benchmarks.md): per manager, the KV time a step
+    spends in each method and the calls a step (one allocate_slots per running request);
+    without the option, neither."""
+    import json
+
+    churn = _benchmark("bench_vllm_churn", monkeypatch)
+    assert churn.main(["--requests", "8", "--steps", "4", "--warmup", "2", "--by-call"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for w in ("vllm", "kvmem"):
+        by_call, calls = result["kv_us_by_call"][w], result["kv_calls_by_call"][w]
+        assert by_call["allocate_slots"] > 0 and calls["allocate_slots"] == 8, (w, calls)
+        assert set(by_call) == set(calls) and all(v >= 0 for v in by_call.values())
+    assert result["mismatched_steps"] == 0
+    assert churn.main(["--requests", "8", "--steps", "2", "--warmup", "0"]) == 0
+    assert "kv_us_by_call" not in json.loads(capsys.readouterr().out)  # (only when asked)
+
+
 def test_the_churn_sweep_prints_one_cell_per_rate_and_length_at_its_exact_rate(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """bench_vllm_churn.py --sweep (docs/benchmarks.md): a cell per churn rate and prompt

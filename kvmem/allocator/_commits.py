@@ -128,7 +128,7 @@ class Committer:
                 f"{reserved} slots are reserved; reserve() them first (nothing was committed)"
             )
         if count:
-            self.pages.write_tokens(t.row_slots(row, start, count), flat)
+            self.pages.write_tokens(self._reserved_slots(row, start, end), flat)
         t.set_committed(row, end)
         first = start // t.page_size
         full = end // t.page_size - first  # pages that just became full
@@ -138,6 +138,17 @@ class Committer:
                            np.array([full], dtype=np.int64))
                 return
             self.offer_run(row, first, full)
+
+    def _reserved_slots(self, row: int, start: int, end: int) -> Int64Array:
+        """The slots of a row's tokens ``start .. end-1``: those the latest reserve handed out
+        when it reserved exactly them for this row alone and no row changed since (the
+        prefill chunk just reserved), else read from the row."""
+        b = self.steps.latest
+        if (b is not None and b.rows.size == 1 and b.epoch == self.table.epoch
+                and int(b.rows[0]) == row and int(b.start[0]) == start
+                and int(b.end[0]) == end):
+            return b.slots
+        return self.table.row_slots(row, start, end - start)
 
     def offer_run(self, row: int, first: int, count: int) -> None:
         """:meth:`offer` of one row's ``count`` newly full pages from column ``first``."""

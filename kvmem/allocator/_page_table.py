@@ -463,7 +463,8 @@ class PageTable:
                                                       np.array([count], dtype=np.int64)))
         at = row * self.max_pages_per_seq + first
         pages = self._flat_pages[at : at + num_pages]
-        slots = np.multiply(pages[:, None], P, dtype=np.int64) + self._slot_offsets
+        slots = np.empty((num_pages, P), dtype=np.int64)  # (into one buffer: no temporary)
+        np.add(np.multiply(pages, P, dtype=np.int64)[:, None], self._slot_offsets, out=slots)
         return slots.reshape(-1)[skip : skip + count]
 
     @staticmethod

@@ -19,13 +19,13 @@ numpy and hashlib only.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import integer, token_array
-from kvmem.errors import ArgumentTypeError
+from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Namespace", "PrefixKeys", "namespace_bytes"]
 
@@ -116,6 +116,7 @@ class PrefixKeys:
         self._Q = rng.integers(1, 2**63, size=2, dtype=np.uint64) | np.uint64(1)
         self._pq = self._position_table(1024)
         self._Q_int = [int(v) for v in self._Q]  # for one key at a time (key_ints)
+        self._K_ints = self._K.tolist()  # the same, as Python ints (key_ints)
         self._ones = np.ones(self.page_size, dtype=np.uint64)  # sums tokens by matmul
         # Scratch for _page_values, [pages, 2 * page_size] each: see _hash_buffers.
         self._hash_x = self._hash_y = self._K_rows = np.empty((0, 2 * self.page_size), np.uint64)
@@ -141,7 +142,7 @@ class PrefixKeys:
         x, y, k_rows = self._hash_buffers(k)
         # A row per page: its tokens once per lane, so that no operation broadcasts (a
         # broadcast runs a short loop per page and lane: twice the cost at a decode step).
-        np.concatenate((token_ids, token_ids), axis=1, out=x, casting="unsafe")
+        x.reshape(k, 2, p)[...] = token_ids[:, None, :]  # (a cast copy: no arithmetic)
         x += _ONE
         x *= k_rows  # (token + 1) * K: token 0 still moves the sum
         np.right_shift(x, _S31, out=y)
@@ -246,15 +247,22 @@ class PrefixKeys:
             np.add.accumulate(keys, axis=0, out=keys)
         return keys
 
-    def key_ints(self, parent0: int, parent1: int, tokens: npt.ArrayLike,
-                  position: int) -> tuple[int, int]:
+    def key_ints(self, parent0: int, parent1: int,
+                 tokens: npt.NDArray[np.integer] | Sequence[int], position: int
+                 ) -> tuple[int, int]:
         """The key of one page (``tokens``: its ``page_size`` ids) as two Python ints (the
-        key's lanes): five numpy calls for the token sums, the rest in Python ints (cheaper
-        than numpy on two values); equal to :meth:`page_keys`."""
-        x = np.multiply(tokens, self._K, dtype=np.uint64, casting="unsafe")
-        x += self._K
-        x ^= x >> _S31
-        s0, s1 = np.add.reduce(x, axis=1, dtype=np.uint64).tolist()
+        key's lanes), all in Python ints (one page's arithmetic costs less than numpy's fixed
+        cost per call); equal to :meth:`page_keys`."""
+        toks = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+        if len(toks) != self.page_size:
+            raise ArgumentError(f"key_ints got {len(toks)} token ids: expected one page "
+                                f"({self.page_size})")
+        s0 = s1 = 0
+        for t, k0, k1 in zip(toks, self._K_ints[0], self._K_ints[1]):
+            x = ((t + 1) * k0) & _MASK  # (token + 1) * K, modulo 2**64 as numpy's
+            s0 += x ^ (x >> 31)
+            x = ((t + 1) * k1) & _MASK
+            s1 += x ^ (x >> 31)
         q0, q1 = self._Q_int
         return ((parent0 + _fmix_int(s0 + (position + 1) * q0)) & _MASK,
                 (parent1 + _fmix_int(s1 + (position + 1) * q1)) & _MASK)

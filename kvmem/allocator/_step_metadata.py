@@ -185,6 +185,17 @@ class StepBuilder:
             return b
         return None
 
+    def leading_rows(self, ids: tuple[Any, ...]) -> IntpArray | None:
+        """The rows of ``ids`` when they are the leading requests of the latest record's batch
+        and no row changed since (a churning step's decodes, committed before its
+        admissions): a read-only slice of its rows; else None."""
+        b = self.latest
+        n = len(ids)
+        if (b is None or not 1 < n < len(b.ids) or b.epoch != self.table.epoch
+                or b.ids[:n] != ids):
+            return None
+        return b.rows[:n]
+
     def uncommitted(self, ids: tuple[Any, ...], committed: Int64Array) -> StepRecord | None:
         """A recent one-token record of ``ids``' batch that nothing was committed into yet:
         the rows have the same generations (nothing but appends since) and commit exactly its
@@ -212,6 +223,10 @@ class StepBuilder:
         """``num_new_tokens`` ``[size]`` (all ``k``) and ``qo_indptr`` ``[size + 1]``
         (``0, k, 2k, ...``), int32, fresh copies of cached arrays; and the cached
         ``qo_indptr`` itself (read-only: a record's private copy)."""
+        if size == 1:  # one request's chunk: three tiny arrays cost less than the lookup
+            qo = np.array([0, k], dtype=np.int32)
+            qo.flags.writeable = False
+            return np.array([k], dtype=np.int32), qo.copy(), qo
         got = self._counts.get((size, k))
         if got is None:
             got = (np.full(size, k, dtype=np.int32),
@@ -254,6 +269,8 @@ class StepBuilder:
                 ) -> tuple[Int32Array, Splice] | None:
         """``kv_indices`` spliced from ``c``'s, or None when too much changed."""
         kept = gens == c.gens
+        if kept.size - np.count_nonzero(kept) > self._max_spliced(c):
+            return None  # (rows left or joined mid-batch: every row after moved; by row next)
         first = c.counts * kept  # entries each row keeps
         changed = ((counts != first) | ~kept).nonzero()[0]
         first = first[changed]

@@ -257,13 +257,13 @@ class VllmKVCacheAdapter:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        token_list = request._all_token_ids  # the list behind all_token_ids
-        tokens = np.asarray(token_list, dtype=np.int64)
+        # The list behind all_token_ids, as it is: match_prefix checks and converts it once.
+        tokens = request._all_token_ids
         namespace = self.namespace_of(request)
         max_pages = max_cache_hit_length // self.block_size
         match = self.manager.match_prefix(tokens, namespace, max_pages)
         q = self._queue
-        if (q.entries or q.commits) and q.changes_lookup(token_list, namespace, match.pages,
+        if (q.entries or q.commits) and q.changes_lookup(tokens, namespace, match.pages,
                                                          max_pages):
             self.flush()
             match = self.manager.match_prefix(tokens, namespace, max_pages)
@@ -301,9 +301,9 @@ class VllmKVCacheAdapter:
         lookup and an append: the slots are reserved at the flush, for the whole batch."""
         st = self._reqs.get(request.request_id)
         if st is not None and not num_new_computed_tokens:
-            if num_new_tokens and (request.num_computed_tokens + num_new_tokens
-                                   + num_lookahead_tokens <= st.cap):
-                self._queue.entries.append((request, st, num_new_tokens, None))
+            computed = request.num_computed_tokens
+            if num_new_tokens and computed + num_new_tokens + num_lookahead_tokens <= st.cap:
+                self._queue.entries.append((request, st, num_new_tokens, None, computed))
                 return self._empty
             return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
                               reserved_blocks)
@@ -329,17 +329,17 @@ class VllmKVCacheAdapter:
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new tokens; nothing changed)")
         p = self.block_size
-        need_tokens = min(request.num_computed_tokens + num_new_tokens + num_lookahead_tokens,
-                          self.max_model_len)
+        computed = request.num_computed_tokens
+        need_tokens = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = _cdiv(need_tokens, p) - st.cap // p
         if need > self._num_free() - reserved_blocks:
             return None
         if need <= 0:
-            self._queue.entries.append((request, st, num_new_tokens, None))
+            self._queue.entries.append((request, st, num_new_tokens, None, computed))
             return self._empty
         st.cap += need * p
         out = KVMemBlocks(self, None)
-        self._queue.add_growth(request, st, num_new_tokens, need, out)
+        self._queue.add_growth(request, st, num_new_tokens, computed, need, out)
         return out
 
     def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
@@ -370,7 +370,7 @@ class VllmKVCacheAdapter:
         # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens
         # its prefix match can find at most the hit (nothing changed since the lookup), and a
         # request that must not read the cache (num_hit_tokens == 0) finds nothing.
-        res = self.manager.admit(rid, np.asarray(tokens[: num_hit_tokens + 1], dtype=np.int64),
+        res = self.manager.admit(rid, tokens[: num_hit_tokens + 1],
                                  namespace=self.namespace_of(request))
         if res.num_cached_tokens != num_hit_tokens:
             self.manager.release(rid)

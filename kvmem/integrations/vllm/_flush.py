@@ -16,9 +16,9 @@ from kvmem.manager import KVCacheManager
 
 __all__ = ["FlushQueue"]
 
-# Field getters for the queue's (request, state, tokens, commit target) entries (the first
-# also for (batch index, pages, out) results) and for requests.
-_REQUEST, _STATE, _NUM = itemgetter(0), itemgetter(1), itemgetter(2)
+# Field getters for the queue's (request, state, tokens, commit target, computed tokens)
+# entries (the first also for (batch index, pages, out) results) and for requests.
+_REQUEST, _STATE, _NUM, _QUEUED_AT = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(4)
 _RID = attrgetter("rid")
 _TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
 _COMPUTED = attrgetter("num_computed_tokens")
@@ -42,7 +42,7 @@ class FlushQueue:
     Attributes
     ----------
     entries: the queued allocations: (request, state, tokens, commit target or None: all
-        scheduled tokens that are known)
+        scheduled tokens that are known, the request's computed tokens when queued)
     new_blocks: the new-block results to fill at the flush: (index in ``entries``, new pages,
         out)
     num_pages: pages the queued allocations will take
@@ -61,7 +61,7 @@ class FlushQueue:
         self.worker_block_table = worker_block_table
         self._reqs = requests
         self._aborted = on_aborted
-        self.entries: list[tuple[Any, RequestState, int, int | None]] = []
+        self.entries: list[tuple[Any, RequestState, int, int | None, int]] = []
         self.new_blocks: list[tuple[int, int, KVMemBlocks]] = []
         self.num_pages = 0
         self.first_admit = -1
@@ -76,12 +76,12 @@ class FlushQueue:
         self._fills: list[tuple[int, int, Any]] = []
         self._scanned = 0
 
-    def add_growth(self, request: Any, st: RequestState, num_new_tokens: int, need: int,
-                   out: KVMemBlocks) -> None:
-        """Queue a running request's ``num_new_tokens`` tokens that take ``need`` new pages
-        (``out`` gets their block ids at the flush)."""
+    def add_growth(self, request: Any, st: RequestState, num_new_tokens: int, computed: int,
+                   need: int, out: KVMemBlocks) -> None:
+        """Queue a running request's ``num_new_tokens`` tokens after its ``computed`` ones
+        that take ``need`` new pages (``out`` gets their block ids at the flush)."""
         self.new_blocks.append((len(self.entries), need, out))
-        self.entries.append((request, st, num_new_tokens, None))
+        self.entries.append((request, st, num_new_tokens, None, computed))
         self.num_pages += need
 
     def add_admission(self, request: Any, st: RequestState, num_new_tokens: int, upto: int,
@@ -96,7 +96,7 @@ class FlushQueue:
         self.new_blocks.append((len(self.entries), need, out))
         if self.first_admit < 0:
             self.first_admit = len(self.entries)
-        self.entries.append((request, st, num_new_tokens, upto))
+        self.entries.append((request, st, num_new_tokens, upto, st.committed))
         self.num_pages += num_pages
 
     # -- would the flush change a prefix lookup? ---------------------------------------------
@@ -141,15 +141,16 @@ class FlushQueue:
         """List in ``_fills`` the queued running requests (``entries[_scanned:]``) whose commit
         fills a page: tokens from their computed ones (synchronous scheduling: committed when
         scheduled) or committed ones (async), to their computed + scheduled ones (a bound:
-        async scheduling commits only the known ones). Vectorized: a batch is 256 requests."""
+        async scheduling commits only the known ones). The computed tokens are those the entry
+        noted when queued (read then anyway: here, 256 requests' objects would be read again,
+        cache-cold). Vectorized: a batch is 256 requests."""
         q = self.entries
         n = len(q) - self._scanned
         if n <= 0:
             return
         new = q[self._scanned :] if self._scanned else q
         self._scanned = len(q)
-        reqs = list(map(_REQUEST, new))
-        first = np.fromiter(map(_COMPUTED, reqs), dtype=np.int64, count=n)
+        first = np.fromiter(map(_QUEUED_AT, new), dtype=np.int64, count=n)
         end = first + np.fromiter(map(_NUM, new), dtype=np.int64, count=n)
         if self.async_outputs:
             np.minimum(first, _committed(new), out=first)
@@ -158,7 +159,7 @@ class FlushQueue:
         if some:
             fills = self._fills
             for i, lo, hi in zip(some, first[some].tolist(), end[some].tolist()):
-                fills.append((lo, hi, reqs[i]))
+                fills.append((lo, hi, new[i][0]))
 
     def flush(self) -> None:
         """Perform the queued allocations (one reserve), check the batch's mapping (one verify)
@@ -214,7 +215,7 @@ class FlushQueue:
             return
         self._commit_general(q, commits)
 
-    def _commit_decodes(self, q: list[tuple[Any, RequestState, int, int | None]],
+    def _commit_decodes(self, q: list[tuple[Any, RequestState, int, int | None, int]],
                         ids: tuple[str, ...]) -> None:
         """The commit of running requests scheduled one token each (the decode step)."""
         if not self.async_outputs:
@@ -228,7 +229,7 @@ class FlushQueue:
         elif not self._commit_next_known(q, ids):
             self._commit_general(q, [])
 
-    def _commit_next_known(self, q: list[tuple[Any, RequestState, int, int | None]],
+    def _commit_next_known(self, q: list[tuple[Any, RequestState, int, int | None, int]],
                            ids: tuple[str, ...]) -> bool:
         """Async scheduling's decode step (every queued request runs and was scheduled one
         token): each request's known tokens up to its computed ones + 1, past its committed
@@ -283,12 +284,10 @@ class FlushQueue:
         indptr = step.kv_indptr
         indices = step.kv_indices
         ends = indptr[np.fromiter(map(_REQUEST, outs), dtype=np.intp, count=len(outs)) + 1]
-        if all(o[1] == 1 for o in outs):  # the decode step: one new page each
-            for (_, _, out), block in zip(outs, (indices[ends - 1] + 1).tolist()):
-                out.ids = [block]
-            return
-        for (_, k, out), end in zip(outs, ends.tolist()):
-            out.ids = (indices[end - k : end] + 1).tolist()
+        # One new page each (the decode step's growth) in one gather; longer runs by slices.
+        lasts = (indices[ends - 1] + 1).tolist() if indices.size else [0] * len(outs)
+        for (_, k, out), block, end in zip(outs, lasts, ends.tolist()):
+            out.ids = [block] if k == 1 else (indices[end - k : end] + 1).tolist()
 
     def _verify_worker_table(self, ids: tuple[str, ...], q: list[Any], step: Any,
                              outs: list[tuple[int, int, KVMemBlocks]]) -> Any:
@@ -320,13 +319,13 @@ class FlushQueue:
             "block_table": table, "slot_mapping": step.slot_mapping,
             "seq_lens": step.seq_lens, "num_new_tokens": step.num_new_tokens})
 
-    def _commit_general(self, q: list[tuple[Any, RequestState, int, int | None]],
+    def _commit_general(self, q: list[tuple[Any, RequestState, int, int | None, int]],
                         commits: list[tuple[Any, RequestState, int]]) -> None:
         """Commit, for each request queued or named by cache_blocks(), its known tokens up to
         its target (vLLM caches the blocks they fill now)."""
         sync = not self.async_outputs
         entries: list[tuple[Any, RequestState, int, int]] = []  # (request, state, from, to)
-        for request, st, n, upto in q:
+        for request, st, n, upto, _ in q:
             lo = st.committed  # an admission's (its hit), or async scheduling's
             if upto is None:  # a running request
                 c = request.num_computed_tokens

@@ -147,9 +147,9 @@ class VllmOrderPrefixCache(PrefixCache):
         if k <= 0 or not self._num_cached:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         tokens = np.asarray(token_ids[: k * p], dtype=np.int64).reshape(k, p)
-        # Page 0 alone first: a prompt that misses on it costs one key, not the prompt's.
-        first = self._keyer.prompt_keys(tokens[0], root, 1)
-        if self._index.get((int(first[0, 0]), int(first[0, 1]))) is None:
+        # Page 0 alone first (in Python ints): a prompt that misses on it costs one key, not
+        # the prompt's.
+        if self._index.get(self._keyer.first_key(root, tokens[0])) is None:
             return PrefixMatch(_NO_PAGES, _NO_KEYS, root, 0)
         keys = self._keyer.prompt_keys(tokens.reshape(-1), root, k)
         found = self._confirmed(keys, tokens, namespace_id)
@@ -168,7 +168,33 @@ class VllmOrderPrefixCache(PrefixCache):
             return _NO_PAGES
         keys = np.asarray(keys, dtype=np.uint64)
         plist = idx.tolist()
-        was_cached = self._cached[idx].tolist()
+        cached = self._cached[idx]
+        if not np.count_nonzero(cached) and len(set(plist)) == len(plist):
+            # The usual case (pages that just filled, none cached, each listed once): each
+            # page goes after those its key lists already (the block pool caches duplicate
+            # blocks too).
+            setdefault = self._index.setdefault
+            for key, page in zip(map(tuple, keys.tolist()), plist):
+                setdefault(key, {})[page] = None
+        else:
+            take = self._index_new(keys, plist, cached.tolist())
+            if not take:
+                return _NO_PAGES
+            if len(take) < len(plist):
+                sel = np.array(take, dtype=np.intp)
+                idx, keys = idx[sel], keys[sel]
+                namespace_ids = np.asarray(namespace_ids).reshape(-1)[sel]
+        self.allocator.share_distinct(idx)
+        self._cached[idx] = True
+        self._keys[idx] = keys
+        self._namespace[idx] = np.asarray(namespace_ids).reshape(-1)
+        self._tag[idx] = self.allocator.tags[idx]
+        self._num_cached += idx.size
+        return idx.astype(np.int32)
+
+    def _index_new(self, keys: KeyArray, plist: list[int], was_cached: list[bool]
+                   ) -> list[int]:
+        """Index the pages not cached yet (each once) under their keys; their positions."""
         index = self._index
         take: list[int] = []
         seen: set[int] = set()
@@ -184,33 +210,26 @@ class VllmOrderPrefixCache(PrefixCache):
             else:
                 entry[page] = None
             take.append(i)
-        if not take:
-            return _NO_PAGES
-        if len(take) < len(plist):
-            sel = np.array(take, dtype=np.intp)
-            idx, keys = idx[sel], keys[sel]
-            namespace_ids = np.asarray(namespace_ids).reshape(-1)[sel]
-        self.allocator.share_distinct(idx)
-        self._cached[idx] = True
-        self._keys[idx] = keys
-        self._namespace[idx] = np.asarray(namespace_ids).reshape(-1)
-        self._tag[idx] = self.allocator.tags[idx]
-        self._num_cached += idx.size
-        return idx.astype(np.int32)
+        return take
 
-    def _forget(self, plist: list[int]) -> KeyArray:
-        """Drop cached pages (distinct) from the index and the LRU; not from the allocator."""
+    def _forget(self, plist: list[int], evicted: bool = False) -> KeyArray:
+        """Drop cached pages (distinct) from the index and the LRU; not from the allocator.
+        ``evicted``: they were just taken from the LRU."""
         if not plist:
             return _NO_KEYS
         idx = np.array(plist, dtype=np.intp)
         keys = self._keys[idx].copy()
-        for page, (k0, k1) in zip(plist, keys.tolist()):
-            entry = self._index.get((k0, k1))
+        index = self._index
+        for page, key in zip(plist, map(tuple, keys.tolist())):
+            entry = index.get(key)
             if entry is not None:
                 entry.pop(page, None)
                 if not entry:
-                    del self._index[(k0, k1)]
-            self._lru.pop(page, None)
+                    del index[key]
+        if not evicted:
+            lru = self._lru
+            for page in plist:
+                lru.pop(page, None)
         self._cached[idx] = False
         self._tag[idx] = 0
         self._num_cached -= idx.size
@@ -257,10 +276,8 @@ class VllmOrderPrefixCache(PrefixCache):
         if plist.size == 0:
             return
         now = plist[self._cached[plist] & (self.allocator.refcounts[plist] == 1)]
-        lru = self._lru
-        for page in now.tolist():
-            if page not in lru:
-                lru[page] = None
+        # Appended in order; a page the LRU lists already keeps its place (update's rule).
+        self._lru.update(dict.fromkeys(now.tolist()))
 
     def released_many(self, runs: Sequence[Int32Array]) -> None:
         for run in runs:  # a request's pages are distinct and rows never share a release
@@ -276,7 +293,7 @@ class VllmOrderPrefixCache(PrefixCache):
             return _NO_PAGES, _NO_KEYS
         lru = self._lru
         victims = [lru.popitem(last=False)[0] for _ in range(num_pages)]
-        keys = self._forget(victims)
+        keys = self._forget(victims, evicted=True)
         idx = np.array(victims, dtype=np.intp)
         self.allocator.free_distinct(idx)
         return idx.astype(np.int32), keys
