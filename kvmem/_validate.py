@@ -27,6 +27,7 @@ __all__ = [
     "INT32_MAX",
     "choice",
     "flag",
+    "holds_a_bool",
     "id_tuple",
     "index_array",
     "integer",
@@ -226,7 +227,7 @@ def token_array(value: Any, name: str) -> npt.NDArray[np.int64]:
     if tokens.dtype.kind not in "iu":
         raise ArgumentTypeError(f"{name} has dtype {tokens.dtype}: expected integer token ids "
                                 "(int or numpy integer; not bool, float or str).")
-    if isinstance(value, (list, tuple)) and _holds_a_bool(value, tokens):
+    if isinstance(value, (list, tuple)) and holds_a_bool(value, tokens):
         raise ArgumentTypeError(f"{name} holds a bool: expected integer token ids (int or numpy "
                                 "integer; True is not token 1).")
     if int(np.minimum.reduce(tokens)) < 0 or int(np.maximum.reduce(tokens)) > INT32_MAX:
@@ -235,7 +236,7 @@ def token_array(value: Any, name: str) -> npt.NDArray[np.int64]:
     return tokens.astype(np.int64)
 
 
-def _holds_a_bool(items: Sequence[Any], as_array: npt.NDArray[Any]) -> bool:
+def holds_a_bool(items: Sequence[Any], as_array: npt.NDArray[Any]) -> bool:
     """Whether a list of ints also holds a bool (numpy reads ``[5, True]`` as ``[5, 1]``): only
     the entries that read as 0 or 1 are looked at."""
     return any(isinstance(items[i], (bool, np.bool_))

@@ -836,3 +836,27 @@ def test_a_prefill_commit_lands_in_the_reserved_slots_whole_or_in_parts() -> Non
     assert mgr.tokens_of("a").tolist() == list(range(1, 16))
     assert mgr.tokens_of("b").tolist() == [5, 6, 7]
     mgr.check()
+
+
+def test_ragged_token_lists_convert_at_once_as_row_by_row() -> None:
+    """Guards batch_tokens' one-conversion path for B lists of ints (a mixed step's commits):
+    the same flat tokens and counts as converting each row, and every list it cannot take
+    (a bool, a float, a negative or huge id, a nested list, a tuple row) goes row by row,
+    raising what that path raises."""
+    from kvmem._validate import token_array
+    from kvmem.allocator._commits import batch_tokens
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows = [rng.integers(0, 1 << 31, rng.integers(0, 5)).tolist() for _ in range(6)]
+        flat, counts = batch_tokens(rows, 6)
+        parts = [token_array(r, "token_ids") for r in rows]
+        assert flat.dtype == np.int64 and flat.tolist() == np.concatenate(parts).tolist()
+        assert counts.tolist() == [len(r) for r in rows]
+    for bad, error in (([[1, True], [2]], ArgumentTypeError), ([[1, 2.5], [2]], ArgumentTypeError),
+                       ([[1, -1], [2]], ArgumentError), ([[1, 1 << 40], [2]], ArgumentError),
+                       ([[1, [2]], [3]], ArgumentError), ([[1, "a"], [2]], ArgumentTypeError)):
+        with pytest.raises(error):
+            batch_tokens(bad, 2)
+    assert batch_tokens([[], []], 2)[1].tolist() == [0, 0]
+    assert batch_tokens([(1, 2), [3]], 2)[0].tolist() == [1, 2, 3]

@@ -15,12 +15,13 @@ same state and raise the same errors (``Committer.per_request`` switches the fir
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvmem._validate import INT32_MAX, is_integer_like, show, token_array
+from kvmem._validate import INT32_MAX, holds_a_bool, is_integer_like, show, token_array
 from kvmem.allocator._page_table import PageTable
 from kvmem.allocator._pages import Pages
 from kvmem.allocator._step_metadata import StepBuilder, StepRecord
@@ -272,6 +273,9 @@ def batch_tokens(token_ids: Any, size: int
         raise ArgumentError(f"token_ids={show(token_ids)} holds {len(token_ids)} token lists for "
                             f"{size} requests: give one token (or token list) per request; "
                             "nothing was committed")
+    fast = _ragged_lists(token_ids)
+    if fast is not None:
+        return fast
     odd = [t for t in token_ids if not is_integer_like(t) and not hasattr(t, "__len__")]
     if odd:
         raise ArgumentTypeError(f"token_ids holds {show(odd[0])}: expected integer token ids "
@@ -280,3 +284,24 @@ def batch_tokens(token_ids: Any, size: int
     parts = [token_array(t, "token_ids") for t in token_ids]
     counts = np.array([p.size for p in parts], dtype=np.int64)
     return (np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)), counts
+
+
+def _ragged_lists(token_ids: Sequence[Any]) -> tuple[Int64Array, Int64Array] | None:
+    """``B`` lists of Python ints (a mixed step's commits, as the vLLM adapter gives them) in
+    one conversion instead of one per row: (flat, counts), or None when a row is not a plain
+    list or a check would fail (the row-by-row path then raises naming what is wrong)."""
+    if not all(type(t) is list for t in token_ids):
+        return None
+    flat_list = list(chain.from_iterable(token_ids))
+    try:
+        flat = np.array(flat_list)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    if not flat.size:
+        return flat.astype(np.int64), counts
+    if flat.ndim != 1 or flat.dtype.kind not in "iu" or holds_a_bool(flat_list, flat):
+        return None
+    if int(np.minimum.reduce(flat)) < 0 or int(np.maximum.reduce(flat)) > INT32_MAX:
+        return None
+    return flat.astype(np.int64), counts
