@@ -170,7 +170,7 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
             s.add_request(bench._make(rid, prompt, max_tokens, spec.block_size))
             added[name] += 1
 
-    timers = {w: _CallTimer() if by_call else bench._KVTimer() for w in scheds}
+    timers = {w: bench._KVTimer(by_call) for w in scheds}
     undo = [bench._instrument(s, timers[w], w == "kvmem") for w, s in scheds.items()]
     kv: dict[str, list[int]] = {w: [] for w in scheds}
     adapter = scheds["kvmem"].kv_cache_manager
@@ -198,7 +198,7 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
             for v in (*step_times.values(), *kv.values()):
                 v.clear()
             for timer in timers.values():
-                if isinstance(timer, _CallTimer):
+                if timer.by_call is not None:
                     timer.by_call.clear()
                     timer.calls_by.clear()
         outs = {}
@@ -219,10 +219,9 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
     extra: dict[str, Any] = {}
     if by_call:
         extra["kv_us_by_call"] = {w: {name: round(ns / steps / 1e3, 1) for name, ns in sorted(
-            t.by_call.items(), key=lambda kv: -kv[1])} for w, t in timers.items()
-            if isinstance(t, _CallTimer)}
+            (t.by_call or {}).items(), key=lambda kv: -kv[1])} for w, t in timers.items()}
         extra["kv_calls_by_call"] = {w: {name: round(c / steps, 2) for name, c in sorted(
-            t.calls_by.items())} for w, t in timers.items() if isinstance(t, _CallTimer)}
+            t.calls_by.items())} for w, t in timers.items()}
     return {
         "requests": n, "steps": steps, "requests_added": added["kvmem"],
         "joined_per_step": round((added["kvmem"] - added_before) / steps, 3),
@@ -239,41 +238,6 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
         "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
         **extra,
     }
-
-
-class _CallTimer:
-    """``kvmem.integrations.vllm.bench``'s KV timer (``total_ns``, ``calls``, outermost calls
-    only) that also sums the time inside each method name and counts its calls
-    (``--by-call``)."""
-
-    def __init__(self) -> None:
-        self.total_ns = 0
-        self.calls = 0
-        self.depth = 0
-        self.by_call: dict[str, int] = {}
-        self.calls_by: dict[str, int] = {}
-
-    def wrap(self, fn: Any) -> Any:
-        clock = time.perf_counter_ns
-        name = fn.__name__
-        by_call, calls_by = self.by_call, self.calls_by
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.depth:
-                return fn(*args, **kwargs)
-            self.depth = 1
-            self.calls += 1
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent = clock() - t0
-                self.total_ns += spent
-                by_call[name] = by_call.get(name, 0) + spent
-                calls_by[name] = calls_by.get(name, 0) + 1
-                self.depth = 0
-
-        return timed
 
 
 if __name__ == "__main__":

@@ -42,15 +42,20 @@ __all__ = ["lockstep"]
 
 class _KVTimer:
     """Accumulates the time spent inside wrapped methods (outermost calls only) and counts
-    those calls."""
+    those calls; with ``by_call``, also per method name (``by_call``: ns, ``calls_by``:
+    calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_call: bool = False) -> None:
         self.total_ns = 0
         self.calls = 0
         self.depth = 0
+        self.by_call: dict[str, int] | None = {} if by_call else None
+        self.calls_by: dict[str, int] = {}
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.perf_counter_ns
+        name = fn.__name__
+        by_call, calls_by = self.by_call, self.calls_by
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.depth:
@@ -61,7 +66,11 @@ class _KVTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total_ns += clock() - t0
+                spent = clock() - t0
+                self.total_ns += spent
+                if by_call is not None:
+                    by_call[name] = by_call.get(name, 0) + spent
+                    calls_by[name] = calls_by.get(name, 0) + 1
                 self.depth = 0
 
         return timed
