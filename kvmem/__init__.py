@@ -6,6 +6,8 @@ Layers (data flows downward; nothing imports upward)::
     kvmem.simulate     continuous batching on a planned pool, driving the real manager
     kvmem.planning     capacity plans, model and GPU presets, throughput model (no torch)
     kvmem.manager      KVCacheManager: the facade an engine calls, per request and per step
+    kvmem.hybrid       HybridManager: the same for a model whose layers keep several kinds of
+                       cache (KV cache groups: sliding windows, recurrent states, indexers)
     kvmem.allocator    PageAllocator, PageTable, prefix caches, step fences, the step's kernel
                        metadata, reserve and commit (numpy only)
     kvmem.integrity    the qualified tag format, trackers, the full check and the verifier
@@ -56,6 +58,7 @@ from kvmem.integrity import CheckingTracker, IntegrityReport, NoOpTracker, Track
 if TYPE_CHECKING:
     from kvmem.attention import paged_attention
     from kvmem.cuda import PagePool, PoolSpec, PoolStats
+    from kvmem.hybrid import HybridManager
     from kvmem.manager import AdmitResult, KVCacheManager, ManagerStats, VerifyReport
     from kvmem.planning import (
         CapacityPlan,
@@ -77,6 +80,7 @@ _LAZY = {
     "PoolStats": "kvmem.cuda",
     "AdmitResult": "kvmem.manager",
     "KVCacheManager": "kvmem.manager",
+    "HybridManager": "kvmem.hybrid",
     "ManagerStats": "kvmem.manager",
     "VerifyReport": "kvmem.manager",
     "CapacityPlan": "kvmem.planning",
@@ -114,6 +118,7 @@ __all__ = [
     "GrowResult",
     "HashedPrefixCache",
     "HookError",
+    "HybridManager",
     "IncompatibleCacheError",
     "IntegrityError",
     "IntegrityReport",

@@ -34,6 +34,15 @@ from kvmem.allocator._fences import Lease, StepFences, StepHandle
 from kvmem.allocator._forks import Forks
 from kvmem.allocator._group_allocator import GroupAllocator, GroupFit, GroupStats, GroupUsage
 from kvmem.allocator._group_costs import PaddedLayout, RequestCost, padded_layout, request_cost
+from kvmem.allocator._group_prefix import CheckpointEntry, GroupPrefixCache
+from kvmem.allocator._group_table import (
+    RELEASED,
+    GroupPages,
+    GroupTable,
+    HybridRequest,
+    HybridStep,
+    TokenRow,
+)
 from kvmem.allocator._groups import (
     FullAttentionSpec,
     GroupSpec,
@@ -57,23 +66,30 @@ from kvmem.integrity import PAD, Splice
 
 __all__ = [
     "PAD",
+    "RELEASED",
     "Admission",
     "AllocatorStats",
     "ByteArena",
     "CSRMetadata",
     "ChangeLog",
     "ChangeReader",
+    "CheckpointEntry",
     "Committer",
     "FaultHooks",
     "Forks",
     "FullAttentionSpec",
     "GroupAllocator",
     "GroupFit",
+    "GroupPages",
+    "GroupPrefixCache",
     "GroupSpec",
     "GroupStats",
+    "GroupTable",
     "GroupUsage",
     "GrowResult",
     "HashedPrefixCache",
+    "HybridRequest",
+    "HybridStep",
     "IndexerSpec",
     "Lease",
     "Namespace",
@@ -96,6 +112,7 @@ __all__ = [
     "StepHandle",
     "StepMetadata",
     "StepRecord",
+    "TokenRow",
     "WindowRow",
     "batch_tokens",
     "check_groups",

@@ -189,19 +189,38 @@ class GroupAllocator:
         """``[num_pages]``, int64: the lifetime tag of each of the group's pages."""
         return self.allocator(group).tags
 
-    def fit(self, needs: Mapping[str, int]) -> GroupFit:
+    def fit(self, needs: Mapping[str, int],
+            freeing: Mapping[str, npt.NDArray[np.integer]] | None = None) -> GroupFit:
         """Whether ``{group: num_pages}`` fits at once, and what it costs, in pages, chunks
-        and bytes. A group uses the free pages of its own chunks first, then borrows chunks."""
+        and bytes. A group uses the free pages of its own chunks first, then borrows chunks.
+
+        ``freeing``: ``{group: page ids}`` whose holders would be dropped first (a page listed
+        ``k`` times loses ``k``; e.g. a prefix cache's references): the answer is then the one
+        :meth:`free` of them followed by this fit would give. Changes nothing."""
         wanted = self._counts(needs)
-        free = tuple(a.num_free for a in self._allocators)
+        free = [a.num_free for a in self._allocators]
+        arena_free = self.arena.num_free
+        for name, listed in (freeing or {}).items():
+            g = self._group(name)
+            ids = as_page_ids(listed)
+            if ids.size == 0:
+                continue
+            uniq, counts = np.unique(ids, return_counts=True)
+            gone = uniq[self._allocators[g].refcounts[uniq] <= counts]
+            free[g] += gone.size
+            used = self._used[g]
+            per_chunk = np.bincount(gone // self.pages_per_chunk[g], minlength=used.size)
+            emptied = int(np.count_nonzero((used > 0) & (used == per_chunk)))
+            free[g] -= emptied * self.pages_per_chunk[g]  # (an emptied chunk goes back whole)
+            arena_free += emptied
         chunks = tuple(-(-max(0, n - f) // ppc)
                        for n, f, ppc in zip(wanted, free, self.pages_per_chunk))
         return GroupFit(
-            fits=sum(chunks) <= self.arena.num_free,
+            fits=sum(chunks) <= arena_free,
             num_pages=wanted,
-            num_free_pages=free,
+            num_free_pages=tuple(free),
             num_chunks=chunks,
-            num_free_chunks=self.arena.num_free,
+            num_free_chunks=arena_free,
             page_bytes=sum(n * b for n, b in zip(wanted, self.page_bytes)),
             chunk_bytes=sum(chunks) * self.chunk_bytes,
         )

@@ -30,6 +30,7 @@ from kvmem.integrity._check import (
     validate_csr,
 )
 from kvmem.integrity._full_check import FullCheck, Verdict
+from kvmem.integrity._group_check import check_hybrid_step
 from kvmem.integrity._metadata import Metadata, resolve_metadata
 from kvmem.integrity._ownership import owned_pages, row_is_own
 from kvmem.integrity._recorder import Recorder, tracker_for
@@ -78,6 +79,7 @@ __all__ = [
     "check_block_table_torch",
     "check_csr",
     "check_csr_torch",
+    "check_hybrid_step",
     "checked_beside",
     "lifetime_of",
     "max_spliced_rows",
