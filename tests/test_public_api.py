@@ -22,6 +22,7 @@ EXPECTED = {
     "GrowResult",
     "HashedPrefixCache",
     "HookError",
+    "HybridManager",
     "IncompatibleCacheError",
     "IntegrityError",
     "IntegrityReport",
