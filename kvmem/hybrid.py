@@ -33,6 +33,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,16 +50,17 @@ from kvmem.allocator import (
     GroupTable,
     HybridRequest,
     HybridStep,
-    SlidingWindowSpec,
     StateSpec,
     check_groups,
 )
-from kvmem.errors import ArgumentError, ConfigError, IntegrityError, OutOfPagesError
+from kvmem.errors import ArgumentError, ConfigError, IntegrityError, KVMemError, OutOfPagesError
 from kvmem.integrity import check_hybrid_step
 
 __all__ = ["HybridAdmit", "HybridCopy", "HybridManager", "HybridReport"]
 
 log = logging.getLogger(__name__)
+_TOKENS = attrgetter("tokens")
+_NO_ROWS = np.empty(0, dtype=np.intp)
 
 
 class HybridCopy(NamedTuple):
@@ -101,6 +103,7 @@ class HybridManager:
         ``StateSpec``, ``IndexerSpec``), distinct names
     budget_bytes: bytes every group's pages share
     chunk_bytes: the arena's unit (default: four of the largest page)
+    max_seqs: requests running at once (default 256)
     max_tokens_per_seq: a request's most tokens (default 131072)
     enable_prefix_caching: cache prefixes at checkpoints
     checkpoint_tokens: tokens between checkpoints, a multiple of every token group's page size
@@ -109,14 +112,15 @@ class HybridManager:
     """
 
     def __init__(self, groups: Sequence[GroupSpec], budget_bytes: int, *,
-                 chunk_bytes: int | None = None, max_tokens_per_seq: int = 131072,
-                 enable_prefix_caching: bool = True, checkpoint_tokens: int | None = None,
-                 seed: int = 0) -> None:
+                 chunk_bytes: int | None = None, max_seqs: int = 256,
+                 max_tokens_per_seq: int = 131072, enable_prefix_caching: bool = True,
+                 checkpoint_tokens: int | None = None, seed: int = 0) -> None:
         self.groups = check_groups(groups)
         self.allocator = GroupAllocator(self.groups, budget_bytes, chunk_bytes)
-        self.table = GroupTable(self.groups)
         self.max_tokens_per_seq = integer(max_tokens_per_seq, "max_tokens_per_seq", minimum=1)
-        sizes = [g.page_size for g in self.table.token_groups]
+        self.table = GroupTable(self.groups, integer(max_seqs, "max_seqs", minimum=1),
+                                self.max_tokens_per_seq)
+        sizes = [g.page_size for g in self.groups if not isinstance(g, StateSpec)]
         least = math.lcm(*sizes) if sizes else 1
         C = least if checkpoint_tokens is None else integer(checkpoint_tokens,
                                                             "checkpoint_tokens", minimum=1)
@@ -124,13 +128,12 @@ class HybridManager:
             raise ConfigError(f"checkpoint_tokens={C} is not a multiple of every token group's "
                               f"page size {sizes}: use a multiple of {least}.")
         self.checkpoint_tokens = C
-        self.cache = (GroupPrefixCache(self.allocator, tuple(g.name for g in
-                                                             self.table.state_groups), C,
+        self.cache = (GroupPrefixCache(self.allocator, tuple(self.table.states), C,
                                        integer(seed, "seed"))
                       if enable_prefix_caching else None)
-        self._page_sizes = {g.name: g.page_size for g in self.table.token_groups}
-        self._specs = {g.name: g for g in self.groups}
         self._copies: list[HybridCopy] = []
+        # The latest batch's ids and rows (forgotten when a request leaves).
+        self._last_batch: tuple[tuple[Any, ...], npt.NDArray[np.intp]] = ((), _NO_ROWS)
         self._held_for_copies: dict[str, list[int]] = {}
         self.num_checkpoints_skipped = 0  # state checkpoints not taken for want of room
 
@@ -164,19 +167,19 @@ class HybridManager:
         in every group (in chunks of ``chunk`` tokens, default the whole prompt: a sliding
         window holds at most its window and one chunk). Changes nothing."""
         tokens = self._prompt(token_ids)
+        if not self.table.num_free_rows:
+            return False
         end, keys, chain = self._match(tokens, namespace)
         n = len(tokens)
         chunk = n if chunk is None else integer(chunk, "chunk", minimum=1)
-        needs = {}
-        for g in self.groups:
-            if isinstance(g, StateSpec):
-                needs[g.name] = 1
-            elif isinstance(g, SlidingWindowSpec):  # at most its window and a chunk, held
-                peak = min(-(-n // g.page_size), -(-(g.window + chunk) // g.page_size) + 1)
-                restored = len(chain[-1].pages[g.name]) if chain else 0
-                needs[g.name] = max(0, peak - restored)
+        needs = {name: 1 for name in self.table.states}
+        for name, t in self.table.tokens.items():
+            P = t.page_size
+            if t.window:  # at most its window and a chunk, held
+                peak = min(-(-n // P), -(-(t.window + chunk) // P) + 1)
+                needs[name] = max(0, peak - (len(chain[-1].pages[name]) if chain else 0))
             else:
-                needs[g.name] = -(-n // g.page_size) - end // g.page_size
+                needs[name] = -(-n // P) - end // P
         return self._fits(needs, set(keys))
 
     def admit(self, request_id: Any, token_ids: Any, namespace: Any = None) -> HybridAdmit:
@@ -185,41 +188,40 @@ class HybridManager:
         ``reserve`` steps.
 
         Raises ArgumentError (duplicate id, empty or too long prompt), OutOfPagesError (no
-        room for its state slots); nothing changed then.
+        room for its state slots), KVMemError (``max_seqs`` requests running); nothing
+        changed then.
         """
         if not is_hashable(request_id) or request_id in self.table.requests:
             raise ArgumentError(f"request {request_id!r} is already running (or not hashable); "
                                 "release it first or use a new id")
         tokens = self._prompt(token_ids)
+        self._require_row(request_id)
         end, keys, chain = self._match(tokens, namespace)
-        needs = {g.name: 1 for g in self.table.state_groups}
+        needs = {name: 1 for name in self.table.states}
         self._make_room(needs, set(keys))
-        req = HybridRequest(namespace, tokens, self.groups)
+        req = self.table.open(request_id, namespace, tokens, end)
         shared: dict[str, list[int]] = {}
-        for g in self.table.token_groups:
-            if isinstance(g, SlidingWindowSpec):
-                first = self.table.first_page(g, end)
-                pages = [RELEASED] * first + (chain[-1].pages[g.name] if chain else [])
+        for name, t in self.table.tokens.items():
+            released = int(t.first_page(end)) if chain else 0
+            if t.window:
+                pages = [RELEASED] * released + (chain[-1].pages[name] if chain else [])
             else:
-                pages = [p for e in chain for p in e.pages[g.name]]
-            shared[g.name] = [p for p in pages if p != RELEASED]
-            tags = self.allocator.tags(g.name)
-            req.rows[g.name].restore(pages, [int(tags[p]) if p != RELEASED else 0
-                                             for p in pages])
-        if any(shared.values()):
-            self.allocator.share({k: v for k, v in shared.items() if v})
+                pages = [p for e in chain for p in e.pages[name]]
+            held = pages[released:]
+            t.restore(req.row, pages, [0] * released + self.allocator.tags(name)[held].tolist(),
+                      released)
+            if held:
+                shared[name] = held
+        if shared:
+            self.allocator.share(shared)
         slots = self.allocator.allocate(needs) if needs else {}
         for name, slot in slots.items():
             s = int(slot[0])
-            req.states[name] = (s, int(self.allocator.tags(name)[s]))
-            req.state_tokens[name] = end
+            self.table.states[name].take(req.row, s, int(self.allocator.tags(name)[s]), end)
             if chain:
-                src = chain[-1].states[name]
-                self._copy(name, src, s)
-        req.num_tokens = req.num_committed = end
+                self._copy(name, chain[-1].states[name], s)
         if self.cache is not None and keys:
             self.cache.touch(keys)
-        self.table.requests[request_id] = req
         req.keys = keys
         return HybridAdmit(request_id, end, len(tokens))
 
@@ -227,8 +229,9 @@ class HybridManager:
 
     def can_reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]) -> bool:
         """Whether ``reserve(request_ids, num_tokens)`` would find its pages now."""
-        reqs, counts = self._batch(request_ids, num_tokens)
-        return self._fits(self._growth(reqs, counts))
+        _, rows, counts = self._batch(request_ids, num_tokens)
+        growth = self.table.growth(rows, self.table.num_tokens[rows] + counts)
+        return self._fits({name: int(g.sum()) for name, g in growth.items()})
 
     def reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
                 ) -> HybridStep:
@@ -239,31 +242,21 @@ class HybridManager:
         Raises ArgumentError (unknown or repeated id, too many tokens), OutOfPagesError (not
         enough room even after evicting every cached prefix); nothing changed then.
         """
-        reqs, counts = self._batch(request_ids, num_tokens)
-        needs = self._growth(reqs, counts)
+        ids, rows, counts = self._batch(request_ids, num_tokens)
+        starts = self.table.num_tokens[rows]
+        ends = starts + counts
+        growth = self.table.growth(rows, ends)
+        needs = {name: int(g.sum()) for name, g in growth.items()}
         self._make_room(needs)
         new = self.allocator.allocate({k: v for k, v in needs.items() if v})
-        at = dict.fromkeys(new, 0)
-        starts, ends = [], []
-        for req, n in zip(reqs, counts):
-            end = req.num_tokens + n
-            grow = self.table.growth(req, end)
-            pages = {}
-            tags = {}
-            for name, k in grow.items():
-                if k:
-                    pages[name] = new[name][at[name] : at[name] + k]
-                    tags[name] = self.allocator.tags(name)[pages[name]]
-                    at[name] += k
-            self.table.append(req, pages, tags)
-            starts.append(req.num_tokens)
-            ends.append(end)
-            req.num_tokens = end
+        for name, pages in new.items():
+            self.table.tokens[name].append(rows, growth[name], pages,
+                                           self.allocator.tags(name)[pages])
+        self.table.set_tokens(rows, ends)
         if self._held_for_copies:  # the engine made the listed copies before this step
             held, self._held_for_copies = self._held_for_copies, {}
             self.allocator.free(held)
-        ids = id_tuple(request_ids, "request_ids")
-        return self.table.step(ids, starts, ends)
+        return self.table.step(ids, rows, starts, ends)
 
     def verify(self, request_ids: Sequence[Any], step: HybridStep) -> HybridReport:
         """Check the step's metadata in every group against what each request recorded and
@@ -273,55 +266,107 @@ class HybridManager:
         if ids != tuple(step.request_ids):
             raise ArgumentError(f"verify() was given {len(ids)} request ids that are not the "
                                 "step's batch; pass the ids the step was reserved for")
-        records = [self.table.requests.get(rid) if is_hashable(rid) else None for rid in ids]
-        holders: dict[str, dict[int, int]] = {g.name: {} for g in self.table.state_groups}
-        for req in self.table.requests.values():
-            for name, (slot, _) in req.states.items():
-                holders[name][slot] = holders[name].get(slot, 0) + 1
-        bad = check_hybrid_step(step, records, self._page_sizes, self._first_page,
+        reqs = self.table.requests
+        if ids == self._last_batch[0]:  # (the batch reserve just saw)
+            rows = self._last_batch[1]
+            known = np.ones(len(ids), dtype=bool)
+        else:
+            found = [reqs.get(rid) if is_hashable(rid) else None for rid in ids]
+            known = np.array([r is not None for r in found], dtype=bool)
+            rows = np.array([0 if r is None else r.row for r in found], dtype=np.intp)
+        num_tokens = np.where(known, self.table.num_tokens[rows], -1)
+        table = self.table
+        kernels = {name: (lambda starts, ends, n=name: table.kernel(n, rows, starts, ends))
+                   for name in table.tokens}
+        running = (np.array([r.row for r in reqs.values()], dtype=np.intp)
+                   if self.table.states else _NO_ROWS)
+        states = {}
+        for name, s in self.table.states.items():
+            slot = s.slot[rows]
+            holders = np.bincount(s.slot[running], minlength=self.allocator.allocator(
+                name).num_pages) if running.size else np.zeros(1, dtype=np.int64)
+            states[name] = (slot, s.tag[rows], s.tokens[rows], holders[slot])
+        bad = check_hybrid_step(step, known, num_tokens, kernels,
                                 {g.name: self.allocator.tags(g.name) for g in self.groups},
-                                holders)
-        aborted = {ids[b]: why for b, why in sorted(bad.items())}
+                                states)
+        aborted = {ids[b]: why for b, why in bad.items()}
         for rid, why in aborted.items():
             log.warning("request %r aborted: %s", rid, why)
-            if rid in self.table.requests:
+            if is_hashable(rid) and rid in reqs:
                 self.release(rid)
         return HybridReport(aborted)
 
     def commit(self, request_id: Any, token_ids: Any) -> None:
-        """The KV (and state) of these tokens, the request's next reserved ones, is written.
-        Pages the next query's window leaves are released; each checkpoint reached is cached
-        (its state too when the commit ends exactly there). Raises ArgumentError, changing
-        nothing, if more tokens than reserved are committed or a prompt token differs."""
-        req = self._running(request_id)
-        tokens: list[int] = token_array(token_ids, "token_ids").tolist()
-        c = req.num_committed
-        if len(tokens) > req.num_tokens - c:
-            raise ArgumentError(f"request {request_id!r}: commits {len(tokens)} tokens but has "
-                                f"{req.num_tokens - c} reserved, uncommitted slots (nothing "
-                                "changed)")
-        known = req.tokens[c : c + len(tokens)]
-        if tokens[: len(known)] != known:
-            raise ArgumentError(f"request {request_id!r}: the committed tokens differ from its "
-                                f"prompt at positions {c}..{c + len(known) - 1} (nothing "
-                                "changed)")
-        req.tokens.extend(tokens[len(known):])
-        req.num_committed = c + len(tokens)
-        for name in req.state_tokens:
-            req.state_tokens[name] = req.num_committed
+        """``commit_batch`` of one request."""
+        self.commit_batch([request_id], [token_ids])
+
+    def commit_batch(self, request_ids: Sequence[Any], token_ids: Any) -> None:
+        """The KV (and states) of these tokens, each request's next reserved ones, is written:
+        ``token_ids`` one list per request, or ``[B]`` ints (one token each). Pages the next
+        query's window leaves are released; each checkpoint reached is cached (its states
+        too when the commit ends exactly there). Raises ArgumentError, changing nothing, if a
+        request commits more tokens than it reserved or a prompt token that differs."""
+        ids, rows, _ = self._batch(request_ids, 0)
+        one_each = isinstance(token_ids, np.ndarray) and token_ids.ndim == 1
+        if one_each:
+            ones = token_array(token_ids, "token_ids").tolist()
+            lists: list[list[int]] = []
+            counts = np.ones(len(ones), dtype=np.int64)
+        else:
+            lists = [token_array(t, "token_ids[i]").tolist() for t in token_ids]
+            counts = np.array([len(x) for x in lists], dtype=np.int64)
+        if counts.size != len(ids):
+            raise ArgumentError(f"token_ids has {counts.size} entries for {len(ids)} requests")
+        before = self.table.num_committed[rows]
+        over = np.flatnonzero(counts > self.table.num_tokens[rows] - before)
+        if over.size:
+            i = int(over[0])
+            raise ArgumentError(f"request {ids[i]!r}: commits {counts[i]} tokens but has "
+                                f"{self.table.num_tokens[rows[i]] - before[i]} reserved, "
+                                "uncommitted slots (nothing changed)")
+        reqs = list(map(self.table.requests.__getitem__, ids))
+        known = np.fromiter(map(len, map(_TOKENS, reqs)), dtype=np.int64, count=len(reqs))
+        inside = np.flatnonzero(before < known).tolist()  # commits of prompt tokens
+        if one_each and not inside:  # the decode step: a new token each
+            for tokens, t in zip(map(_TOKENS, reqs), ones):
+                tokens.append(t)
+        else:
+            if one_each:
+                lists = [[t] for t in ones]
+            for i in inside:
+                c, toks = int(before[i]), lists[i]
+                prompt = reqs[i].tokens[c : c + len(toks)]
+                if toks[: len(prompt)] != prompt:
+                    raise ArgumentError(f"request {ids[i]!r}: the committed tokens differ "
+                                        f"from its prompt at positions {c}..{c + len(prompt) - 1}"
+                                        " (nothing changed)")
+            for req, toks, c in zip(reqs, lists, before.tolist()):
+                if c + len(toks) > len(req.tokens):
+                    req.tokens.extend(toks[len(req.tokens) - c :])
+        after = before + counts
+        self.table.set_committed(rows, after)
+        for s in self.table.states.values():
+            s.advance(rows, after)
         if self.cache is not None:
-            self._checkpoint(req)
-        gone = self.table.outside_window(req)
+            C = self.checkpoint_tokens
+            for i in np.flatnonzero(after // C > before // C).tolist():
+                self._checkpoint(reqs[i])
+        gone = {}
+        for name, t in self.table.tokens.items():
+            if t.window:
+                pages = t.release_before(rows, t.first_page(after))
+                if pages.size:
+                    gone[name] = pages
         if gone:
             self.allocator.free(gone)
 
     def release(self, request_id: Any) -> None:
         """Forget a request (finished or aborted): drop every page and slot it holds."""
-        req = self._running(request_id)
-        held = {k: v for k, v in self.table.held(req).items() if v}
+        self._running(request_id)
+        self._last_batch = ((), _NO_ROWS)
+        held = self.table.close(request_id)
         if held:
             self.allocator.free(held)
-        del self.table.requests[request_id]
 
     def fork(self, parent_id: Any, child_id: Any) -> list[HybridCopy]:
         """Start ``child_id`` as a copy of ``parent_id`` (beam search, parallel sampling): it
@@ -330,36 +375,37 @@ class HybridManager:
         parent = self._running(parent_id)
         if not is_hashable(child_id) or child_id in self.table.requests:
             raise ArgumentError(f"request {child_id!r} is already running (or not hashable)")
-        if parent.num_committed != parent.num_tokens:
-            pending = parent.num_tokens - parent.num_committed
-            raise ArgumentError(f"request {parent_id!r} has {pending} reserved, uncommitted "
-                                "slots; commit its step before forking it (nothing changed)")
-        tails = {g.name: parent.num_tokens % g.page_size != 0 for g in self.table.token_groups}
-        needs = {name: 1 for name, t in tails.items() if t}
-        needs.update({g.name: 1 for g in self.table.state_groups})
+        p = parent.row
+        n = int(self.table.num_tokens[p])
+        if self.table.num_committed[p] != n:
+            raise ArgumentError(f"request {parent_id!r} has {n - self.table.num_committed[p]} "
+                                "reserved, uncommitted slots; commit its step before forking "
+                                "it (nothing changed)")
+        self._require_row(child_id)
+        tails = [name for name, t in self.table.tokens.items() if n % t.page_size]
+        needs = dict.fromkeys([*tails, *self.table.states], 1)
         self._make_room(needs)
         new = self.allocator.allocate(needs) if needs else {}
-        child = HybridRequest(parent.namespace, list(parent.tokens), self.groups)
-        child.num_tokens = child.num_committed = parent.num_committed
+        child = self.table.open(child_id, parent.namespace, list(parent.tokens), n)
         copies: list[HybridCopy] = []
-        shared: dict[str, list[int]] = {}
-        for name, prow in parent.rows.items():
-            row = child.rows[name]
-            row.restore(prow.pages, prow.tags)
-            if tails[name]:
-                dst = int(new[name][0])
-                copies.append(self._copy(name, prow.pages[-1], dst))
-                row.set_last(dst, int(self.allocator.tags(name)[dst]))
-            shared[name] = [p for p in prow.pages[: len(prow.pages) - tails[name]]
-                            if p != RELEASED]
-        if any(shared.values()):
-            self.allocator.share({k: v for k, v in shared.items() if v})
-        for name, (slot, _) in parent.states.items():
+        shared = {}
+        for name, t in self.table.tokens.items():
+            held = t.held(p)
+            tail = None
+            if name in tails:
+                src, dst = int(t.pages[p, t.num_pages[p] - 1]), int(new[name][0])
+                copies.append(self._copy(name, src, dst))
+                tail = (dst, int(self.allocator.tags(name)[dst]))
+                held = held[:-1]
+            t.fork(p, child.row, tail)
+            if held.size:
+                shared[name] = held
+        if shared:
+            self.allocator.share(shared)
+        for name, s in self.table.states.items():
             dst = int(new[name][0])
-            copies.append(self._copy(name, slot, dst))
-            child.states[name] = (dst, int(self.allocator.tags(name)[dst]))
-            child.state_tokens[name] = parent.state_tokens[name]
-        self.table.requests[child_id] = child
+            copies.append(self._copy(name, int(s.slot[p]), dst))
+            s.take(child.row, dst, int(self.allocator.tags(name)[dst]), int(s.tokens[p]))
         child.keys = list(parent.keys)
         return copies
 
@@ -372,21 +418,22 @@ class HybridManager:
     # -- queries -----------------------------------------------------------------------------
 
     def num_tokens(self, request_id: Any) -> int:
-        return self._running(request_id).num_tokens
+        return int(self.table.num_tokens[self._running(request_id).row])
 
     def num_committed(self, request_id: Any) -> int:
-        return self._running(request_id).num_committed
+        return int(self.table.num_committed[self._running(request_id).row])
 
     def pages_of(self, request_id: Any, group: str) -> npt.NDArray[np.int32]:
         """``[k]`` int32: the request's row in a token group (``-1`` where released), or its
         slot in a state group."""
-        req = self._running(request_id)
-        if group in req.states:
-            return np.array([req.states[group][0]], dtype=np.int32)
-        if group not in req.rows:
+        row = self._running(request_id).row
+        if group in self.table.states:
+            return self.table.states[group].slot[row : row + 1].copy()
+        t = self.table.tokens.get(group) if isinstance(group, str) else None
+        if t is None:
             raise ArgumentError(f"group={group!r}: no such group; the groups are "
                                 f"{[g.name for g in self.groups]}")
-        return np.array(req.rows[group].pages, dtype=np.int32)
+        return t.pages[row, : t.num_pages[row]].copy()
 
     def stats(self) -> GroupStats:
         return self.allocator.stats()
@@ -397,47 +444,38 @@ class HybridManager:
         are its pages' tags now; raises IntegrityError naming the problems."""
         self.allocator.check()
         problems = []
-        for g in self.groups:
-            counts: dict[int, int] = {}
-            for req in self.table.requests.values():
-                for p in self.table.held(req).get(g.name, []):
-                    counts[p] = counts.get(p, 0) + 1
-            if self.cache is not None:
-                for p in self.cache.references().get(g.name, []):
-                    counts[p] = counts.get(p, 0) + 1
-            for p in self._held_for_copies.get(g.name, []):
-                counts[p] = counts.get(p, 0) + 1
-            alloc = self.allocator.allocator(g.name)
-            ppc = self.allocator.pages_per_chunk[self.allocator.names.index(g.name)]
-            owners = self.allocator.arena.owners
-            mine = np.flatnonzero(np.repeat(owners, ppc) == self.allocator.names.index(g.name))
-            rc = alloc.refcounts
-            wrong = [p for p in mine.tolist() if rc[p] != counts.get(p, 0)]
-            if wrong:
-                problems.append(f"group {g.name!r}: pages {wrong[:8]} have holders "
-                                f"{[int(rc[p]) for p in wrong[:8]]}, expected "
-                                f"{[counts.get(p, 0) for p in wrong[:8]]}")
-            tags = alloc.tags
-            for rid, req in self.table.requests.items():
-                if g.name in req.rows:
-                    row = req.rows[g.name]
-                    stale = [i for i, (p, t) in enumerate(zip(row.pages, row.tags))
-                             if p != RELEASED and int(tags[p]) != t]
-                elif g.name in req.states:
-                    slot, tag = req.states[g.name]
-                    stale = [0] if int(tags[slot]) != tag else []
-                else:
-                    stale = []
-                if stale:
-                    problems.append(f"request {rid!r}, group {g.name!r}: row indices "
-                                    f"{stale[:8]} hold pages whose lifetime changed")
+        rows = [req.row for req in self.table.requests.values()]
+        refs = self.cache.references() if self.cache is not None else {}
+        for g, name in enumerate(self.allocator.names):
+            alloc = self.allocator.allocator(name)
+            held: list[Any] = [refs.get(name, []), self._held_for_copies.get(name, [])]
+            if name in self.table.states:
+                s = self.table.states[name]
+                held.append(s.slot[rows])
+                stale = [r for r in rows if alloc.tags[s.slot[r]] != s.tag[r]]
+            else:
+                t = self.table.tokens[name]
+                for r in rows:
+                    held.append(t.held(r))
+                stale = [r for r in rows
+                         if (alloc.tags[t.held(r)] != t.tags[r, t.released[r] : t.num_pages[r]][
+                             t.pages[r, t.released[r] : t.num_pages[r]] != RELEASED]).any()]
+            flat = np.concatenate([np.asarray(h, dtype=np.int64) for h in held])
+            counts = np.bincount(flat, minlength=alloc.num_pages)
+            ppc = self.allocator.pages_per_chunk[g]
+            mine = np.repeat(self.allocator.arena.owners == g, ppc)
+            wrong = np.flatnonzero(mine & (alloc.refcounts != counts))
+            if wrong.size:
+                problems.append(f"group {name!r}: pages {wrong[:8].tolist()} have holders "
+                                f"{alloc.refcounts[wrong[:8]].tolist()}, expected "
+                                f"{counts[wrong[:8]].tolist()}")
+            if stale:
+                problems.append(f"group {name!r}: rows {stale[:8]} hold pages whose lifetime "
+                                "changed")
         if problems:
             raise IntegrityError("HybridManager.check() failed: " + "; ".join(problems))
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _first_page(self, group: str, position: int) -> int:
-        return self.table.first_page(self._specs[group], position)  # type: ignore[arg-type]
 
     def _running(self, request_id: Any) -> HybridRequest:
         req = self.table.requests.get(request_id) if is_hashable(request_id) else None
@@ -445,32 +483,40 @@ class HybridManager:
             raise ArgumentError(f"request {request_id!r} is not running (admit it first)")
         return req
 
-    def _batch(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
-               ) -> tuple[list[HybridRequest], list[int]]:
-        ids = id_tuple(request_ids, "request_ids")
-        if len(set(ids)) != len(ids):
-            raise ArgumentError(f"request_ids lists a request twice: {list(ids)[:8]}")
-        reqs = [self._running(rid) for rid in ids]
-        if isinstance(num_tokens, (int, np.integer)):
-            counts = [integer(num_tokens, "num_tokens", minimum=0)] * len(ids)
-        else:
-            counts = [integer(n, "num_tokens[i]", minimum=0) for n in num_tokens]
-            if len(counts) != len(ids):
-                raise ArgumentError(f"num_tokens has {len(counts)} counts for {len(ids)} "
-                                    "requests")
-        for rid, req, n in zip(ids, reqs, counts):
-            if req.num_tokens + n > self.max_tokens_per_seq:
-                raise ArgumentError(f"request {rid!r} would hold {req.num_tokens + n} tokens, "
-                                    f"more than max_tokens_per_seq={self.max_tokens_per_seq} "
-                                    "(nothing was reserved)")
-        return reqs, counts
+    def _require_row(self, request_id: Any) -> None:
+        if not self.table.num_free_rows:
+            raise KVMemError(f"request {request_id!r}: all {self.table.num_tokens.size} rows "
+                             "(max_seqs) are running requests; release one first (nothing "
+                             "changed)")
 
-    def _growth(self, reqs: list[HybridRequest], counts: list[int]) -> dict[str, int]:
-        needs = dict.fromkeys(self._page_sizes, 0)
-        for req, n in zip(reqs, counts):
-            for name, k in self.table.growth(req, req.num_tokens + n).items():
-                needs[name] += k
-        return needs
+    def _batch(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
+               ) -> tuple[tuple[Any, ...], npt.NDArray[np.intp], npt.NDArray[np.int64]]:
+        ids = id_tuple(request_ids, "request_ids")
+        if ids == self._last_batch[0]:  # (a decode step's batch, again: no request left)
+            rows = self._last_batch[1]
+        else:
+            if len(set(ids)) != len(ids):
+                raise ArgumentError(f"request_ids lists a request twice: {list(ids)[:8]}")
+            rows = np.array([self._running(rid).row for rid in ids], dtype=np.intp)
+            rows.flags.writeable = False
+            self._last_batch = (ids, rows)
+        if isinstance(num_tokens, (int, np.integer)):
+            counts = np.full(len(ids), integer(num_tokens, "num_tokens", minimum=0),
+                             dtype=np.int64)
+        else:
+            counts = np.array([integer(n, "num_tokens[i]", minimum=0) for n in num_tokens],
+                              dtype=np.int64)
+            if counts.size != len(ids):
+                raise ArgumentError(f"num_tokens has {counts.size} counts for {len(ids)} "
+                                    "requests")
+        over = np.flatnonzero(self.table.num_tokens[rows] + counts > self.max_tokens_per_seq)
+        if over.size:
+            i = int(over[0])
+            raise ArgumentError(f"request {ids[i]!r} would hold "
+                                f"{self.table.num_tokens[rows[i]] + counts[i]} tokens, more "
+                                f"than max_tokens_per_seq={self.max_tokens_per_seq} (nothing "
+                                "was reserved)")
+        return ids, rows, counts
 
     def _fits(self, needs: Mapping[str, int], keep: set[bytes] | None = None) -> bool:
         if self.allocator.fit(needs).fits:
@@ -498,16 +544,16 @@ class HybridManager:
         copy = HybridCopy(group, src, dst)
         self._copies.append(copy)
         self.allocator.share({group: [src, dst]})
-        held = self._held_for_copies.setdefault(group, [])
-        held += [src, dst]
+        self._held_for_copies.setdefault(group, []).extend((src, dst))
         return copy
 
     def _checkpoint(self, req: HybridRequest) -> None:
         """Cache each checkpoint ``req``'s committed tokens reached since the last one."""
         assert self.cache is not None
         C = self.checkpoint_tokens
+        committed = int(self.table.num_committed[req.row])
         keys = req.keys
-        while (len(keys) + 1) * C <= req.num_committed:
+        while (len(keys) + 1) * C <= committed:
             end = (len(keys) + 1) * C
             parent = keys[-1] if keys else self.cache.root(req.namespace)
             key = self.cache.next_key(parent, req.tokens[end - C : end])
@@ -518,7 +564,7 @@ class HybridManager:
                 if entry is None:
                     continue
                 self.cache.insert(key, entry)
-            if end == req.num_committed and len(entry.states) < len(self.table.state_groups):
+            if end == committed and len(entry.states) < len(self.table.states):
                 self._take_states(req, key, entry)
 
     def _entry(self, req: HybridRequest, end: int) -> CheckpointEntry | None:
@@ -526,28 +572,25 @@ class HybridManager:
         longer held)."""
         C = self.checkpoint_tokens
         pages = {}
-        for g in self.table.token_groups:
-            row = req.rows[g.name].pages
-            P = g.page_size
-            lo = self.table.first_page(g, end) if isinstance(g, SlidingWindowSpec) else \
-                (end - C) // P
-            part = row[lo : end // P]
+        for name, t in self.table.tokens.items():
+            P = t.page_size
+            lo = int(t.first_page(end)) if t.window else (end - C) // P
+            part = t.pages[req.row, lo : end // P].tolist()
             if RELEASED in part:
                 return None
-            pages[g.name] = list(part)
+            pages[name] = part
         return CheckpointEntry(end, tuple(req.tokens[end - C : end]), pages)
 
     def _take_states(self, req: HybridRequest, key: bytes, entry: CheckpointEntry) -> None:
         """A checkpoint slot for each state the entry lacks, copied from the request's state
         (the state after exactly ``entry.end`` tokens); skipped if there is no free room."""
         assert self.cache is not None
-        missing = {g.name: 1 for g in self.table.state_groups if g.name not in entry.states}
+        missing = {name: 1 for name in self.table.states if name not in entry.states}
         if not self.allocator.fit(missing).fits:
             self.num_checkpoints_skipped += 1
             return
         slots = self.allocator.allocate(missing)
         states = {name: int(s[0]) for name, s in slots.items()}
         for name, dst in states.items():
-            self._copy(name, req.states[name][0], dst)
+            self._copy(name, int(self.table.states[name].slot[req.row]), dst)
         self.cache.add_states(key, states)
-

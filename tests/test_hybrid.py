@@ -203,9 +203,9 @@ def test_failed_calls_change_nothing() -> None:
     prefill(m, "a", list(range(40)))
 
     def snapshot() -> Any:
-        return (m.stats(), {rid: (r.num_tokens, r.num_committed, [list(x.pages) for x in
-                                                                   r.rows.values()])
-                            for rid, r in m.table.requests.items()},
+        t = m.table
+        return (m.stats(), t.num_tokens.tobytes(), t.num_committed.tobytes(),
+                [(r.pages.tobytes(), r.num_pages.tobytes()) for r in t.tokens.values()],
                 len(m.cache.entries))  # type: ignore[union-attr]
 
     before = snapshot()
@@ -274,10 +274,11 @@ def test_a_window_page_freed_while_still_read_aborts_only_its_request() -> None:
     someone else) while the step's kernel still reads it."""
     m = two_running()
     step = m.reserve(["a", "b"], 1)
-    req = m.table.requests["a"]
+    row = m.table.requests["a"].row
     first = int(step.groups["swa"].first[0])
-    page = req.rows["swa"].pages[first]
-    req.rows["swa"].pages[first] = RELEASED  # the manager's bug: released too early
+    swa = m.table.tokens["swa"]
+    page = int(swa.pages[row, first])
+    swa.release_before(np.array([row]), np.array([first + 1]))  # the bug: one page too early
     m.allocator.free({"swa": [page]})
     report = m.verify(["a", "b"], step)
     assert list(report.aborted) == ["a"]
@@ -299,10 +300,11 @@ def test_a_state_slot_shared_after_fork_without_a_copy_is_caught() -> None:
     m = two_running()
     m.fork("a", "c")
     m.take_copies()
-    child, parent = m.table.requests["c"], m.table.requests["a"]
-    own = child.states["gdn"][0]
-    child.states["gdn"] = parent.states["gdn"]  # the fork's bug: the state shared
-    m.allocator.share({"gdn": [parent.states["gdn"][0]]})
+    child, parent = m.table.requests["c"].row, m.table.requests["a"].row
+    gdn = m.table.states["gdn"]
+    own = int(gdn.slot[child])
+    gdn.take(child, int(gdn.slot[parent]), int(gdn.tag[parent]), int(gdn.tokens[parent]))
+    m.allocator.share({"gdn": [int(gdn.slot[parent])]})  # the fork's bug: the state shared
     m.allocator.free({"gdn": [own]})
     step = m.reserve(["a", "b", "c"], 1)
     report = m.verify(["a", "b", "c"], step)
@@ -318,7 +320,7 @@ def test_a_prefix_hit_restoring_the_pages_but_not_the_state_is_caught() -> None:
     m.admit("b", [*prompt, 1])
     m.take_copies()
     prefill(m, "o", list(range(900, 930)))
-    m.table.requests["b"].state_tokens["gdn"] = 0  # the bug: a fresh state, not the checkpoint
+    m.table.states["gdn"].tokens[m.table.requests["b"].row] = 0  # the bug: a fresh state
     step = m.reserve(["b", "o"], [5, 1])
     report = m.verify(["b", "o"], step)
     assert list(report.aborted) == ["b"]

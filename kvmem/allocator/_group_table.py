@@ -8,15 +8,18 @@ the request mapped it, and a step's kernel metadata per group (:class:`HybridSte
                                                    gdn (state)       slot 11
     the step's kernel lists   full: 3 9 2 7 5 (first 0)   swa: 8 1 6 (first 2)   gdn: 11
 
-A token group's row maps row index ``i`` (tokens ``i * page_size ..``) to a page, or to
-``RELEASED`` where the request let go of it (a sliding window's pages before the next query's
-window) or never mapped it (a prefix hit restores only the window's pages). Beside each page
-the row keeps the page's lifetime tag at the time it was mapped: the expectations the batched
-check compares with (``kvmem.integrity.check_hybrid_step``). A state group holds one slot per
-request, with its tag.
+A request owns one row (``0 .. max_seqs - 1``) in every group. A token group's row maps row
+index ``i`` (tokens ``i * page_size ..``) to a page, or to ``RELEASED`` where the request let
+go of it (a sliding window's pages before the next query's window) or never mapped it (a
+prefix hit restores only the window's pages). Beside each page the row keeps the page's
+lifetime tag at the time it was mapped: the expectations the batched check compares with
+(``kvmem.integrity.check_hybrid_step``). A state group holds one slot per row, its tag and
+the tokens the state has absorbed.
 
-Pure bookkeeping: pages are allocated and freed by the caller (the hybrid manager, through its
-:class:`~kvmem.allocator.GroupAllocator`); this table says which it needs and which it drops.
+Numpy arrays, one writer (:class:`TokenRows`, :class:`StateRows`); a batch's operations are a
+constant number of numpy calls whatever its size. Pages are allocated and freed by the
+caller (the hybrid manager, through its :class:`~kvmem.allocator.GroupAllocator`): this table
+says which it needs and which it drops.
 """
 
 from __future__ import annotations
@@ -33,65 +36,160 @@ from kvmem.allocator._groups import (
     IndexerSpec,
     SlidingWindowSpec,
     StateSpec,
-    first_window_page,
 )
 
-__all__ = ["RELEASED", "GroupPages", "GroupTable", "HybridRequest", "HybridStep", "TokenRow"]
+__all__ = ["RELEASED", "GroupPages", "GroupTable", "HybridRequest", "HybridStep", "StateRows",
+           "TokenRows", "ragged"]
 
 RELEASED = -1
 TokenSpec = FullAttentionSpec | SlidingWindowSpec | IndexerSpec
+I64 = npt.NDArray[np.int64]
 
 
-class TokenRow:
-    """One request's pages in one token group: ``pages[i]`` holds row index ``i``'s tokens
-    (``RELEASED`` when not held), ``tags[i]`` its tag when mapped."""
+def ragged(lengths: I64) -> tuple[I64, I64, I64]:
+    """For segments of ``lengths``: ``(indptr [n+1], segment of each element, offset of each
+    element in its segment)``, int64."""
+    indptr = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    seg = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    return indptr, seg, np.arange(indptr[-1], dtype=np.int64) - indptr[seg]
 
-    __slots__ = ("pages", "tags")
 
-    def __init__(self) -> None:
-        self.pages: list[int] = []
-        self.tags: list[int] = []
+class TokenRows:
+    """One token group's rows: ``pages`` ``[max_seqs, max_pages]`` int32 (``RELEASED`` where
+    not held), ``tags`` the same shape int64 (each page's tag when mapped), ``num_pages``
+    ``[max_seqs]`` row lengths, ``released`` ``[max_seqs]`` row indices before it released."""
 
-    def restore(self, pages: list[int], tags: list[int]) -> None:
-        """Map ``pages`` (``RELEASED`` where not held) with their tags, from row index 0."""
-        self.pages, self.tags = list(pages), list(tags)
+    def __init__(self, spec: TokenSpec, max_seqs: int, max_pages: int) -> None:
+        self.spec = spec
+        self.page_size = spec.page_size
+        self.window = spec.window if isinstance(spec, SlidingWindowSpec) else 0
+        self.pages = np.full((max_seqs, max_pages), RELEASED, dtype=np.int32)
+        self.tags = np.zeros((max_seqs, max_pages), dtype=np.int64)
+        self.num_pages = np.zeros(max_seqs, dtype=np.int64)
+        self.released = np.zeros(max_seqs, dtype=np.int64)
+        self.version = 0  # moves with every write: a kernel computed at one version holds
 
-    def extend(self, pages: list[int], tags: list[int]) -> None:
-        self.pages.extend(pages)
-        self.tags.extend(tags)
+    def first_page(self, positions: Any) -> Any:
+        """The first row index a query at each position reads (0 but for a sliding window)."""
+        if not self.window:
+            return positions * 0
+        return np.maximum(positions - self.window + 1, 0) // self.page_size
 
-    def set_last(self, page: int, tag: int) -> None:
-        """Map another page at the last row index (a fork's copy of its tail)."""
-        self.pages[-1], self.tags[-1] = page, tag
+    def held(self, row: int) -> npt.NDArray[np.int32]:
+        pages = self.pages[row, self.released[row] : self.num_pages[row]]
+        return pages[pages != RELEASED]
 
-    def release_before(self, stop: int) -> list[int]:
-        """Mark row indices before ``stop`` ``RELEASED``; returns the pages they held."""
-        stop = min(stop, len(self.pages))
-        gone = [p for p in self.pages[:stop] if p != RELEASED]
-        if gone:
-            self.pages[:stop] = [RELEASED] * stop
-        return gone
+    # -- writes ----------------------------------------------------------------------------
+
+    def restore(self, row: int, pages: list[int], tags: list[int], released: int) -> None:
+        """Map ``pages`` (``RELEASED`` before row index ``released``) with their tags."""
+        self.version += 1
+        n = len(pages)
+        self.pages[row, :n] = pages
+        self.tags[row, :n] = tags
+        self.num_pages[row] = n
+        self.released[row] = released
+
+    def clear(self, row: int) -> None:
+        self.version += 1
+        self.pages[row, : self.num_pages[row]] = RELEASED
+        self.num_pages[row] = 0
+        self.released[row] = 0
+
+    def append(self, rows: npt.NDArray[np.intp], counts: I64, pages: npt.NDArray[np.int32],
+               tags: I64) -> None:
+        """Map ``counts[i]`` new pages (``pages``, in row order) at the end of ``rows[i]``."""
+        self.version += 1
+        _, seg, off = ragged(counts)
+        r = rows[seg]
+        cols = self.num_pages[r] + off
+        self.pages[r, cols] = pages
+        self.tags[r, cols] = tags
+        self.num_pages[rows] += counts
+
+    def release_before(self, rows: npt.NDArray[np.intp], stop: I64) -> npt.NDArray[np.int32]:
+        """Mark each row's indices before ``stop`` released; returns the pages they held."""
+        stop = np.minimum(stop, self.num_pages[rows])
+        gain = np.maximum(stop - self.released[rows], 0)
+        if not gain.any():
+            return np.empty(0, dtype=np.int32)
+        self.version += 1
+        _, seg, off = ragged(gain)
+        r = rows[seg]
+        cols = self.released[r] + off
+        gone = self.pages[r, cols]
+        self.pages[r, cols] = RELEASED
+        self.released[rows] += gain
+        return gone[gone != RELEASED]
+
+    def fork(self, src: int, dst: int, tail: tuple[int, int] | None) -> None:
+        """Row ``dst`` maps what ``src`` maps; ``tail``: its last index maps ``(page, tag)``."""
+        self.version += 1
+        n = self.num_pages[src]
+        self.pages[dst, :n] = self.pages[src, :n]
+        self.tags[dst, :n] = self.tags[src, :n]
+        self.num_pages[dst] = n
+        self.released[dst] = self.released[src]
+        if tail is not None:
+            self.pages[dst, n - 1], self.tags[dst, n - 1] = tail
+
+    # -- the step --------------------------------------------------------------------------
+
+    def kernel(self, rows: npt.NDArray[np.intp], starts: I64, ends: I64
+               ) -> tuple[I64, npt.NDArray[np.int32], I64, I64, I64]:
+        """What a step computing tokens ``starts:ends`` of ``rows`` reads and writes here:
+        ``(indptr [B+1], indices [nnz] (the rows' pages, RELEASED where not held), recorded
+        tags [nnz], first [B], slot_mapping [N])``."""
+        P = self.page_size
+        first = self.first_page(starts)
+        indptr, seg, off = ragged(-(-ends // P) - first)
+        flat = (rows * self.pages.shape[1] + first)[seg] + off  # (row, column), flattened
+        indices = self.pages.ravel().take(flat)
+        tags = self.tags.ravel().take(flat)
+        new = ends - starts
+        if new.size and (new == 1).all():  # the decode step: one token each
+            positions = starts
+            token_rows = rows
+        else:
+            _, tseg, toff = ragged(new)
+            positions = starts[tseg] + toff
+            token_rows = rows[tseg]
+        slots = self.pages[token_rows, positions // P].astype(np.int64) * P + positions % P
+        return indptr, indices, tags, first, slots
+
+
+class StateRows:
+    """One state group's rows: ``slot`` ``[max_seqs]`` int32, ``tag`` its tag when taken,
+    ``tokens`` the tokens the state has absorbed."""
+
+    def __init__(self, spec: StateSpec, max_seqs: int) -> None:
+        self.spec = spec
+        self.slot = np.full(max_seqs, RELEASED, dtype=np.int32)
+        self.tag = np.zeros(max_seqs, dtype=np.int64)
+        self.tokens = np.zeros(max_seqs, dtype=np.int64)
+
+    def take(self, row: int, slot: int, tag: int, tokens: int) -> None:
+        self.slot[row], self.tag[row], self.tokens[row] = slot, tag, tokens
+
+    def clear(self, row: int) -> None:
+        self.slot[row] = RELEASED
+
+    def advance(self, rows: npt.NDArray[np.intp], tokens: I64) -> None:
+        self.tokens[rows] = tokens
 
 
 class HybridRequest:
-    """A running request: its tokens (prompt, then every committed one), slots reserved
-    (``num_tokens``) and committed, a :class:`TokenRow` per token group, a ``(slot, tag)``
-    per state group with the tokens that state has absorbed (``state_tokens``: its
-    committed tokens, or the checkpoint it was restored from), and the prefix cache's keys of
-    its checkpoints so far."""
+    """A running request: its row, namespace, tokens (prompt, then every committed one) and
+    the prefix cache's keys of its checkpoints so far (at C, 2C, ...)."""
 
-    __slots__ = ("keys", "namespace", "num_committed", "num_tokens", "rows", "state_tokens",
-                 "states", "tokens")
+    __slots__ = ("keys", "namespace", "row", "tokens")
 
-    def __init__(self, namespace: Any, tokens: list[int], groups: tuple[GroupSpec, ...]) -> None:
+    def __init__(self, row: int, namespace: Any, tokens: list[int]) -> None:
+        self.row = row
         self.namespace = namespace
         self.tokens = tokens
-        self.num_tokens = 0
-        self.num_committed = 0
-        self.rows = {g.name: TokenRow() for g in groups if not isinstance(g, StateSpec)}
-        self.states: dict[str, tuple[int, int]] = {}
-        self.state_tokens: dict[str, int] = {}  # the tokens each state has absorbed
-        self.keys: list[bytes] = []  # its prefix's checkpoint keys (at C, 2C, ...), so far
+        self.keys: list[bytes] = []
 
 
 @dataclass(frozen=True)
@@ -130,72 +228,77 @@ class HybridStep:
 
 
 class GroupTable:
-    """The running requests of a hybrid manager, by id, and what each maps in every group."""
+    """The running requests of a hybrid manager: rows in every group, token counts."""
 
-    def __init__(self, groups: tuple[GroupSpec, ...]) -> None:
+    def __init__(self, groups: tuple[GroupSpec, ...], max_seqs: int, max_tokens: int) -> None:
         self.groups = groups
-        self.token_groups: tuple[TokenSpec, ...] = tuple(
-            g for g in groups if not isinstance(g, StateSpec))
-        self.state_groups = tuple(g for g in groups if isinstance(g, StateSpec))
+        self.tokens = {g.name: TokenRows(g, max_seqs, -(-max_tokens // g.page_size))
+                       for g in groups if not isinstance(g, StateSpec)}
+        self.states = {g.name: StateRows(g, max_seqs) for g in groups if isinstance(g, StateSpec)}
+        self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
+        self.num_committed = np.zeros(max_seqs, dtype=np.int64)
         self.requests: dict[Any, HybridRequest] = {}
+        self._kernels: dict[str, tuple[int, Any, I64, I64, Any]] = {}
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
 
-    def first_page(self, spec: TokenSpec, num_computed: int) -> int:
-        """The first row index a query at ``num_computed`` reads in ``spec``'s group."""
-        if isinstance(spec, SlidingWindowSpec):
-            return first_window_page(num_computed, spec.window, spec.page_size)
-        return 0
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
 
-    def growth(self, req: HybridRequest, end: int) -> dict[str, int]:
-        """Pages each token group must add for ``req`` to hold tokens up to ``end``."""
-        return {g.name: max(0, -(-end // g.page_size) - len(req.rows[g.name].pages))
-                for g in self.token_groups}
+    def open(self, request_id: Any, namespace: Any, tokens: list[int], num_tokens: int
+             ) -> HybridRequest:
+        req = HybridRequest(self._free_rows.pop(), namespace, tokens)
+        self.requests[request_id] = req
+        self.num_tokens[req.row] = self.num_committed[req.row] = num_tokens
+        return req
 
-    def append(self, req: HybridRequest, pages: dict[str, npt.NDArray[np.int32]],
-               tags: dict[str, npt.NDArray[np.int64]]) -> None:
-        """Map newly allocated pages at the end of each token row."""
-        for name, new in pages.items():
-            if new.size:
-                req.rows[name].extend(new.tolist(), tags[name].tolist())
+    def close(self, request_id: Any) -> dict[str, npt.NDArray[np.int32]]:
+        """Forget a request; returns every page and slot it held, per group."""
+        req = self.requests.pop(request_id)
+        row = req.row
+        held = {}
+        for name, rows in self.tokens.items():
+            held[name] = rows.held(row)
+            rows.clear(row)
+        for name, states in self.states.items():
+            held[name] = states.slot[row : row + 1].copy()
+            states.clear(row)
+        self._free_rows.append(row)
+        return {k: v for k, v in held.items() if v.size}
 
-    def outside_window(self, req: HybridRequest) -> dict[str, list[int]]:
-        """Release (mark ``RELEASED``) each sliding row's pages wholly before the window of
-        the request's next query (at ``num_committed``); returns them, for the caller to
-        drop its holds."""
-        out: dict[str, list[int]] = {}
-        for g in self.token_groups:
-            if not isinstance(g, SlidingWindowSpec):
-                continue
-            gone = req.rows[g.name].release_before(
-                first_window_page(req.num_committed, g.window, g.page_size))
-            if gone:
-                out[g.name] = gone
-        return out
+    def growth(self, rows: npt.NDArray[np.intp], ends: I64) -> dict[str, I64]:
+        """Pages each token group must add to ``rows`` for them to hold tokens to ``ends``."""
+        return {name: np.maximum(-(-ends // t.page_size) - t.num_pages[rows], 0)
+                for name, t in self.tokens.items()}
 
-    def held(self, req: HybridRequest) -> dict[str, list[int]]:
-        """Every page and slot ``req`` holds, per group."""
-        out = {name: [p for p in row.pages if p != RELEASED] for name, row in req.rows.items()}
-        for name, (slot, _) in req.states.items():
-            out[name] = [slot]
-        return out
+    def set_tokens(self, rows: npt.NDArray[np.intp], num_tokens: I64) -> None:
+        self.num_tokens[rows] = num_tokens
 
-    def step(self, ids: tuple[Any, ...], starts: list[int], ends: list[int]) -> HybridStep:
-        """The kernel metadata of a step in which request ``ids[b]`` computes tokens
-        ``starts[b]:ends[b]`` (its pages already mapped)."""
-        reqs = [self.requests[rid] for rid in ids]
+    def set_committed(self, rows: npt.NDArray[np.intp], num_committed: I64) -> None:
+        self.num_committed[rows] = num_committed
+
+    def kernel(self, name: str, rows: npt.NDArray[np.intp], starts: I64, ends: I64
+               ) -> tuple[I64, npt.NDArray[np.int32], I64, I64, I64]:
+        """``TokenRows.kernel`` of group ``name``: the one the latest :meth:`step` computed
+        when nothing changed since (same rows array, tokens and row version), else anew."""
+        t = self.tokens[name]
+        last = self._kernels.get(name)
+        if (last is not None and last[0] == t.version and last[1] is rows
+                and np.array_equal(last[2], starts) and np.array_equal(last[3], ends)):
+            return last[4]
+        return t.kernel(rows, starts, ends)
+
+    def step(self, ids: tuple[Any, ...], rows: npt.NDArray[np.intp], starts: I64, ends: I64
+             ) -> HybridStep:
+        """The kernel metadata of a step in which ``rows`` compute tokens ``starts:ends``
+        (the engine gets copies; the table keeps what it computed, for :meth:`kernel`)."""
         groups = {}
-        for g in self.token_groups:
-            P = g.page_size
-            firsts = [self.first_page(g, s) for s in starts]
-            lists = [req.rows[g.name].pages[f : -(-e // P)]
-                     for req, f, e in zip(reqs, firsts, ends)]
-            indptr = np.zeros(len(ids) + 1, dtype=np.int32)
-            np.cumsum([len(x) for x in lists], out=indptr[1:])
-            indices = np.array([p for x in lists for p in x], dtype=np.int32)
-            slots = [req.rows[g.name].pages[t // P] * P + t % P
-                     for req, s, e in zip(reqs, starts, ends) for t in range(s, e)]
-            groups[g.name] = GroupPages(indptr, indices, np.array(firsts, dtype=np.int32),
-                                        np.array(slots, dtype=np.int64))
-        states = {g.name: np.array([req.states[g.name][0] for req in reqs], dtype=np.int32)
-                  for g in self.state_groups}
-        end = np.array(ends, dtype=np.int32)
-        return HybridStep(ids, end - np.array(starts, dtype=np.int32), end, groups, states)
+        for name, t in self.tokens.items():
+            out = t.kernel(rows, starts, ends)
+            self._kernels[name] = (t.version, rows, starts, ends, out)
+            indptr, indices, _, first, slots = out
+            groups[name] = GroupPages(indptr.astype(np.int32), indices.copy(),
+                                      first.astype(np.int32), slots.copy())
+        states = {name: s.slot[rows].copy() for name, s in self.states.items()}
+        end = ends.astype(np.int32)
+        return HybridStep(ids, end - starts.astype(np.int32), end, groups, states)

@@ -13,13 +13,14 @@ For request ``b`` computing tokens ``s .. e`` (``e = seq_lens[b]``, ``s = e - nu
   after exactly ``s`` tokens (a prefix hit restores every group or none), and no other running
   request records that slot (a fork must copy the state, never share it).
 
-A request that fails any of these is reported with one line saying what broke; the others
-are not touched by its failure.
+Vectorized: a constant number of numpy calls per group whatever the batch; a request that fails
+is reported with one line saying what broke first, and the others are not touched by its
+failure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,110 +28,145 @@ import numpy.typing as npt
 
 __all__ = ["check_hybrid_step"]
 
+I64 = npt.NDArray[np.int64]
+Kernel = Callable[[I64, I64], tuple[I64, npt.NDArray[np.int32], I64, I64, I64]]
 
-def check_hybrid_step(step: Any, records: Sequence[Any], page_sizes: Mapping[str, int],
-                      first_page: Callable[[str, int], int],
-                      tags: Mapping[str, npt.NDArray[np.int64]],
-                      state_holders: Mapping[str, Mapping[int, int]]) -> dict[int, str]:
+
+def _mark(bad: npt.NDArray[np.bool_], why: dict[int, str], hit: npt.NDArray[np.bool_],
+          reason: Callable[[int], str]) -> None:
+    for b in np.flatnonzero(hit & ~bad).tolist():
+        why[b] = reason(b)
+    bad |= hit
+
+
+def check_hybrid_step(step: Any, known: npt.NDArray[np.bool_], num_tokens: I64,
+                      kernels: Mapping[str, Kernel], tags: Mapping[str, I64],
+                      states: Mapping[str, tuple[Any, Any, Any, Any]]) -> dict[int, str]:
     """``{batch index: reason}`` for each request of ``step`` (a ``HybridStep``) whose
     metadata is wrong in some group (module doc).
 
-    records: per batch index, the running request's record (``num_tokens``, ``rows[group]``
-        with ``pages`` and ``tags`` lists, ``states[group] = (slot, tag)``,
-        ``state_tokens[group]``), None when unknown
-    page_sizes: tokens per page of each token group
-    first_page: ``fn(group, position)``: the first row index a query at ``position`` reads
+    known: ``[B]`` bool, the request is running
+    num_tokens: ``[B]`` its reserved tokens
+    kernels: per token group, ``fn(starts, ends)`` -> what the batch's own rows list for
+        those tokens: ``(indptr, indices (RELEASED -1 where not held), recorded tags, first,
+        slot_mapping)`` (``TokenRows.kernel``)
     tags: each group's lifetime tags now, ``[num_pages]`` int64
-    state_holders: per state group, how many running requests record each slot
+    states: per state group, ``(slot, recorded tag, tokens absorbed, running requests that
+        record the slot)``, each ``[B]``
     """
-    bad: dict[int, str] = {}
     B = len(step.request_ids)
-    seq_lens = np.asarray(step.seq_lens).tolist()
-    num_new = np.asarray(step.num_new_tokens).tolist()
-    if len(seq_lens) != B or len(num_new) != B:
-        return {b: f"the step lists {len(seq_lens)} lengths for {B} requests" for b in range(B)}
-    for b, rec in enumerate(records):
-        if rec is None:
-            bad[b] = "not a running request"
-        elif seq_lens[b] != rec.num_tokens or not 0 <= num_new[b] <= seq_lens[b]:
-            bad[b] = (f"lengths {seq_lens[b]} (new {num_new[b]}) are not its reserved "
-                      f"{rec.num_tokens} tokens")
-    for name, P in page_sizes.items():
-        meta = step.groups[name]
-        indptr = np.asarray(meta.indptr).tolist()
-        indices = np.asarray(meta.indices).tolist()
-        firsts = np.asarray(meta.first).tolist()
-        slots = np.asarray(meta.slot_mapping).tolist()
-        if len(indptr) != B + 1 or len(firsts) != B or len(slots) != sum(num_new):
-            for b in range(B):
-                bad.setdefault(b, f"group {name!r}: metadata shaped for another batch")
-            continue
-        live = tags[name]
-        at = 0
-        for b, rec in enumerate(records):
-            n = num_new[b]
-            mine = slots[at : at + n]
-            at += n
-            if b in bad:
-                continue
-            e = seq_lens[b]
-            s = e - n
-            row = rec.rows[name]
-            first = first_page(name, s)
-            listed = indices[indptr[b] : indptr[b + 1]]
-            if firsts[b] != first or len(listed) != -(-e // P) - first:
-                bad[b] = (f"group {name!r}: lists {len(listed)} pages from row index "
-                          f"{firsts[b]}, expected {-(-e // P) - first} from {first}")
-                continue
-            for j, page in enumerate(listed):
-                i = first + j
-                if page != row.pages[i] or page < 0 or int(live[page]) != row.tags[i]:
-                    why = ("a page it released" if row.pages[i] < 0 else
-                           f"page {row.pages[i]}" if page != row.pages[i] else
-                           "that page, whose lifetime ended")
-                    bad[b] = (f"group {name!r}: row index {i} lists page {page}, the request "
-                              f"holds {why}")
-                    break
-            else:
-                for t, slot in zip(range(s, e), mine):
-                    page = row.pages[t // P]
-                    if slot != page * P + t % P:
-                        bad[b] = (f"group {name!r}: token {t} writes slot {slot}, its own is "
-                                  f"{page * P + t % P}")
-                        break
-        if at == len(slots):
-            _shared_writes(name, slots, num_new, bad)
-    for name, listed_slots in step.state_slots.items():
-        listed = np.asarray(listed_slots).tolist()
-        holders = state_holders[name]
-        live = tags[name]
-        for b, rec in enumerate(records):
-            if b in bad:
-                continue
-            slot, tag = rec.states[name]
-            if b >= len(listed) or listed[b] != slot or int(live[slot]) != tag:
-                bad[b] = (f"state group {name!r}: lists slot "
-                          f"{listed[b] if b < len(listed) else None}, the request holds "
-                          f"slot {slot} (lifetime {'ended' if int(live[slot]) != tag else 'ok'})")
-            elif rec.state_tokens[name] != seq_lens[b] - num_new[b]:
-                bad[b] = (f"state group {name!r}: the state holds {rec.state_tokens[name]} "
-                          f"tokens, the step starts at token {seq_lens[b] - num_new[b]} (a "
-                          "prefix restored in the other groups but not in this one)")
-            elif holders.get(slot, 0) != 1:
-                bad[b] = (f"state group {name!r}: slot {slot} is recorded by "
-                          f"{holders.get(slot, 0)} running requests (a fork must copy a "
-                          "state, not share it)")
-    return bad
+    seq = np.asarray(step.seq_lens, dtype=np.int64)
+    new = np.asarray(step.num_new_tokens, dtype=np.int64)
+    if seq.shape != (B,) or new.shape != (B,):
+        return {b: f"the step lists {seq.size} lengths for {B} requests" for b in range(B)}
+    why: dict[int, str] = {}
+    bad = np.zeros(B, dtype=bool)
+    _mark(bad, why, ~known, lambda b: "not a running request")
+    _mark(bad, why, (seq != num_tokens) | (new < 0) | (new > seq),
+          lambda b: f"lengths {seq[b]} (new {new[b]}) are not its reserved {num_tokens[b]} "
+                    "tokens")
+    sized = ~bad  # the requests whose tokens are their own: their slots are compared
+    ends = np.where(bad, 0, seq)
+    starts = np.where(bad, 0, seq - new)
+    for name, kernel in kernels.items():
+        _check_group(name, step.groups[name], kernel(starts, ends), tags[name], new, sized,
+                     bad, why)
+    for name, (slot, tag, absorbed, holders) in states.items():
+        _check_state(name, np.asarray(step.state_slots[name], dtype=np.int64), slot, tag,
+                     absorbed, holders, tags[name], starts, known, bad, why)
+    return dict(sorted(why.items()))
 
 
-def _shared_writes(name: str, slots: list[int], num_new: list[int], bad: dict[int, str]
-                   ) -> None:
-    """Flag every request with a token whose slot another token of the step also writes."""
-    if len(set(slots)) == len(slots):
+def _check_state(name: str, listed: I64, slot: Any, tag: Any, absorbed: Any, holders: Any,
+                 live: I64, starts: I64, known: npt.NDArray[np.bool_],
+                 bad: npt.NDArray[np.bool_], why: dict[int, str]) -> None:
+    """One state group's part of the check (module doc), marking ``bad`` and ``why``."""
+    B = bad.size
+    if listed.shape != (B,):
+        _mark(bad, why, np.ones(B, dtype=bool),
+              lambda b: f"state group {name!r}: slots shaped for another batch")
         return
-    owner = np.repeat(np.arange(len(num_new)), num_new)
-    arr = np.asarray(slots, dtype=np.int64)
-    uniq, counts = np.unique(arr, return_counts=True)
-    twice = np.isin(arr, uniq[counts > 1])
-    for b in np.unique(owner[twice]).tolist():
-        bad.setdefault(b, f"group {name!r}: writes a slot another token of the step writes")
+    inside = (listed >= 0) & (listed < live.size)
+    now = np.where(inside, live[np.where(inside, listed, 0)], -1)
+    _mark(bad, why, (listed != slot) | (now != tag),
+          lambda b: f"state group {name!r}: lists slot {listed[b]}, the request holds slot "
+                    f"{slot[b]} (lifetime {'ok' if now[b] == tag[b] else 'ended'})")
+    _mark(bad, why, known & (absorbed != starts),
+          lambda b: f"state group {name!r}: the state holds {absorbed[b]} tokens, the step "
+                    f"starts at token {starts[b]} (a prefix restored in the other groups but "
+                    "not in this one)")
+    _mark(bad, why, known & (holders != 1),
+          lambda b: f"state group {name!r}: slot {slot[b]} is recorded by {holders[b]} running "
+                    "requests (a fork must copy a state, not share it)")
+
+
+def _check_group(name: str, meta: Any, expected: tuple[I64, npt.NDArray[np.int32], I64, I64, I64],
+                 live: I64, new: I64, sized: npt.NDArray[np.bool_],
+                 bad: npt.NDArray[np.bool_], why: dict[int, str]) -> None:
+    """One token group's part of the check (module doc), marking ``bad`` and ``why``."""
+    B = bad.size
+    exp_indptr, exp_pages, exp_tags, exp_first, exp_slots = expected
+    indptr = np.asarray(meta.indptr, dtype=np.int64)
+    indices = np.asarray(meta.indices, dtype=np.int64)
+    first = np.asarray(meta.first, dtype=np.int64)
+    slots = np.asarray(meta.slot_mapping, dtype=np.int64)
+    if (indptr.shape != (B + 1,) or first.shape != (B,) or slots.size != new.sum()
+            or indptr[0] != 0 or indptr[-1] != indices.size or (np.diff(indptr) < 0).any()):
+        _mark(bad, why, np.ones(B, dtype=bool),
+              lambda b: f"group {name!r}: metadata shaped for another batch")
+        return
+    counts = np.diff(indptr)
+    exp_counts = np.diff(exp_indptr)
+    _mark(bad, why, (first != exp_first) | (counts != exp_counts),
+          lambda b: f"group {name!r}: lists {counts[b]} pages from row index {first[b]}, "
+                    f"expected {exp_counts[b]} from {exp_first[b]}")
+    # Entries of the requests still good, against their own rows' (aligned: same counts).
+    if not bad.any() and indices.size and indices.min() >= 0 and indices.max() < live.size:
+        # (every request so far good, every id a page: the usual step, in whole arrays)
+        seg = at = None
+        listed, own = indices, exp_pages
+        wrong = (listed != own) | (live.take(listed) != exp_tags)
+    else:
+        seg = np.repeat(np.arange(B), counts)
+        at = np.flatnonzero(~bad[seg])
+        pos = exp_indptr[seg[at]] + (at - indptr[seg[at]])
+        listed = indices[at]
+        own = exp_pages[pos].astype(np.int64)
+        inside = (listed >= 0) & (listed < live.size)
+        now = np.where(inside, live[np.where(inside, listed, 0)], -1)
+        wrong = (listed != own) | (own < 0) | (now != exp_tags[pos])
+    if wrong.any():
+        if seg is None:
+            seg = np.repeat(np.arange(B), counts)
+            at = np.arange(indices.size)
+        assert at is not None
+        first_wrong: dict[int, int] = {}
+        for k in np.flatnonzero(wrong).tolist():
+            first_wrong.setdefault(int(seg[at[k]]), k)
+        hit = np.zeros(B, dtype=bool)
+        hit[list(first_wrong)] = True
+
+        def reason(b: int) -> str:
+            k = first_wrong[b]
+            i = int(first[b] + at[k] - indptr[b])
+            held = ("a page it released" if own[k] < 0 else f"page {own[k]}"
+                    if own[k] != listed[k] else "that page, whose lifetime ended")
+            return f"group {name!r}: row index {i} lists page {listed[k]}, the request holds {held}"
+
+        _mark(bad, why, hit, reason)
+    # Slots: the length-checked requests' tokens, in order, against their own rows' slots.
+    mine = np.repeat(sized, new)
+    diff = slots[mine] != exp_slots
+    if diff.any():
+        owner = np.repeat(np.arange(B), new)[mine]
+        hit = np.zeros(B, dtype=bool)
+        hit[owner[diff]] = True
+        _mark(bad, why, hit, lambda b: f"group {name!r}: a new token's slot is not in its own "
+                                       "page")
+    _, inverse, times = np.unique(slots, return_inverse=True, return_counts=True)
+    twice = times[inverse] > 1
+    if twice.any():
+        hit = np.zeros(B, dtype=bool)
+        hit[np.repeat(np.arange(B), new)[twice]] = True
+        _mark(bad, why, hit, lambda b: f"group {name!r}: writes a slot another token of the "
+                                       "step writes")
