@@ -513,3 +513,13 @@ def test_hybrid_md_code_runs_as_written() -> None:
     chunk = ns["offsets"].tolist()[0] // ga.chunk_bytes  # the state lies in a chunk of its group
     assert ga.arena.owners[chunk] == ga.names.index("gdn")
     ga.check()
+
+
+def test_the_hybrid_example_aborts_only_the_request_whose_window_page_was_released() -> None:
+    """examples/hybrid_groups.py (numpy only): a prefix restored in every group, a fork's
+    copies, and the injected window fault caught for its one request."""
+    out = _run_without_transformers("hybrid_groups.py")
+    assert out.returncode == 0, out.stderr
+    assert "b: 163 prompt tokens, 160 restored from the cache" in out.stdout
+    assert "aborted b: group 'swa'" in out.stdout and "a page it released" in out.stdout
+    assert "aborted a" not in out.stdout and "the others decode on: True" in out.stdout
