@@ -108,7 +108,12 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     if not groups:
         raise _refuse_model("a model without a KV cache (no KV cache group)", "0 groups")
     if len(groups) != 1:
-        raise _refuse_model("several KV cache groups (hybrid models, Mamba)",
+        # vLLM's workers lay every group's blocks out in one page byte size (the smaller
+        # groups padded up) and index them by block id; kvmem's unpadded groups (HybridManager)
+        # place pages by byte offset in one budget, which those workers cannot address.
+        raise _refuse_model("several KV cache groups (hybrid models, Mamba: vLLM's workers "
+                            "address every group in one padded page size; kvmem's "
+                            "HybridManager pays each group its own, see docs/hybrid.md)",
                             f"{len(groups)} groups: "
                             f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
     spec = groups[0].kv_cache_spec
