@@ -163,9 +163,10 @@ class HybridManager:
 
     def can_admit(self, token_ids: Any, namespace: Any = None, chunk: int | None = None
                   ) -> bool:
-        """Whether ``admit`` would succeed and the prompt's prefill would then find its pages
-        in every group (in chunks of ``chunk`` tokens, default the whole prompt: a sliding
-        window holds at most its window and one chunk). Changes nothing."""
+        """Whether ``admit`` would succeed and the prompt's prefill, in chunks of ``chunk``
+        tokens (default the whole prompt), would surely find its pages in every group: a
+        bound that counts a sliding window at its window and a chunk, plus a page. Changes
+        nothing."""
         tokens = self._prompt(token_ids)
         if not self.table.num_free_rows:
             return False
