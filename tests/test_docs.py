@@ -513,3 +513,17 @@ def test_hybrid_md_code_runs_as_written() -> None:
     chunk = ns["offsets"].tolist()[0] // ga.chunk_bytes  # the state lies in a chunk of its group
     assert ga.arena.owners[chunk] == ga.names.index("gdn")
     ga.check()
+
+
+def test_hybrid_md_model_block_runs_as_written() -> None:
+    """docs/hybrid.md's model block: a tiny Gemma 3 prefilled on a HybridManager's pages gives
+    the logits of the same model without a cache, and its groups' bookkeeping checks out."""
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    ns: dict[str, Any] = {}
+    code = _doc_block("docs/hybrid.md", "## Models run on kvmem pages")
+    exec(compile(code, "hybrid.md", "exec"), ns)
+    with torch.no_grad():
+        want = ns["model"](torch.tensor(ns["prompt"])[None]).logits[0]
+    assert ns["logits"].shape == want.shape
+    assert torch.allclose(ns["logits"], want, atol=1e-4)
+    ns["manager"].check()
