@@ -37,6 +37,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                         sliding_window=8, layer_types=["sliding_attention", "full_attention",
                                                        "sliding_attention", "full_attention"]),
+    # the same with attention sinks, eager attention (additive masks) and experts
+    "gpt_oss": dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                    sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=131072,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                 "full_attention"]),
     # three gated-delta-net layers (conv + recurrent state), one full attention layer
     "qwen3_next": dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -185,7 +191,8 @@ def test_a_prefix_hit_needs_the_checkpointed_state() -> None:
         run.step({"c": [1, 2]})
 
 
-GROUPS_READ = [("gemma3_text", "full"), ("gemma3_text", "sliding"), ("qwen3_next", "full"),
+GROUPS_READ = [("gemma3_text", "full"), ("gemma3_text", "sliding"), ("gpt_oss", "sliding"),
+               ("qwen3_next", "full"),
                ("qwen3_next", "state"), ("glm_moe_dsa", "full"), ("glm_moe_dsa", "indexer")]
 
 
@@ -222,7 +229,7 @@ def test_each_groups_bytes_are_what_its_pages_hold(model_type: str) -> None:
         held = sum(math.prod(s) for s in layout.fields[spec.name].values()) * 4
         assert held == spec.page_bytes
     specs = {g.name: g for g in layout.groups}
-    if model_type == "gemma3_text":
+    if model_type in ("gemma3_text", "gpt_oss"):
         kv = 2 * 2 * 16 * 4  # k and v, 2 heads of 16, fp32
         assert specs == {"full": FullAttentionSpec("full", 16, 2 * kv),
                          "sliding": SlidingWindowSpec("sliding", 8, 4, 2 * kv)}
@@ -258,3 +265,14 @@ def test_paged_model_refuses_a_pool_of_other_groups() -> None:
     manager = HybridManager(other.groups, budget_bytes=1 << 20)
     with pytest.raises(ConfigError, match="groups"):
         PagedHybridLM(model, layout, GroupPool(manager.allocator, other.fields))
+
+
+def test_an_attention_implementation_without_masks_is_refused() -> None:
+    """The paged model hands its masks to eager or sdpa attention; another implementation
+    (which would build its own over keys it does not see) is refused with the fix."""
+    run = Lockstep(tiny_model("gemma3_text"))
+    run.model.set_attn_implementation("flex_attention")
+    run.manager.admit("a", [1, 2, 3])
+    step = run.manager.reserve(["a"], 3)
+    with pytest.raises(ConfigError, match="set_attn_implementation"):
+        run.lm.forward(torch.tensor([1, 2, 3]), step)

@@ -321,9 +321,16 @@ class PagedHybridLM:
         return _RequestPages(start, end, pages, first, slots, states)
 
     def _masks(self, req: _RequestPages) -> dict[str, torch.Tensor | None]:
-        """``{layer type: [1, 1, n, T] bool}`` (True: attend): causal over the keys each
-        group's pages hold from its first listed page, a sliding window's limit included."""
-        q = torch.arange(req.start, req.end)[:, None]
+        """``{layer type: [1, 1, n, T]}``: causal over the keys each group's pages hold from
+        its first listed page, a sliding window's limit included; bool (True: attend) for
+        ``sdpa``, additive (0 or the dtype's lowest) for ``eager`` attention."""
+        implementation = self.model.config._attn_implementation
+        if implementation not in ("eager", "sdpa"):
+            raise ConfigError(f"the model's attention implementation is {implementation!r}; "
+                              "PagedHybridLM hands it masks over the pages' keys, which 'eager' "
+                              "and 'sdpa' take: model.set_attn_implementation('sdpa')")
+        device = self.pool.buffer.device
+        q = torch.arange(req.start, req.end, device=device)[:, None]
         masks: dict[str, torch.Tensor | None] = {}
         for layer_type in set(self.layout.layer_types):
             kind = _KINDS[layer_type]
@@ -331,9 +338,14 @@ class PagedHybridLM:
                 masks[layer_type] = None
                 continue
             spec = self.layout.spec(kind)
-            k = torch.arange(req.first[kind] * spec.page_size, req.end)[None, :]
+            k = torch.arange(req.first[kind] * spec.page_size, req.end, device=device)[None, :]
             allowed = k <= q
             if isinstance(spec, SlidingWindowSpec):
                 allowed &= q - k < spec.window
-            masks[layer_type] = allowed[None, None]
+            if implementation == "eager":
+                dtype = self.model.dtype
+                masks[layer_type] = torch.zeros(allowed.shape, dtype=dtype, device=device) \
+                    .masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+            else:
+                masks[layer_type] = allowed[None, None]
         return masks
