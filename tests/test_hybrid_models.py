@@ -24,7 +24,7 @@ from kvmem.allocator import (  # noqa: E402
 )
 from kvmem.allocator._group_table import RELEASED  # noqa: E402
 from kvmem.cuda import GroupPool  # noqa: E402
-from kvmem.errors import ConfigError  # noqa: E402
+from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError  # noqa: E402
 from kvmem.hybrid import HybridManager  # noqa: E402
 from kvmem.integrations.hf_hybrid import PagedHybridLM, hybrid_groups  # noqa: E402
 
@@ -276,3 +276,17 @@ def test_an_attention_implementation_without_masks_is_refused() -> None:
     step = run.manager.reserve(["a"], 3)
     with pytest.raises(ConfigError, match="set_attn_implementation"):
         run.lm.forward(torch.tensor([1, 2, 3]), step)
+
+
+def test_bad_input_ids_are_refused_before_a_page_is_written() -> None:
+    run = Lockstep(tiny_model("gemma3_text"))
+    run.manager.admit("a", [1, 2, 3])
+    step = run.manager.reserve(["a"], 3)
+    before = run.pool.buffer.clone()
+    with pytest.raises(ArgumentError, match="computes 3 tokens"):
+        run.lm.forward(torch.tensor([1, 2]), step)
+    with pytest.raises(ArgumentError, match="vocabulary"):
+        run.lm.forward(torch.tensor([1, 2, VOCAB]), step)
+    with pytest.raises(ArgumentTypeError, match="input_ids"):
+        run.lm.forward(torch.tensor([1.0, 2.0, 3.0]), step)
+    assert torch.equal(run.pool.buffer, before)

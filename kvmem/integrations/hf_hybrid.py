@@ -44,6 +44,7 @@ from kvmem.allocator import (
 )
 from kvmem.cuda import GroupPool
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
+from kvmem.integrations._kvbatch import check_vocab
 
 try:
     from transformers import Cache
@@ -289,10 +290,18 @@ class PagedHybridLM:
         -------
         ``[T, vocab_size]`` float32: row t predicts the token after token t.
         """
+        if not isinstance(step, HybridStep):
+            raise ArgumentTypeError(f"step={show(step)}: expected HybridManager.reserve()'s step")
         counts = step.num_new_tokens.astype(np.int64)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64,
+                                                                              torch.int32):
+            raise ArgumentTypeError(f"input_ids={show(input_ids)}: expected an int64 tensor [T]")
         if input_ids.dim() != 1 or input_ids.shape[0] != int(counts.sum()):
             raise ArgumentError(f"input_ids has shape {tuple(input_ids.shape)}; the step computes "
                                 f"{int(counts.sum())} tokens: pass them packed, [T]")
+        if input_ids.numel():  # (before any page is written)
+            check_vocab(int(input_ids.min()), int(input_ids.max()),
+                        int(self.model.config.vocab_size), "input_ids")
         qo = np.concatenate([[0], np.cumsum(counts)])
         out = []
         for b in range(len(step.request_ids)):
