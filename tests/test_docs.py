@@ -523,3 +523,17 @@ def test_the_hybrid_example_aborts_only_the_request_whose_window_page_was_releas
     assert "b: 163 prompt tokens, 160 restored from the cache" in out.stdout
     assert "aborted b: group 'swa'" in out.stdout and "a page it released" in out.stdout
     assert "aborted a" not in out.stdout and "the others decode on: True" in out.stdout
+
+
+def test_hybrid_md_model_block_runs_as_written() -> None:
+    """docs/hybrid.md's model block: a tiny Gemma 3 prefilled on a HybridManager's pages gives
+    the logits of the same model without a cache, and its groups' bookkeeping checks out."""
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    ns: dict[str, Any] = {}
+    code = _doc_block("docs/hybrid.md", "## Models run on kvmem pages")
+    exec(compile(code, "hybrid.md", "exec"), ns)
+    with torch.no_grad():
+        want = ns["model"](torch.tensor(ns["prompt"])[None]).logits[0]
+    assert ns["logits"].shape == want.shape
+    assert torch.allclose(ns["logits"], want, atol=1e-4)
+    ns["manager"].check()
