@@ -40,6 +40,7 @@ from kvmem.integrations.vllm._streams import (
 )
 from kvmem.integrations.vllm._vllm_objects import (
     EventRecorder,
+    draft_token_ids,
     make_request,
     make_scheduler,
     make_vllm_config,
@@ -182,17 +183,25 @@ class Driver:
             cached=list(c.req_ids), resumed=sorted(c.resumed_req_ids),
             num_scheduled=dict(out.num_scheduled_tokens),
             preempted=sorted(out.preempted_req_ids), finished=sorted(out.finished_req_ids),
-            sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage())
+            sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage(),
+            computed=list(c.num_computed_tokens),
+            drafts={rid: len(t) for rid, t in out.scheduled_spec_decode_tokens.items()})
         self.records.append(rec)
         self._record_of[id(out)] = rec
         # The model runs the step as scheduled, whenever its output is handed back.
-        self._output_of[id(out)] = model_output(self.sched, out, self.seed)
+        self._output_of[id(out)] = model_output(self.sched, out, self.seed,
+                                                self.spec.draft_acceptance)
         if self.kvmem and self.check_tables:
             self.table_mismatches += _table_mismatches(self.sched, self.worker)
         return out
 
     def update(self, out: Any) -> None:
         self.sched.update_from_output(out, self._output_of.pop(id(out)))
+        if self.spec.spec_method is not None and not self.spec.async_scheduling:
+            # A synchronous engine hands the drafter's tokens over after each step (an async
+            # one schedules placeholders and fills them in on the workers).
+            self.sched.update_draft_token_ids(draft_token_ids(self.sched, out, self.spec,
+                                                              self.seed))
         recorder: EventRecorder = self.sched.kv_event_publisher
         rec = self._record_of.pop(id(out))
         rec.events.update(self.contents.convert(recorder.events))
@@ -293,7 +302,7 @@ class Comparison:
 
 def _describe(a: StreamStep, b: StreamStep) -> str:
     for name in ("new", "cached", "resumed", "num_scheduled", "preempted", "finished",
-                 "sharing", "usage", "events"):
+                 "sharing", "usage", "events", "computed", "drafts"):
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
             return f"{name}: vLLM {x!r} / kvmem {y!r}"
