@@ -19,6 +19,7 @@ __all__ = [
     "STOP_TOKEN",
     "VOCAB",
     "SchedulerSpec",
+    "SpecMethod",
     "StreamRequest",
     "StreamResult",
     "StreamSpec",
@@ -266,14 +267,25 @@ def draft_at(rid: str, position: int, seed: int, acceptance: float) -> int:
     return 10 + (token - 10 + 1) % (VOCAB - 10)
 
 
-def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
+def random_stream(rng: random.Random, *, max_requests: int = 10,
+                  speculative: bool | None = None,
+                  spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
-    prefill, aborts, and (often) a pool small enough to preempt. Same rng state, same stream.
-    ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
+    prefill, aborts, (often) a pool small enough to preempt, and (in 40% of the streams, or
+    every one with ``speculative=True``, none with False) speculative decoding by one of
+    ``spec_methods``: 1-4 or ``block_size + 1`` drafts a step, accepted at a random rate
+    (0, 0.5, 0.8 or 1). Same rng state, same stream. ``rng``: a ``random.Random``;
+    ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
                                 "random.Random(seed)).")
     integer(max_requests, "max_requests", minimum=1)
+    if speculative is not None:
+        flag(speculative, "speculative")
+    if (not isinstance(spec_methods, tuple) or not spec_methods
+            or not set(spec_methods) <= set(SPEC_METHODS)):
+        raise ArgumentError(f"spec_methods={show(spec_methods)}: expected a non-empty tuple of "
+                            f"{SPEC_METHODS}.")
     block_size = rng.choice((2, 4, 8, 16))
     num_requests = rng.randint(1, max_requests)
     salts = [None, "tenant-a", "tenant-b"]
@@ -317,8 +329,9 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
     pipeline = 2 if rng.random() < (0.6 if sched.async_scheduling else 0.1) else 1
     seed = rng.randrange(1 << 16)
     # Speculative decoding, drawn last: the draws above make the same streams as before.
-    if rng.random() < 0.4:
-        method = rng.choice(SPEC_METHODS)
+    drawn = rng.random() < 0.4
+    if drawn if speculative is None else speculative:
+        method = rng.choice(spec_methods)
         k = rng.choice((1, 2, 3, 4, block_size + 1))
         # Drafts widen a decode step to 1 + k tokens: a request must still fit alone.
         need = -(-(longest + 2 * k + 2) // block_size) + 1

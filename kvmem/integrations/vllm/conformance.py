@@ -4,9 +4,13 @@ A *stream* (:class:`StreamSpec`) is a scheduler configuration and a list of requ
 (:class:`StreamRequest`: arrival step, prompt, ``cache_salt``, ``max_tokens``, optional abort
 step). :func:`run_stream` drives one scheduler over it with a synthetic model: each step's
 sampled token is a deterministic function of the request and the position (:func:`token_at`),
-a request stops on ``max_tokens`` or on the stop token. It records, per step, what the step
-scheduled (:class:`StreamStep`): new requests with their prefix-hit ``num_computed_tokens``,
-running ones, ``num_scheduled_tokens``, preempted and finished ids, the *sharing structure* of
+a request stops on ``max_tokens`` or on the stop token. With speculative decoding
+(``SchedulerSpec.spec_method``) a synthetic drafter guesses the model's tokens right about
+``draft_acceptance`` of the time (:func:`accepts_draft`), and the model samples the accepted
+drafts' tokens plus one, so the scheduler rolls the rejected ones back. It records, per step,
+what the step scheduled (:class:`StreamStep`): new requests with their prefix-hit
+``num_computed_tokens``, running ones with their ``num_computed_tokens`` and scheduled drafts,
+``num_scheduled_tokens``, preempted and finished ids, the *sharing structure* of
 the block tables the workers would build (which requests share a block at which position;
 block ids themselves may differ), and the KV events' cache contents (which prefix was stored or
 removed; hashes differ). :func:`compare` runs both schedulers and returns every difference.
@@ -29,12 +33,15 @@ from typing import Any
 from kvmem._validate import flag, integer, show
 from kvmem.errors import ArgumentTypeError
 from kvmem.integrations.vllm._streams import (
+    SPEC_METHODS,
     STOP_TOKEN,
     SchedulerSpec,
+    SpecMethod,
     StreamRequest,
     StreamResult,
     StreamSpec,
     StreamStep,
+    accepts_draft,
     random_stream,
     token_at,
 )
@@ -48,13 +55,16 @@ from kvmem.integrations.vllm._vllm_objects import (
 )
 
 __all__ = [
+    "SPEC_METHODS",
     "STOP_TOKEN",
     "Driver",
     "SchedulerSpec",
+    "SpecMethod",
     "StreamRequest",
     "StreamResult",
     "StreamSpec",
     "StreamStep",
+    "accepts_draft",
     "compare",
     "make_scheduler",
     "make_vllm_config",
