@@ -475,3 +475,48 @@ def test_eagle_drops_the_last_block_of_a_prefix_hit_as_vllm_does(method: str) ->
         records, _ = _spec_run(kvmem, spec, prompts, max_tokens=2, arrivals=(0, 6))
         hits = [n for r in records[:-1] for rid, n, _ in r["new"] if rid == "r1"]
         assert hits == [12 if method == "draft_model" else 8], kvmem
+
+
+def _speculative_adapter() -> tuple[object, object]:
+    """A speculative adapter with one request admitted (6 prompt tokens, committed) and a
+    step of 1 + 3 drafts scheduled after them (slots 6..9 reserved, token 6 known)."""
+    from kvmem.integrations.vllm import VllmKVCacheAdapter
+    from kvmem.integrations.vllm._vllm_objects import make_request
+
+    adapter = VllmKVCacheAdapter(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4,
+                                 speculative=True)
+    request = make_request(StreamRequest("r0", tuple(range(20, 26)), max_tokens=8), 4)
+    hit, _, _ = adapter.get_computed_blocks(request)
+    assert adapter.allocate_slots(request, 6, 0, hit) is not None
+    adapter.flush()
+    request.num_computed_tokens = 6
+    request.append_output_token_ids(30)
+    assert adapter.allocate_slots(request, 4) is not None
+    adapter.flush()
+    request.num_computed_tokens = 10
+    return adapter, request
+
+
+def test_a_rollback_below_committed_tokens_is_refused_naming_it() -> None:
+    """Guards the rejected-slot give-back: vLLM rolling a request back below tokens kvmem
+    already committed (which no engine does: drafts are committed only once accepted) is an
+    error that says so, not a silent shift of every later slot."""
+    adapter, request = _speculative_adapter()
+    assert adapter.manager.num_committed("r0") == 7
+    request.num_computed_tokens = 8  # 2 drafts rejected: given back at the next flush
+    assert adapter.allocate_slots(request, 1) is not None
+    adapter.flush()
+    assert adapter.manager.num_tokens("r0") == 9
+    request.num_computed_tokens = 6  # below the 7 committed
+    assert adapter.allocate_slots(request, 1) is not None
+    with pytest.raises(KVMemError, match="cannot un-commit"):
+        adapter.flush()
+    assert adapter.manager.num_tokens("r0") == 9  # nothing was given back
+
+
+def test_a_request_advanced_without_allocate_slots_is_refused_naming_it() -> None:
+    adapter, request = _speculative_adapter()
+    request.num_computed_tokens = 12  # past the 10 slots kvmem reserved
+    assert adapter.allocate_slots(request, 1) is not None
+    with pytest.raises(KVMemError, match="without allocate_slots"):
+        adapter.flush()

@@ -188,6 +188,8 @@ class FlushQueue:
                 if not self._commit_arrived(commits):
                     self._commit_general([], commits)
             return
+        if self.speculative:
+            self._give_back_rejected(q)
         outs, first_admit, lookahead = self.new_blocks, self.first_admit, self.lookahead
         self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
         self.commits, self.lookahead = [], []
@@ -197,8 +199,6 @@ class FlushQueue:
         n0 = nums[0]
         uniform = nums.count(n0) == len(nums)
         mgr = self.manager
-        if self.speculative:
-            self._give_back_rejected(q)
         # Per-request counts as an array: the manager checks them in one pass, not one by one.
         counts: Any = n0 if uniform and not lookahead else np.array(nums, dtype=np.int64)
         for i, k in lookahead:
@@ -238,12 +238,19 @@ class FlushQueue:
                             ) -> None:
         """Each queued running request's slots past its computed tokens (the drafts vLLM's
         scheduler rejected, by rolling its computed tokens back, and the lookahead slots of
-        its last step) go back to kvmem, its pages kept (as vLLM keeps its blocks)."""
+        its last step) go back to kvmem, its pages kept (as vLLM keeps its blocks). Checked
+        for the whole queue first: on error nothing is given back and the queue stays."""
         mgr = self.manager
+        back: list[tuple[str, int]] = []
         for _, st, _, upto, computed in q:
             if upto is not None:  # admitted in this flush: nothing reserved before
                 continue
             extra = mgr.num_tokens(st.rid) - computed
+            if extra < 0:
+                raise KVMemError(
+                    f"request {st.rid!r}: vLLM counts {computed} computed tokens but kvmem "
+                    f"reserved only {computed + extra} slots; the scheduler advanced the "
+                    "request without allocate_slots() (a path this adapter does not support)")
             if extra > 0:
                 if mgr.num_committed(st.rid) > computed:
                     raise KVMemError(
@@ -252,12 +259,9 @@ class FlushQueue:
                         "known (and committed) when their step was scheduled; kvmem cannot "
                         "un-commit tokens (an engine that hands drafts over while the "
                         "request's step is in flight is not supported)")
-                mgr.reject(st.rid, extra, keep_pages=True)
-            elif extra < 0:
-                raise KVMemError(
-                    f"request {st.rid!r}: vLLM counts {computed} computed tokens but kvmem "
-                    f"reserved only {computed + extra} slots; the scheduler advanced the "
-                    "request without allocate_slots() (a path this adapter does not support)")
+                back.append((st.rid, extra))
+        for rid, extra in back:
+            mgr.reject(rid, extra, keep_pages=True)
 
     def _commit_decodes(self, q: list[tuple[Any, RequestState, int, int | None, int]],
                         ids: tuple[str, ...]) -> None:
