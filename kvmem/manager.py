@@ -62,7 +62,7 @@ from kvmem._manager_types import (
     public,
 )
 from kvmem._requests import Request, Requests
-from kvmem._validate import id_tuple, integer, is_hashable, token_array
+from kvmem._validate import flag, id_tuple, integer, is_hashable, token_array
 from kvmem.allocator import (
     Admission,
     Committer,
@@ -481,10 +481,14 @@ class KVCacheManager:
                                np.array([tokens.size], dtype=np.int64), tokens, (request_id,))
 
     @public
-    def reject(self, request_id: Any, num_tokens: int) -> None:
+    def reject(self, request_id: Any, num_tokens: int, *, keep_pages: bool = False) -> None:
         """Give back a running request's last ``num_tokens`` reserved, uncommitted slots: the
         draft tokens a speculative step's verifier rejected (``reserve(ids, 1 + k)``, commit
         the accepted ones, reject the rest).
+
+        ``keep_pages``: only the slots go back; every page stays mapped for the slots the
+        request reserves next (vLLM's manager keeps a request's blocks when its drafts are
+        rejected: an engine that mirrors its block tables passes True).
 
         The request ends at its committed tokens plus the slots it keeps; pages that no longer
         hold any of them (past the pages its prompt was admitted with, which it keeps unless
@@ -504,6 +508,7 @@ class KVCacheManager:
         t = self.table
         total, committed = int(t.num_tokens[row]), int(t.num_committed[row])
         n = integer(num_tokens, "num_tokens", minimum=0)
+        flag(keep_pages, "keep_pages")
         if n > total - committed:
             raise ArgumentError(
                 f"request {request_id!r} has {total - committed} reserved, uncommitted slots "
@@ -511,7 +516,7 @@ class KVCacheManager:
                 "tokens are never rejected; nothing was changed)")
         if n == 0:
             return
-        keep = -(-(total - n) // self.page_size)
+        keep = int(t.num_pages[row]) if keep_pages else -(-(total - n) // self.page_size)
         # The prompt's own pages past them stay (its capacity guarantee); a shared one, and
         # every page after it, goes (the next write would land in another holder's page).
         prompt_pages = -(-self._requests.known[request_id].prompt.size // self.page_size)

@@ -735,6 +735,57 @@ def test_a_read_through_the_step_before_a_rejection_fails_verify(make_manager: A
     del step
 
 
+@pytest.mark.parametrize("tracker", [None, "checking", "paranoid"])
+def test_rejecting_with_keep_pages_gives_back_only_the_slots(make_manager: Any,
+                                                             tracker: Any) -> None:
+    """``reject(keep_pages=True)`` (vLLM's manager keeps a request's blocks when its drafts
+    are rejected): the slots go back, every page stays mapped and held, and the next reserve
+    writes into them without allocating; a read of a rejected slot through the speculative
+    step's lengths still fails ``verify``."""
+    mgr = make_manager(num_pages=16, tracker=tracker)
+    for rid, prompt in (("a", list(range(6))), ("b", list(range(100, 106)))):
+        mgr.admit(rid, prompt)
+        mgr.reserve([rid], 6)
+        mgr.commit(rid, prompt)
+    spec = mgr.reserve(["a", "b"], 1 + 5)  # 12 slots each: 3 pages
+    assert spec.seq_lens.tolist() == [12, 12]
+    b_slots = spec.slot_mapping[6:].copy()  # (a step's arrays are reused by the next one)
+    pages = mgr.pages_of("a").tolist()
+    free = mgr.allocator.num_free
+    for rid in ("a", "b"):
+        mgr.commit(rid, [6, 7])
+        mgr.reject(rid, 4, keep_pages=True)
+    assert (mgr.num_tokens("a"), mgr.num_committed("a")) == (8, 8)
+    assert mgr.pages_of("a").tolist() == pages and mgr.allocator.num_free == free
+    mgr.check()
+    step = mgr.reserve(["a"], 4)  # the kept page takes them: nothing allocated
+    assert mgr.allocator.num_free == free and mgr.pages_of("a").tolist() == pages
+    assert mgr.verify(["a"], step).ok and step.seq_lens.tolist() == [12]
+    mgr.commit("a", [8, 9, 10, 11])
+    assert mgr.tokens_of("a").tolist() == list(range(12))
+    if tracker is not None:
+        # b read as the speculative step saw it: its own (kept) pages, but 12 tokens where it
+        # holds 8 now.
+        report = mgr.verify(["b"], metadata={
+            "kv_indptr": np.array([0, 3], dtype=np.int32),
+            "kv_indices": mgr.pages_of("b").astype(np.int32),
+            "slot_mapping": b_slots, "seq_lens": np.array([12], dtype=np.int32)})
+        assert list(report.aborted) == ["b"]
+    mgr.check()
+
+
+def test_a_bad_keep_pages_is_refused_and_changes_nothing(make_manager: Any,
+                                                         snapshot: Any) -> None:
+    mgr = make_manager()
+    mgr.admit("a", list(range(5)))
+    mgr.reserve(["a"], 7)
+    before = snapshot(mgr)
+    for bad in (1, "yes", None):
+        with pytest.raises(ArgumentTypeError, match="keep_pages"):
+            mgr.reject("a", 2, keep_pages=bad)
+    assert snapshot(mgr) == before
+
+
 def test_rejecting_more_than_the_uncommitted_slots_is_refused_and_changes_nothing(
         make_manager: Any, snapshot: Any) -> None:
     mgr = make_manager()

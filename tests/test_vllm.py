@@ -457,9 +457,15 @@ def test_a_bad_option_is_one_line_and_status_2_before_any_work(
     (lambda: StreamSpec(SchedulerSpec(max_model_len=8), (StreamRequest("a", (1,) * 9, 1),)),
      "max_model_len=8", ValueError),
     (lambda: StreamSpec(SchedulerSpec(), (), pipeline=0), "pipeline=0", ValueError),
+    (lambda: SchedulerSpec(spec_method="medusa", num_spec_tokens=2),  # type: ignore[arg-type]
+     "spec_method='medusa'", ValueError),
+    (lambda: SchedulerSpec(spec_method="eagle"), "num_spec_tokens=0", ValueError),
+    (lambda: SchedulerSpec(num_spec_tokens=2), "num_spec_tokens=2", ValueError),
+    (lambda: SchedulerSpec(spec_method="ngram", num_spec_tokens=2, draft_acceptance=1.5),
+     "draft_acceptance=1.5", ValueError),
 ], ids=["blocks", "block_size", "batched<seqs", "watermark", "policy", "flag", "empty-prompt",
         "max_tokens", "abort-before-arrival", "float-token", "duplicate-ids", "too-long",
-        "pipeline"])
+        "pipeline", "spec-method", "no-drafts", "drafts-without-method", "acceptance"])
 def test_a_bad_stream_spec_is_refused_when_built(build: Any, named: str, kind: type) -> None:
     """They were unchecked: vLLM's pydantic ValidationError, its ``assert`` on a duplicate
     request id, an IndexError inside vLLM's block pool (a prompt past max_model_len), or
@@ -478,6 +484,14 @@ def test_the_harness_functions_refuse_what_is_not_theirs() -> None:
         random_stream(random.Random(0), max_requests=0)
     with pytest.raises(KVMemError, match="rng=5"):
         random_stream(5)  # type: ignore[arg-type]
+    with pytest.raises(KVMemError, match="speculative="):
+        random_stream(random.Random(0), speculative=1)  # type: ignore[arg-type]
+    with pytest.raises(KVMemError, match="spec_methods="):
+        random_stream(random.Random(0), spec_methods=("medusa",))  # type: ignore[arg-type]
+    # Streams drawn before speculative decoding joined are the same streams.
+    plain = random_stream(random.Random(3), speculative=False)
+    assert plain.sched.spec_method is None
+    assert random_stream(random.Random(3), speculative=True).requests == plain.requests
     with pytest.raises(KVMemError, match="stream="):
         compare(SPEC)  # type: ignore[arg-type]
     with pytest.raises(KVMemError, match="kvmem="):

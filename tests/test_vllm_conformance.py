@@ -7,7 +7,8 @@ request's final tokens):
 
 - hypothesis streams (``KVMEM_VLLM_STREAMS``, 200 by default: the CI profile), each
   :func:`~kvmem.integrations.vllm.conformance.random_stream` of a hypothesis-controlled
-  ``Random``, so a failing stream shrinks and prints as a replayable test;
+  ``Random``, so a failing stream shrinks and prints as a replayable test; and a quarter as
+  many per speculative method, every stream speculating (drafts with random acceptance);
 - the scenarios of vLLM's own scheduler and prefix-caching tests (``tests/v1/core/``) that fall
   inside the supported set, re-created here (docs/vllm.md lists them and how they compare).
 
@@ -26,8 +27,10 @@ from hypothesis import strategies as st
 
 from kvmem.integrations.vllm import vllm_import_error
 from kvmem.integrations.vllm.conformance import (
+    SPEC_METHODS,
     Driver,
     SchedulerSpec,
+    SpecMethod,
     StreamRequest,
     compare,
     random_stream,
@@ -49,6 +52,23 @@ def test_random_streams_schedule_exactly_as_vllm(rng: random.Random) -> None:
     assert c.ok, (f"{c.first_difference}; outputs differ: {c.outputs_differ}; verify "
                   f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
                   f"Replay it:\n\n{c.replay()}")
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+@settings(max_examples=max(STREAMS // 4, 1), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(rng=st.randoms(use_true_random=False))
+def test_speculative_streams_schedule_exactly_as_vllm(method: SpecMethod,
+                                                      rng: random.Random) -> None:
+    """Streams with draft tokens every decode step, accepted at a random rate (rejected
+    drafts roll the requests back), by n-gram (no lookahead), a draft model (lookahead slots)
+    and EAGLE (lookahead slots, prefix hits less their last block): the same step-by-step
+    equality, with each step's scheduled drafts and computed tokens compared too."""
+    c = compare(random_stream(rng, speculative=True, spec_methods=(method,)))
+    assert c.ok, (f"{c.first_difference}; outputs differ: {c.outputs_differ}; verify "
+                  f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
+                  f"Replay it:\n\n{c.replay()}")
+    assert c.stream.sched.spec_method == method
 
 
 # -- vLLM's scenarios ----------------------------------------------------------------------------

@@ -90,14 +90,26 @@ def test_context_parallelism_is_refused(attr: str, option: str) -> None:
         _build(vc, kc)
 
 
-def test_speculative_decoding_is_refused() -> None:
-    vc, kc = make_vllm_config(SPEC)
+def test_eagle_with_lookahead_block_hashes_is_refused_naming_the_fix() -> None:
+    """EAGLE with prefix caching hashes each block with the token after it (vLLM's default):
+    kvmem keys a page by its own tokens, so the scheduler refuses it and says how to get
+    vLLM's last-block drop instead (which it supports)."""
+    vc, kc = make_vllm_config(dataclasses.replace(SPEC, spec_method="eagle", num_spec_tokens=2))
+    vc.speculative_config.disable_lookahead_block_hashes = False
+    assert vc.num_hash_lookahead_tokens == 1
+    with pytest.raises(KVMemError, match="disable_lookahead_block_hashes=True"):
+        _build(vc, kc)
 
-    class Ngram:  # any speculative config is refused before vLLM looks at it
-        pass
 
-    object.__setattr__(vc, "speculative_config", Ngram())
-    with pytest.raises(KVMemError, match="speculative_config"):
+def test_multi_module_mtp_with_prefix_caching_is_refused() -> None:
+    """Multi-module MTP keeps a request's last k - 1 computed tokens out of vLLM's cache;
+    kvmem caches every committed page, so it is refused with prefix caching on."""
+    vc, kc = make_vllm_config(dataclasses.replace(SPEC, spec_method="eagle", num_spec_tokens=3))
+    sc = vc.speculative_config
+    sc.method = "mtp"
+    sc.draft_model_config.hf_config.num_nextn_predict_layers = 3
+    assert vc.num_prefill_lookahead_tokens == 3 and vc.num_hash_lookahead_tokens == 0
+    with pytest.raises(KVMemError, match="multi-module MTP"):
         _build(vc, kc)
 
 
@@ -306,3 +318,205 @@ def test_async_cache_blocks_naming_committed_tokens_queues_nothing() -> None:
     adapter.cache_blocks(request, 6)
     assert adapter._queue.commits == []
     adapter.check()
+
+
+# -- speculative decoding: vLLM's scheduler loop on both managers ---------------------------------
+
+
+def _spec_run(kvmem: bool, spec: SchedulerSpec, prompts: list[tuple[int, ...]],
+              max_tokens: int = 14, arrivals: tuple[int, ...] = ()) -> tuple[list[object], object]:
+    """vLLM's scheduler loop with speculative decoding, as an engine runs it: ``schedule()``;
+    a ``ModelRunnerOutput`` whose sampled tokens accept, for request ``i`` at step ``t``, the
+    first ``(t + i) % (k + 1)`` of its ``k`` scheduled drafts (so some steps reject every
+    draft, some a tail, some none); ``update_from_output()``; then (synchronous scheduling)
+    the drafter's next drafts through ``update_draft_token_ids``. Request ``i`` arrives
+    before step ``arrivals[i]`` (0 by default). Returns each step's output in a form both
+    managers must agree on, and the scheduler."""
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    from kvmem.integrations.vllm.conformance import make_request, make_scheduler
+
+    sched = make_scheduler(spec, kvmem, log_stats=True)
+    requests = [make_request(StreamRequest(f"r{i}", p, max_tokens), spec.block_size)
+                for i, p in enumerate(prompts)]
+    records: list[object] = []
+    for t in range(200):
+        for i, req in enumerate(requests):
+            if (arrivals[i] if i < len(arrivals) else 0) == t:
+                sched.add_request(req)
+        if t > max(arrivals, default=0) and not sched.has_requests():
+            break
+        out = sched.schedule()
+        records.append(_canonical(sched, out))
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            i = int(rid[1:])
+            if sched.requests[rid].is_prefill_chunk:
+                sampled.append([])
+                continue
+            k = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+            sampled.append([100 + 10 * t + j for j in range((t + i) % (k + 1) + 1)])
+        sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+            sampled_token_ids=sampled))
+        if not spec.async_scheduling:
+            live = [r for r in ids if r in sched.requests and not sched.requests[r].is_finished()]
+            sched.update_draft_token_ids(DraftTokenIds(
+                live, [[50 + j for j in range(spec.num_spec_tokens)] for _ in live]))
+    records.append([(r.request_id, list(r.output_token_ids)) for r in requests])
+    return records, sched
+
+
+def _canonical(sched: object, out: object) -> dict[str, object]:
+    """A step's ``SchedulerOutput`` with block ids renamed by first appearance (the two
+    managers may pick different free blocks; which blocks are shared, kept and new may not
+    differ), and the KV cache usage."""
+    names: dict[int, int] = {}
+
+    def rename(ids: object) -> object:
+        return None if ids is None else [names.setdefault(b, len(names)) for b in ids[0]]
+
+    c = out.scheduled_cached_reqs
+    return {
+        "new": [(r.req_id, r.num_computed_tokens, rename(r.block_ids))
+                for r in out.scheduled_new_reqs],
+        "cached": list(zip(c.req_ids, c.num_computed_tokens, map(rename, c.new_block_ids))),
+        "tables": {rid: rename((sched.kv_cache_manager.get_block_ids(rid)[0],))
+                   for rid in sorted(out.num_scheduled_tokens)},
+        "num_scheduled": dict(out.num_scheduled_tokens),
+        "drafts": {r: list(t) for r, t in out.scheduled_spec_decode_tokens.items()},
+        "total": out.total_num_scheduled_tokens,
+        "preempted": sorted(out.preempted_req_ids), "finished": sorted(out.finished_req_ids),
+        "usage": sched.get_kv_cache_usage(),
+    }
+
+
+_PROMPTS = [tuple(range(10, 19)), tuple(range(10, 22)), tuple(range(40, 47))]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("paranoid", [False, True])
+def test_speculative_steps_with_rejected_drafts_schedule_exactly_as_vllm(
+        method: str, async_scheduling: bool, paranoid: bool) -> None:
+    """Every step's output (scheduled tokens and drafts, computed tokens after rejected drafts
+    rolled back, new and kept blocks, the block tables, usage) and every request's tokens
+    agree; kvmem's integrity check (and the paranoid one, which checks the workers' block
+    tables, holding the kept blocks past a step's tokens) runs on every step and stays
+    silent."""
+    spec = dataclasses.replace(SPEC, num_blocks=24, spec_method=method, num_spec_tokens=3,
+                               async_scheduling=async_scheduling, paranoid=paranoid)
+    vllm_records, _ = _spec_run(False, spec, _PROMPTS, arrivals=(0, 0, 3))
+    kvmem_records, sched = _spec_run(True, spec, _PROMPTS, arrivals=(0, 0, 3))
+    assert len(kvmem_records) == len(vllm_records)
+    for t, (a, b) in enumerate(zip(vllm_records, kvmem_records)):
+        assert a == b, f"step {t}"
+    drafts = [len(d) for r in vllm_records[:-1] for d in r["drafts"].values()]
+    assert sum(drafts) > 10  # (the run speculated)
+    adapter = sched.kv_cache_manager
+    assert adapter.num_integrity_aborts == 0
+    assert adapter.num_verified_steps >= len(vllm_records) - 2
+    adapter.check()
+    sched.kvmem.check()
+
+
+def test_rejected_drafts_keep_their_blocks_and_their_slots_go_back() -> None:
+    """vLLM rolls a request's computed tokens back when its drafts are rejected and keeps its
+    blocks; kvmem gives the rejected slots back (``reject(keep_pages=True)``) before the
+    request's next reserve: the same blocks, the same free count, and the next step writes
+    where the rejected drafts were."""
+    spec = dataclasses.replace(SPEC, spec_method="draft_model", num_spec_tokens=4)
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    from kvmem.integrations.vllm.conformance import make_request, make_scheduler
+
+    runs = {}
+    for kvmem in (False, True):
+        sched = make_scheduler(spec, kvmem)
+        req = make_request(StreamRequest("a", tuple(range(10, 16)), 20), 4)
+        sched.add_request(req)
+        seen = []
+        for sampled in ([11], [12], [13, 14, 15, 16, 17], [18]):  # step 2: drafts rejected
+            out = sched.schedule()
+            (blocks,) = sched.kv_cache_manager.get_block_ids("a")
+            seen.append((out.num_scheduled_tokens["a"], req.num_computed_tokens, blocks,
+                         sched.kv_cache_manager.usage))
+            if kvmem:
+                seen[-1] += (sched.kvmem.num_tokens("a"),)
+            sched.update_from_output(out, ModelRunnerOutput(
+                req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[sampled]))
+            sched.update_draft_token_ids(DraftTokenIds(["a"], [[50, 51, 52, 53]]))
+        runs[kvmem] = (seen, list(req.output_token_ids), sched)
+    vllm_seen, kvmem_seen = runs[False][0], runs[True][0]
+    assert [s[:4] for s in kvmem_seen] == vllm_seen
+    # Step 1: 1 + 4 drafts after 6 computed tokens, and 4 lookahead slots: 15 slots in 4
+    # blocks. Every draft rejected: vLLM rolls back to 7 computed tokens and keeps the 4
+    # blocks, which step 2's 12 tokens and 4 lookahead slots fit (no new block). kvmem
+    # reserved the 15 slots, then gave the 8 rejected and lookahead ones back (7 + 5 = 12).
+    assert [(n, c, len(b)) for n, c, b, _ in vllm_seen] == [
+        (6, 6, 3), (5, 11, 4), (5, 12, 4), (5, 17, 6)]
+    assert vllm_seen[2][2] == vllm_seen[1][2] and kvmem_seen[2][2] == kvmem_seen[1][2]
+    assert [s[4] for s in kvmem_seen] == [10, 15, 12, 21]
+    assert runs[True][1] == runs[False][1]
+    sched = runs[True][2]
+    assert sched.kv_cache_manager.num_integrity_aborts == 0
+    sched.kv_cache_manager.check()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_eagle_drops_the_last_block_of_a_prefix_hit_as_vllm_does(method: str) -> None:
+    """A prompt whose first 3 blocks are cached hits 3 blocks with a draft model and 2 with
+    EAGLE (vLLM's use_eagle: the block before the generation point is recomputed), on both
+    managers."""
+    spec = dataclasses.replace(SPEC, spec_method=method, num_spec_tokens=2)
+    prompts = [tuple(range(10, 23)), (*range(10, 22), 90, 91, 92)]
+    for kvmem in (False, True):
+        records, _ = _spec_run(kvmem, spec, prompts, max_tokens=2, arrivals=(0, 6))
+        hits = [n for r in records[:-1] for rid, n, _ in r["new"] if rid == "r1"]
+        assert hits == [12 if method == "draft_model" else 8], kvmem
+
+
+def _speculative_adapter() -> tuple[object, object]:
+    """A speculative adapter with one request admitted (6 prompt tokens, committed) and a
+    step of 1 + 3 drafts scheduled after them (slots 6..9 reserved, token 6 known)."""
+    from kvmem.integrations.vllm import VllmKVCacheAdapter
+    from kvmem.integrations.vllm._vllm_objects import make_request
+
+    adapter = VllmKVCacheAdapter(num_blocks=32, block_size=4, max_model_len=64, max_num_seqs=4,
+                                 speculative=True)
+    request = make_request(StreamRequest("r0", tuple(range(20, 26)), max_tokens=8), 4)
+    hit, _, _ = adapter.get_computed_blocks(request)
+    assert adapter.allocate_slots(request, 6, 0, hit) is not None
+    adapter.flush()
+    request.num_computed_tokens = 6
+    request.append_output_token_ids(30)
+    assert adapter.allocate_slots(request, 4) is not None
+    adapter.flush()
+    request.num_computed_tokens = 10
+    return adapter, request
+
+
+def test_a_rollback_below_committed_tokens_is_refused_naming_it() -> None:
+    """Guards the rejected-slot give-back: vLLM rolling a request back below tokens kvmem
+    already committed (which no engine does: drafts are committed only once accepted) is an
+    error that says so, not a silent shift of every later slot."""
+    adapter, request = _speculative_adapter()
+    assert adapter.manager.num_committed("r0") == 7
+    request.num_computed_tokens = 8  # 2 drafts rejected: given back at the next flush
+    assert adapter.allocate_slots(request, 1) is not None
+    adapter.flush()
+    assert adapter.manager.num_tokens("r0") == 9
+    request.num_computed_tokens = 6  # below the 7 committed
+    assert adapter.allocate_slots(request, 1) is not None
+    with pytest.raises(KVMemError, match="cannot un-commit"):
+        adapter.flush()
+    assert adapter.manager.num_tokens("r0") == 9  # nothing was given back
+
+
+def test_a_request_advanced_without_allocate_slots_is_refused_naming_it() -> None:
+    adapter, request = _speculative_adapter()
+    request.num_computed_tokens = 12  # past the 10 slots kvmem reserved
+    assert adapter.allocate_slots(request, 1) is not None
+    with pytest.raises(KVMemError, match="without allocate_slots"):
+        adapter.flush()

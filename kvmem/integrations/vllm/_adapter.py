@@ -127,6 +127,13 @@ class VllmKVCacheAdapter:
     seed: seeds kvmem's prefix keys (None: a per-process secret)
     async_scheduling: the scheduler is an ``AsyncScheduler`` (a decode step's token is known
         only after its step, so it is committed when ``cache_blocks`` says so)
+    speculative: vLLM's ``speculative_config`` is set: a step may carry draft tokens, which
+        are known (and committed) only once the verifier accepted them, and the scheduler
+        rolls a request's computed tokens back when it rejects some; the adapter gives the
+        rejected slots back to kvmem (``reject(keep_pages=True)``: vLLM keeps the blocks)
+        when it next queues the request
+    use_eagle: vLLM's ``use_eagle`` (EAGLE/MTP with the last-block drop): a prefix hit drops
+        its last block (those tokens are recomputed for the drafter)
     verify_block_tables: the paranoid check: hand out block ids from a block table kept as the
         workers build theirs and verify that table every step (every entry; slower) instead of
         the step's CSR the ids are sliced from (kvmem's incremental check)
@@ -139,11 +146,13 @@ class VllmKVCacheAdapter:
                  max_num_seqs: int, enable_caching: bool = True, log_stats: bool = False,
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
                  tracker: Any = "checking", seed: int | None = None,
-                 async_scheduling: bool = False, verify_block_tables: bool = False) -> None:
+                 async_scheduling: bool = False, verify_block_tables: bool = False,
+                 speculative: bool = False, use_eagle: bool = False) -> None:
         _check_args(num_blocks, block_size, max_model_len, max_num_seqs, watermark, seed,
                     enable_caching=enable_caching, log_stats=log_stats,
                     enable_kv_cache_events=enable_kv_cache_events,
-                    async_scheduling=async_scheduling, verify_block_tables=verify_block_tables)
+                    async_scheduling=async_scheduling, verify_block_tables=verify_block_tables,
+                    speculative=speculative, use_eagle=use_eagle)
         try:
             from vllm.v1.metrics.stats import PrefixCacheStats
             from vllm.v1.request import RequestStatus
@@ -167,7 +176,11 @@ class VllmKVCacheAdapter:
             max_pages_per_seq=_cdiv(max_model_len, block_size) + 1,
             prefix_cache=VllmOrderPrefixCache(seed) if enable_caching else None,
             tracker=tracker, watermark=0.0, kv_events=enable_kv_cache_events, evict_ahead=0)
-        self.async_outputs = async_scheduling
+        # A step's tokens are known only after it ran (async scheduling's placeholders, or
+        # drafts the verifier may reject): committed tokens are tracked per request.
+        self.async_outputs = async_scheduling or speculative
+        self.speculative = speculative
+        self.use_eagle = use_eagle and enable_caching
         # The paranoid check's block table, [max_seqs, max_pages], int32, page ids (PAD past a
         # request's blocks), one row per kvmem row: the ids handed to the workers come from it.
         self.worker_block_table = (
@@ -178,9 +191,9 @@ class VllmKVCacheAdapter:
         self._free_view = self.manager.allocator  # num_free
         self._reqs: dict[str, RequestState] = {}
         # The queue (see the module doc) and its flush.
-        self._queue = FlushQueue(self.manager, self._reqs, async_outputs=async_scheduling,
+        self._queue = FlushQueue(self.manager, self._reqs, async_outputs=self.async_outputs,
                                  worker_block_table=self.worker_block_table,
-                                 on_aborted=self._aborted)
+                                 on_aborted=self._aborted, speculative=speculative)
         self._empty = self.empty_kv_cache_blocks
         # get_blocks() results to fill at the flush: (request id, out).
         self._row_blocks: list[tuple[str, KVMemBlocks]] = []
@@ -269,8 +282,17 @@ class VllmKVCacheAdapter:
             match = self.manager.match_prefix(tokens, namespace, max_pages)
         if not match.num_pages:
             return self.empty_kv_cache_blocks, 0, 0
-        hit = PrefixHit((match.pages + 1).tolist(), match.num_evictable)
-        return hit, match.num_pages * self.block_size, 0
+        pages, num_evictable = match.pages, match.num_evictable
+        if self.use_eagle:
+            # vLLM's EAGLE drop: the longest hit, less its last block (found, then dropped).
+            pages = pages[:-1]
+            if not pages.size:
+                return self.empty_kv_cache_blocks, 0, 0
+            cache = self.manager.cache
+            assert isinstance(cache, VllmOrderPrefixCache)
+            num_evictable -= cache.is_evictable(int(match.pages[-1]))
+        hit = PrefixHit((pages + 1).tolist(), num_evictable)
+        return hit, int(pages.size) * self.block_size, 0
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
@@ -339,7 +361,9 @@ class VllmKVCacheAdapter:
             return self._empty
         st.cap += need * p
         out = KVMemBlocks(self, None)
-        self._queue.add_growth(request, st, num_new_tokens, computed, need, out)
+        # The lookahead slots are reserved too, so that kvmem maps the pages vLLM allocates.
+        self._queue.add_growth(request, st, num_new_tokens, computed, need, out,
+                               need_tokens - computed - num_new_tokens)
         return out
 
     def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
@@ -383,7 +407,8 @@ class VllmKVCacheAdapter:
         upto = min(num_hit_tokens + num_new_tokens, len(tokens))
         out = KVMemBlocks(self, None)  # the pages past the hit (the scheduler asks get_blocks)
         self._queue.add_admission(request, st, num_new_tokens, upto, need,
-                                  need - res.num_pages + res.num_hit_pages, out)
+                                  need - res.num_pages + res.num_hit_pages, out,
+                                  need_tokens - num_hit_tokens - num_new_tokens)
         return out
 
     def _aborted(self, aborted: dict[Any, str]) -> None:

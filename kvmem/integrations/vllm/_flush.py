@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvmem.allocator import PAD
+from kvmem.errors import KVMemError
 from kvmem.integrations.vllm._blocks import KVMemBlocks, RequestState
 from kvmem.manager import KVCacheManager
 
@@ -34,10 +35,13 @@ class FlushQueue:
     ----------
     manager: the adapter's kvmem manager
     requests: the adapter's running requests (id -> state), read and never written here
-    async_outputs: the scheduler is an ``AsyncScheduler``
+    async_outputs: a step's tokens are known only after it ran (an ``AsyncScheduler``, or
+        speculative decoding's drafts): committed tokens are tracked in each request's state
     worker_block_table: the paranoid check's block table (None: kvmem's incremental check)
     on_aborted: called with ``{request id: reason}`` when verify aborted requests (the adapter
         forgets, logs and reports them)
+    speculative: drafts may be rejected: before reserving, each queued running request gives
+        back the slots kvmem holds past its computed tokens (what vLLM rolled back)
 
     Attributes
     ----------
@@ -48,6 +52,8 @@ class FlushQueue:
     num_pages: pages the queued allocations will take
     first_admit: the index in ``entries`` of the first queued admission (its commit target is
         explicit), -1 when none is queued
+    lookahead: (index in ``entries``, slots) reserved past an entry's scheduled tokens: the
+        lookahead slots of an allocation that takes pages (vLLM allocates blocks for them)
     commits: ``cache_blocks()`` calls since the last flush: (request, state, commit target)
     num_flushes: flushes that had work (allocations or commits), in all
     num_verified_steps, num_verified_requests: batches and requests verify checked, in all
@@ -55,9 +61,11 @@ class FlushQueue:
 
     def __init__(self, manager: KVCacheManager, requests: dict[str, RequestState], *,
                  async_outputs: bool, worker_block_table: Any,
-                 on_aborted: Callable[[dict[Any, str]], None]) -> None:
+                 on_aborted: Callable[[dict[Any, str]], None], speculative: bool = False
+                 ) -> None:
         self.manager = manager
         self.async_outputs = async_outputs
+        self.speculative = speculative
         self.worker_block_table = worker_block_table
         self._reqs = requests
         self._aborted = on_aborted
@@ -65,6 +73,7 @@ class FlushQueue:
         self.new_blocks: list[tuple[int, int, KVMemBlocks]] = []
         self.num_pages = 0
         self.first_admit = -1
+        self.lookahead: list[tuple[int, int]] = []
         self.commits: list[tuple[Any, RequestState, int]] = []
         self.num_flushes = 0
         self.num_verified_steps = 0
@@ -77,22 +86,28 @@ class FlushQueue:
         self._scanned = 0
 
     def add_growth(self, request: Any, st: RequestState, num_new_tokens: int, computed: int,
-                   need: int, out: KVMemBlocks) -> None:
+                   need: int, out: KVMemBlocks, lookahead: int = 0) -> None:
         """Queue a running request's ``num_new_tokens`` tokens after its ``computed`` ones
-        that take ``need`` new pages (``out`` gets their block ids at the flush)."""
+        and ``lookahead`` slots past them that take ``need`` new pages (``out`` gets their
+        block ids at the flush)."""
+        if lookahead:
+            self.lookahead.append((len(self.entries), lookahead))
         self.new_blocks.append((len(self.entries), need, out))
         self.entries.append((request, st, num_new_tokens, None, computed))
         self.num_pages += need
 
     def add_admission(self, request: Any, st: RequestState, num_new_tokens: int, upto: int,
-                      need: int, num_pages: int, out: KVMemBlocks) -> None:
-        """Queue an admitted request's first step: ``need`` pages past its hit (``num_pages``
-        of them still to take; ``out`` gets their block ids), commit up to ``upto``."""
+                      need: int, num_pages: int, out: KVMemBlocks, lookahead: int = 0) -> None:
+        """Queue an admitted request's first step: ``num_new_tokens`` and ``lookahead`` slots
+        past them in ``need`` pages past its hit (``num_pages`` of them still to take; ``out``
+        gets their block ids), commit up to ``upto``."""
         if self.manager.cache is not None:  # (its range is known now, not from the request)
             self._scan()
             self._scanned += 1
             if upto // self.page_size > st.committed // self.page_size:
                 self._fills.append((st.committed, upto, request))
+        if lookahead:
+            self.lookahead.append((len(self.entries), lookahead))
         self.new_blocks.append((len(self.entries), need, out))
         if self.first_admit < 0:
             self.first_admit = len(self.entries)
@@ -173,9 +188,11 @@ class FlushQueue:
                 if not self._commit_arrived(commits):
                     self._commit_general([], commits)
             return
-        outs, first_admit = self.new_blocks, self.first_admit
+        if self.speculative:
+            self._give_back_rejected(q)
+        outs, first_admit, lookahead = self.new_blocks, self.first_admit, self.lookahead
         self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
-        self.commits = []
+        self.commits, self.lookahead = [], []
         self.num_flushes += 1
         ids = tuple(map(_RID, map(_STATE, q)))  # C-level gathers: a batch is 256 requests
         nums = list(map(_NUM, q))
@@ -183,7 +200,9 @@ class FlushQueue:
         uniform = nums.count(n0) == len(nums)
         mgr = self.manager
         # Per-request counts as an array: the manager checks them in one pass, not one by one.
-        counts: Any = n0 if uniform else np.array(nums, dtype=np.int64)
+        counts: Any = n0 if uniform and not lookahead else np.array(nums, dtype=np.int64)
+        for i, k in lookahead:
+            counts[i] += k
         step = mgr.reserve(ids, counts)
         if self.worker_block_table is None:
             report = mgr.verify(ids, step)
@@ -214,6 +233,35 @@ class FlushQueue:
             self._commit_decodes(q, ids)
             return
         self._commit_general(q, commits)
+
+    def _give_back_rejected(self, q: list[tuple[Any, RequestState, int, int | None, int]]
+                            ) -> None:
+        """Each queued running request's slots past its computed tokens (the drafts vLLM's
+        scheduler rejected, by rolling its computed tokens back, and the lookahead slots of
+        its last step) go back to kvmem, its pages kept (as vLLM keeps its blocks). Checked
+        for the whole queue first: on error nothing is given back and the queue stays."""
+        mgr = self.manager
+        back: list[tuple[str, int]] = []
+        for _, st, _, upto, computed in q:
+            if upto is not None:  # admitted in this flush: nothing reserved before
+                continue
+            extra = mgr.num_tokens(st.rid) - computed
+            if extra < 0:
+                raise KVMemError(
+                    f"request {st.rid!r}: vLLM counts {computed} computed tokens but kvmem "
+                    f"reserved only {computed + extra} slots; the scheduler advanced the "
+                    "request without allocate_slots() (a path this adapter does not support)")
+            if extra > 0:
+                if mgr.num_committed(st.rid) > computed:
+                    raise KVMemError(
+                        f"request {st.rid!r}: vLLM rolled it back to {computed} computed "
+                        f"tokens, below the {mgr.num_committed(st.rid)} whose outputs were "
+                        "known (and committed) when their step was scheduled; kvmem cannot "
+                        "un-commit tokens (an engine that hands drafts over while the "
+                        "request's step is in flight is not supported)")
+                back.append((st.rid, extra))
+        for rid, extra in back:
+            mgr.reject(rid, extra, keep_pages=True)
 
     def _commit_decodes(self, q: list[tuple[Any, RequestState, int, int | None, int]],
                         ids: tuple[str, ...]) -> None:
@@ -315,9 +363,34 @@ class FlushQueue:
                 wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
             out.ids = (wt[row, n - k : n] + 1).tolist()
         table = wt[rows]
-        return self.manager.verify(ids, metadata={
+        # Speculative decoding: a row may hold pages past those the step's tokens fill (its
+        # lookahead slots', its rejected drafts': vLLM keeps their blocks, and so does
+        # kvmem). The step's kernels read none of them: the step's table is checked without
+        # them, and each must be the page kvmem maps for the row at its place.
+        counts = (indptr[1:] - indptr[:-1]).astype(np.intp)
+        past = np.arange(table.shape[1]) >= counts[:, None]
+        held = past & (table != PAD)
+        wrong: dict[Any, str] = {}
+        if held.any():
+            for b in np.flatnonzero(held.any(axis=1)).tolist():
+                mapped = self.manager.pages_of(ids[b])
+                got = wt[int(rows[b]), int(counts[b]):]
+                n = mapped.size - int(counts[b])
+                if not (np.array_equal(got[:n], mapped[int(counts[b]):])
+                        and np.all(got[n:] == PAD)):
+                    wrong[ids[b]] = (f"block table entries past the step's {int(counts[b])} "
+                                     f"pages are {got[got != PAD][:8].tolist()}, not the "
+                                     f"pages the request maps there "
+                                     f"{mapped[int(counts[b]):][:8].tolist()}")
+            table[past] = PAD
+        report = self.manager.verify(ids, metadata={
             "block_table": table, "slot_mapping": step.slot_mapping,
             "seq_lens": step.seq_lens, "num_new_tokens": step.num_new_tokens})
+        for rid, reason in wrong.items():
+            if rid not in report.aborted:
+                self.manager.release(rid)
+                report.aborted[rid] = reason
+        return report
 
     def _commit_general(self, q: list[tuple[Any, RequestState, int, int | None, int]],
                         commits: list[tuple[Any, RequestState, int]]) -> None:

@@ -305,6 +305,10 @@ class VllmOrderPrefixCache(PrefixCache):
         order; changes nothing."""
         return list(islice(self._lru, max(num_pages, 0)))
 
+    def is_evictable(self, page: int) -> bool:
+        """Whether ``page`` is cached and held by the cache alone (in the eviction order)."""
+        return page in self._lru
+
     def is_cached(self, pages: Int32Array) -> npt.NDArray[np.bool_]:
         return self._cached[np.asarray(pages, dtype=np.intp).reshape(-1)]
 

@@ -49,7 +49,8 @@ def _env_verify_block_tables() -> bool:
 
 
 _SUPPORTED = ("one full-attention KV cache group, prefix caching on or off, chunked prefill, "
-              "preemption by recompute, aborts, cache_salt, KV events")
+              "preemption by recompute, aborts, cache_salt, KV events, speculative decoding "
+              "(n-gram, draft models, EAGLE/MTP with vLLM's last-block drop)")
 _OWN_SCHEDULER = "vLLM's own Scheduler (drop --scheduler-cls)"
 
 
@@ -76,7 +77,6 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     checks = (
         ("kv_transfer_config (KV connectors)", vllm_config.kv_transfer_config),
         ("ec_transfer_config (encoder cache connectors)", vllm_config.ec_transfer_config),
-        ("speculative_config (speculative decoding)", vllm_config.speculative_config),
         ("lora_config (LoRA adapters)", vllm_config.lora_config),
     )
     for option, value in checks:
@@ -103,7 +103,21 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     if aux is not None and aux.enabled:
         raise _refuse("aux_output_config", "enabled")
     if vllm_config.num_hash_lookahead_tokens:
-        raise _refuse("hash lookahead tokens", repr(vllm_config.num_hash_lookahead_tokens))
+        raise _refuse(
+            "lookahead block hashes (EAGLE/MTP with prefix caching hashes each block with the "
+            "tokens after it; kvmem keys a page by its own tokens)",
+            f"num_hash_lookahead_tokens={vllm_config.num_hash_lookahead_tokens!r}",
+            "Set speculative_config.disable_lookahead_block_hashes=True (vLLM then drops the "
+            "last block of a prefix hit instead, as kvmem does), turn prefix caching off, or "
+            f"use {_OWN_SCHEDULER}.")
+    if (vllm_config.num_prefill_lookahead_tokens > 1
+            and vllm_config.cache_config.enable_prefix_caching):
+        raise _refuse(
+            "multi-module MTP with prefix caching (vLLM keeps a request's last "
+            f"{vllm_config.num_prefill_lookahead_tokens - 1} computed tokens out of its cache; "
+            "kvmem caches every committed page)",
+            f"num_prefill_lookahead_tokens={vllm_config.num_prefill_lookahead_tokens!r}",
+            f"Turn prefix caching off or use {_OWN_SCHEDULER}.")
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise _refuse_model("a model without a KV cache (no KV cache group)", "0 groups")
@@ -182,7 +196,9 @@ class _KVMemMixin(_SchedulerBase):
             log_stats=log_stats, enable_kv_cache_events=enable_kv_cache_events,
             watermark=sc.watermark, tracker="checking",
             async_scheduling=isinstance(self, AsyncScheduler),
-            verify_block_tables=self.verify_block_tables)
+            verify_block_tables=self.verify_block_tables,
+            speculative=vllm_config.speculative_config is not None,
+            use_eagle=self.use_eagle_block_drop)
         # Requests aborted by the check, reported to their clients by the next
         # update_from_output: id -> (client index, reason).
         self._kvmem_aborted: dict[str, tuple[int, str]] = {}

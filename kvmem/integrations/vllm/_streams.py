@@ -8,20 +8,24 @@ import random
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvmem._validate import INT32_MAX, choice, flag, integer, is_integer_like, real, show
 from kvmem.errors import ArgumentError, ArgumentTypeError, ConfigError
 
 __all__ = [
+    "SPEC_METHODS",
     "STOP_TOKEN",
     "VOCAB",
     "SchedulerSpec",
+    "SpecMethod",
     "StreamRequest",
     "StreamResult",
     "StreamSpec",
     "StreamStep",
+    "accepts_draft",
+    "draft_at",
     "random_stream",
     "token_at",
 ]
@@ -29,6 +33,11 @@ __all__ = [
 STOP_TOKEN = 7
 VOCAB = 997
 MAX_MODEL_LEN = 1 << 20  # the synthetic model's max_position_embeddings
+#: Speculative decoding as vLLM's scheduler sees it: n-gram (no lookahead slots, a varying
+#: number of drafts), a draft model (as many lookahead slots as drafts), EAGLE (lookahead
+#: slots, and a prefix hit drops its last block: vLLM's ``use_eagle``).
+SpecMethod = Literal["ngram", "draft_model", "eagle"]
+SPEC_METHODS: tuple[SpecMethod, ...] = ("ngram", "draft_model", "eagle")
 
 
 def _check(spec: str, checks: list[Callable[[], object]]) -> None:
@@ -77,6 +86,9 @@ class SchedulerSpec:
     kv_events: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     paranoid: bool = False  # kvmem: verify the workers' block tables (every entry) each step
+    spec_method: SpecMethod | None = None  # speculative decoding
+    num_spec_tokens: int = 0  # drafts per step (at least 1 with a spec_method)
+    draft_acceptance: float = 0.7  # the synthetic verifier accepts a draft this often
 
     def __post_init__(self) -> None:
         _check("SchedulerSpec", [
@@ -96,7 +108,16 @@ class SchedulerSpec:
             lambda: choice(self.policy, "policy", ("fcfs", "priority")),
             *(lambda name=name: flag(getattr(self, name), name) for name in (
                 "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid")),
+            self._check_spec,
+            lambda: real(self.draft_acceptance, "draft_acceptance", minimum=0.0, maximum=1.0),
         ])
+
+    def _check_spec(self) -> None:
+        if self.spec_method is None:
+            integer(self.num_spec_tokens, "num_spec_tokens", minimum=0, maximum=0)
+            return
+        choice(self.spec_method, "spec_method", SPEC_METHODS)
+        integer(self.num_spec_tokens, "num_spec_tokens", minimum=1, maximum=64)
 
     def _check_threshold(self) -> None:
         threshold, length = self.long_prefill_token_threshold, self.max_model_len
@@ -202,11 +223,15 @@ class StreamStep:
     sharing: list[tuple[str, int, int]]  # (request, position, first (req, pos) with its block)
     usage: float  # the scheduler's KV cache usage after the step was scheduled
     events: Counter[tuple[Any, ...]] = field(default_factory=Counter)
+    # the running or resumed requests' num_computed_tokens as the step hands them to the
+    # workers (after the previous step's rejected drafts were rolled back), in order
+    computed: list[int] = field(default_factory=list)
+    drafts: dict[str, int] = field(default_factory=dict)  # draft tokens scheduled per request
 
     def key(self) -> tuple[Any, ...]:
         return (self.new, self.cached, self.resumed, sorted(self.num_scheduled.items()),
                 self.preempted, self.finished, self.sharing, self.usage,
-                sorted(self.events.items()))
+                sorted(self.events.items()), self.computed, sorted(self.drafts.items()))
 
 
 @dataclass
@@ -226,14 +251,41 @@ def token_at(rid: str, position: int, seed: int = 0) -> int:
     return STOP_TOKEN if h % 24 == 0 else 10 + h % (VOCAB - 10)
 
 
-def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
+def accepts_draft(rid: str, position: int, seed: int, acceptance: float) -> bool:
+    """Whether the synthetic drafter guesses the synthetic model's token at ``position``
+    (deterministic; true for about ``acceptance`` of the positions)."""
+    h = zlib.crc32(f"draft:{seed}:{rid}:{position}".encode())
+    return h % 1000 < acceptance * 1000
+
+
+def draft_at(rid: str, position: int, seed: int, acceptance: float) -> int:
+    """The synthetic drafter's token for ``position``: the model's (``token_at``) when
+    :func:`accepts_draft`, another one otherwise (which the verifier rejects)."""
+    token = token_at(rid, position, seed)
+    if accepts_draft(rid, position, seed, acceptance):
+        return token
+    return 10 + (token - 10 + 1) % (VOCAB - 10)
+
+
+def random_stream(rng: random.Random, *, max_requests: int = 10,
+                  speculative: bool | None = None,
+                  spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
-    prefill, aborts, and (often) a pool small enough to preempt. Same rng state, same stream.
-    ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
+    prefill, aborts, (often) a pool small enough to preempt, and (in 40% of the streams, or
+    every one with ``speculative=True``, none with False) speculative decoding by one of
+    ``spec_methods``: 1-4 or ``block_size + 1`` drafts a step, accepted at a random rate
+    (0, 0.5, 0.8 or 1). Same rng state, same stream. ``rng``: a ``random.Random``;
+    ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
                                 "random.Random(seed)).")
     integer(max_requests, "max_requests", minimum=1)
+    if speculative is not None:
+        flag(speculative, "speculative")
+    if (not isinstance(spec_methods, tuple) or not spec_methods
+            or not set(spec_methods) <= set(SPEC_METHODS)):
+        raise ArgumentError(f"spec_methods={show(spec_methods)}: expected a non-empty tuple of "
+                            f"{SPEC_METHODS}.")
     block_size = rng.choice((2, 4, 8, 16))
     num_requests = rng.randint(1, max_requests)
     salts = [None, "tenant-a", "tenant-b"]
@@ -275,5 +327,21 @@ def random_stream(rng: random.Random, *, max_requests: int = 10) -> StreamSpec:
     # Steps in flight: an async engine schedules step t + 1 before step t's output is back
     # (placeholders, caching after the output); a sync one with pipeline parallelism too.
     pipeline = 2 if rng.random() < (0.6 if sched.async_scheduling else 0.1) else 1
-    return StreamSpec(sched, tuple(requests), max_steps=400, seed=rng.randrange(1 << 16),
-                      pipeline=pipeline)
+    seed = rng.randrange(1 << 16)
+    # Speculative decoding, drawn last: the draws above make the same streams as before.
+    drawn = rng.random() < 0.4
+    if drawn if speculative is None else speculative:
+        method = rng.choice(spec_methods)
+        k = rng.choice((1, 2, 3, 4, block_size + 1))
+        # Drafts widen a decode step to 1 + k tokens: a request must still fit alone.
+        need = -(-(longest + 2 * k + 2) // block_size) + 1
+        sched = replace(sched, spec_method=method, num_spec_tokens=k,
+                        draft_acceptance=rng.choice((0.0, 0.5, 0.8, 1.0)),
+                        num_blocks=min(max(sched.num_blocks, need), 500),
+                        max_model_len=max(sched.max_model_len, longest + 2 * k + block_size),
+                        max_num_batched_tokens=max(sched.max_num_batched_tokens, 2 * (k + 1)))
+        if not sched.async_scheduling:
+            # A synchronous engine hands the drafts of a step over with its output: it never
+            # has a step in flight when it asks the scheduler for the next one.
+            pipeline = 1
+    return StreamSpec(sched, tuple(requests), max_steps=400, seed=seed, pipeline=pipeline)

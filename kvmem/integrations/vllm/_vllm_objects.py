@@ -10,10 +10,17 @@ import os
 import tempfile
 from typing import Any
 
-from kvmem.integrations.vllm._streams import STOP_TOKEN, SchedulerSpec, StreamRequest, token_at
+from kvmem.integrations.vllm._streams import (
+    STOP_TOKEN,
+    SchedulerSpec,
+    StreamRequest,
+    accepts_draft,
+    draft_at,
+    token_at,
+)
 
-__all__ = ["EventRecorder", "make_block_hasher", "make_request", "make_scheduler",
-           "make_vllm_config", "model_output"]
+__all__ = ["EventRecorder", "draft_token_ids", "make_block_hasher", "make_request",
+           "make_scheduler", "make_speculative_config", "make_vllm_config", "model_output"]
 
 
 @functools.cache
@@ -41,6 +48,25 @@ def _model_config(max_model_len: int) -> Any:
                        max_model_len=max_model_len)
 
 
+def make_speculative_config(spec: SchedulerSpec) -> Any:
+    """vLLM's ``SpeculativeConfig`` for ``spec.spec_method`` (None without one): n-gram, or a
+    draft model / EAGLE head that is the tiny model itself (the scheduler reads only its
+    method and token counts). EAGLE uses vLLM's last-block drop (``disable_lookahead_block_
+    hashes``: kvmem refuses lookahead block hashes)."""
+    if spec.spec_method is None:
+        return None
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    if spec.spec_method == "ngram":
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=spec.num_spec_tokens,
+                                 prompt_lookup_max=spec.num_spec_tokens, prompt_lookup_min=1)
+    return SpeculativeConfig(
+        method=spec.spec_method, model=_model_dir(), num_speculative_tokens=spec.num_spec_tokens,
+        target_model_config=_model_config(spec.max_model_len),
+        target_parallel_config=ParallelConfig(),
+        disable_lookahead_block_hashes=spec.spec_method == "eagle")
+
+
 def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
     """``(VllmConfig, KVCacheConfig)`` for a CPU-only scheduler with one full-attention group."""
     import torch
@@ -59,7 +85,7 @@ def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
               if spec.kv_events else None)
     vc = VllmConfig(scheduler_config=sc, model_config=_model_config(spec.max_model_len),
                     cache_config=cc, device_config=DeviceConfig(device="cpu"),
-                    kv_events_config=events)
+                    kv_events_config=events, speculative_config=make_speculative_config(spec))
     kc = KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1,
                                                       head_size=1, dtype=torch.float32))])
@@ -123,19 +149,55 @@ def make_request(r: StreamRequest, block_size: int) -> Any:
                    priority=r.priority, block_hasher=make_block_hasher(block_size))
 
 
-def model_output(sched: Any, out: Any, seed: int = 0) -> Any:
+def model_output(sched: Any, out: Any, seed: int = 0, acceptance: float = 0.0) -> Any:
     """The synthetic model's ``ModelRunnerOutput`` for a step, built right after ``schedule()``
-    returned it: one sampled token per request whose prompt (or resumed sequence) is complete
-    after this step (``token_at`` its position), none otherwise."""
+    returned it: for each request whose prompt (or resumed sequence) is complete after this
+    step, its token (``token_at``) at each draft position the verifier accepts (the drafter
+    guessed it: ``accepts_draft``, in order, up to the first miss) and one more (the first
+    miss's correction, or the bonus token); none otherwise. So a step whose ``k`` drafts are
+    rejected from the ``j``-th on samples ``j + 1`` tokens and rolls ``k - j`` back."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(out.num_scheduled_tokens)
+    drafts = out.scheduled_spec_decode_tokens
     sampled: list[list[int]] = []
     for rid in ids:
         req = sched.requests.get(rid)
         if req is None or req.is_prefill_chunk:
             sampled.append([])
-        else:
-            sampled.append([token_at(rid, req.num_computed_tokens, seed)])
+            continue
+        k = len(drafts.get(rid, ()))
+        first = req.num_computed_tokens - k  # the position of the step's first sampled token
+        tokens = [token_at(rid, first, seed)]
+        for pos in range(first, first + k):
+            if not accepts_draft(rid, pos, seed, acceptance):
+                break
+            tokens.append(token_at(rid, pos + 1, seed))
+        sampled.append(tokens)
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=sampled)
+
+
+def draft_token_ids(sched: Any, out: Any, spec: SchedulerSpec, seed: int = 0) -> Any:
+    """The synthetic drafter's ``DraftTokenIds`` after a step's output was applied (what a
+    synchronous engine hands ``update_draft_token_ids``): for each request the step ran, drafts
+    for the positions after its tokens (``draft_at``): ``num_spec_tokens`` of them, or (n-gram,
+    which proposes only what it finds) a varying number, possibly none."""
+    import zlib
+
+    from vllm.v1.outputs import DraftTokenIds
+
+    rids: list[str] = []
+    drafts: list[list[int]] = []
+    for rid in out.num_scheduled_tokens:
+        req = sched.requests.get(rid)
+        if req is None or req.is_finished():
+            continue
+        n = req.num_tokens
+        k = spec.num_spec_tokens
+        if spec.spec_method == "ngram":
+            k = zlib.crc32(f"ngram:{seed}:{rid}:{n}".encode()) % (k + 1)
+        rids.append(rid)
+        drafts.append([draft_at(rid, pos, seed, spec.draft_acceptance)
+                       for pos in range(n, n + k)])
+    return DraftTokenIds(rids, drafts)

@@ -4,9 +4,13 @@ A *stream* (:class:`StreamSpec`) is a scheduler configuration and a list of requ
 (:class:`StreamRequest`: arrival step, prompt, ``cache_salt``, ``max_tokens``, optional abort
 step). :func:`run_stream` drives one scheduler over it with a synthetic model: each step's
 sampled token is a deterministic function of the request and the position (:func:`token_at`),
-a request stops on ``max_tokens`` or on the stop token. It records, per step, what the step
-scheduled (:class:`StreamStep`): new requests with their prefix-hit ``num_computed_tokens``,
-running ones, ``num_scheduled_tokens``, preempted and finished ids, the *sharing structure* of
+a request stops on ``max_tokens`` or on the stop token. With speculative decoding
+(``SchedulerSpec.spec_method``) a synthetic drafter guesses the model's tokens right about
+``draft_acceptance`` of the time (:func:`accepts_draft`), and the model samples the accepted
+drafts' tokens plus one, so the scheduler rolls the rejected ones back. It records, per step,
+what the step scheduled (:class:`StreamStep`): new requests with their prefix-hit
+``num_computed_tokens``, running ones with their ``num_computed_tokens`` and scheduled drafts,
+``num_scheduled_tokens``, preempted and finished ids, the *sharing structure* of
 the block tables the workers would build (which requests share a block at which position;
 block ids themselves may differ), and the KV events' cache contents (which prefix was stored or
 removed; hashes differ). :func:`compare` runs both schedulers and returns every difference.
@@ -29,17 +33,21 @@ from typing import Any
 from kvmem._validate import flag, integer, show
 from kvmem.errors import ArgumentTypeError
 from kvmem.integrations.vllm._streams import (
+    SPEC_METHODS,
     STOP_TOKEN,
     SchedulerSpec,
+    SpecMethod,
     StreamRequest,
     StreamResult,
     StreamSpec,
     StreamStep,
+    accepts_draft,
     random_stream,
     token_at,
 )
 from kvmem.integrations.vllm._vllm_objects import (
     EventRecorder,
+    draft_token_ids,
     make_request,
     make_scheduler,
     make_vllm_config,
@@ -47,13 +55,16 @@ from kvmem.integrations.vllm._vllm_objects import (
 )
 
 __all__ = [
+    "SPEC_METHODS",
     "STOP_TOKEN",
     "Driver",
     "SchedulerSpec",
+    "SpecMethod",
     "StreamRequest",
     "StreamResult",
     "StreamSpec",
     "StreamStep",
+    "accepts_draft",
     "compare",
     "make_scheduler",
     "make_vllm_config",
@@ -182,17 +193,25 @@ class Driver:
             cached=list(c.req_ids), resumed=sorted(c.resumed_req_ids),
             num_scheduled=dict(out.num_scheduled_tokens),
             preempted=sorted(out.preempted_req_ids), finished=sorted(out.finished_req_ids),
-            sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage())
+            sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage(),
+            computed=list(c.num_computed_tokens),
+            drafts={rid: len(t) for rid, t in out.scheduled_spec_decode_tokens.items()})
         self.records.append(rec)
         self._record_of[id(out)] = rec
         # The model runs the step as scheduled, whenever its output is handed back.
-        self._output_of[id(out)] = model_output(self.sched, out, self.seed)
+        self._output_of[id(out)] = model_output(self.sched, out, self.seed,
+                                                self.spec.draft_acceptance)
         if self.kvmem and self.check_tables:
             self.table_mismatches += _table_mismatches(self.sched, self.worker)
         return out
 
     def update(self, out: Any) -> None:
         self.sched.update_from_output(out, self._output_of.pop(id(out)))
+        if self.spec.spec_method is not None and not self.spec.async_scheduling:
+            # A synchronous engine hands the drafter's tokens over after each step (an async
+            # one schedules placeholders and fills them in on the workers).
+            self.sched.update_draft_token_ids(draft_token_ids(self.sched, out, self.spec,
+                                                              self.seed))
         recorder: EventRecorder = self.sched.kv_event_publisher
         rec = self._record_of.pop(id(out))
         rec.events.update(self.contents.convert(recorder.events))
@@ -293,7 +312,7 @@ class Comparison:
 
 def _describe(a: StreamStep, b: StreamStep) -> str:
     for name in ("new", "cached", "resumed", "num_scheduled", "preempted", "finished",
-                 "sharing", "usage", "events"):
+                 "sharing", "usage", "events", "computed", "drafts"):
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
             return f"{name}: vLLM {x!r} / kvmem {y!r}"
