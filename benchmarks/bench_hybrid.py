@@ -22,10 +22,10 @@ import json
 from typing import Any
 
 from kvmem.allocator import request_cost
-from kvmem.allocator._group_costs import GIB
 from kvmem.cli.args import KV_DTYPES, Parser, number
 from kvmem.planning import get_model, kv_groups, plan_capacity, vllm_groups
 
+GIB = 1 << 30
 # (preset, TP): each on H200s at a TP its native weights fit
 MODELS = (("gpt-oss-120b", 1), ("qwen3-next-80b-a3b", 2), ("glm-5.2", 8))
 

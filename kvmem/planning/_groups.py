@@ -33,9 +33,8 @@ from kvmem.allocator import (
     padded_layout,
     request_cost,
 )
-from kvmem.allocator._group_costs import GIB
 from kvmem.errors import ArgumentTypeError, ConfigError
-from kvmem.planning._accounting import layer_kv_bytes_per_token
+from kvmem.planning._accounting import GIB, layer_kv_bytes_per_token
 from kvmem.planning._plan import CapacityPlan
 from kvmem.planning._spec import ModelSpec
 
