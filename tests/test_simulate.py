@@ -701,4 +701,4 @@ def test_simulate_groups_bad_input_is_one_clear_line(
         capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:
     status = main(argv)
     out, err = capsys.readouterr()
-    assert status == 2 and words in err and "Traceback" not in err
+    assert status == 2 and out == "" and words in err and "Traceback" not in err

@@ -233,6 +233,11 @@ class _Run:
                 t = req.num_tokens
                 needs = {s.name: 1 for s in self.token_groups if t % s.page_size == 0}
                 if needs and not self.ga.can_allocate(needs):
+                    if len(running) == 1:
+                        raise ConfigError(
+                            f"a request growing to {t + 1:,} tokens does not fit the budget of "
+                            f"{self.budget:,} bytes in the {self.layout} layout even alone; "
+                            "give more memory or shorter requests.")
                     victim = running.pop()  # the newest request gives its pages back
                     self._release(victim)
                     waiting.appendleft(victim)
