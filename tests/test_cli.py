@@ -53,6 +53,8 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     ("bench_offload.py", ["--lengths", "1"], "--lengths"),
     ("bench_pool.py", ["--device", "nope"], "--device"),
     ("bench_prompt_hash.py", ["--repeats", "0"], "--repeats"),
+    ("bench_hybrid.py", ["--lengths", "12,0"], "--lengths"),
+    ("bench_hybrid.py", ["--steps", "0"], "--steps"),
     ("bench_vllm_scheduler.py", ["--decode-steps", "0"], "--decode-steps"),
     ("bench_vllm_floor.py", ["--requests", "0"], "--requests"),
     ("mutation_campaign.py", ["--fuzz-moves", "0"], "--fuzz-moves"),
@@ -436,3 +438,75 @@ def test_plot_without_matplotlib_is_refused_before_the_table(tmp_path: Path) -> 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "pip install" in proc.stderr, proc.stderr
+
+
+def test_plan_groups_prints_each_group_and_the_padded_layout(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "plan", "qwen3-next-80b-a3b", "--tp", "2", "--context", "12",
+                         "--padded-compare")
+    assert status == 0
+    lines = out.splitlines()
+    assert any(line.split()[:3] == ["kvmem", "state", "state"] for line in lines)
+    assert sum(line.startswith("padded  state") for line in lines) == 3
+    assert "544-token pages" in out and "tokens per GiB" in out
+    status, out, _ = run(capsys, "plan", "qwen3-next-80b-a3b", "--tp", "2", "--groups")
+    assert status == 0 and "padded" not in out and "requests of 4,096 tokens" in out
+
+
+def test_plan_groups_json_has_every_group_of_both_layouts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "plan", "glm-5.2", "--tp", "8", "--kv-dtype", "fp8_e4m3",
+                         "--context", "1000", "--padded-compare", "--json")
+    assert status == 0
+    result = json.loads(out)
+    assert REQUIRED_KEYS - {"max_concurrency"} <= set(result["plan"])
+    groups = result["groups"]
+    assert set(groups) == {"model", "kv_dtype", "tp", "context_len", "kv_budget_bytes_per_gpu",
+                           "kvmem", "padded", "gain"}
+    row_keys = {"name", "kind", "page_size", "bytes_per_token", "bytes_per_state", "page_bytes",
+                "pages_per_request", "bytes_per_request", "bytes_at_capacity"}
+    assert [g["name"] for g in groups["kvmem"]["groups"]] == ["full", "indexer"]
+    for layout in ("kvmem", "padded"):
+        assert all(set(g) == row_keys for g in groups[layout]["groups"])
+        assert groups[layout]["tokens_fit"] == 1000 * groups[layout]["requests_fit"]
+    assert groups["kvmem"]["groups"][1]["bytes_per_token"] == 21 * 132
+    status, out, _ = run(capsys, "plan", "gpt-oss-120b", "--compare", "bf16,fp8_e4m3",
+                         "--groups", "--json")
+    assert status == 0
+    assert [c["groups"]["kv_dtype"] for c in json.loads(out)["compare"]] == ["bf16", "fp8_e4m3"]
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["plan", "qwen4-next", "--groups"], "unknown model 'qwen4-next'"),
+    (["plan", "glm-5.2", "--groups", "--context", "-3"], "--context: expected an integer >= 1"),
+    (["plan", "glm-5.2", "--padded-compare", "--page-size", "0"], "--page-size"),
+    (["plan", "qwen3-next-80b-a3b", "--tp", "3", "--groups"], "TP 3 does not divide"),
+])
+def test_plan_groups_bad_input_is_one_clear_line(
+        capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == "" and words in err and "Traceback" not in err
+
+
+def test_the_hybrid_benchmark_prints_tokens_per_gib_per_model() -> None:
+    """bench_hybrid.py --json (docs/benchmarks.md): one {model, kvmem, padded} per model; the
+    padded layout never holds more tokens per GiB; a 12-token request on Qwen3-Next pins a
+    544-token page in each of vLLM's four groups; the two-group decode step is timed (a few
+    steps here: the figures are the benchmark's, not the test's)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(BENCHMARKS.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run_ = subprocess.run([sys.executable, str(BENCHMARKS / "bench_hybrid.py"), "--json",
+                           "--lengths", "12", "--steps", "3"], cwd=BENCHMARKS,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert run_.returncode == 0, run_.stderr
+    result = json.loads(run_.stdout)
+    assert result["steps"] == 3 and result["two_group_over_one_group"] > 0
+    assert result["two_group_step_us_median"] > 0 and result["one_group_step_us_median"] > 0
+    rows = {r["model"]: r for r in result["tokens_per_gib"]}
+    assert list(rows) == ["gpt-oss-120b", "qwen3-next-80b-a3b", "glm-5.2"]
+    assert all(set(r) == {"model", "kvmem", "padded"} for r in rows.values())
+    assert all(r["kvmem"] >= r["padded"] > 0 for r in rows.values())
+    # TP 2: 4 padded pages of 544 x 12 x 1,024 bytes against one 16-token page + the state
+    qwen = rows["qwen3-next-80b-a3b"]
+    assert qwen["padded"] == 12 * 2**30 / (4 * 544 * 12 * 1024)
+    assert qwen["kvmem"] == 12 * 2**30 / (16 * 12 * 1024 + 36 * 548_864)

@@ -29,6 +29,7 @@ from kvmem.planning import (
     AttentionSpec,
     FixedReserve,
     GPUSpec,
+    LinearAttentionSpec,
     MemoryFraction,
     ModelSpec,
     SGLangPolicy,
@@ -39,6 +40,7 @@ from kvmem.planning import (
     fit_throughput,
     get_gpu,
     get_model,
+    kv_groups,
     kv_heads_per_rank,
     kv_layout,
     layer_kv_bytes_per_token,
@@ -46,8 +48,10 @@ from kvmem.planning import (
     model_from_hf_config,
     param_counts,
     plan_capacity,
+    plan_groups,
     sglang_mem_fraction_static,
     tokens_freed,
+    vllm_groups,
     weight_bytes,
     weight_scheme,
 )
@@ -907,3 +911,136 @@ def test_a_page_larger_than_the_budget_names_the_page_size() -> None:
     with pytest.raises(ConfigError, match="page_size") as info:
         plan_capacity("llama-3.1-8b", "h200", page_size=10**9)
     assert "1000000000 tokens" in str(info.value)
+
+
+# -- KV cache groups: kvmem's, and vLLM's padded to one page size -------------------------------
+
+GIB_ = 1 << 30
+
+
+def _group_plan(name: str, tp: int, kv_dtype: str = "bf16") -> tuple[ModelSpec, Any]:
+    model = get_model(name)
+    return model, plan_capacity(model, "h200", tp, kv_dtype=kv_dtype, weights="fp8")
+
+
+def test_qwen3_next_groups_match_a_hand_count() -> None:
+    """Qwen3-Next-80B-A3B, bf16, TP 1, counted by hand from config.json: an attention layer
+    caches K and V of 2 heads of 256 (2,048 bytes per token), 12 of them; a gated delta net
+    keeps a conv state of 3 x (2 x 16 x 128 + 32 x 128) and a 32 x 128 x 128 recurrent state
+    (1,097,728 bytes), 36 of them. vLLM groups 12 layers each (1 attention + 3 GDN groups)
+    and raises the attention page to 16 * ceil(12 x 1,097,728 / (16 x 12 x 2,048)) = 544
+    tokens."""
+    model, plan = _group_plan("qwen3-next-80b-a3b", 1)
+    state_layer = (3 * (2 * 16 * 128 + 32 * 128) + 32 * 128 * 128) * 2
+    assert state_layer == 1_097_728 and model.linear is not None
+    assert model.linear.state_bytes_per_layer(1) == state_layer
+    assert model.linear.state_bytes_per_layer(2) == state_layer // 2
+    assert model.num_full_layers == 12
+    gp = plan_groups(model, plan, 1000)
+    full, state = gp.kvmem.groups
+    assert (full.name, full.page_size, full.bytes_per_token) == ("full", 16, 12 * 2048)
+    assert (state.kind, state.bytes_per_state, state.page_size) == ("state", 36 * state_layer, 0)
+    assert (full.pages_per_request, state.pages_per_request) == (63, 1)  # ceil(1000 / 16)
+    assert gp.kvmem.bytes_per_request == 63 * 16 * 12 * 2048 + 36 * state_layer
+    assert [g.name for g in gp.padded.groups] == ["full", "state0", "state1", "state2"]
+    assert gp.padded.page_size == 544
+    page = 544 * 12 * 2048
+    assert all(g.page_bytes == page for g in gp.padded.groups)
+    assert [g.pages_per_request for g in gp.padded.groups] == [2, 1, 1, 1]
+    assert gp.padded.bytes_per_request == 5 * page
+    budget = gp.kv_budget_bytes_per_gpu
+    assert budget == int(plan.kv_budget_gib_per_gpu * GIB_)
+    assert gp.kvmem.requests_fit == budget // gp.kvmem.bytes_per_request
+    assert gp.padded.requests_fit == budget // page // 5  # a padded pool is whole pages
+    assert gp.kvmem.tokens_fit == 1000 * gp.kvmem.requests_fit
+    assert gp.gain == pytest.approx(5 * page / gp.kvmem.bytes_per_request)
+    assert gp.kvmem.groups[1].bytes_at_capacity == gp.kvmem.requests_fit * 36 * state_layer
+    # the plan counts the state as a fixed cost per request
+    assert plan.kv_state_bytes_per_request_per_gpu == 36 * state_layer
+    assert plan.sequence_bytes(1000) == gp.kvmem.bytes_per_request
+
+
+def test_a_sliding_window_group_holds_the_window_and_vllm_pads_nothing_here() -> None:
+    """gpt-oss-120b, bf16: 18 full and 18 sliding layers of 8 KV heads of 64 (2,048 bytes per
+    token each). A 1,000-token request holds ceil(1000 / 16) = 63 full pages and, in the
+    window of 128, the pages from (1000 - 127) // 16 = 54 on: 9. vLLM makes two groups of 18
+    layers with equal pages: the padded layout costs the same."""
+    model, plan = _group_plan("gpt-oss-120b", 1)
+    gp = plan_groups(model, plan, 1000)
+    full, swa = gp.kvmem.groups
+    assert (full.bytes_per_token, swa.bytes_per_token, swa.kind) == (
+        18 * 2048, 18 * 2048, "sliding_window")
+    assert (full.pages_per_request, swa.pages_per_request) == (63, 9)
+    assert gp.kvmem.bytes_per_request == (63 + 9) * 16 * 18 * 2048
+    assert gp.padded.bytes_per_request == gp.kvmem.bytes_per_request and gp.gain == 1.0
+
+
+def test_glm_indexer_rides_the_attention_pages_and_vllm_keeps_one_group() -> None:
+    """GLM-5.2, fp8 KV, TP 8: 78 MLA layers of 512 + 64 (576 bytes) and 21 indexer layers of
+    128 fp8 keys with one fp32 scale (132 bytes); the indexer's pages follow the attention's.
+    vLLM puts all-full-attention layers (MLA and indexer) in one group, unpadded."""
+    model, plan = _group_plan("glm-5.2", 8, "fp8_e4m3")
+    gp = plan_groups(model, plan, 1000)
+    full, indexer = gp.kvmem.groups
+    assert (full.bytes_per_token, indexer.bytes_per_token) == (78 * 576, 21 * 132)
+    assert indexer.kind == "indexer" and indexer.pages_per_request == full.pages_per_request == 63
+    assert [g.name for g in gp.padded.groups] == ["full"]
+    assert gp.padded.groups[0].bytes_per_token == 78 * 576 + 21 * 132
+    assert gp.padded.bytes_per_request == gp.kvmem.bytes_per_request == 63 * 16 * 47_700
+
+
+@settings(max_examples=60, deadline=None)
+@given(context=st.integers(1, 300_000), page_size=st.sampled_from([1, 16, 64, 256]),
+       which=st.sampled_from([("qwen3-next-80b-a3b", 2, "bf16"), ("qwen3-next-80b-a3b", 1,
+                                                                   "fp8_e4m3"),
+                              ("gpt-oss-120b", 1, "bf16"), ("glm-5.2", 8, "fp8_e4m3")]))
+def test_the_padded_layout_never_costs_less_than_kvmem(context: int, page_size: int,
+                                                       which: tuple[str, int, str]) -> None:
+    name, tp, dtype = which
+    model = get_model(name)
+    plan = plan_capacity(model, "h200", tp, kv_dtype=dtype, page_size=page_size, weights="fp8")
+    gp = plan_groups(model, plan, context)
+    assert gp.padded.bytes_per_request >= gp.kvmem.bytes_per_request
+    assert gp.padded.tokens_per_gib <= gp.kvmem.tokens_per_gib and gp.gain >= 1.0
+    assert gp.padded.requests_fit <= gp.kvmem.requests_fit
+    for lay in (gp.kvmem, gp.padded):
+        assert lay.bytes_per_request == sum(g.bytes_per_request for g in lay.groups)
+        assert all(g.bytes_per_request == g.pages_per_request * g.page_bytes
+                   for g in lay.groups)
+
+
+def test_group_accounting_refuses_bad_input_with_clear_errors() -> None:
+    model, plan = _group_plan("qwen3-next-80b-a3b", 2)
+    with pytest.raises(ArgumentError, match="context_len=-1"):
+        plan_groups(model, plan, -1)
+    with pytest.raises(ArgumentError, match="context_len"):
+        plan_groups(model, plan, 0)
+    with pytest.raises(ArgumentTypeError, match="expected a ModelSpec"):
+        plan_groups("qwen3-next-80b-a3b", plan, 10)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="expected a CapacityPlan"):
+        kv_groups(model, None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"not 'glm-5\.2'"):
+        plan_groups(get_model("glm-5.2"), plan, 10)
+    with pytest.raises(ConfigError, match="unknown model 'qwen4-next'"):
+        get_model("qwen4-next")
+    with pytest.raises(ConfigError, match="TP 3 does not divide the 16"):
+        assert model.linear is not None
+        model.linear.state_bytes_per_layer(3)
+    with pytest.raises(ConfigError, match="num_layers"):
+        LinearAttentionSpec(num_layers=-4, num_key_heads=16, num_value_heads=32,
+                            key_head_dim=128, value_head_dim=128, conv_kernel_dim=4)
+    with pytest.raises(ConfigError, match="leave no full-attention layer"):
+        model.model_copy(update={"linear": model.linear.model_copy(update={"num_layers": 48})})
+    # a DSA indexer beside linear layers: vLLM's grouping of it is not modelled
+    hybrid_glm = model.model_copy(update={"indexer": get_model("glm-5.2").indexer})
+    with pytest.raises(ConfigError, match="indexer beside"):
+        vllm_groups(hybrid_glm, plan)
+
+
+def test_qwen3_next_weights_are_its_published_80b() -> None:
+    """The gated delta nets' projections replace attention in 36 of 48 layers: the checkpoint
+    counts about 80B parameters (81.3B published with the MTP layer); without them it would
+    count the 36 layers as full attention instead."""
+    model = get_model("qwen3-next-80b-a3b")
+    total = sum(c.total for c in param_counts(model).values())
+    assert 79e9 < total < 82e9

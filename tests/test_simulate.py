@@ -604,3 +604,101 @@ def test_cli_simulate_offload_reports_each_tier(capsys: pytest.CaptureFixture[st
     assert "offload_gib" in err
     err = _one_line_error(capsys, [*argv, "--no-prefix-cache"])
     assert "prefix cache" in err
+
+
+# -- KV cache groups ---------------------------------------------------------------------------
+
+from kvmem.allocator import (  # noqa: E402
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
+from kvmem.simulate import padded_specs, simulate_groups  # noqa: E402
+
+
+def _group_workload(**kw: Any) -> Workload:
+    args: dict[str, Any] = dict(num_requests=40, concurrency=40,
+                                prompt_len=LengthDist(kind="fixed", a=12),
+                                output_len=LengthDist(kind="fixed", a=20), seed=3)
+    args.update(kw)
+    return Workload(**args)
+
+
+def test_group_simulation_holds_what_a_hand_count_says() -> None:
+    """Full attention on 16-token pages of 100 bytes per token, one 10,000-byte state: a
+    request of 12 prompt + 20 output tokens holds 2 full pages and 1 state at its end
+    (3,200 + 10,000 bytes). 40 clients on a budget that fits every one: all run at once, no
+    preemption, 20 steps, and at the peak (32 tokens each) 80 full pages and 40 states."""
+    groups = (FullAttentionSpec("full", 16, 100), StateSpec("state", 10_000))
+    report = simulate_groups(_group_workload(), groups, 4 << 20)
+    assert (report.num_completed, report.decode_steps, report.num_preemptions) == (40, 20, 0)
+    assert report.output_tokens == 40 * 20 and report.max_running == 40
+    assert report.peak_tokens == 40 * 32
+    full, state = report.groups
+    assert (full.pages_at_peak, state.pages_at_peak) == (80, 40)
+    assert full.bytes_at_peak == 80 * 1600 and state.bytes_at_peak == 40 * 10_000
+
+
+def test_padded_groups_fit_fewer_requests_and_the_window_releases_pages() -> None:
+    """The same groups padded: one page size of 16 * ceil(10,000 / 1,600) = 112 tokens at 100
+    bytes (11,200 bytes), so a 12-token request pins 11,200 bytes of attention where kvmem pins
+    1,600. On a budget of 20 padded pages, 10 requests run at once padded; kvmem fits more.
+    A sliding window of 16 on 16-token pages holds at most 2 pages per request."""
+    groups = (FullAttentionSpec("full", 16, 100), StateSpec("state", 10_000),
+              SlidingWindowSpec("swa", 16, 16, 100))
+    padded = padded_specs(groups)
+    assert [(g.page_size, g.page_bytes) for g in padded] == [(112, 11_200), (0, 11_200),
+                                                             (112, 11_200)]
+    budget = 30 * 11_200
+    mine = simulate_groups(_group_workload(), groups, budget)
+    theirs = simulate_groups(_group_workload(), groups, budget, layout="padded")
+    assert theirs.max_running == 10 and mine.max_running > 10
+    assert mine.tokens_per_step > theirs.tokens_per_step
+    assert mine.num_completed == theirs.num_completed == 40
+    swa = mine.groups[2]
+    assert swa.max_pages <= 2 * mine.max_running
+
+
+def test_group_simulation_refuses_bad_input() -> None:
+    groups = (FullAttentionSpec("full", 16, 100),)
+    with pytest.raises(ConfigError, match="does not fit the budget"):
+        # one chunk of 4 pages; a request grows to 92 tokens, 6 pages, alone
+        simulate_groups(_group_workload(output_len=LengthDist(kind="fixed", a=80)), groups,
+                        4 * 1600)
+    with pytest.raises(ConfigError, match="closed loop"):
+        simulate_groups(_group_workload(concurrency=None, rate=1.0), groups, 1 << 20)
+    with pytest.raises(ArgumentError, match="budget_bytes=-5"):
+        simulate_groups(_group_workload(), groups, -5)
+    with pytest.raises(ConfigError, match="layout="):
+        simulate_groups(_group_workload(), groups, 1 << 20, layout="vllm")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="expected a Workload"):
+        simulate_groups({"num_requests": 4}, groups, 1 << 20)  # type: ignore[arg-type]
+
+
+def test_simulate_groups_cli_json_has_both_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["simulate", "qwen3-next-80b-a3b", "--tp", "2", "--groups",
+                   "--padded-compare", "--requests", "300", "--concurrency", "300",
+                   "--max-running", "300", "--prompt-len", "12", "--output-len", "4",
+                   "--json"])
+    out, _ = capsys.readouterr()
+    assert status == 0
+    result = json.loads(out)
+    assert {"model", "kv_dtype", "tp", "kvmem", "padded"} == set(result)
+    assert [g["name"] for g in result["kvmem"]["groups"]] == ["full", "state"]
+    assert [g["name"] for g in result["padded"]["groups"]] == ["full", "state0", "state1",
+                                                               "state2"]
+    assert result["padded"]["groups"][0]["page_size"] == 544
+    for layout in ("kvmem", "padded"):
+        assert result[layout]["num_completed"] == 300
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["simulate", "qwen4-next", "--groups"], "unknown model 'qwen4-next'"),
+    (["simulate", "gpt-oss-120b", "--tp", "1", "--groups", "--rate", "2"], "--rate"),
+    (["simulate", "gpt-oss-120b", "--groups", "--requests", "-1"], "--requests"),
+])
+def test_simulate_groups_bad_input_is_one_clear_line(
+        capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and words in err and "Traceback" not in err

@@ -4,7 +4,7 @@
 
     kvmem plan MODEL --gpu h200 --tp 8 --kv-dtype fp8_e4m3 [--weights int4-g32]
                [--context 32768] [--concurrency 64] [--compare bf16,fp8_e4m3]
-               [--offload-gib 512] [--json] [--plot FILE.png]
+               [--offload-gib 512] [--groups [--padded-compare]] [--json] [--plot FILE.png]
 
 Imports neither torch nor the manager: planning is pure.
 """
@@ -29,7 +29,7 @@ from kvmem.cli.args import (
     resolve_model,
 )
 
-__all__ = ["add_plan_parser", "format_plans", "run_plan"]
+__all__ = ["add_plan_parser", "format_groups", "format_plans", "run_plan"]
 
 _SCALES = ("tensor", "head", "token_head")
 
@@ -79,6 +79,13 @@ def add_plan_parser(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("--offload-gib", type=POSITIVE,
                    help="host memory of a host KV tier per replica in GiB, over its TP ranks "
                         "(> 0): the tokens it holds")
+    p.add_argument("--groups", action="store_true",
+                   help="per KV cache group (full attention, sliding window, state, indexer): "
+                        "page size, bytes per token or state, pages and bytes per request of "
+                        "--context tokens (default 4096), what fits")
+    p.add_argument("--padded-compare", action="store_true",
+                   help="with the groups, the same workload with the layers grouped and padded "
+                        "to one page size as vLLM does, side by side (implies --groups)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also plot max concurrency against context into FILE.png (matplotlib)")
@@ -147,6 +154,8 @@ def run_plan(args: argparse.Namespace) -> int:
     gpu = _resolve_gpu(args)
     policy = _policy(args)
     plans = _plans(args, model, gpu, policy, dtypes)
+    if args.groups or args.padded_compare:
+        return _print_groups(args, model, plans)
     if args.json:
         if len(plans) == 1:
             print(json.dumps(plans[0].to_json_dict(), indent=2))
@@ -162,6 +171,64 @@ def run_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}")
     return 0
+
+
+DEFAULT_GROUP_CONTEXT = 4096
+
+
+def _print_groups(args: argparse.Namespace, model: Any, plans: Sequence[Any]) -> int:
+    """``--groups`` / ``--padded-compare``: one group plan per KV dtype, as tables or JSON."""
+    from kvmem.errors import ConfigError
+    from kvmem.planning import plan_groups
+
+    if args.plot:
+        raise ConfigError("--plot draws the single-group plan; drop --groups/--padded-compare "
+                          "or --plot.")
+    context = args.context or DEFAULT_GROUP_CONTEXT
+    group_plans = [plan_groups(model, plan, context) for plan in plans]
+    if args.json:
+        dumped = [{"plan": p.to_json_dict(), "groups": g.to_json_dict()}
+                  for p, g in zip(plans, group_plans)]
+        print(json.dumps(dumped[0] if len(dumped) == 1 else {"compare": dumped}, indent=2))
+        return 0
+    print("\n\n".join(format_groups(g, padded=args.padded_compare) for g in group_plans))
+    return 0
+
+
+def format_groups(plan: Any, padded: bool = True) -> str:
+    """A :class:`~kvmem.planning.GroupPlan` as a table: one row per group of each layout."""
+    from kvmem.planning import GroupPlan
+
+    assert isinstance(plan, GroupPlan)
+    header = ("layout", "group", "kind", "page tok", "bytes/token", "bytes/state", "page bytes",
+              "pages/req", "bytes/req", "GiB at capacity")
+    rows: list[tuple[str, ...]] = [header]
+    layouts = [plan.kvmem, plan.padded] if padded else [plan.kvmem]
+    for lay in layouts:
+        for g in lay.groups:
+            rows.append((lay.layout, g.name, g.kind, f"{g.page_size:,}" if g.page_size else "-",
+                         f"{g.bytes_per_token:,}" if g.bytes_per_token else "-",
+                         f"{g.bytes_per_state:,}" if g.bytes_per_state else "-",
+                         f"{g.page_bytes:,}", f"{g.pages_per_request:,}",
+                         f"{g.bytes_per_request:,}", f"{g.bytes_at_capacity / 2**30:,.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        f"{plan.model}, KV {plan.kv_dtype}, TP {plan.tp}: KV cache groups for requests of "
+        f"{plan.context_len:,} tokens, per GPU (KV budget "
+        f"{plan.kv_budget_bytes_per_gpu / 2**30:,.2f} GiB)",
+        "",
+    ]
+    lines += ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in
+                        enumerate(zip(r, widths))) for r in rows]
+    lines.append("")
+    for lay in layouts:
+        lines.append(f"{lay.layout:<7} {lay.bytes_per_request:,} bytes per request; "
+                     f"{lay.requests_fit:,} requests fit, {lay.tokens_fit:,} tokens; "
+                     f"{lay.tokens_per_gib:,.0f} tokens per GiB")
+    if padded:
+        lines.append(f"kvmem holds {plan.gain:.3f}x the tokens per GiB of the padded layout "
+                     f"({plan.padded.page_size:,}-token pages)")
+    return "\n".join(lines)
 
 
 def format_plans(plans: Sequence[object]) -> str:

@@ -99,6 +99,13 @@ def add_simulate_parser(sub: argparse._SubParsersAction[Parser]) -> None:
                         "cost no time; needs --offload-gib)")
     p.add_argument("--seed", type=number(int, 0, maximum=2**32 - 1), default=0,
                    help="random seed of the workload (default 0)")
+    p.add_argument("--groups", action="store_true",
+                   help="run the workload on the model's KV cache groups (full attention, "
+                        "sliding window, state, indexer; each its own page size) on the "
+                        "group allocator, one decode step at a time; reports pages per group")
+    p.add_argument("--padded-compare", action="store_true",
+                   help="with the groups, run the same workload with the layers grouped and "
+                        "padded to one page size as vLLM does (implies --groups)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run_simulate)
@@ -139,6 +146,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         for dtype in dtypes
     ]
+    if args.groups or args.padded_compare:
+        return _simulate_groups(args, spec, plans, workload)
     reports: list[SimulationReport] = []
     for dtype, plan in zip(dtypes, plans):
         bar = None if args.no_progress or args.json else _progress_bar(f"{dtype:>9}")
@@ -163,6 +172,48 @@ def run_simulate(args: argparse.Namespace) -> int:
     for r in reports:
         print(r.summary())
         print(_sparkline(r))
+    return 0
+
+
+def _simulate_groups(args: argparse.Namespace, spec: Any, plans: list[Any],
+                     workload: Any) -> int:
+    """``--groups`` / ``--padded-compare``: each plan's KV budget per GPU, kvmem's groups and
+    (if asked) vLLM's padded groups."""
+    from kvmem.planning import kv_groups, vllm_groups
+    from kvmem.simulate import simulate_groups
+
+    unused = [flag for flag, given in (("--rate", args.rate is not None),
+                                       ("--prefixes", bool(args.prefixes)),
+                                       ("--offload-gib", args.offload_gib is not None),
+                                       ("--prefill-tps", args.prefill_tps is not None))
+              if given]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)} do not apply to --groups (a closed-loop decode "
+                          "pool without a prefix cache); drop them.")
+    results = []
+    for plan in plans:
+        budget = int(plan.kv_budget_gib_per_gpu * 2**30)
+        runs = {"kvmem": simulate_groups(workload, kv_groups(spec, plan), budget,
+                                         max_running=args.max_running)}
+        if args.padded_compare:
+            runs["padded"] = simulate_groups(workload, vllm_groups(spec, plan), budget,
+                                             layout="padded", max_running=args.max_running)
+        results.append((plan, runs))
+    if args.json:
+        dumped = [{"model": plan.model, "kv_dtype": plan.kv_dtype, "tp": plan.tp,
+                   **{name: r.model_dump(mode="json") for name, r in runs.items()}}
+                  for plan, runs in results]
+        print(json.dumps(dumped[0] if len(dumped) == 1 else {"compare": dumped}, indent=2))
+        return 0
+    for plan, runs in results:
+        print(f"{plan.model}, KV {plan.kv_dtype}, TP {plan.tp}: KV cache groups, per GPU")
+        for r in runs.values():
+            print(r.summary())
+        if "padded" in runs:
+            mine, theirs = runs["kvmem"], runs["padded"]
+            print(f"kvmem / padded: {mine.tokens_per_step / theirs.tokens_per_step:.3f}x output "
+                  f"tokens per step, {mine.peak_tokens / max(theirs.peak_tokens, 1):.3f}x peak "
+                  "tokens resident")
     return 0
 
 

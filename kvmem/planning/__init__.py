@@ -23,6 +23,14 @@ from kvmem.planning._accounting import (
     param_counts,
     weight_bytes,
 )
+from kvmem.planning._groups import (
+    GroupPlan,
+    GroupRow,
+    LayoutPlan,
+    kv_groups,
+    plan_groups,
+    vllm_groups,
+)
 from kvmem.planning._hf import SUPPORTED_MODEL_TYPES, load_hf_config, model_from_hf_config
 from kvmem.planning._plan import (
     CapacityPlan,
@@ -52,6 +60,7 @@ from kvmem.planning._spec import (
     AttentionSpec,
     GPUSpec,
     IndexerSpec,
+    LinearAttentionSpec,
     ModelSpec,
     MoESpec,
     VisionSpec,
@@ -71,8 +80,12 @@ __all__ = [
     "CapacityPlan",
     "FixedReserve",
     "GPUSpec",
+    "GroupPlan",
+    "GroupRow",
     "IndexerSpec",
     "KVLayout",
+    "LayoutPlan",
+    "LinearAttentionSpec",
     "MemoryFraction",
     "MoESpec",
     "ModelSpec",
@@ -88,6 +101,7 @@ __all__ = [
     "fit_throughput",
     "get_gpu",
     "get_model",
+    "kv_groups",
     "kv_heads_per_rank",
     "kv_layout",
     "layer_kv_bytes_per_token",
@@ -95,8 +109,10 @@ __all__ = [
     "model_from_hf_config",
     "param_counts",
     "plan_capacity",
+    "plan_groups",
     "sglang_mem_fraction_static",
     "tokens_freed",
+    "vllm_groups",
     "weight_bytes",
     "weight_scheme",
 ]

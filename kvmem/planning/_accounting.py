@@ -5,6 +5,7 @@ KV cache, per token, per TP rank (``tp`` GPUs hold one replica of the model)::
     MLA layer        (kv_lora_rank + qk_rope_head_dim) * elem      replicated on every rank
     MHA/GQA layer    2 * kv_heads_per_rank * head_dim * elem       max(1, kv_heads / tp) heads
     indexer layer    index_head_dim (fp8) + 4 per 128 (fp32 scale) replicated on every rank
+    linear layer     no tokens: one fixed-size state per request     heads split across ranks
     fp8 scales       "tensor": one fp32 per layer (K and V: two)   a fixed cost, not per token
                      "head": one fp32 per (layer, KV head) [x2]    a fixed cost, not per token
                      "token_head": one fp32 per (token, KV head) [x2 for K and V]; MLA has one head
@@ -161,6 +162,8 @@ class KVLayout(NamedTuple):
         Window length in tokens (0 without sliding layers).
     fixed_bytes : int
         Scales stored per tensor or per head, independent of tokens.
+    state_bytes_per_request : int
+        The linear-attention layers' fixed-size state, per request (0 without them).
     """
 
     bytes_per_token: int
@@ -169,6 +172,7 @@ class KVLayout(NamedTuple):
     sliding_bytes_per_token: int
     sliding_window: int
     fixed_bytes: int
+    state_bytes_per_request: int = 0
 
 
 def kv_layout(
@@ -193,6 +197,9 @@ def kv_layout(
         sliding_bytes_per_token=sliding,
         sliding_window=(attn.sliding_window or 0) if attn.num_sliding_layers else 0,
         fixed_bytes=fixed,
+        state_bytes_per_request=(
+            model.linear.num_layers * model.linear.state_bytes_per_layer(tp) if model.linear else 0
+        ),
     )
 
 
@@ -231,6 +238,20 @@ def _attention_params(model: ModelSpec, tp: int) -> ParamCount:
     return ParamCount(qo + kv, replicated)
 
 
+def _linear_params(model: ModelSpec) -> int:
+    """Parameters of all linear-attention layers (a gated delta net's projections: q, k, v,
+    output gate z, beta and decay a; its convolution, decay and norm; the output projection)."""
+    lin, h = model.linear, model.hidden_size
+    if lin is None:
+        return 0
+    keys = lin.num_key_heads * lin.key_head_dim
+    values = lin.num_value_heads * lin.value_head_dim
+    in_proj = h * (2 * keys + 2 * values + 2 * lin.num_value_heads)
+    conv = (2 * keys + values) * lin.conv_kernel_dim
+    small = 2 * lin.num_value_heads + lin.value_head_dim  # A_log, dt_bias, the gated norm
+    return lin.num_layers * (in_proj + conv + small + values * h)
+
+
 def param_counts(model: ModelSpec, tp: int = 1, include_mtp: bool = True) -> dict[str, ParamCount]:
     """Parameters per weight class (see :data:`WEIGHT_CLASSES`).
 
@@ -252,6 +273,7 @@ def param_counts(model: ModelSpec, tp: int = 1, include_mtp: bool = True) -> dic
     embed = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
     attn = _attention_params(model, tp)
     num_attn_layers = model.num_layers + mtp
+    num_linear = model.linear.num_layers if model.linear else 0
     idx = model.indexer
     indexer = 0
     if idx:
@@ -261,7 +283,8 @@ def param_counts(model: ModelSpec, tp: int = 1, include_mtp: bool = True) -> dic
     counts: dict[str, ParamCount] = {
         "embeddings": ParamCount(embed, 0),
         "attention": ParamCount(
-            attn.total * num_attn_layers + indexer, attn.replicated * num_attn_layers + indexer
+            attn.total * (num_attn_layers - num_linear) + indexer + _linear_params(model),
+            attn.replicated * (num_attn_layers - num_linear) + indexer,
         ),
         "dense_mlp": ParamCount(3 * h * model.intermediate_size * model.num_dense_layers, 0),
     }

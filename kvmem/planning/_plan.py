@@ -76,6 +76,7 @@ class CapacityPlan(BaseModel):
     kv_sliding_bytes_per_token_per_gpu: int
     sliding_window: int
     kv_bytes_per_page_per_gpu: int
+    kv_state_bytes_per_request_per_gpu: int = 0  # linear-attention layers' state
 
     weights_gib_total: float
     weights_gib_per_gpu: float
@@ -115,7 +116,7 @@ class CapacityPlan(BaseModel):
         if self.kv_sliding_bytes_per_token_per_gpu:
             window_pages = min(pages, -(-self.sliding_window // self.page_size) + 1)
             nbytes += window_pages * self.page_size * self.kv_sliding_bytes_per_token_per_gpu
-        return nbytes
+        return nbytes + self.kv_state_bytes_per_request_per_gpu
 
     def concurrency_at(self, context_len: int) -> int:
         """Sequences of ``context_len`` tokens one replica holds at once (pages rounded up)."""
@@ -332,6 +333,7 @@ def _plan(
         kv_sliding_bytes_per_token_per_gpu=layout.sliding_bytes_per_token,
         sliding_window=layout.sliding_window,
         kv_bytes_per_page_per_gpu=page_bytes,
+        kv_state_bytes_per_request_per_gpu=layout.state_bytes_per_request,
         weights_gib_total=wb.total / GIB,
         weights_gib_per_gpu=wb.per_gpu / GIB,
         weights_gib_replicated_per_gpu=wb.replicated_per_gpu / GIB,

@@ -15,6 +15,7 @@ from kvmem.planning._spec import (
     AttentionSpec,
     GPUSpec,
     IndexerSpec,
+    LinearAttentionSpec,
     ModelSpec,
     MoESpec,
     VisionSpec,
@@ -210,6 +211,44 @@ def _gpt_oss_120b() -> ModelSpec:
     )
 
 
+def _qwen3_next_80b() -> ModelSpec:
+    # layer_types unset in the release: full_attention_interval 4 makes every 4th layer full
+    # attention (12 of 48) and the other 36 gated delta nets.
+    return ModelSpec(
+        name="qwen3-next-80b-a3b",
+        source=(
+            "huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 48 layers, "
+            "full_attention_interval 4 (12 gated-attention layers, 16 heads, 2 KV heads of 256; "
+            "36 gated delta nets, linear_num_key_heads 16, linear_num_value_heads 32, "
+            "linear_key/value_head_dim 128, linear_conv_kernel_dim 4, state in the model's "
+            "bf16); 512 experts top 10 of 512 wide, one shared expert of 512; 1 MTP layer; "
+            "the attention output gate's q_proj half is not counted in the weights"
+        ),
+        num_layers=48,
+        hidden_size=2048,
+        vocab_size=151936,
+        attention=AttentionSpec(kind="gqa", num_heads=16, num_kv_heads=2, head_dim=256),
+        linear=LinearAttentionSpec(
+            num_layers=36,
+            num_key_heads=16,
+            num_value_heads=32,
+            key_head_dim=128,
+            value_head_dim=128,
+            conv_kernel_dim=4,
+        ),
+        num_dense_layers=0,
+        moe=MoESpec(
+            num_layers=48,
+            num_experts=512,
+            top_k=10,
+            intermediate_size=512,
+            num_shared_experts=1,
+            shared_intermediate_size=512,
+        ),
+        num_mtp_layers=1,
+    )
+
+
 def _build_models() -> dict[str, ModelSpec]:
     models = [
         _kimi_k26(),
@@ -250,6 +289,7 @@ def _build_models() -> dict[str, ModelSpec]:
         ),
         _qwen3_235b(),
         _gpt_oss_120b(),
+        _qwen3_next_80b(),
         _gqa(
             "smollm2-135m",
             "huggingface.co/HuggingFaceTB/SmolLM2-135M config.json (tied embeddings)",

@@ -22,6 +22,7 @@ __all__ = [
     "GPUSpec",
     "IndexerSpec",
     "KVDtype",
+    "LinearAttentionSpec",
     "MoESpec",
     "ModelSpec",
     "ScaleLayout",
@@ -192,6 +193,41 @@ class IndexerSpec(SpecModel):
         return self.head_dim + 4 * -(-self.head_dim // self.scale_block)
 
 
+class LinearAttentionSpec(SpecModel):
+    """Linear-attention layers with a fixed-size recurrent state per request (Qwen3-Next's
+    gated delta net): ``num_layers`` of the model's layers, which cache no tokens.
+
+    One layer's state, per request: the causal convolution's last ``conv_kernel_dim - 1``
+    inputs over ``2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim``
+    channels, and the recurrent state, ``num_value_heads x key_head_dim x value_head_dim``, both
+    in ``state_dtype``; heads split across TP ranks (``config.json``'s ``linear_*`` fields).
+    """
+
+    num_layers: PositiveInt
+    num_key_heads: PositiveInt
+    num_value_heads: PositiveInt
+    key_head_dim: PositiveInt
+    value_head_dim: PositiveInt
+    conv_kernel_dim: PositiveInt
+    state_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+    def state_bytes_per_layer(self, tp: int = 1) -> int:
+        """Bytes of one request's state in one layer on one of ``tp`` ranks (1,097,728 for
+        Qwen3-Next's bf16 state at TP 1)."""
+        for name in ("num_key_heads", "num_value_heads"):
+            heads = getattr(self, name)
+            if heads % tp:
+                raise ConfigError(f"TP {tp} does not divide the {heads} linear-attention "
+                                  f"{name.removeprefix('num_').replace('_', ' ')}; pick a TP "
+                                  "size that divides both head counts.")
+        elem = 4 if self.state_dtype == "fp32" else 2
+        conv_channels = (2 * self.num_key_heads * self.key_head_dim
+                         + self.num_value_heads * self.value_head_dim) // tp
+        conv = conv_channels * (self.conv_kernel_dim - 1)
+        recurrent = self.num_value_heads // tp * self.key_head_dim * self.value_head_dim
+        return (conv + recurrent) * elem
+
+
 class MoESpec(SpecModel):
     """Mixture-of-experts layers: routed experts (SwiGLU, 3 matrices each) and shared experts."""
 
@@ -233,6 +269,7 @@ class ModelSpec(SpecModel):
     tie_word_embeddings: StrictBool = False
     attention: AttentionSpec
     indexer: IndexerSpec | None = None
+    linear: LinearAttentionSpec | None = None
     num_dense_layers: NonNegativeInt
     intermediate_size: NonNegativeInt = 0
     moe: MoESpec | None = None
@@ -255,6 +292,13 @@ class ModelSpec(SpecModel):
                 f"{self.name}: {self.attention.num_sliding_layers} sliding-window layers but "
                 f"only {self.num_layers} layers."
             )
+        num_linear = self.linear.num_layers if self.linear else 0
+        if self.attention.num_sliding_layers + num_linear >= self.num_layers:
+            raise ConfigError(
+                f"{self.name}: {self.attention.num_sliding_layers} sliding-window and "
+                f"{num_linear} linear-attention layers leave no full-attention layer of "
+                f"{self.num_layers}; kvmem plans models with at least one."
+            )
         if self.indexer and self.indexer.num_cache_layers > self.num_layers:
             raise ConfigError(
                 f"{self.name}: indexer caches in {self.indexer.num_cache_layers} layers but only "
@@ -264,8 +308,9 @@ class ModelSpec(SpecModel):
 
     @property
     def num_full_layers(self) -> int:
-        """Layers whose KV cache grows with every token (not sliding-window)."""
-        return self.num_layers - self.attention.num_sliding_layers
+        """Layers whose KV cache grows with every token (not sliding-window, not linear)."""
+        num_linear = self.linear.num_layers if self.linear else 0
+        return self.num_layers - self.attention.num_sliding_layers - num_linear
 
 
 class GPUSpec(SpecModel):

@@ -23,6 +23,10 @@ The loop is event-driven and batched, so a million requests take minutes, not ho
 A request admitted or finishing inside a chunk is admitted or released at the chunk's end, so
 times are quantized to ``chunk`` decode steps (16 by default: a few hundred milliseconds).
 
+:func:`simulate_groups` runs a workload on a hybrid model's KV cache groups instead
+(``kvmem simulate --groups``): kvmem's groups against vLLM's padded ones, on the real
+:class:`~kvmem.allocator.GroupAllocator` (the manager holds one group).
+
 With ``offload_gib`` the manager also runs a host tier (:class:`~kvmem.transfer.HostTier` of
 ``plan.offload_pages(offload_gib)`` pages), which needs a page pool: a stand-in one (the plan's
 page count and page size, one layer, one KV head of width 1, bf16), so evicted pages are stored
@@ -31,6 +35,12 @@ and loaded for real while the bytes reported are pages times the plan's bytes pe
 
 from __future__ import annotations
 
+from kvmem.simulate._groups import (
+    GroupSimulationReport,
+    GroupUse,
+    padded_specs,
+    simulate_groups,
+)
 from kvmem.simulate._run import DEFAULT_STEP_MODEL, simulate
 from kvmem.simulate._simulation import SimulationReport, TimelinePoint
 from kvmem.simulate._workload import Arrivals, LengthDist, Workload
@@ -38,9 +48,13 @@ from kvmem.simulate._workload import Arrivals, LengthDist, Workload
 __all__ = [
     "DEFAULT_STEP_MODEL",
     "Arrivals",
+    "GroupSimulationReport",
+    "GroupUse",
     "LengthDist",
     "SimulationReport",
     "TimelinePoint",
     "Workload",
+    "padded_specs",
     "simulate",
+    "simulate_groups",
 ]
