@@ -326,8 +326,8 @@ class HybridManager:
                                 f"{self.table.num_tokens[rows[i]] - before[i]} reserved, "
                                 "uncommitted slots (nothing changed)")
         reqs = list(map(self.table.requests.__getitem__, ids))
-        known = np.fromiter(map(len, map(_TOKENS, reqs)), dtype=np.int64, count=len(reqs))
-        inside = np.flatnonzero(before < known).tolist()  # commits of prompt tokens
+        # (a request's known tokens: its prompt, then its committed ones)
+        inside = np.flatnonzero(before < self.table.prompt_len[rows]).tolist()
         if one_each and not inside:  # the decode step: a new token each
             for tokens, t in zip(map(_TOKENS, reqs), ones):
                 tokens.append(t)

@@ -101,9 +101,13 @@ class TokenRows:
                tags: I64) -> None:
         """Map ``counts[i]`` new pages (``pages``, in row order) at the end of ``rows[i]``."""
         self.version += 1
-        _, seg, off = ragged(counts)
-        r = rows[seg]
-        cols = self.num_pages[r] + off
+        if counts.size and counts.max() <= 1:  # (a decode step: a page at most each)
+            r = rows[counts > 0]
+            cols = self.num_pages[r]
+        else:
+            _, seg, off = ragged(counts)
+            r = rows[seg]
+            cols = self.num_pages[r] + off
         self.pages[r, cols] = pages
         self.tags[r, cols] = tags
         self.num_pages[rows] += counts
@@ -237,6 +241,7 @@ class GroupTable:
         self.states = {g.name: StateRows(g, max_seqs) for g in groups if isinstance(g, StateSpec)}
         self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.num_committed = np.zeros(max_seqs, dtype=np.int64)
+        self.prompt_len = np.zeros(max_seqs, dtype=np.int64)  # tokens known at admission
         self.requests: dict[Any, HybridRequest] = {}
         self._kernels: dict[str, tuple[int, Any, I64, I64, Any]] = {}
         self._free_rows = list(range(max_seqs - 1, -1, -1))
@@ -250,6 +255,7 @@ class GroupTable:
         req = HybridRequest(self._free_rows.pop(), namespace, tokens)
         self.requests[request_id] = req
         self.num_tokens[req.row] = self.num_committed[req.row] = num_tokens
+        self.prompt_len[req.row] = len(tokens)
         return req
 
     def close(self, request_id: Any) -> dict[str, npt.NDArray[np.int32]]:
