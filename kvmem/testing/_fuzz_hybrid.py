@@ -22,8 +22,9 @@ Copies listed by ``take_copies()`` are made at once. The oracles (:data:`HYBRID_
   position to the step's first new token) and every state it reads holds the values of that
   request's own tokens;
 * ``hybrid_verify``: ``verify`` aborts no request (a correct system never breaks a mapping);
-* ``hybrid_check``: ``check()`` passes after every move, and at the end, with every request
-  released and the cache cleared, every chunk is back in the budget;
+* ``hybrid_check``: ``check()`` passes after every move, ``can_reserve`` answers what
+  ``reserve`` then does, and at the end, with every request released and the cache cleared,
+  every chunk is back in the budget;
 * ``hybrid_error``: a call the engine makes by the rules raises no KVMemError.
 """
 
@@ -46,6 +47,7 @@ from kvmem.testing._fuzz_protocol import stable_bit, stable_pick
 from kvmem.testing._oracles import FuzzFailure
 
 __all__ = ["HYBRID_FAULTS", "HYBRID_ORACLES", "HybridFault", "HybridRun", "hybrid_campaign",
+           "hybrid_clean",
            "hybrid_hunt", "hybrid_replay", "hybrid_shrink"]
 
 HYBRID_ORACLES = ("hybrid_reads", "hybrid_verify", "hybrid_check", "hybrid_error")
@@ -262,10 +264,16 @@ class HybridRun:
             kind = (b >> (2 * i)) % 4  # to the next checkpoint, a small chunk, the rest
             n = (C - done % C, 1 + (b >> 8) % 7, left, 2 * C)[kind]
             counts.append(min(n, left))
+        can = m.can_reserve(ids, counts)
         try:
             step = m.reserve(ids, counts)
         except OutOfPagesError:
+            if can:
+                raise FuzzFailure("hybrid_check", "can_reserve said yes, reserve found no "
+                                  "room") from None
             return False
+        if not can:
+            raise FuzzFailure("hybrid_check", "can_reserve said no, reserve found room")
         report = m.verify(ids, step)
         if report.aborted:
             for rid in report.aborted:
@@ -501,3 +509,30 @@ def hybrid_hunt(fault: str | None, seed: int = 0, max_campaigns: int = 20,
     return FaultResult(fault or "none", False, None, None, time.perf_counter() - t0, moves,
                        expected=expected, engine="hybrid", seed=seed)
 
+
+
+def hybrid_clean(seed: int = 0, moves: int = 10_000, deadline: float | None = None,
+                 progress: Callable[[str], None] | None = None,
+                 shrink_replays: int = 300) -> FaultResult:
+    """Fault-free campaigns of 3,000 moves each (seeds ``seed + 10**6, ...``) until ``moves``
+    or ``deadline``; the first failure is shrunk and ends the run."""
+    t0 = time.perf_counter()
+    done = 0
+    s = seed + 10**6
+    while done < moves and (deadline is None or time.perf_counter() < deadline):
+        c = hybrid_campaign(None, s, min(3000, moves - done), deadline)
+        done += c.moves
+        if progress is not None:
+            progress(f"hybrid fault-free: {done} moves, "
+                     f"{done / max(time.perf_counter() - t0, 1e-9):.0f} moves/s, seed {s}")
+        f = c.failure
+        if f is not None:
+            small = c.schedule
+            if shrink_replays and f.move is not None:
+                small = hybrid_shrink(c.schedule[: f.move + 1], f.oracle, None, s,
+                                      shrink_replays)
+            return FaultResult("none", True, f.oracle, len(small), time.perf_counter() - t0,
+                               done, message=str(f), engine="hybrid", seed=s, schedule=small)
+        s += 1
+    return FaultResult("none", False, None, None, time.perf_counter() - t0, done,
+                       engine="hybrid", seed=seed + 10**6)
