@@ -193,6 +193,7 @@ class HybridRun:
         self.requests: dict[int, _Request] = {}
         self.next_id = 0
         self.num_moves = 0
+        self.num_hits = 0  # admissions that restored a cached prefix
         self.skip_copies: set[HybridCopy] = set()  # copies a fault drops
         self.skip_dst: set[tuple[str, int]] = set()
         self.fault = None
@@ -239,6 +240,7 @@ class HybridRun:
         except OutOfPagesError:
             return False
         req = self.requests[self.next_id] = _Request(ns, tokens, len(prompt))
+        self.num_hits += hit.num_cached_tokens > 0
         if not hit.num_cached_tokens:  # a fresh state: the engine zeroes it
             for name in m.table.states:
                 self.states[name][int(m.pages_of(self.next_id, name)[0])] = req.hashes[0]
@@ -395,13 +397,15 @@ class HybridRun:
 
 @dataclass
 class HybridCampaign:
-    """One campaign: the moves it ran (up to the failure), the failure, its size and time."""
+    """One campaign: the moves it ran (up to the failure), the failure, its size and time, and
+    the run (its manager, requests and value model as the campaign left them)."""
 
     schedule: list[Move]
     failure: FuzzFailure | None
     moves: int
     seconds: float
-    seed: int = 0
+    seed: int
+    run: HybridRun
 
 
 def hybrid_campaign(fault: str | None = None, seed: int = 0, max_moves: int = 2000,
@@ -430,7 +434,8 @@ def hybrid_campaign(fault: str | None = None, seed: int = 0, max_moves: int = 20
         run.final_check()
     except FuzzFailure as f:
         failure = f
-    return HybridCampaign(schedule, failure, run.num_moves, time.perf_counter() - t0, seed)
+    return HybridCampaign(schedule, failure, run.num_moves, time.perf_counter() - t0, seed,
+                          run)
 
 
 def hybrid_replay(schedule: Sequence[Move], fault: str | None = None, seed: int = 0
