@@ -13,9 +13,10 @@ failure is shrunk and, with ``--save``, written as a pytest file that replays it
 an oracle fires, the failing interleaving is shrunk, and a fault-free campaign of at least
 10,000 moves follows (``fault: "none"``). ``--json`` prints one JSON list, one entry per fault
 (``fault``, ``detected``, ``detected_by``, ``schedule_len``, ``seconds``, ...). ``--profile ci``
-is the derandomized CI run (fixed seeds and move budgets, the shipped engines, about 50 s
-on two cores): it exits 1 if a fault goes undetected or a fault-free run trips a check.
-``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
+is the derandomized CI run (fixed seeds and move budgets, the shipped engines and the hybrid
+one, about a minute on two cores): it exits 1 if a fault goes undetected or a fault-free run
+trips a check. ``--engine hybrid`` runs a HybridManager's own campaigns and its three faults
+(``kvmem.testing._fuzz_hybrid``; no ``--save``, no ``--config``). ``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
 A progress line goes to stderr. Exit status: 0, or 1 when the outcome is not the expected one.
 """
 
@@ -63,7 +64,8 @@ def add_fuzz_parser(sub: Any) -> None:
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
     p.add_argument("--profile", choices=["ci", "ci-vllm"],
-                   help="ci: the derandomized CI profile (manager, toy, disagg, offload); "
+                   help="ci: the derandomized CI profile (manager, toy, disagg, offload, "
+                   "hybrid); "
                    "ci-vllm: the same for the vLLM engines")
     p.add_argument("--config",
                    help="system shape: small (finds races fast; the default) or bench (4,096 "
@@ -154,6 +156,10 @@ def run_fuzz(args: argparse.Namespace) -> int:
     if args.profile is not None:
         results, ok = _ci_profile(progress, _VLLM_ENGINES if args.profile == "ci-vllm"
                                   else _CI_ENGINES)
+        if args.profile == "ci":
+            hybrid, hybrid_ok = _ci_hybrid(progress)
+            results += hybrid
+            ok &= hybrid_ok
     elif args.faults is not None:
         results, ok = _catalog(args, config, progress)
     else:
@@ -365,6 +371,23 @@ def _ci_profile(progress: _Progress,
         ok &= not clean.detected
         results.append(clean)
     return results, ok
+
+
+def _ci_hybrid(progress: _Progress) -> tuple[list[Any], bool]:
+    """The hybrid engine's part of ``--profile ci``: its catalog, then 10,000 fault-free
+    moves, with the CI's seeds and budgets."""
+    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
+
+    results = []
+    for name in HYBRID_FAULTS:
+        r = hybrid_hunt(name, 0, max_campaigns=_CI_CAMPAIGNS, moves_per_campaign=_CI_MOVES,
+                        shrink_replays=_CI_SHRINK)
+        progress(f"ci hybrid: {name}: {r.detected_by if r.detected else 'NOT DETECTED'}",
+                 force=True)
+        results.append(r)
+    clean = hybrid_clean(0, _CLEAN_MOVES, None, progress)
+    results.append(clean)
+    return results, all(r.detected for r in results[:-1]) and not clean.detected
 
 
 def _table(results: list[Any]) -> str:
