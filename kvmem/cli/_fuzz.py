@@ -16,7 +16,8 @@ an oracle fires, the failing interleaving is shrunk, and a fault-free campaign o
 is the derandomized CI run (fixed seeds and move budgets, the shipped engines and the hybrid
 one, about a minute on two cores): it exits 1 if a fault goes undetected or a fault-free run
 trips a check. ``--engine hybrid`` runs a HybridManager's own campaigns and its three faults
-(``kvmem.testing._fuzz_hybrid``; no ``--save``, no ``--config``). ``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
+(``kvmem.testing._fuzz_hybrid``; no ``--save``, no ``--config``). ``--profile ci-vllm`` is
+the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
 A progress line goes to stderr. Exit status: 0, or 1 when the outcome is not the expected one.
 """
 
