@@ -236,7 +236,9 @@ def test_the_ci_profile_runs_the_documented_fault_free_moves() -> None:
     from kvmem.cli import _fuzz as _fuzz_cli
 
     assert "50,000 fault-free moves on the manager" in DOC
-    assert "10,000 each on the toy, the disaggregated and the offload engines" in DOC
+    assert ("10,000 each on the toy, the disaggregated, the offload and the hybrid engines"
+            in " ".join(DOC.split()))
+    assert _fuzz_cli._CLEAN_MOVES == 10_000  # (the hybrid engine's, in _ci_hybrid)
     assert _fuzz_cli._CI_CLEAN["manager"] == 50_000
     assert (_fuzz_cli._CI_CLEAN["toy"] == _fuzz_cli._CI_CLEAN["disagg"]
             == _fuzz_cli._CI_CLEAN["offload"] == 10_000)
