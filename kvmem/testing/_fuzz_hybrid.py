@@ -79,7 +79,6 @@ class _Request:
         self.namespace = namespace
         self.tokens = tokens
         self.prompt_len = prompt_len
-        self.hashes: list[int] = []
         h = 1_000_003 * (namespace + 1)
         self.hashes = [h]  # hashes[i]: the value after i tokens (hashes[0]: the fresh state)
         for t in tokens:
