@@ -107,3 +107,14 @@ def test_cli_fault_free_moves_and_refusals(capsys: pytest.CaptureFixture[str]) -
     assert main(["fuzz", "--engine", "hybrid", "--moves", "5", "--config", "bench"]) == 2
     _, err = capsys.readouterr()
     assert "takes no --save and no --config" in err
+
+
+def test_the_ci_profile_finds_the_three_faults_and_runs_clean(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvmem fuzz --profile ci``'s hybrid part: fixed seeds and budgets, every fault found by
+    its oracle, then fault-free moves (10,000 there; fewer here)."""
+    monkeypatch.setattr(_fuzz_cli, "_CLEAN_MOVES", 1500)
+    results, ok = _fuzz_cli._ci_hybrid(_fuzz_cli._Progress())
+    assert ok
+    assert [(r.fault, r.detected_by) for r in results] == [*EXPECTED.items(), ("none", None)]
+    assert results[-1].moves == 1500
