@@ -12,6 +12,7 @@ import pytest
 
 from kvmem.cli import _fuzz as _fuzz_cli
 from kvmem.cli import main
+from kvmem.errors import ArgumentError
 from kvmem.testing._fuzz_hybrid import (
     HYBRID_FAULTS,
     HybridRun,
@@ -82,6 +83,17 @@ def test_the_reads_oracle_fires_on_a_copy_not_made() -> None:
     with pytest.raises(FuzzFailure) as e:
         run._run(step)
     assert e.value.oracle == "hybrid_reads" and f"page {tail}" in e.value.detail
+
+
+def test_bad_arguments_are_refused_before_any_move() -> None:
+    with pytest.raises(ArgumentError, match="no hybrid fault 'cow_copy_skipped'"):
+        hybrid_hunt("cow_copy_skipped")
+    with pytest.raises(ArgumentError, match="no hybrid fault"):
+        HybridRun("nope")
+    with pytest.raises(ArgumentError, match=r"schedule\[1\]"):
+        hybrid_replay([("submit", 1, 2), ("launch", 1, 2)])
+    with pytest.raises(ArgumentError, match=r"schedule\[0\]"):
+        hybrid_replay([("step", -1, 2)])
 
 
 def test_cli_runs_the_hybrid_catalog_and_reports_each_oracle(

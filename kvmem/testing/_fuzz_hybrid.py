@@ -441,10 +441,14 @@ def hybrid_replay(schedule: Sequence[Move], fault: str | None = None, seed: int 
                   ) -> HybridRun:
     """Run ``schedule`` exactly, then the final check; raises :class:`FuzzFailure` if an
     oracle fires, else returns the run."""
+    for i, move in enumerate(schedule):
+        if not (isinstance(move, (tuple, list)) and len(move) == 3 and move[0] in MOVES
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                        for x in move[1:])):
+            raise ArgumentError(f"schedule[{i}]={move!r}: expected (move, int >= 0, int >= 0) "
+                                f"with move one of {list(MOVES)}")
     run = HybridRun(fault, seed)
     for name, a, b in schedule:
-        if name not in MOVES:
-            raise ArgumentError(f"move {name!r}: expected one of {list(MOVES)}")
         run.step(name, a, b)
     run.final_check()
     return run
@@ -492,6 +496,8 @@ def hybrid_hunt(fault: str | None, seed: int = 0, max_campaigns: int = 20,
     """Campaigns with ``fault`` on (seeds ``seed, seed + 1, ...``) until an oracle fires, the
     failing schedule shrunk; ``fault=None``: a fault-free hunt (a failure is a bug)."""
     t0 = time.perf_counter()
+    if fault is not None and fault not in HYBRID_FAULTS:
+        raise ArgumentError(f"no hybrid fault {fault!r}; choose one of {list(HYBRID_FAULTS)}")
     expected = HYBRID_FAULTS[fault].expected if fault is not None else ""
     moves = 0
     for s in range(seed, seed + max_campaigns):
