@@ -51,9 +51,11 @@ def test_each_fault_is_found_by_its_oracle_and_shrunk(fault: str) -> None:
 
 def test_fault_free_campaigns_are_silent_and_exercise_every_mechanism() -> None:
     """A few thousand moves: submits with prefix hits, chunked prefills (some ending on
-    checkpoints), decodes, forks, releases, evictions: no oracle fires."""
+    checkpoints), decodes, forks, releases, evictions: no oracle fires. (Seed 1000007 guards
+    a fuzzer bug: forks of forks planned tokens past max_tokens_per_seq, and reserve refused
+    them at move 1434.)"""
     moves = hits = evicted = 0
-    for seed in (0, 1):
+    for seed in (0, 1_000_007):
         c = hybrid_campaign(None, seed, 1500)
         assert c.failure is None, c.failure
         assert {name for name, _, _ in c.schedule} == {"submit", "step", "fork", "release"}

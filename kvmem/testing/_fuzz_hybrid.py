@@ -60,6 +60,7 @@ GROUPS = (FullAttentionSpec("full", page_size=PAGE, bytes_per_token=16),
           StateSpec("gdn", bytes_per_state=64))
 BUDGET = 24 * 256  # 24 chunks of four 64-byte pages: eviction and OutOfPages happen
 MAX_SEQS = 8
+MAX_TOKENS = 64  # a request's most tokens (a submit plans at most 40 + 8 + 10)
 NAMESPACES = (None, "tenant-a")
 BASES = [random.Random(k).choices(range(3), k=40) for k in range(3)]  # shared prompt heads
 _MASK = (1 << 62) - 1
@@ -182,8 +183,8 @@ class HybridRun:
     (:meth:`step`); raises :class:`FuzzFailure` when an oracle fires."""
 
     def __init__(self, fault: str | None = None, seed: int = 0) -> None:
-        self.manager = HybridManager(GROUPS, BUDGET, max_seqs=MAX_SEQS, max_tokens_per_seq=64,
-                                     seed=seed)
+        self.manager = HybridManager(GROUPS, BUDGET, max_seqs=MAX_SEQS,
+                                     max_tokens_per_seq=MAX_TOKENS, seed=seed)
         m = self.manager
         self.kv = {name: np.full((m.allocator.allocator(name).num_pages, PAGE), -1,
                                  dtype=np.int64) for name in m.table.tokens}
@@ -297,14 +298,15 @@ class HybridRun:
             return False
         parent = list(self.requests)[stable_pick(a, list(self.requests))]
         p = self.requests[parent]
-        n = m.num_committed(parent)
+        kept = p.tokens[: max(m.num_committed(parent), p.prompt_len)]
+        if len(kept) >= MAX_TOKENS:  # (no room to generate a token of its own)
+            return False
         try:
             m.fork(parent, self.next_id)
         except OutOfPagesError:
             return False
         rnd = random.Random(a << 20 | b)
-        kept = p.tokens[: max(n, p.prompt_len)]
-        tokens = kept + rnd.choices(range(3), k=rnd.randint(1, 8))
+        tokens = kept + rnd.choices(range(3), k=min(rnd.randint(1, 8), MAX_TOKENS - len(kept)))
         self.requests[self.next_id] = _Request(p.namespace, tokens, p.prompt_len)
         self.next_id += 1
         self._copy()
