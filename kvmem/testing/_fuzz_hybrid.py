@@ -457,9 +457,11 @@ def hybrid_replay(schedule: Sequence[Move], fault: str | None = None, seed: int 
 
 
 def hybrid_shrink(schedule: Sequence[Move], oracle: str, fault: str | None = None,
-                  seed: int = 0, max_replays: int = 300) -> list[Move]:
+                  seed: int = 0, max_replays: int = 300, deadline: float | None = None
+                  ) -> list[Move]:
     """The shortest schedule found (delete chunks of moves, halves down to single moves) on
-    which ``oracle`` still fires first."""
+    which ``oracle`` still fires first; at most ``max_replays`` replays, until ``deadline``
+    (a ``time.perf_counter()`` value)."""
 
     def fails(s: list[Move]) -> bool:
         try:
@@ -470,12 +472,16 @@ def hybrid_shrink(schedule: Sequence[Move], oracle: str, fault: str | None = Non
 
     s = list(schedule)
     replays = 0
+
+    def budget() -> bool:
+        return replays < max_replays and (deadline is None or time.perf_counter() < deadline)
+
     n = 2
-    while len(s) >= 2 and replays < max_replays:
+    while len(s) >= 2 and budget():
         chunk = -(-len(s) // n)
         cut = False
         start = 0
-        while start < len(s) and replays < max_replays:
+        while start < len(s) and budget():
             cand = s[:start] + s[start + chunk :]
             replays += 1
             if cand and fails(cand):
@@ -496,7 +502,8 @@ def hybrid_hunt(fault: str | None, seed: int = 0, max_campaigns: int = 20,
                 deadline: float | None = None,
                 progress: Callable[[str], None] | None = None) -> FaultResult:
     """Campaigns with ``fault`` on (seeds ``seed, seed + 1, ...``) until an oracle fires, the
-    failing schedule shrunk; ``fault=None``: a fault-free hunt (a failure is a bug)."""
+    failing schedule shrunk (for at most a minute); ``fault=None``: a fault-free hunt (a
+    failure is a bug)."""
     t0 = time.perf_counter()
     if fault is not None and fault not in HYBRID_FAULTS:
         raise ArgumentError(f"no hybrid fault {fault!r}; choose one of {list(HYBRID_FAULTS)}")
@@ -514,7 +521,7 @@ def hybrid_hunt(fault: str | None, seed: int = 0, max_campaigns: int = 20,
             small = c.schedule
             if shrink_replays and f.move is not None:
                 small = hybrid_shrink(c.schedule[: f.move + 1], f.oracle, fault, s,
-                                      shrink_replays)
+                                      shrink_replays, time.perf_counter() + 60)
             return FaultResult(fault or "none", True, f.oracle, len(small),
                                time.perf_counter() - t0, moves, expected=expected,
                                message=str(f), engine="hybrid", seed=s, schedule=small)
@@ -527,7 +534,7 @@ def hybrid_clean(seed: int = 0, moves: int = 10_000, deadline: float | None = No
                  progress: Callable[[str], None] | None = None,
                  shrink_replays: int = 300) -> FaultResult:
     """Fault-free campaigns of 3,000 moves each (seeds ``seed + 10**6, ...``) until ``moves``
-    or ``deadline``; the first failure is shrunk and ends the run."""
+    or ``deadline``; the first failure is shrunk (for at most a minute) and ends the run."""
     t0 = time.perf_counter()
     done = 0
     s = seed + 10**6
@@ -542,7 +549,7 @@ def hybrid_clean(seed: int = 0, moves: int = 10_000, deadline: float | None = No
             small = c.schedule
             if shrink_replays and f.move is not None:
                 small = hybrid_shrink(c.schedule[: f.move + 1], f.oracle, None, s,
-                                      shrink_replays)
+                                      shrink_replays, time.perf_counter() + 60)
             return FaultResult("none", True, f.oracle, len(small), time.perf_counter() - t0,
                                done, message=str(f), engine="hybrid", seed=s, schedule=small)
         s += 1
