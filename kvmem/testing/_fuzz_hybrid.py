@@ -263,7 +263,8 @@ class HybridRun:
             if left <= 0:
                 counts.append(1)
                 continue
-            kind = (b >> (2 * i)) % 4  # to the next checkpoint, a small chunk, the rest
+            # to the next checkpoint, a few tokens, the rest of the prompt, two checkpoints
+            kind = (b >> (2 * i)) % 4
             n = (C - done % C, 1 + (b >> 8) % 7, left, 2 * C)[kind]
             counts.append(min(n, left))
         can = m.can_reserve(ids, counts)
