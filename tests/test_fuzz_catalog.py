@@ -16,6 +16,7 @@ import pytest
 import kvmem.testing as t
 from kvmem.cli import main
 from kvmem.errors import ArgumentError, ArgumentTypeError, KVMemError
+from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS
 from kvmem.testing.faults import CATALOG
 
 
@@ -117,15 +118,18 @@ def test_save_writes_a_reproducer_that_pytest_runs_and_fails(
 def test_list_shows_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "fuzz", "--list")
     assert status == 0
-    assert all(name in out for name in CATALOG)
+    assert all(name in out for name in [*CATALOG, *HYBRID_FAULTS])
 
 
 def test_list_json_is_the_catalog_as_one_json_list(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "fuzz", "--list", "--json")
     assert status == 0
     entries = json.loads(out)
-    assert [e["fault"] for e in entries] == list(CATALOG)
-    for e in entries:
+    assert [e["fault"] for e in entries] == [*CATALOG, *HYBRID_FAULTS]
+    for e in entries[len(CATALOG) :]:  # the hybrid engine's own catalog
+        assert e["engines"] == ["hybrid"]
+        assert e["description"] == HYBRID_FAULTS[e["fault"]].describe()
+    for e in entries[: len(CATALOG)]:
         f = CATALOG[e["fault"]]
         assert e["bugs"] == list(f.bugs) and e["timeline"] == f.timeline
         assert e["engines"] == (list(f.engines) if f.engines else None)
@@ -232,7 +236,9 @@ def test_the_ci_profile_runs_the_documented_fault_free_moves() -> None:
     from kvmem.cli import _fuzz as _fuzz_cli
 
     assert "50,000 fault-free moves on the manager" in DOC
-    assert "10,000 each on the toy, the disaggregated and the offload engines" in DOC
+    assert ("10,000 each on the toy, the disaggregated, the offload and the hybrid engines"
+            in " ".join(DOC.split()))
+    assert _fuzz_cli._CLEAN_MOVES == 10_000  # (the hybrid engine's, in _ci_hybrid)
     assert _fuzz_cli._CI_CLEAN["manager"] == 50_000
     assert (_fuzz_cli._CI_CLEAN["toy"] == _fuzz_cli._CI_CLEAN["disagg"]
             == _fuzz_cli._CI_CLEAN["offload"] == 10_000)

@@ -13,9 +13,11 @@ failure is shrunk and, with ``--save``, written as a pytest file that replays it
 an oracle fires, the failing interleaving is shrunk, and a fault-free campaign of at least
 10,000 moves follows (``fault: "none"``). ``--json`` prints one JSON list, one entry per fault
 (``fault``, ``detected``, ``detected_by``, ``schedule_len``, ``seconds``, ...). ``--profile ci``
-is the derandomized CI run (fixed seeds and move budgets, the shipped engines, about 50 s
-on two cores): it exits 1 if a fault goes undetected or a fault-free run trips a check.
-``--profile ci-vllm`` is the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
+is the derandomized CI run (fixed seeds and move budgets, the shipped engines and the hybrid
+one, about a minute on two cores): it exits 1 if a fault goes undetected or a fault-free run
+trips a check. ``--engine hybrid`` runs a HybridManager's own campaigns and its three faults
+(``kvmem.testing._fuzz_hybrid``; no ``--save``, no ``--config``). ``--profile ci-vllm`` is
+the same for vLLM's scheduler on kvmem (``vllm``, ``vllm-async``).
 A progress line goes to stderr. Exit status: 0, or 1 when the outcome is not the expected one.
 """
 
@@ -51,8 +53,9 @@ def add_fuzz_parser(sub: Any) -> None:
                    help="engine adapter: manager (kvmem's, async), toy (synchronous), disagg "
                    "(a decode side fed over a transport), offload (a host tier below a small "
                    "pool, deferred copies), offload-disk (and a disk tier below it), vllm "
-                   "and vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), or "
-                   "one registered in "
+                   "and vllm-async (vLLM's Scheduler / AsyncScheduler on kvmem; need vLLM), "
+                   "hybrid (a HybridManager: full, sliding-window and state groups), or one "
+                   "registered in "
                    "kvmem.testing.ENGINES (default manager)")
     p.add_argument("--minutes", type=float,
                    help="time budget, > 0 (default 1 without --faults; with --faults, 0.25 a "
@@ -62,7 +65,8 @@ def add_fuzz_parser(sub: Any) -> None:
     p.add_argument("--faults", nargs="*", metavar="NAME",
                    help="run the fault catalog (all faults that apply, or those named)")
     p.add_argument("--profile", choices=["ci", "ci-vllm"],
-                   help="ci: the derandomized CI profile (manager, toy, disagg, offload); "
+                   help="ci: the derandomized CI profile (manager, toy, disagg, offload, "
+                   "hybrid); "
                    "ci-vllm: the same for the vLLM engines")
     p.add_argument("--config",
                    help="system shape: small (finds races fast; the default) or bench (4,096 "
@@ -101,6 +105,7 @@ class _Progress:
 
 def run_fuzz(args: argparse.Namespace) -> int:
     from kvmem.testing import ENGINES, FuzzConfig
+    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS
     from kvmem.testing.faults import CATALOG
 
     # verify's "aborting request" warnings are what faults are for: keep the output readable.
@@ -116,16 +121,28 @@ def run_fuzz(args: argparse.Namespace) -> int:
             print(json.dumps([{"fault": name, "bugs": list(f.bugs), "side": f.side,
                                "timeline": f.timeline,
                                "engines": list(f.engines) if f.engines else None,
-                               "description": f.describe()} for name, f in CATALOG.items()],
-                             indent=1))
+                               "description": f.describe()} for name, f in CATALOG.items()]
+                             + [{"fault": name, "bugs": [], "side": "kvmem", "timeline": False,
+                                 "engines": ["hybrid"], "description": f.describe()}
+                                for name, f in HYBRID_FAULTS.items()], indent=1))
             return 0
         for name, f in CATALOG.items():
             engines = ",".join(f.engines) if f.engines else "any"
             print(f"{name:32s} BUGS {','.join(map(str, f.bugs)):8s} {f.side:8s} "
                   f"{'timeline' if f.timeline else '        '} {engines:12s} {f.describe()}")
+        for name, h in HYBRID_FAULTS.items():
+            print(f"{name:32s} BUGS {'':8s} {'kvmem':8s} {'':8s} {'hybrid':12s} {h.describe()}")
         return 0
+    config_given = args.config
     _check_args(args)
     engine = "vllm" if args.profile == "ci-vllm" else args.engine
+    if engine == "hybrid" and args.profile is None:
+        progress = _Progress()
+        results, ok = _hybrid(args, config_given, progress)
+        progress.done()
+        print(json.dumps([r.to_json() for r in results], indent=1) if args.json
+              else _table(results))
+        return 0 if ok else 1
     if engine not in ENGINES:
         if engine in _VLLM_ENGINES:
             from kvmem.integrations.vllm import SETUP_HINT
@@ -140,6 +157,10 @@ def run_fuzz(args: argparse.Namespace) -> int:
     if args.profile is not None:
         results, ok = _ci_profile(progress, _VLLM_ENGINES if args.profile == "ci-vllm"
                                   else _CI_ENGINES)
+        if args.profile == "ci":
+            hybrid, hybrid_ok = _ci_hybrid(progress)
+            results += hybrid
+            ok &= hybrid_ok
     elif args.faults is not None:
         results, ok = _catalog(args, config, progress)
     else:
@@ -285,6 +306,41 @@ def _save(args: argparse.Namespace, r: Any, config: Any) -> None:
         r.message = f"{r.message} (saved {path})"
 
 
+def _hybrid(args: argparse.Namespace, config_given: str | None,
+            progress: _Progress) -> tuple[list[Any], bool]:
+    """``--engine hybrid``: its own campaigns on a HybridManager (kvmem.testing._fuzz_hybrid)."""
+    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
+
+    if args.save is not None or config_given not in (None, "small"):
+        raise ArgumentError("--engine hybrid runs its own small hybrid system: it takes no "
+                            "--save and no --config (drop them)")
+    names = args.faults or list(HYBRID_FAULTS)
+    if args.faults is not None:
+        unknown = [n for n in names if n not in HYBRID_FAULTS]
+        if unknown:
+            raise ArgumentError(f"faults {unknown} do not apply to the 'hybrid' engine; its "
+                                f"faults are {list(HYBRID_FAULTS)}")
+    if args.faults is None:
+        deadline = None
+        if args.moves is None:
+            deadline = time.perf_counter() + 60.0 * (args.minutes or 1.0)
+        clean = hybrid_clean(args.seed, args.moves or 10**12, deadline, progress)
+        return [clean], not clean.detected
+    budget = 60.0 * (args.minutes or max(1.0, 0.25 * len(names)))
+    per_fault = budget / (len(names) + 1)
+    results = []
+    for name in names:
+        r = hybrid_hunt(name, args.seed, max_campaigns=10**6, moves_per_campaign=2000,
+                        shrink_replays=400, deadline=time.perf_counter() + per_fault,
+                        progress=progress)
+        progress(f"{name}: {'found by ' + str(r.detected_by) if r.detected else 'NOT FOUND'}"
+                 f" ({r.moves} moves, {r.seconds:.1f}s)", force=True)
+        results.append(r)
+    clean = hybrid_clean(args.seed, _CLEAN_MOVES, None, progress)
+    results.append(clean)
+    return results, all(r.detected for r in results[:-1]) and not clean.detected
+
+
 # The CI profiles: fixed seeds and budgets, so the outcome depends on the code only.
 _CI_ENGINES = ("manager", "toy", "disagg", "offload")
 _VLLM_ENGINES = ("vllm", "vllm-async")  # ci-vllm: vLLM's import alone takes 5-20 s
@@ -316,6 +372,23 @@ def _ci_profile(progress: _Progress,
         ok &= not clean.detected
         results.append(clean)
     return results, ok
+
+
+def _ci_hybrid(progress: _Progress) -> tuple[list[Any], bool]:
+    """The hybrid engine's part of ``--profile ci``: its catalog, then 10,000 fault-free
+    moves, with the CI's seeds and budgets."""
+    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
+
+    results = []
+    for name in HYBRID_FAULTS:
+        r = hybrid_hunt(name, 0, max_campaigns=_CI_CAMPAIGNS, moves_per_campaign=_CI_MOVES,
+                        shrink_replays=_CI_SHRINK)
+        progress(f"ci hybrid: {name}: {r.detected_by if r.detected else 'NOT DETECTED'}",
+                 force=True)
+        results.append(r)
+    clean = hybrid_clean(0, _CLEAN_MOVES, None, progress)
+    results.append(clean)
+    return results, all(r.detected for r in results[:-1]) and not clean.detected
 
 
 def _table(results: list[Any]) -> str:
