@@ -12,8 +12,9 @@ least 1, ``--batch`` 1 to 8192, ``--decode-steps`` at least 0).
 ``python -m kvmem.integrations.vllm judge [--json] [--list] [--cache-dir DIR]`` runs vLLM
 0.33.0's own ``tests/v1/core`` on vLLM's schedulers and on kvmem's
 (:mod:`kvmem.integrations.vllm.judge`) and prints the verdicts. Exit status: 0 when no test
-fails only on kvmem for a reason of class ``other``, 1 otherwise, 2 when vLLM is not importable
-or the setup fails (download, digest, pytest itself).
+fails only on kvmem for a reason of class ``other`` except those named by ``--expect-other``
+(and each of those still does), 1 otherwise (one line on stderr per test), 2 when vLLM is not
+importable or the setup fails (download, digest, pytest itself).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from typing import Any
@@ -57,17 +59,18 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--json", action="store_true", help="print one JSON object (every test)")
     j.add_argument("--list", action="store_true",
                    help="list every test that fails only on kvmem (default: those of class other)")
+    j.add_argument("--expect-other", action="append", default=[], metavar="NODEID",
+                   help="a test known to fail only on kvmem for a reason of class other "
+                        "(repeatable): it does not fail the run, and passing makes it fail")
     return p
 
 
-def judge(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from kvmem.integrations.vllm.judge import DEFAULT_CACHE, FAIL_KVMEM, OTHER, run
+def judge(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    from kvmem.integrations.vllm.judge import DEFAULT_CACHE, run, unexpected
 
     report = run(args.cache_dir or DEFAULT_CACHE, download=not args.no_download,
                  side_by_side=not args.one_at_a_time)
-    bad = [t for t in report["tests"].values()
-           if t["verdict"] == FAIL_KVMEM and t["reason"] == OTHER]
-    return report, 1 if bad else 0
+    return report, unexpected(report, args.expect_other)
 
 
 def conformance(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -130,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         from kvmem.integrations.vllm.judge import format_report
 
         try:
-            report, status = judge(args)
-        except (KVMemError, OSError) as e:
+            report, problems = judge(args)
+        except (KVMemError, OSError, subprocess.SubprocessError) as e:
             print(f"judge: {e}", file=sys.stderr)
             return 2
         print(json.dumps(report, indent=1) if args.json
               else format_report(report, list_tests=args.list))
-        return status
+        for problem in problems:
+            print(f"judge: {problem}", file=sys.stderr)
+        return 1 if problems else 0
     result, status = conformance(args)
     if args.json:
         print(json.dumps(result))

@@ -18,13 +18,16 @@ first, so their subclasses (``DiffusionScheduler``) keep vLLM's base.
      "tests": {nodeid: {"outcome": "passed" | "failed" | "skipped",
                         "schedulers": [class names whose __init__ the test entered],
                         "error": null | {"type", "module", "message", "kvmem_error",
-                                         "attribute", "attribute_of", "raised_in", "phase"}}},
+                                         "attribute", "attribute_of", "raised_in", "raised_at",
+                                         "phase"},
+                        "seconds": float}},
      "collect_errors": {nodeid: message}}
 
 ``attribute`` and ``attribute_of`` (``module.Class`` of the object) are an ``AttributeError``'s.
 
-``raised_in`` says where the exception was raised (the innermost traceback frame): ``"test"``
-(vLLM's test files), ``"vllm"``, ``"kvmem"`` or ``"other"``.
+``raised_at`` is the module whose code raised the exception (the innermost traceback frame),
+``raised_in`` whose code that is: ``"test"`` (vLLM's tests), ``"vllm"``, ``"kvmem"`` or
+``"other"``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 from typing import Any
 
 import pytest
@@ -54,7 +56,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _record_init(cls: type) -> None:
     """Wrap ``cls.__init__`` to note, on entry, the class being built (before any refusal)."""
-    init = cls.__init__
+    init = cls.__init__  # type: ignore[misc]
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -76,8 +78,8 @@ def swap_schedulers() -> tuple[type, type]:
     sched = importlib.import_module("vllm.v1.core.sched.scheduler")
     async_sched = importlib.import_module("vllm.v1.core.sched.async_scheduler")
     originals = (sched.Scheduler, async_sched.AsyncScheduler)
-    sched.Scheduler = KVMemScheduler
-    async_sched.AsyncScheduler = KVMemAsyncScheduler
+    sched.Scheduler = KVMemScheduler  # type: ignore[attr-defined]
+    async_sched.AsyncScheduler = KVMemAsyncScheduler  # type: ignore[attr-defined]
     return originals
 
 
@@ -97,18 +99,16 @@ def pytest_configure(config: pytest.Config) -> None:
         _record_init(KVMemAsyncScheduler)
 
 
-def _where(path: str) -> str:
-    path = path.replace(os.sep, "/")
-    if "/tests/v1/" in path or "/tests/utils" in path:
-        return "test"
-    if "/kvmem/" in path:
-        return "kvmem"
-    if "/vllm/" in path:
-        return "vllm"
+def side_of(module: str) -> str:
+    """Whose code a module is: ``"test"`` (vLLM's tests), ``"kvmem"``, ``"vllm"`` or
+    ``"other"``."""
+    for side, package in (("test", "tests"), ("kvmem", "kvmem"), ("vllm", "vllm")):
+        if module == package or module.startswith(f"{package}."):
+            return side
     return "other"
 
 
-def describe_error(exc: BaseException, tb_path: str | None) -> dict[str, Any]:
+def describe_error(exc: BaseException, raised_at: str) -> dict[str, Any]:
     """What the judge needs of an exception to classify it."""
     from kvmem.errors import KVMemError
 
@@ -121,25 +121,27 @@ def describe_error(exc: BaseException, tb_path: str | None) -> dict[str, Any]:
             "message": " ".join(str(exc).split())[:1000],
             "kvmem_error": isinstance(exc, KVMemError), "attribute": attribute,
             "attribute_of": attribute_of,
-            "raised_in": _where(tb_path) if tb_path else "other"}
+            "raised_in": side_of(raised_at), "raised_at": raised_at}
 
 
-def _innermost_path(excinfo: pytest.ExceptionInfo[BaseException]) -> str | None:
+def _innermost_module(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    """The module whose code raised (the innermost traceback frame's ``__name__``)."""
     tb = excinfo.tb
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename
+    return str(tb.tb_frame.f_globals.get("__name__", ""))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     entry = _tests.setdefault(item.nodeid, {"outcome": "passed", "schedulers": [],
-                                             "error": None})
+                                             "error": None, "seconds": 0.0})
+    entry["seconds"] = round(entry["seconds"] + report.duration, 4)
     if report.failed and entry["outcome"] != "failed":
         entry["outcome"] = "failed"
         if call.excinfo is not None:
-            entry["error"] = describe_error(call.excinfo.value, _innermost_path(call.excinfo))
+            entry["error"] = describe_error(call.excinfo.value, _innermost_module(call.excinfo))
             entry["error"]["phase"] = call.when
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import resource
 import subprocess
 import sys
 import tarfile
@@ -46,7 +47,7 @@ from kvmem.errors import KVMemError
 logger = logging.getLogger(__name__)
 
 __all__ = ["SDIST", "SDIST_SHA256", "check_sha256", "classify", "extract_tests", "fetch_sdist",
-           "format_report", "judge", "run", "verdict", "write_hf_cache"]
+           "format_report", "judge", "run", "unexpected", "verdict", "write_hf_cache"]
 
 VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
@@ -273,16 +274,20 @@ def verdict(vllm_outcome: str | None, kvmem_outcome: str | None) -> str:
     return PASS_KVMEM if kvmem_ok else FAIL_BOTH
 
 
-def classify(error: dict[str, Any] | None) -> str:
-    """The reason class of a failure on kvmem, from its exception (as the plugin recorded it):
+def classify(error: dict[str, Any] | None, built_scheduler: bool = True) -> str:
+    """The reason class of a failure on kvmem, from its exception as the plugin recorded it
+    (``built_scheduler``: whether the test entered a scheduler's ``__init__`` on kvmem):
 
-    - ``refused: WHAT``: kvmem's refusal (``KVMemError``) of a feature, named as it names it
-      (``kv_transfer_config (KV connectors)``, ``speculative_config (speculative
+    - ``refused: WHAT``: kvmem's refusal (a ``KVMemError``) of a feature, named as the refusal
+      names it (``kv_transfer_config (KV connectors)``, ``speculative_config (speculative
       decoding)``...);
-    - ``the test reads kv_cache_manager.NAME`` / ``vLLM's scheduler reads
-      kv_cache_manager.NAME``: an ``AttributeError`` on one of kvmem's objects, raised in the
-      test's code (it reads vLLM's private manager state: ``block_pool``, ``coordinator``) or in
-      vLLM's;
+    - ``the test reads kv_cache_manager.NAME`` / ``vllm.MODULE reads kv_cache_manager.NAME``: an
+      ``AttributeError`` on one of kvmem's objects (the adapter is the scheduler's
+      ``kv_cache_manager``), raised in the test's code or in that vLLM module's: they read vLLM's
+      own manager's private state (``block_pool``, ``coordinator``);
+    - ``the test builds the scheduler without __init__``: an ``AttributeError`` on one of
+      kvmem's objects in a test that built no scheduler through ``__init__``
+      (``object.__new__``);
     - :data:`OTHER`: anything else (a wrong result, a kvmem error that is no refusal).
     """
     if error is None:
@@ -295,8 +300,13 @@ def classify(error: dict[str, Any] | None) -> str:
     owner = error.get("attribute_of") or ""
     if error.get("type") == "AttributeError" and owner.startswith("kvmem.") and error.get(
             "attribute"):
-        reader = "the test" if error.get("raised_in") == "test" else "vLLM's scheduler"
-        return f"{reader} reads kv_cache_manager.{error['attribute']}"
+        if not built_scheduler:
+            return "the test builds the scheduler without __init__"
+        reader = ("the test" if error.get("raised_in") == "test"
+                  else error.get("raised_at") or "vLLM")
+        name = ("kv_cache_manager" if owner.endswith(".VllmKVCacheAdapter")
+                else owner.rsplit(".", 1)[-1])
+        return f"{reader} reads {name}.{error['attribute']}"
     return OTHER
 
 
@@ -313,7 +323,7 @@ def judge(vllm_record: dict[str, Any], kvmem_record: dict[str, Any]) -> dict[str
                  "kvmem_schedulers": on_kvmem.get("schedulers", [])}
         entry["verdict"] = verdict(entry["vllm"], entry["kvmem"])
         if entry["verdict"] == FAIL_KVMEM:
-            entry["reason"] = classify(on_kvmem.get("error"))
+            entry["reason"] = classify(on_kvmem.get("error"), bool(on_kvmem.get("schedulers")))
             entry["error"] = on_kvmem.get("error")
         tests[nodeid] = entry
 
@@ -336,6 +346,25 @@ def judge(vllm_record: dict[str, Any], kvmem_record: dict[str, Any]) -> dict[str
                            "kvmem": sorted(kvmem_record.get("collect_errors", {}))},
         "tests": tests,
     }
+
+
+def unexpected(report: dict[str, Any], expected_other: tuple[str, ...] | list[str] = ()
+               ) -> list[str]:
+    """What makes the judge fail, one line each: a test that fails only on kvmem for a reason of
+    class :data:`OTHER` and is not in ``expected_other``, or one in ``expected_other`` that no
+    longer does (the list stays exact)."""
+    problems = []
+    for nodeid, t in report["tests"].items():
+        if t["verdict"] == FAIL_KVMEM and t["reason"] == OTHER and nodeid not in expected_other:
+            problems.append(f"{nodeid} fails only on kvmem ({OTHER})")
+    for nodeid in expected_other:
+        t = report["tests"].get(nodeid)
+        if t is None or t["verdict"] != FAIL_KVMEM or t["reason"] != OTHER:
+            now = "not run" if t is None else t["verdict"]
+            if t is not None and t["verdict"] == FAIL_KVMEM:
+                now = f"{FAIL_KVMEM} ({t['reason']})"
+            problems.append(f"{nodeid} was expected to fail only on kvmem ({OTHER}); it is {now}")
+    return problems
 
 
 def format_report(report: dict[str, Any], list_tests: bool = False) -> str:
@@ -390,7 +419,8 @@ def _pytest_command(root: Path, out: Path, swap: bool) -> list[str]:
 def run(cache_dir: Path = DEFAULT_CACHE, download: bool = True, side_by_side: bool = True,
         timeout_s: float = 3600) -> dict[str, Any]:
     """Set up (once), run vLLM's tests on vLLM's schedulers and on kvmem's, and return
-    :func:`judge`'s report with ``seconds`` (wall time of the runs) added. Each run's pytest
+    :func:`judge`'s report with ``seconds`` (wall time of the two runs) and ``cpu_seconds``
+    (their CPU time) added. Each run's pytest
     output is kept in ``cache_dir/runs/{vllm,kvmem}.log``."""
     cache_dir = Path(cache_dir).expanduser()
     root = extract_tests(fetch_sdist(cache_dir, download), cache_dir)
@@ -400,6 +430,7 @@ def run(cache_dir: Path = DEFAULT_CACHE, download: bool = True, side_by_side: bo
     runs = cache_dir / "runs"
     runs.mkdir(exist_ok=True)
     start = time.perf_counter()
+    cpu_start = resource.getrusage(resource.RUSAGE_CHILDREN)
     procs = {}
     for side, swap in (("vllm", False), ("kvmem", True)):
         out = runs / f"{side}.json"
@@ -412,6 +443,8 @@ def run(cache_dir: Path = DEFAULT_CACHE, download: bool = True, side_by_side: bo
     for proc in procs.values():
         proc.wait(timeout=timeout_s)
     seconds = time.perf_counter() - start
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = cpu.ru_utime + cpu.ru_stime - cpu_start.ru_utime - cpu_start.ru_stime
     records = {}
     for side, proc in procs.items():
         out = runs / f"{side}.json"
@@ -421,4 +454,5 @@ def run(cache_dir: Path = DEFAULT_CACHE, download: bool = True, side_by_side: bo
         records[side] = json.loads(out.read_text())
     report = judge(records["vllm"], records["kvmem"])
     report["seconds"] = round(seconds, 1)
+    report["cpu_seconds"] = round(cpu_seconds, 1)
     return report
