@@ -185,7 +185,7 @@ def test_side_of(module: str, side: str) -> None:
 
 
 def _record(tests: dict[str, tuple[str, list[str], dict[str, Any] | None]]) -> dict[str, Any]:
-    return {"tests": {n: {"outcome": o, "schedulers": s, "error": e}
+    return {"tests": {n: {"outcome": o, "schedulers": s, "error": e, "integrity_failures": 0}
                       for n, (o, s, e) in tests.items()}, "collect_errors": {}}
 
 
@@ -213,6 +213,7 @@ def test_judge_counts_verdicts_and_reasons() -> None:
     assert report["kvmem_only_failures_by_reason"] == {
         "refused: speculative_config (speculative decoding)": 1, jd.OTHER: 1}
     assert report["tests"]["t::c"]["reason"] == jd.OTHER
+    assert report["integrity_failures"] == 0
     assert "reason" not in report["tests"]["t::e"]  # fails on vLLM too
     text = jd.format_report(report)
     assert "| tests that build a scheduler | 3 | 3 | 1 | 1 | 0 | 2 | 0 | 0 |" in text
@@ -264,6 +265,19 @@ def test_reads_block_pool():
 
 def test_skipped():
     pytest.skip("no")
+
+
+def test_integrity_abort():
+    from kvmem.integrations.vllm.conformance import Driver, SchedulerSpec, StreamRequest
+    from kvmem.testing import faults
+    d = Driver(SchedulerSpec(num_blocks=40, block_size=4, max_num_seqs=4,
+                             max_num_batched_tokens=32, max_model_len=128), kvmem=True)
+    for i, rid in enumerate(("r2", "r7", "r8")):
+        d.add(StreamRequest(rid, tuple(range(100 * i + 10, 100 * i + 19)), 12))
+    d.step()
+    d.step()
+    faults.free_behind_back(d.sched.kvmem, sorted(d.sched.kvmem.running)[1], 1)
+    d.sched.schedule()  # aborts the request whose page was freed under it
 '''
 
 
@@ -287,8 +301,11 @@ def test_the_plugin_swaps_kvmems_schedulers_in_and_records_each_test(tmp_path: P
     assert record["swap"] is True
     assert {n: t["outcome"] for n, t in tests.items()} == {
         "test_classes": "passed", "test_builds": "passed", "test_refused": "failed",
-        "test_reads_block_pool": "failed", "test_skipped": "skipped"}
+        "test_reads_block_pool": "failed", "test_skipped": "skipped",
+        "test_integrity_abort": "passed"}
     assert tests["test_builds"]["schedulers"] == ["KVMemScheduler"]
+    assert tests["test_builds"]["integrity_failures"] == 0
+    assert tests["test_integrity_abort"]["integrity_failures"] == 1
     assert tests["test_classes"]["schedulers"] == []
     # A refused scheduler counts as built: it entered kvmem's __init__.
     assert tests["test_refused"]["schedulers"] == ["KVMemScheduler"]

@@ -20,6 +20,7 @@ first, so their subclasses (``DiffusionScheduler``) keep vLLM's base.
                         "error": null | {"type", "module", "message", "kvmem_error",
                                          "attribute", "attribute_of", "raised_in", "raised_at",
                                          "phase"},
+                        "integrity_failures": int,  # kvmem's aborts, on kvmem
                         "seconds": float}},
      "collect_errors": {nodeid: message}}
 
@@ -45,6 +46,7 @@ _SCHEDULER_MODULES = ("vllm.v1.core.sched.scheduler", "vllm.v1.core.sched.async_
 _tests: dict[str, dict[str, Any]] = {}
 _collect_errors: dict[str, str] = {}
 _current: list[str] = []  # names of the scheduler classes built by the running test
+_built: list[Any] = []  # the schedulers it built (until its teardown)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -64,6 +66,8 @@ def _record_init(cls: type) -> None:
         if name not in _current:
             _current.append(name)
         init(self, *args, **kwargs)
+        if not any(built is self for built in _built):
+            _built.append(self)
 
     cls.__init__ = __init__  # type: ignore[misc]
 
@@ -147,12 +151,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         entry["outcome"] = "skipped"
     if call.when == "teardown":
         entry["schedulers"] = sorted(_current)
+        # kvmem's integrity aborts in this test (schedulers on kvmem have a manager)
+        managers = [m for m in (getattr(b, "kvmem", None) for b in _built) if m is not None]
+        entry["integrity_failures"] = sum(m.stats().num_integrity_failures for m in managers)
+        _built.clear()
     return report
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _current.clear()
+    _built.clear()
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -313,7 +313,8 @@ def classify(error: dict[str, Any] | None, built_scheduler: bool = True) -> str:
 def judge(vllm_record: dict[str, Any], kvmem_record: dict[str, Any]) -> dict[str, Any]:
     """The report of two runs' records (the plugin's JSON): per test its outcomes, verdict,
     whether it builds a scheduler (in either run) and, failing only on kvmem, its reason class
-    and error; totals over all tests and over those that build a scheduler."""
+    and error; totals over all tests and over those that build a scheduler; kvmem's integrity
+    aborts over the kvmem run."""
     vllm_tests, kvmem_tests = vllm_record["tests"], kvmem_record["tests"]
     tests: dict[str, dict[str, Any]] = {}
     for nodeid in sorted(set(vllm_tests) | set(kvmem_tests)):
@@ -340,6 +341,8 @@ def judge(vllm_record: dict[str, Any], kvmem_record: dict[str, Any]) -> dict[str
         "vllm_version": VERSION, "tests_path": TESTS,
         "all_tests": totals(list(tests.values())),
         "build_a_scheduler": totals(builders),
+        "integrity_failures": sum(t.get("integrity_failures", 0)
+                                  for t in kvmem_tests.values()),
         "kvmem_only_failures_by_reason": dict(sorted(reasons.items(),
                                                      key=lambda kv: (-kv[1], kv[0]))),
         "collect_errors": {"vllm": sorted(vllm_record.get("collect_errors", {})),
@@ -376,7 +379,8 @@ def format_report(report: dict[str, Any], list_tests: bool = False) -> str:
     for name, key in (("tests that build a scheduler", "build_a_scheduler"),
                       ("all tests", "all_tests")):
         lines.append(f"| {name} | " + " | ".join(str(report[key][c]) for c in cols) + " |")
-    lines += ["", "| fails only on kvmem: reason | tests |", "|---|---:|"]
+    lines += ["", f"kvmem's integrity aborts (all tests): {report['integrity_failures']}",
+              "", "| fails only on kvmem: reason | tests |", "|---|---:|"]
     lines += [f"| {r} | {n} |" for r, n in report["kvmem_only_failures_by_reason"].items()]
     for side, errors in report["collect_errors"].items():
         if errors:
