@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the two pytest sessions one after the other (default: side by side)")
     j.add_argument("--json", action="store_true", help="print one JSON object (every test)")
     j.add_argument("--list", action="store_true",
-                   help="list every test that fails only on kvmem (default: those of class other)")
+                   help="list every test that fails only on kvmem, by reason (default: those of "
+                        "class other)")
     j.add_argument("--expect-other", action="append", default=[], metavar="NODEID",
                    help="a test known to fail only on kvmem for a reason of class other "
                         "(repeatable): it does not fail the run, and passing makes it fail")

@@ -47,7 +47,8 @@ from kvmem.errors import KVMemError
 logger = logging.getLogger(__name__)
 
 __all__ = ["SDIST", "SDIST_SHA256", "check_sha256", "classify", "extract_tests", "fetch_sdist",
-           "format_report", "judge", "run", "unexpected", "verdict", "write_hf_cache"]
+           "format_listing", "format_report", "judge", "run", "unexpected", "verdict",
+           "write_hf_cache"]
 
 VERSION = "0.33.0"
 SDIST = f"vllm-{VERSION}.tar.gz"
@@ -370,9 +371,29 @@ def unexpected(report: dict[str, Any], expected_other: tuple[str, ...] | list[st
     return problems
 
 
+def format_listing(report: dict[str, Any]) -> str:
+    """The tests that fail only on kvmem, one bullet per reason class (Markdown): per test file
+    the test functions, ``(n)`` for n parametrizations of one."""
+    lines = []
+    for reason, count in report["kvmem_only_failures_by_reason"].items():
+        per_file: dict[str, Counter[str]] = {}
+        for nodeid, t in report["tests"].items():
+            if t["verdict"] == FAIL_KVMEM and t["reason"] == reason:
+                path, name = nodeid.split("::", 1)
+                per_file.setdefault(path.rsplit("/", 1)[-1], Counter())[name.split("[")[0]] += 1
+        files = "; ".join(
+            f"{path}: " + ", ".join(f"`{name}`" + (f" ({n})" if n > 1 else "")
+                                    for name, n in sorted(names.items()))
+            for path, names in sorted(per_file.items()))
+        lines.append(f"- **{reason}** ({count}): {files}")
+    return "\n".join(lines)
+
+
 def format_report(report: dict[str, Any], list_tests: bool = False) -> str:
-    """The report as text: the totals table, the reasons of kvmem-only failures, and the tests
-    of class ``other`` with their errors (every kvmem-only failure with ``list_tests``)."""
+    """The report as text: the totals table, kvmem's integrity aborts, the reasons of
+    kvmem-only failures, the tests of class ``other`` with their errors and those that pass
+    only on kvmem; with ``list_tests``, every kvmem-only failure by reason
+    (:func:`format_listing`)."""
     cols = ("tests", "pass_on_vllm", "pass_on_kvmem", *VERDICTS)
     lines = ["| | " + " | ".join(c.replace("_", " ") for c in cols) + " |",
              "|---|" + "---:|" * len(cols)]
@@ -385,14 +406,15 @@ def format_report(report: dict[str, Any], list_tests: bool = False) -> str:
     for side, errors in report["collect_errors"].items():
         if errors:
             lines.append(f"\nmodules that failed to import on {side}: {', '.join(errors)}")
-    for nodeid, t in report["tests"].items():
-        if t["verdict"] == FAIL_KVMEM and (list_tests or t["reason"] == OTHER):
-            error = t["error"] or {}
-            lines.append(f"\n{t['reason']}: {nodeid}\n    {error.get('type')}: "
-                         f"{error.get('message', '')[:400]}")
     if list_tests:
-        passing = [n for n, t in report["tests"].items() if t["verdict"] == PASS_KVMEM]
-        lines += [f"\npass only on kvmem: {n}" for n in passing]
+        lines += ["", format_listing(report)]
+    for nodeid, t in report["tests"].items():
+        if t["verdict"] == FAIL_KVMEM and t["reason"] == OTHER:
+            error = t["error"] or {}
+            lines.append(f"\n{OTHER}: {nodeid}\n    {error.get('type')}: "
+                         f"{error.get('message', '')[:400]}")
+        elif t["verdict"] == PASS_KVMEM:
+            lines.append(f"\n{PASS_KVMEM}: {nodeid}")
     return "\n".join(lines)
 
 
