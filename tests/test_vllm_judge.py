@@ -314,3 +314,16 @@ def test_the_plugin_swaps_kvmems_schedulers_in_and_records_each_test(tmp_path: P
     assert jd.classify(tests["test_refused"]["error"]) == "refused: lora_config (LoRA adapters)"
     assert jd.classify(tests["test_reads_block_pool"]["error"]) == (
         "the test reads kv_cache_manager.block_pool")
+
+
+@needs_vllm
+def test_the_command_without_its_source_distribution_says_so_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Also guards the options' defaults: with ``--expect-other``'s default an empty list,
+    kvmem's parser took it for a ``--`` given as its value and refused every run without it."""
+    from kvmem.integrations.vllm.__main__ import main
+
+    assert main(["judge", "--no-download", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing and downloading is off" in err
+    assert list(tmp_path.iterdir()) == []
