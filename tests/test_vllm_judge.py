@@ -269,6 +269,11 @@ def test_skipped():
     pytest.skip("no")
 
 
+def test_mocked_manager():
+    from unittest.mock import Mock
+    _build().kv_cache_manager = Mock()
+
+
 def test_integrity_abort():
     from kvmem.integrations.vllm.conformance import Driver, SchedulerSpec, StreamRequest
     from kvmem.testing import faults
@@ -304,10 +309,13 @@ def test_the_plugin_swaps_kvmems_schedulers_in_and_records_each_test(tmp_path: P
     assert {n: t["outcome"] for n, t in tests.items()} == {
         "test_classes": "passed", "test_builds": "passed", "test_refused": "failed",
         "test_reads_block_pool": "failed", "test_skipped": "skipped",
-        "test_integrity_abort": "passed"}
+        "test_integrity_abort": "passed", "test_mocked_manager": "passed"}
     assert tests["test_builds"]["schedulers"] == ["KVMemScheduler"]
     assert tests["test_builds"]["integrity_failures"] == 0
     assert tests["test_integrity_abort"]["integrity_failures"] == 1
+    # A test that swaps the manager for a Mock has no kvmem manager to count (the count once
+    # summed the Mock's attributes and broke the run).
+    assert tests["test_mocked_manager"]["integrity_failures"] == 0
     assert tests["test_classes"]["schedulers"] == []
     # A refused scheduler counts as built: it entered kvmem's __init__.
     assert tests["test_refused"]["schedulers"] == ["KVMemScheduler"]

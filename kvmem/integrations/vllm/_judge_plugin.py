@@ -72,19 +72,16 @@ def _record_init(cls: type) -> None:
     cls.__init__ = __init__  # type: ignore[misc]
 
 
-def swap_schedulers() -> tuple[type, type]:
-    """Put kvmem's classes where the tests import vLLM's from; returns vLLM's ``(Scheduler,
-    AsyncScheduler)``."""
+def swap_schedulers() -> None:
+    """Put kvmem's classes where the tests import vLLM's from."""
     for name in _SCHEDULER_MODULES:  # vLLM's own subclasses bind vLLM's classes first
         importlib.import_module(name)
     from kvmem.integrations.vllm import KVMemAsyncScheduler, KVMemScheduler
 
     sched = importlib.import_module("vllm.v1.core.sched.scheduler")
     async_sched = importlib.import_module("vllm.v1.core.sched.async_scheduler")
-    originals = (sched.Scheduler, async_sched.AsyncScheduler)
     sched.Scheduler = KVMemScheduler  # type: ignore[attr-defined]
     async_sched.AsyncScheduler = KVMemAsyncScheduler  # type: ignore[attr-defined]
-    return originals
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -151,8 +148,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         entry["outcome"] = "skipped"
     if call.when == "teardown":
         entry["schedulers"] = sorted(_current)
-        # kvmem's integrity aborts in this test (schedulers on kvmem have a manager)
-        managers = [m for m in (getattr(b, "kvmem", None) for b in _built) if m is not None]
+        # kvmem's integrity aborts in this test (a scheduler on kvmem has a manager, unless the
+        # test replaced its kv_cache_manager, with a Mock for one)
+        from kvmem import KVCacheManager
+
+        managers = [m for m in (getattr(b, "kvmem", None) for b in _built)
+                    if isinstance(m, KVCacheManager)]
         entry["integrity_failures"] = sum(m.stats().num_integrity_failures for m in managers)
         _built.clear()
     return report
