@@ -12,6 +12,8 @@ vLLM's v1 ``Scheduler`` builds its ``KVCacheManager`` itself; the one plug-in po
   and eviction order (numpy only; importable without vLLM).
 - :mod:`kvmem.integrations.vllm.conformance`: the differential conformance harness
   (``python -m kvmem.integrations.vllm conformance``).
+- :mod:`kvmem.integrations.vllm.judge`: vLLM's own ``tests/v1/core`` run on vLLM's schedulers
+  and on kvmem's (``python -m kvmem.integrations.vllm judge``).
 
 Importing this package does not import vLLM; the names that need it are loaded on first use.
 vLLM cannot be pip-installed on a CPU-only machine: ``bash benchmarks/setup_vllm_cpu.sh DIR``

@@ -1,4 +1,4 @@
-"""``python -m kvmem.integrations.vllm conformance --streams N --json``.
+"""``python -m kvmem.integrations.vllm conformance --streams N --json``, and ``judge``.
 
 Runs ``N`` random request streams (:func:`~kvmem.integrations.vllm.conformance.random_stream`,
 seeds ``seed .. seed + N - 1``) through vLLM's ``Scheduler`` on vLLM's own KV cache manager and
@@ -8,6 +8,13 @@ one JSON object. A stream that differs is printed to stderr as a replayable test
 0 when every stream agrees, 1 otherwise, 2 when vLLM is not importable (one line says how to
 get it) or an option is bad (one line names it; checked before any work: ``--streams`` at
 least 1, ``--batch`` 1 to 8192, ``--decode-steps`` at least 0).
+
+``python -m kvmem.integrations.vllm judge [--json] [--list] [--cache-dir DIR]`` runs vLLM
+0.33.0's own ``tests/v1/core`` on vLLM's schedulers and on kvmem's
+(:mod:`kvmem.integrations.vllm.judge`) and prints the verdicts. Exit status: 0 when no test
+fails only on kvmem for a reason of class ``other`` except those named by ``--expect-other``
+(and each of those still does), 1 otherwise (one line on stderr per test), 2 when vLLM is not
+importable or the setup fails (download, digest, pytest itself).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from typing import Any
@@ -40,7 +48,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode batch of the timed stream (1 to 8192)")
     c.add_argument("--decode-steps", type=number(int, 0), default=100,
                    help="decode steps timed in lockstep (0: no timing)")
+    j = sub.add_parser("judge", help="vLLM's own tests/v1/core on vLLM's schedulers and kvmem's")
+    j.add_argument("--cache-dir", default=None,
+                   help="where vLLM's source distribution and the runs are kept "
+                        "(default ~/.cache/kvmem/vllm-judge)")
+    j.add_argument("--no-download", action="store_true",
+                   help="use the source distribution in the cache folder, never download it")
+    j.add_argument("--one-at-a-time", action="store_true",
+                   help="run the two pytest sessions one after the other (default: side by side)")
+    j.add_argument("--json", action="store_true", help="print one JSON object (every test)")
+    j.add_argument("--list", action="store_true",
+                   help="list every test that fails only on kvmem, by reason (default: those of "
+                        "class other)")
+    # default None, not []: kvmem's parser reads an empty list as a "--" given as the value
+    j.add_argument("--expect-other", action="append", default=None, metavar="NODEID",
+                   help="a test known to fail only on kvmem for a reason of class other "
+                        "(repeatable): it does not fail the run, and passing makes it fail")
     return p
+
+
+def judge(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    from kvmem.integrations.vllm.judge import DEFAULT_CACHE, run, unexpected
+
+    report = run(args.cache_dir or DEFAULT_CACHE, download=not args.no_download,
+                 side_by_side=not args.one_at_a_time)
+    return report, unexpected(report, args.expect_other or ())
 
 
 def conformance(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -98,6 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print(error, file=sys.stderr)
         return 2
+    if args.command == "judge":
+        from kvmem.errors import KVMemError
+        from kvmem.integrations.vllm.judge import format_report
+
+        try:
+            report, problems = judge(args)
+        except (KVMemError, OSError, subprocess.SubprocessError) as e:
+            print(f"judge: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(report, indent=1) if args.json
+              else format_report(report, list_tests=args.list))
+        for problem in problems:
+            print(f"judge: {problem}", file=sys.stderr)
+        return 1 if problems else 0
     result, status = conformance(args)
     if args.json:
         print(json.dumps(result))
