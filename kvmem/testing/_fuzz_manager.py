@@ -12,7 +12,7 @@ import numpy.typing as npt
 from kvmem.errors import OutOfPagesError
 from kvmem.testing._fuzz_protocol import FuzzConfig, subset_step
 from kvmem.testing._fuzz_slots import GONE, PREEMPTED, RECEIVING, RUNNING, WAITING, SlotEngine
-from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._launch import EMPTY64, Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
 
 __all__ = ["ManagerEngine", "SpeculativeManagerEngine"]
@@ -46,6 +46,8 @@ class ManagerEngine(SlotEngine):
         self.num_drafts = np.zeros(n, dtype=np.int64)  # drafts each slot gets in this launch
         self.drafting = np.zeros(n, dtype=bool)  # a speculative step in flight lists the slot
         self.stale_drafts = np.zeros(n, dtype=np.int64)  # (draft_lengths_kept)
+        self.num_rejected = 0  # draft tokens given back
+        self._drafted: dict[Launch, Int64Array] = {}  # per speculative op: the slots drafting
         self._truncated: list[tuple[Any, int]] = []
 
     # -- the step ------------------------------------------------------------------------------
@@ -133,7 +135,8 @@ class ManagerEngine(SlotEngine):
         accepted = np.array([zlib.crc32(f"{choice}:{rid}".encode()) for rid in op.request_ids],
                             dtype=np.int64) % (k + 1)
         op.rejected = k - accepted
-        self.drafting[slots[k > 0]] = True
+        self._drafted[op] = drafted = slots[k > 0]
+        self.drafting[drafted] = True
 
     def _reject(self, slots: Int64Array, rejected: Int64Array) -> None:
         """Give back the rejected drafts of the (live) requests at ``slots``: each ends at its
@@ -144,6 +147,7 @@ class ManagerEngine(SlotEngine):
                 continue
             rid = self.ids[s]
             self._call(self.manager.reject, rid, r)
+            self.num_rejected += r
             self.sched[s] = self.comm[s]
             num_pages = -(-int(self.comm[s]) // P)
             self.values.rejected(s, num_pages)
@@ -260,7 +264,9 @@ class ManagerEngine(SlotEngine):
         ids: Sequence[Any] | None = None
         rejected = op.rejected
         if rejected.size:
-            self.drafting[slots] = False
+            self.drafting[self._drafted.pop(op)] = False
+            if "commit_rejected_drafts" in self.bugs:  # the drafts taken for accepted
+                rejected = EMPTY64
         if np.count_nonzero(live) == live.size:  # (the usual case: nothing gone, all commit)
             starts, n, ids = op.starts, op.num_new, op.request_ids
         else:
