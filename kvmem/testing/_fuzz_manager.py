@@ -156,6 +156,8 @@ class ManagerEngine(SlotEngine):
                 self.stale_drafts[s] += r
 
     def take_truncations(self) -> list[tuple[Any, int]]:
+        if not self.max_drafts:  # (subclasses with their own __init__ draft nothing)
+            return []
         out, self._truncated = self._truncated, []
         return out
 
