@@ -499,7 +499,7 @@ def test_the_speculative_faults_are_found_by_their_oracle_and_shrunk_as_the_doc_
     (kvmem's verify sees a read of rejected slots after the rollback), and one that commits
     rejected drafts (a later read finds a draft's K/V where the true token's must be)."""
     assert [n for n, f in CATALOG.items() if f.engines == ("manager-spec",)] == list(SPEC_FAULTS)
-    section = DOC[DOC.index("### Speculative decoding") : DOC.index("## Engines plug in")]
+    section = DOC[DOC.index("### Speculative decoding") : DOC.index("### On the disaggregated")]
     for name, (oracle, moves, length) in SPEC_FAULTS.items():
         assert CATALOG[name].expected == oracle and CATALOG[name].side == "engine"
         r = t.hunt(name, "manager-spec", "small", seed=0, max_campaigns=25,
