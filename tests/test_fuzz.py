@@ -773,7 +773,7 @@ def test_numpy_int_seeds_run_as_the_same_ints() -> None:
 
 
 def test_kvmem_testing_imports_without_vllm_and_never_imports_it() -> None:
-    shipped = "'disagg', 'manager', 'offload', 'offload-disk', 'toy'"
+    shipped = "'disagg', 'manager', 'manager-spec', 'offload', 'offload-disk', 'toy'"
     assert _import_testing(block_vllm=True) == f"[{shipped}] False"
     if vllm_import_error() is None:  # registered where vLLM is installed, still not imported
         assert _import_testing(block_vllm=False) == f"[{shipped}, 'vllm', 'vllm-async'] False"

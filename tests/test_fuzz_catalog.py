@@ -487,3 +487,53 @@ def test_the_tutorial_prints_what_the_doc_shows_and_the_adapter_is_under_40_line
     example = (ROOT / "examples" / "fuzz_tutorial.py").read_text()
     adapter = example[example.index("class MiniServeAdapter") : example.index("class Fixed")]
     assert len(adapter.rstrip().splitlines()) < 40 and "under 40 lines" in DOC
+
+
+# The speculative manager engine's faults: oracle, moves to find, shrunk-to length (the doc's).
+SPEC_FAULTS = {"draft_lengths_kept": ("verify", 163, 8),
+               "rejected_drafts_committed": ("reads", 1399, 24)}
+
+
+def test_the_speculative_faults_are_found_by_their_oracle_and_shrunk_as_the_doc_says() -> None:
+    """Guards the draft faults: an engine whose kernel lengths still count rejected drafts
+    (kvmem's verify sees a read of rejected slots after the rollback), and one that commits
+    rejected drafts (a later read finds a draft's K/V where the true token's must be)."""
+    assert [n for n, f in CATALOG.items() if f.engines == ("manager-spec",)] == list(SPEC_FAULTS)
+    section = DOC[DOC.index("### Speculative decoding") : DOC.index("### On the disaggregated")]
+    for name, (oracle, moves, length) in SPEC_FAULTS.items():
+        assert CATALOG[name].expected == oracle and CATALOG[name].side == "engine"
+        r = t.hunt(name, "manager-spec", "small", seed=0, max_campaigns=25,
+                   moves_per_campaign=1500, shrink_replays=100)
+        assert r.detected and r.detected_by == oracle, (name, r)
+        assert (r.moves, r.schedule_len) == (moves, length), (name, r.moves, r.schedule_len)
+        assert f"| `{name}` | {', '.join(map(str, CATALOG[name].bugs))} |" in section
+        assert f"| `{oracle}` | {moves} | {length} |" in section
+        with pytest.raises(t.FuzzFailure) as e:  # the shrunk schedule still fails
+            t.replay(r.schedule, "manager-spec", name, r.seed, "small")
+        assert e.value.oracle == oracle
+        if name == "rejected_drafts_committed":
+            assert "a rejected draft's K/V" in str(e.value)
+
+
+def test_a_fault_free_run_with_speculation_is_silent_and_rejects_drafts() -> None:
+    """The speculative engine rejects drafts (their slots hold draft values) and no oracle
+    fires: kvmem's reject leaves no rejected slot for a later step to read."""
+    for seed in range(2):
+        r = t.campaign("manager-spec", "small", None, seed, max_moves=2000)
+        assert r.failure is None, r.failure
+        run = t.replay(r.schedule, "manager-spec", None, seed, "small")
+        assert run.engine.num_rejected > 50
+        assert run.timeline.counts["reads"] > 100 and run.timeline.counts["full_checks"] > 10
+        assert all(v > 0 for v in run.engine.values.ran.values())
+
+
+def test_a_request_waits_for_its_drafts_verdict_while_another_op_finishes() -> None:
+    """Guards the speculative engine's bookkeeping: finishing an op that lists a request must
+    not end the wait of that request's own speculative step still in flight (its next step was
+    launched before the verdict and the rejected drafts' page leaked: ``refcounts``)."""
+    schedule = [("submit", 0, 732729), ("submit", 936754, 943162), ("launch", 63955, 0),
+                ("launch", 810677, 0), ("complete", 0, 0), ("complete", 0, 0),
+                ("launch", 373655, 0), ("launch", 0, 0), ("finish", 0, 0), ("finish", 0, 0),
+                ("complete", 0, 0), ("launch", 0, 0)]
+    run = t.replay(schedule, "manager-spec", None, 10**6, "small")
+    assert run.engine.num_rejected >= 2

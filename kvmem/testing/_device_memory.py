@@ -12,11 +12,15 @@ import numpy.typing as npt
 from kvmem.testing._kv_values import kv_value_array, namespace_key
 from kvmem.testing._launch import EMPTY64, Launch, RequestSpec
 
-__all__ = ["DeviceMemory"]
+__all__ = ["DRAFT", "DeviceMemory"]
 
 Int64Array = npt.NDArray[np.int64]
 
 _min = np.minimum.reduce  # (a little cheaper than ndarray.min())
+
+# A rejected draft token's K/V: its position's true value XOR this (even, so never 0: every
+# true value is odd), a value no true token stream gives there.
+DRAFT = np.int64(0x5A5A_5A5A_5A5A_5A5A)
 
 
 class DeviceMemory:
@@ -91,6 +95,9 @@ class DeviceMemory:
             tb = ar[:b].repeat(counts)
             pos = (op.starts - np.cumsum(counts) + counts)[tb] + ar[:total]
             values = self.val[op.mrows[tb], pos]
+            if op.rejected.size:  # a speculative step: rejected drafts write draft values
+                draft = pos >= (op.starts + counts - op.rejected)[tb]
+                values[draft] ^= DRAFT
         if landed is not None:
             values = landed
         self.kv[op.slot_mapping] = values
@@ -102,10 +109,14 @@ class DeviceMemory:
     def whose(self, value: int) -> str:
         """Whose K/V ``value`` is (for a failure message)."""
         hits = np.argwhere(self.val == value)
+        what = "the K/V"
+        if not hits.size:
+            hits = np.argwhere(self.val == value ^ DRAFT)
+            what = "a rejected draft's K/V"
         if not hits.size:
             return "a value no request's tokens imply"
         mrow, p = (int(x) for x in hits[0])
         owner = self._owners.get(mrow)
         if owner is not None:
-            return f"the K/V of request {owner[0]!r} (ns {owner[1]!r}) at position {p}"
-        return f"the K/V of a finished request at position {p}"
+            return f"{what} of request {owner[0]!r} (ns {owner[1]!r}) at position {p}"
+        return f"{what} of a finished request at position {p}"

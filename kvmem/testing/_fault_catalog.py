@@ -476,6 +476,30 @@ class WrongChunkSlice(_EngineBug):
     expected = "verify"
 
 
+class DraftLengthsKept(_EngineBug):
+    """After a speculative step the engine gives kvmem back the rejected drafts but its own
+    lengths still count them: the request's next step hands the kernel lengths that read the
+    rejected drafts' slots after the rollback."""
+
+    name = "draft_lengths_kept"
+    bugs = (12,)
+    switch = "draft_lengths_kept"
+    engines = ("manager-spec",)
+    expected = "verify"
+
+
+class RejectedDraftsCommitted(_EngineBug):
+    """The engine takes the verifier's rejected drafts for accepted: it commits the true tokens
+    over slots that hold the drafts' K/V, and a prefix hit or a fork reads a rejected draft's
+    slot."""
+
+    name = "rejected_drafts_committed"
+    bugs = (8,)
+    switch = "commit_rejected_drafts"
+    engines = ("manager-spec",)
+    expected = "reads"
+
+
 # injected: something breaks behind everyone's back ----------------------------------------------
 
 
@@ -567,5 +591,5 @@ CATALOG: dict[str, Fault] = {f.name: f for f in (
     WrongChunkSlice(), StaleTransferReference(), LateWriteAfterAbort(), CommitAfterLeaseExpiry(),
     DuplicatedCompletion(), LostCompletion(), KilledSenderReadAsDone(), RecomputeWithSharedPages(),
     LoadAfterReuse(), StoreAfterFree(), CorruptedTierPageServed(), NamespaceBlindTier(),
-    ResetKeepsPendingCopies(), PartialRestore(),
+    ResetKeepsPendingCopies(), PartialRestore(), DraftLengthsKept(), RejectedDraftsCommitted(),
 )}

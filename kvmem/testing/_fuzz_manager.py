@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -11,10 +12,10 @@ import numpy.typing as npt
 from kvmem.errors import OutOfPagesError
 from kvmem.testing._fuzz_protocol import FuzzConfig, subset_step
 from kvmem.testing._fuzz_slots import GONE, PREEMPTED, RECEIVING, RUNNING, WAITING, SlotEngine
-from kvmem.testing._launch import Launch, RequestSpec
+from kvmem.testing._launch import EMPTY64, Launch, RequestSpec
 from kvmem.testing._oracles import FuzzFailure
 
-__all__ = ["ManagerEngine"]
+__all__ = ["ManagerEngine", "SpeculativeManagerEngine"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -34,12 +35,20 @@ class ManagerEngine(SlotEngine):
     name: ClassVar[str] = "manager"
     capabilities: ClassVar[frozenset[str]] = frozenset(
         {"fork", "preempt", "resume", "receive", "clear", "hooks"})
+    max_drafts: ClassVar[int] = 0  # draft tokens per speculative decode step (0: none)
 
     def __init__(self, config: FuzzConfig) -> None:
         mgr = self.new_manager(config)
         super().__init__(config, mgr)
         self.max_in_flight = config.max_in_flight
         self._bt: npt.NDArray[np.int32] | None = None  # block-table buffer (stale_block_table)
+        n = config.max_requests
+        self.num_drafts = np.zeros(n, dtype=np.int64)  # drafts each slot gets in this launch
+        self.drafting = np.zeros(n, dtype=bool)  # a speculative step in flight lists the slot
+        self.stale_drafts = np.zeros(n, dtype=np.int64)  # (draft_lengths_kept)
+        self.num_rejected = 0  # draft tokens given back
+        self._drafted: dict[Launch, Int64Array] = {}  # per speculative op: the slots drafting
+        self._truncated: list[tuple[Any, int]] = []
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -87,6 +96,8 @@ class ManagerEngine(SlotEngine):
             copy_src = copy_dst = np.empty(0, dtype=np.int32)
         op = Launch(ids, sched, n, indptr, indices, slot_mapping, copy_src, copy_dst,
                     fence=handle.step_id, held_sources=step.copy_src)
+        if self.max_drafts:
+            self._draft(op, slots, choice)
         self.sched[slots] = sched + n
         self.busy[slots] += 1
         self.ops[op] = (handle, slots, self.inc[slots])  # (fancy indexing copies)
@@ -95,10 +106,80 @@ class ManagerEngine(SlotEngine):
             self._commit(slots, sched, n)
         return op
 
+    # -- speculative decoding ------------------------------------------------------------------
+
+    def _batch(self, choice: int) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """The base batch; with ``max_drafts``, every third launch a speculative one: each
+        decode token gets up to ``max_drafts`` draft tokens after it (within its request)."""
+        slots, sched, n = super()._batch(choice)
+        if not self.max_drafts or not slots.size:
+            return slots, sched, n
+        keep = ~self.drafting[slots]  # (a request's next step waits for its drafts' verdict)
+        slots, sched, n = slots[keep], sched[keep], n[keep]
+        self.num_drafts[slots] = 0
+        if (choice >> 7) % 3 == 0:
+            decode = (n == 1) & (sched >= self.plen[slots])
+            k = np.minimum(1 + (choice >> 9) % self.max_drafts, self.mlen[slots] - sched - 1)
+            k = np.where(decode, np.maximum(k, 0), 0)
+            self.num_drafts[slots] = k
+            n = n + k
+        return slots, sched, n
+
+    def _draft(self, op: Launch, slots: Int64Array, choice: int) -> None:
+        """``op`` computes drafts: how many of each request's the verifier accepts (``choice``
+        and the request decide); the rest are rejected, and the device writes them with
+        draft values."""
+        k = self.num_drafts[slots]
+        if not np.count_nonzero(k):
+            return
+        accepted = np.array([zlib.crc32(f"{choice}:{rid}".encode()) for rid in op.request_ids],
+                            dtype=np.int64) % (k + 1)
+        op.rejected = k - accepted
+        self._drafted[op] = drafted = slots[k > 0]
+        self.drafting[drafted] = True
+
+    def _reject(self, slots: Int64Array, rejected: Int64Array) -> None:
+        """Give back the rejected drafts of the (live) requests at ``slots``: each ends at its
+        committed tokens and maps only the pages they fill (past its prompt: kvmem's reject)."""
+        P = self.config.page_size
+        for s, r in zip(slots.tolist(), rejected.tolist()):
+            if not r:
+                continue
+            rid = self.ids[s]
+            self._call(self.manager.reject, rid, r)
+            self.num_rejected += r
+            self.sched[s] = self.comm[s]
+            num_pages = -(-int(self.comm[s]) // P)
+            self.values.rejected(s, num_pages)
+            self._truncated.append((rid, num_pages))
+            if "draft_lengths_kept" in self.bugs:
+                self.stale_drafts[s] += r
+
+    def take_truncations(self) -> list[tuple[Any, int]]:
+        if not self.max_drafts:  # (subclasses with their own __init__ draft nothing)
+            return []
+        out, self._truncated = self._truncated, []
+        return out
+
+    def _kept_lengths_metadata(self, ids: tuple[Any, ...], step: Any) -> dict[str, Any] | None:
+        """The engine's kernel lengths still count each request's rejected drafts (its own
+        length was never rolled back): the next step reads the rejected slots."""
+        stale = self.stale_drafts[[self.slot_of[i] for i in ids]]
+        if not np.count_nonzero(stale):
+            return None
+        return {"kv_indptr": step.kv_indptr, "kv_indices": step.kv_indices,
+                "slot_mapping": step.slot_mapping, "seq_lens": step.seq_lens + stale}
+
     def _verify(self, ids: tuple[Any, ...], step: Any) -> Any:
         mgr = self.manager
         if not mgr.tracker.enabled:
             return None
+        if "draft_lengths_kept" in self.bugs:
+            stale = self._kept_lengths_metadata(ids, step)
+            if stale is not None:
+                report = mgr.verify(ids, metadata=stale)
+                self.values.note_aborted(len(report.aborted))
+                return report
         if "stale_block_table" in self.bugs:
             return mgr.verify(ids, metadata=self._block_table_metadata(step))
         if "wrong_chunk_slice" in self.bugs:
@@ -183,6 +264,11 @@ class ManagerEngine(SlotEngine):
         st = self.state[slots]
         live = (self.inc[slots] == incs) & ((st == RUNNING) | (st == RECEIVING))
         ids: Sequence[Any] | None = None
+        rejected = op.rejected
+        if rejected.size:
+            self.drafting[self._drafted.pop(op)] = False
+            if "commit_rejected_drafts" in self.bugs:  # the drafts taken for accepted
+                rejected = EMPTY64
         if np.count_nonzero(live) == live.size:  # (the usual case: nothing gone, all commit)
             starts, n, ids = op.starts, op.num_new, op.request_ids
         else:
@@ -190,8 +276,13 @@ class ManagerEngine(SlotEngine):
             for s in slots[(st == GONE) & (self.busy[slots] == 0)].tolist():
                 self._free.append(s)
             slots, starts, n = slots[live], op.starts[live], op.num_new[live]
+            rejected = rejected[live] if rejected.size else rejected
+        if rejected.size:  # the accepted tokens are committed, the rejected drafts given back
+            n = n - rejected
         if "commit_at_launch" not in self.bugs or op.kind == "transfer":
             self._commit(slots, starts, n, ids)
+        if rejected.size:
+            self._reject(slots, rejected)
         if op.kind == "transfer":
             self.state[slots] = RUNNING
         return self._finish_done(slots)
@@ -290,3 +381,15 @@ class ManagerEngine(SlotEngine):
         preempted = [self.ids[s] for s in self.slot_of.values() if self.state[s] == PREEMPTED]
         used = self.values.check_requests(running, preempted)
         self.values.check_stats(len(running), len(preempted), used, len(self.handles))
+
+
+class SpeculativeManagerEngine(ManagerEngine):
+    """:class:`ManagerEngine` with speculative decoding: every third launch or so, each decode
+    token of the step gets up to three draft tokens after it (``reserve(ids, 1 + k)``); the
+    device writes the drafts the verifier will reject with draft values (a wrong token's K/V),
+    and ``finish`` commits the accepted tokens and gives back the rest
+    (``manager.reject``). A later step that read a rejected draft's slot would find its draft
+    value (``reads``)."""
+
+    name: ClassVar[str] = "manager-spec"
+    max_drafts: ClassVar[int] = 3

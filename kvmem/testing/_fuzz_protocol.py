@@ -298,6 +298,12 @@ class FuzzEngine:
         flight with what it wrote into its slots (``[T]`` int64)."""
         raise NotImplementedError
 
+    def take_truncations(self) -> list[tuple[Any, int]]:
+        """``(request_id, num_pages)`` for each request that gave back pages since the last
+        call without a hook saying so (a speculative step's rejected drafts): it maps only its
+        first ``num_pages`` pages now."""
+        return []
+
     def corrupt(self, a: int, b: int) -> bool:
         """(``"tiers"``) A stored page's bytes change in a tier below the device."""
         return False

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from kvmem.errors import ArgumentError
 from kvmem.testing._fuzz_disagg import DisaggEngine
-from kvmem.testing._fuzz_manager import ManagerEngine
+from kvmem.testing._fuzz_manager import ManagerEngine, SpeculativeManagerEngine
 from kvmem.testing._fuzz_offload import OffloadDiskEngine, OffloadEngine
 from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine
 from kvmem.testing._fuzz_toy import ToyEngineAdapter
@@ -17,6 +17,7 @@ __all__ = ["ENGINES", "make_engine"]
 
 ENGINES: dict[str, Callable[[FuzzConfig], FuzzEngine]] = {
     "manager": ManagerEngine,
+    "manager-spec": SpeculativeManagerEngine,
     "disagg": DisaggEngine,
     "offload": OffloadEngine,
     "offload-disk": OffloadDiskEngine,

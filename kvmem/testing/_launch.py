@@ -84,12 +84,18 @@ class Launch:
         tags when the fuzzer sees the launch)
     read_pages: ``[R]`` int — pages of this pool a transfer reads (a copy into a tier below the
         device): guarded like the pages it writes until it lands; default none
+
+    Attributes
+    ----------
+    rejected: ``[B]`` int, or empty (none) — for a speculative step, how many of each request's
+        last computed positions are draft tokens the verifier rejects: the device writes them
+        with draft values (:data:`~kvmem.testing._device_memory.DRAFT`), not the true tokens'
     """
 
     __slots__ = ("copy_dst", "copy_src", "ent_flat", "fence", "guard", "held_sources", "id",
                  "kind", "kv_counts", "kv_indices", "kv_indptr", "mrows", "num_new",
-                 "pending_copies", "read_pages", "request_ids", "slot_mapping", "source_pages",
-                 "source_tags", "starts", "write_pages", "writes_first")
+                 "pending_copies", "read_pages", "rejected", "request_ids", "slot_mapping",
+                 "source_pages", "source_tags", "starts", "write_pages", "writes_first")
 
     def __init__(self, request_ids: tuple[Any, ...], starts: npt.ArrayLike,
                  num_new: npt.ArrayLike, kv_indptr: npt.ArrayLike, kv_indices: npt.ArrayLike,
@@ -135,6 +141,7 @@ class Launch:
         self.ent_flat = EMPTY64  # per CSR entry: its place in the model's [rows, width]
         self.kv_counts = EMPTY64  # pages each request reads
         self.pending_copies = 0
+        self.rejected = EMPTY64  # set by a speculative engine
 
     def __repr__(self) -> str:
         return (f"Launch(#{self.id} {self.kind}, {len(self.request_ids)} requests, "

@@ -216,6 +216,8 @@ class Run:
         for rid in self.engine.finish(op):
             self.alive.pop(rid, None)
             self.timeline.forget(rid)
+        for rid, num_pages in self.engine.take_truncations():
+            self.timeline.truncate(rid, num_pages)
         self.timeline.host_finished(op)
         self.timeline.after_host_move()
 

@@ -198,6 +198,19 @@ class Timeline:
             self.map[mrow, :k] = -1
             self.map_len[mrow] = 0
 
+    def truncate(self, request_id: Any, num_pages: int) -> None:
+        """``request_id`` maps only its first ``num_pages`` pages now (its rejected drafts were
+        given back: the pages past them are no longer its)."""
+        req = self.reqs.get(request_id)
+        if req is None:
+            return
+        m, k = req.mrow, int(self.map_len[req.mrow])
+        if k > num_pages:
+            self.oracles.unhold(self.map[m, num_pages:k].copy())
+            self.map[m, num_pages:k] = -1
+            self.map_len[m] = num_pages
+            self.memory.vseen[m, num_pages:] = -1
+
     def _process_events(self) -> None:
         events, self._events = self._events, []
         for kind, rid, pages, detail in events:

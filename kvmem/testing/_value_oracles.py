@@ -197,6 +197,13 @@ class ValueOracles:
         self.num_pages[slot] = k = min(pages.size, self.width)
         self.pages[slot, :k] = pages[:k]
 
+    def rejected(self, slot: int, num_pages: int) -> None:
+        """The request at ``slot`` gave back rejected drafts and maps its first ``num_pages``
+        pages now."""
+        if self.num_pages[slot] > num_pages:
+            self.pages[slot, num_pages:] = -1
+            self.num_pages[slot] = num_pages
+
     def note_preempt(self) -> None:
         self.counts["preemptions"] += 1
 
