@@ -52,8 +52,16 @@ from kvmem.allocator import (
     HybridStep,
     StateSpec,
     check_groups,
+    token_counts,
 )
-from kvmem.errors import ArgumentError, ConfigError, IntegrityError, KVMemError, OutOfPagesError
+from kvmem.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ConfigError,
+    IntegrityError,
+    KVMemError,
+    OutOfPagesError,
+)
 from kvmem.integrity import check_hybrid_step
 
 __all__ = ["HybridAdmit", "HybridCopy", "HybridManager", "HybridReport"]
@@ -192,9 +200,7 @@ class HybridManager:
         room for its state slots), KVMemError (``max_seqs`` requests running); nothing
         changed then.
         """
-        if not is_hashable(request_id) or request_id in self.table.requests:
-            raise ArgumentError(f"request {request_id!r} is already running (or not hashable); "
-                                "release it first or use a new id")
+        self._new_id(request_id)
         tokens = self._prompt(token_ids)
         self._require_row(request_id)
         end, keys, chain = self._match(tokens, namespace)
@@ -374,8 +380,7 @@ class HybridManager:
         shares the parent's full pages, gets its own copy of each partly filled tail page and
         of every state (listed in ``take_copies()``; also returned). All or nothing."""
         parent = self._running(parent_id)
-        if not is_hashable(child_id) or child_id in self.table.requests:
-            raise ArgumentError(f"request {child_id!r} is already running (or not hashable)")
+        self._new_id(child_id)
         p = parent.row
         n = int(self.table.num_tokens[p])
         if self.table.num_committed[p] != n:
@@ -484,6 +489,14 @@ class HybridManager:
             raise ArgumentError(f"request {request_id!r} is not running (admit it first)")
         return req
 
+    def _new_id(self, request_id: Any) -> None:
+        if not is_hashable(request_id):
+            raise ArgumentTypeError(f"request id {request_id!r:.60} is not hashable: use a str "
+                                    "or an int (nothing changed)")
+        if request_id in self.table.requests:
+            raise ArgumentError(f"request {request_id!r} is already running; release it first "
+                                "or use a new id (nothing changed)")
+
     def _require_row(self, request_id: Any) -> None:
         if not self.table.num_free_rows:
             raise KVMemError(f"request {request_id!r}: all {self.table.num_tokens.size} rows "
@@ -501,15 +514,9 @@ class HybridManager:
             rows = np.array([self._running(rid).row for rid in ids], dtype=np.intp)
             rows.flags.writeable = False
             self._last_batch = (ids, rows)
-        if isinstance(num_tokens, (int, np.integer)):
-            counts = np.full(len(ids), integer(num_tokens, "num_tokens", minimum=0),
-                             dtype=np.int64)
-        else:
-            counts = np.array([integer(n, "num_tokens[i]", minimum=0) for n in num_tokens],
-                              dtype=np.int64)
-            if counts.size != len(ids):
-                raise ArgumentError(f"num_tokens has {counts.size} counts for {len(ids)} "
-                                    "requests")
+        given = token_counts(num_tokens, len(ids), self.max_tokens_per_seq)
+        counts = (np.full(len(ids), given, dtype=np.int64) if isinstance(given, int)
+                  else given.astype(np.int64))
         over = np.flatnonzero(self.table.num_tokens[rows] + counts > self.max_tokens_per_seq)
         if over.size:
             i = int(over[0])

@@ -426,3 +426,38 @@ class HybridMachine(RuleBasedStateMachine):
 
 TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.reserve(["a"], True), lambda m: m.reserve(["a"], 1.5),
+    lambda m: m.reserve(["a"], "3"), lambda m: m.reserve(["a"], -1),
+    lambda m: m.reserve(["a"], 2**63), lambda m: m.reserve(["a"], None),
+    lambda m: m.reserve("a", 1), lambda m: m.reserve(["a"], [True]),
+    lambda m: m.reserve(["a"], [[1]]), lambda m: m.reserve(["a"], [1, 2]),
+    lambda m: m.admit("b", [[1, 2]]), lambda m: m.admit("b", [True, 2]),
+    lambda m: m.admit("b", [-1, 2]), lambda m: m.admit(["x"], [1, 2]),
+    lambda m: m.admit("b", "abc"), lambda m: m.commit("a", [1]),
+    lambda m: m.commit_batch("a", [[1]]), lambda m: m.commit_batch(["a"], [[1], [2]]),
+    lambda m: m.release("zz"), lambda m: m.fork("a", "a"), lambda m: m.fork("a", ["x"]),
+    lambda m: m.pages_of("a", 3), lambda m: m.can_admit([1, 2, 3], chunk=True),
+    lambda m: m.can_admit([1, 2, 3], chunk=0), lambda m: m.match_prefix([1, 2], namespace=[1]),
+])
+def test_bad_arguments_get_a_kvmem_error_and_change_nothing(call: Any) -> None:
+    """Bools, floats, strings, None, negative and huge counts, one id where a list is
+    expected, malformed token arrays, unknown and unhashable ids: each a KVMemError (a
+    ValueError or TypeError) naming what was wrong, the manager unchanged."""
+    from kvmem.errors import KVMemError
+
+    m = manager(budget=64 << 10)
+    m.admit("a", list(range(1, 41)))
+
+    def snapshot() -> Any:
+        t = m.table
+        return (m.stats(), t.num_tokens.tobytes(), t.num_committed.tobytes(),
+                [(r.pages.tobytes(), r.num_pages.tobytes()) for r in t.tokens.values()],
+                sorted(map(str, t.requests)), dict(m._held_for_copies), len(m.take_copies()))
+
+    before = snapshot()
+    with pytest.raises(KVMemError):
+        call(m)
+    assert snapshot() == before
