@@ -104,8 +104,7 @@ class _Progress:
 
 
 def run_fuzz(args: argparse.Namespace) -> int:
-    from kvmem.testing import ENGINES, FuzzConfig
-    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS
+    from kvmem.testing import ENGINES, HYBRID_FAULTS, FuzzConfig
     from kvmem.testing.faults import CATALOG
 
     # verify's "aborting request" warnings are what faults are for: keep the output readable.
@@ -309,7 +308,7 @@ def _save(args: argparse.Namespace, r: Any, config: Any) -> None:
 def _hybrid(args: argparse.Namespace, config_given: str | None,
             progress: _Progress) -> tuple[list[Any], bool]:
     """``--engine hybrid``: its own campaigns on a HybridManager (kvmem.testing._fuzz_hybrid)."""
-    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
+    from kvmem.testing import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
 
     if args.save is not None or config_given not in (None, "small"):
         raise ArgumentError("--engine hybrid runs its own small hybrid system: it takes no "
@@ -377,7 +376,7 @@ def _ci_profile(progress: _Progress,
 def _ci_hybrid(progress: _Progress) -> tuple[list[Any], bool]:
     """The hybrid engine's part of ``--profile ci``: its catalog, then 10,000 fault-free
     moves, with the CI's seeds and budgets."""
-    from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
+    from kvmem.testing import HYBRID_FAULTS, hybrid_clean, hybrid_hunt
 
     results = []
     for name in HYBRID_FAULTS:

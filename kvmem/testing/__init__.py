@@ -31,6 +31,7 @@ from kvmem.testing._fuzz import (
     schedules,
     shrink,
 )
+from kvmem.testing._fuzz_hybrid import HYBRID_FAULTS, HYBRID_ORACLES, hybrid_clean, hybrid_hunt
 from kvmem.testing._fuzz_manager import ManagerEngine
 from kvmem.testing._fuzz_protocol import FuzzConfig, FuzzEngine, subset_step
 from kvmem.testing._fuzz_registry import ENGINES, make_engine
@@ -47,6 +48,8 @@ ENGINES.update(VLLM_ENGINES)  # "vllm", "vllm-async": only where vLLM is install
 
 __all__ = [
     "ENGINES",
+    "HYBRID_FAULTS",
+    "HYBRID_ORACLES",
     "MOVES",
     "ORACLES",
     "CampaignResult",
@@ -65,6 +68,8 @@ __all__ = [
     "campaign",
     "faults",
     "hunt",
+    "hybrid_clean",
+    "hybrid_hunt",
     "kv_value_array",
     "kv_values",
     "make_engine",
