@@ -461,11 +461,14 @@ class HybridManager:
                 stale = [r for r in rows if alloc.tags[s.slot[r]] != s.tag[r]]
             else:
                 t = self.table.tokens[name]
+                stale = []
                 for r in rows:
-                    held.append(t.held(r))
-                stale = [r for r in rows
-                         if (alloc.tags[t.held(r)] != t.tags[r, t.released[r] : t.num_pages[r]][
-                             t.pages[r, t.released[r] : t.num_pages[r]] != RELEASED]).any()]
+                    span = slice(t.released[r], t.num_pages[r])
+                    mapped = t.pages[r, span] != RELEASED
+                    pages = t.pages[r, span][mapped]
+                    held.append(pages)
+                    if (alloc.tags[pages] != t.tags[r, span][mapped]).any():
+                        stale.append(r)
             flat = np.concatenate([np.asarray(h, dtype=np.int64) for h in held])
             counts = np.bincount(flat, minlength=alloc.num_pages)
             ppc = self.allocator.pages_per_chunk[g]

@@ -341,6 +341,11 @@ def test_check_finds_a_leaked_and_a_stale_page() -> None:
     m.allocator.share({"full": [int(m.pages_of("a", "full")[0])]})
     with pytest.raises(IntegrityError, match="holders"):
         m.check()
+    stale = two_running()
+    stale.table.tokens["swa"].tags[stale.table.requests["b"].row, -1 + int(
+        stale.table.tokens["swa"].num_pages[stale.table.requests["b"].row])] += 1
+    with pytest.raises(IntegrityError, match="lifetime changed"):
+        stale.check()
 
 
 # -- a random workload ---------------------------------------------------------------------
