@@ -297,18 +297,24 @@ class GroupAllocator:
 
         Returns ``{group: released}``: the pages that lost their last holder, ascending.
         """
-        checked = self._checked(pages, "free")
+        plans = {}
+        for g, ids in self._checked(pages, "free").items():
+            try:
+                plans[g] = self._allocators[g].plan_free(ids)
+            except InvalidFreeError as e:
+                raise InvalidFreeError(f"group {self.names[g]!r}: {e}") from None
         out = {}
-        for g, ids in checked.items():
-            released = self._allocators[g].free(ids)
-            ppc = self.pages_per_chunk[g]
-            touched = released // ppc
-            np.subtract.at(self._used[g], touched, 1)
-            touched = np.unique(touched)
-            empty = touched[self._used[g][touched] == 0]
-            if empty.size:
-                self._allocators[g].take(self._pages_of(g, empty))  # the arena holds them again
-                self.arena.give_back(g, empty)
+        for g, plan in plans.items():
+            released = self._allocators[g].drop_holders(*plan)
+            if released.size:
+                touched = released // self.pages_per_chunk[g]
+                used = self._used[g]
+                np.subtract.at(used, touched, 1)
+                empty = touched[used[touched] == 0]
+                if empty.size:
+                    empty = np.unique(empty)
+                    self._allocators[g].take(self._pages_of(g, empty))  # the arena's again
+                    self.arena.give_back(g, empty)
             out[self.names[g]] = released
         return out
 
@@ -351,8 +357,9 @@ class GroupAllocator:
 
     def _checked(self, pages: Mapping[str, npt.ArrayLike], action: str
                  ) -> dict[int, PageIds]:
-        """``{group index: ids}``, every listed page held by a request, each listed no more
-        times than it has holders when freeing; raises InvalidFreeError, changing nothing."""
+        """``{group index: ids}``, every listed page in range and in a chunk its group holds
+        (and, to share, held); raises InvalidFreeError, changing nothing. (A free's holder
+        counts are checked by :meth:`PageAllocator.plan_free`.)"""
         if not isinstance(pages, Mapping):
             raise ArgumentTypeError(f"pages={show(pages)}: expected a dict of group name -> "
                                     "page ids.")
@@ -368,14 +375,11 @@ class GroupAllocator:
                     f"{action}() got pages {outside.tolist()[:16]} of group {name!r} in chunks "
                     "the group does not hold (no request holds them); nothing changed. This "
                     "is a use after free.")
-            uniq, counts = np.unique(ids, return_counts=True)
-            holders = self._allocators[g].refcounts[uniq]
-            over = uniq[(holders == 0) | ((counts > holders) if action == "free" else False)]
-            if over.size:
-                raise InvalidFreeError(
-                    f"{action}() got pages {over.tolist()[:16]} of group {name!r} that are free "
-                    "or listed more times than they have holders; nothing changed. Two release "
-                    "paths are probably freeing the same page.")
+            if action == "share":
+                try:
+                    self._allocators[g].require_live(ids, action)
+                except InvalidFreeError as e:
+                    raise InvalidFreeError(f"group {name!r}: {e}") from None
             checked[g] = ids
         return checked
 

@@ -119,9 +119,13 @@ class TokenRows:
         if not gain.any():
             return np.empty(0, dtype=np.int32)
         self.version += 1
-        _, seg, off = ragged(gain)
-        r = rows[seg]
-        cols = self.released[r] + off
+        if gain.max() <= 1:  # (a decode step: a page at most each)
+            r = rows[gain > 0]
+            cols = self.released[r]
+        else:
+            _, seg, off = ragged(gain)
+            r = rows[seg]
+            cols = self.released[r] + off
         gone = self.pages[r, cols]
         self.pages[r, cols] = RELEASED
         self.released[rows] += gain

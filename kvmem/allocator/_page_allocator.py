@@ -203,7 +203,7 @@ class PageAllocator:
     def share(self, pages: npt.ArrayLike) -> None:
         """Add one holder to each listed live page (a page listed twice gains two)."""
         pages = as_page_ids(pages)
-        self._require_live(pages, "share")
+        self.require_live(pages, "share")
         np.add.at(self._refcounts, pages, _ONE)
 
     def share_distinct(self, pages: npt.NDArray[np.integer]) -> None:
@@ -213,10 +213,10 @@ class PageAllocator:
             return
         idx = pages if pages.dtype == np.intp else pages.astype(np.intp)
         if _min(idx) < 0 or _max(idx) >= self.num_pages:
-            self._require_live(idx, "share")  # raises, naming the bad ids
+            self.require_live(idx, "share")  # raises, naming the bad ids
         held = self._refcounts[idx]
         if np.count_nonzero(held) != held.size:
-            self._require_live(idx, "share")
+            self.require_live(idx, "share")
         held += 1
         self._refcounts[idx] = held
 
@@ -238,6 +238,17 @@ class PageAllocator:
         pages = as_page_ids(pages)
         if pages.size == 0:
             return pages.copy()
+        return self.drop_holders(*self.plan_free(pages))
+
+    def plan_free(self, pages: npt.ArrayLike
+                  ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]:
+        """What :meth:`free` of ``pages`` would do, validated, changing nothing: ``(distinct
+        pages ascending [k] intp, the holders each keeps [k] int32)``, for
+        :meth:`drop_holders` (a caller freeing in several allocators at once validates all of
+        them first). Raises InvalidFreeError as :meth:`free`."""
+        pages = as_page_ids(pages)
+        if pages.size == 0:
+            return np.empty(0, dtype=np.intp), np.empty(0, dtype=np.int32)
         uniq, held = self._sorted_live(pages)
         if uniq.size > 1 and np.count_nonzero(uniq[1:] == uniq[:-1]):
             # A page listed k times loses k holders: group the repeats first.
@@ -251,10 +262,9 @@ class PageAllocator:
                     "release paths are probably freeing the same page: free each holder's "
                     "reference once."
                 )
-        else:
-            held -= 1  # live pages have >= 1 holder: never negative
-            remaining = held
-        return self._drop_holders(uniq, remaining)
+            return uniq, remaining.astype(np.int32)
+        held -= 1  # live pages have >= 1 holder: never negative
+        return uniq, held
 
     def free_distinct(self, pages: npt.NDArray[np.integer]) -> PageIds:
         """:meth:`free` for pages (int32 or intp) listed at most once each (no duplicate check).
@@ -266,7 +276,7 @@ class PageAllocator:
             return np.empty(0, dtype=np.int32)
         uniq, held = self._sorted_live(pages)
         held -= 1
-        return self._drop_holders(uniq, held)
+        return self.drop_holders(uniq, held)
 
     def _sorted_live(self, pages: npt.NDArray[np.integer]
                      ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]:
@@ -275,15 +285,16 @@ class PageAllocator:
         uniq = pages.astype(np.intp)
         uniq.sort()
         if uniq[0] < 0 or uniq[-1] >= self.num_pages:
-            self._require_live(uniq, "free")  # raises: out of range
+            self.require_live(uniq, "free")  # raises: out of range
         held = self._refcounts[uniq]
         if np.count_nonzero(held) != held.size:
-            self._require_live(uniq, "free")  # raises: a free page
+            self.require_live(uniq, "free")  # raises: a free page
         return uniq, held
 
-    def _drop_holders(self, uniq: npt.NDArray[np.intp], remaining: npt.NDArray[np.int32]
-                      ) -> PageIds:
-        """Set distinct, ascending pages' holders to ``remaining``; free those left with none."""
+    def drop_holders(self, uniq: npt.NDArray[np.intp], remaining: npt.NDArray[np.int32]
+                     ) -> PageIds:
+        """Apply a :meth:`plan_free`: set distinct, ascending pages' holders to
+        ``remaining``; free those left with none (returned, int32, ascending)."""
         self._refcounts[uniq] = remaining
         released = uniq[remaining == 0] if np.count_nonzero(remaining) else uniq
         self._tags[released] = 0
@@ -306,7 +317,8 @@ class PageAllocator:
 
     # -- validation ---------------------------------------------------------------------------
 
-    def _require_live(self, pages: npt.NDArray[np.integer], action: str) -> None:
+    def require_live(self, pages: npt.NDArray[np.integer], action: str) -> None:
+        """Raise InvalidFreeError naming ``action`` unless every page is in range and held."""
         out_of_range = (pages < 0) | (pages >= self.num_pages)
         if np.count_nonzero(out_of_range):
             raise InvalidFreeError(

@@ -34,6 +34,8 @@ Kernel = Callable[[I64, I64], tuple[I64, npt.NDArray[np.int32], I64, I64, I64]]
 
 def _mark(bad: npt.NDArray[np.bool_], why: dict[int, str], hit: npt.NDArray[np.bool_],
           reason: Callable[[int], str]) -> None:
+    if not hit.any():
+        return
     for b in np.flatnonzero(hit & ~bad).tolist():
         why[b] = reason(b)
     bad |= hit
@@ -155,10 +157,11 @@ def _check_group(name: str, meta: Any, expected: tuple[I64, npt.NDArray[np.int32
 
         _mark(bad, why, hit, reason)
     # Slots: the length-checked requests' tokens, in order, against their own rows' slots.
-    mine = np.repeat(sized, new)
-    diff = slots[mine] != exp_slots
+    every = sized.all()
+    mine = None if every else np.repeat(sized, new)
+    diff = (slots if mine is None else slots[mine]) != exp_slots
     if diff.any():
-        owner = np.repeat(np.arange(B), new)[mine]
+        owner = np.repeat(np.arange(B), new) if mine is None else np.repeat(np.arange(B), new)[mine]
         hit = np.zeros(B, dtype=bool)
         hit[owner[diff]] = True
         _mark(bad, why, hit, lambda b: f"group {name!r}: a new token's slot is not in its own "
