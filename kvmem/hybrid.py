@@ -283,8 +283,6 @@ class HybridManager:
             rows = np.array([0 if r is None else r.row for r in found], dtype=np.intp)
         num_tokens = np.where(known, self.table.num_tokens[rows], -1)
         table = self.table
-        kernels = {name: (lambda starts, ends, n=name: table.kernel(n, rows, starts, ends))
-                   for name in table.tokens}
         running = (np.array([r.row for r in reqs.values()], dtype=np.intp)
                    if self.table.states else _NO_ROWS)
         states = {}
@@ -293,7 +291,9 @@ class HybridManager:
             holders = np.bincount(s.slot[running], minlength=self.allocator.allocator(
                 name).num_pages) if running.size else np.zeros(1, dtype=np.int64)
             states[name] = (slot, s.tag[rows], s.tokens[rows], holders[slot])
-        bad = check_hybrid_step(step, known, num_tokens, kernels,
+        bad = check_hybrid_step(step, known, num_tokens,
+                                lambda starts, ends: table.kernels(rows, starts, ends),
+                                tuple(table.tokens),
                                 {g.name: self.allocator.tags(g.name) for g in self.groups},
                                 states)
         aborted = {ids[b]: why for b, why in bad.items()}

@@ -287,6 +287,43 @@ def test_a_window_page_freed_while_still_read_aborts_only_its_request() -> None:
     m.check()
 
 
+def test_a_window_page_released_before_the_step_is_read_as_released_and_caught() -> None:
+    """The same bug one step sooner: the page was released before ``reserve``, so the step
+    and the row agree on listing ``RELEASED`` where the kernel still reads; verify must not
+    take the agreement for a correct step."""
+    m = two_running()
+    row = m.table.requests["a"].row
+    swa = m.table.tokens["swa"]
+    first = int(np.max([int(m.num_tokens("a")) - SWA.window + 1, 0]) // SWA.page_size)
+    page = int(swa.pages[row, first])
+    swa.release_before(np.array([row]), np.array([first + 1]))  # the bug: one page too early
+    m.allocator.free({"swa": [page]})
+    # (the recorded tag made to match what a lookup of page -1 finds: only RELEASED tells)
+    swa.tags[row, first] = m.allocator.tags("swa")[-1]
+    step = m.reserve(["a", "b"], 1)
+    assert int(step.groups["swa"].indices[0]) == RELEASED
+    report = m.verify(["a", "b"], step)
+    assert list(report.aborted) == ["a"]
+    assert "released" in report.aborted["a"]
+
+
+def test_two_requests_mapped_to_one_tail_page_are_both_caught() -> None:
+    """A fork that shared its parent's partly filled tail page instead of copying it: both
+    rows agree with the step, and only the check that no slot is written twice tells."""
+    m = two_running()  # (a and b both hold 60 tokens: their next tokens share an offset)
+    a, b = m.table.requests["a"].row, m.table.requests["b"].row
+    full = m.table.tokens["full"]
+    last = int(full.num_pages[a]) - 1
+    own = int(full.pages[b, last])
+    full.pages[b, last], full.tags[b, last] = full.pages[a, last], full.tags[a, last]
+    m.allocator.share({"full": [int(full.pages[a, last])]})
+    m.allocator.free({"full": [own]})
+    step = m.reserve(["a", "b"], 1)
+    report = m.verify(["a", "b"], step)
+    assert set(report.aborted) == {"a", "b"}
+    assert all("another token" in why for why in report.aborted.values())
+
+
 def test_a_page_listed_from_another_request_aborts_only_the_reader() -> None:
     m = two_running()
     step = m.reserve(["a", "b"], 1)
@@ -333,6 +370,57 @@ def test_a_slot_mapping_into_another_page_is_caught() -> None:
     step.groups["idx"].slot_mapping[1] = step.groups["idx"].slot_mapping[0]
     report = m.verify(["a", "b"], step)
     assert "b" in report.aborted
+
+
+def _shift_first(step: Any) -> None:
+    step.groups["swa"].first[0] += 1
+
+
+def _move_b_start(step: Any) -> None:
+    step.groups["swa"].indptr[1] += 1
+
+
+def _drop_group(step: Any) -> None:
+    del step.groups["idx"]
+
+
+def _fold_indices(step: Any) -> None:
+    pages = step.groups["full"]
+    object.__setattr__(pages, "indices", pages.indices.reshape(1, -1))
+
+
+def _short_slots(step: Any) -> None:
+    pages = step.groups["swa"]
+    object.__setattr__(pages, "slot_mapping", pages.slot_mapping[:1])
+
+
+def _twice_in_one_step(step: Any) -> None:
+    swa = step.groups["swa"]
+    swa.indices[int(swa.indptr[1])] = swa.indices[int(swa.indptr[1]) - 1]
+
+
+@pytest.mark.parametrize(("tamper", "aborted", "words"), [
+    (_shift_first, {"a"}, "from row index"),
+    (_move_b_start, {"a", "b"}, "pages from row index"),
+    (_drop_group, {"a", "b"}, "lists no metadata"),
+    (_fold_indices, {"a", "b"}, "shaped for another batch"),
+    (_short_slots, {"a", "b"}, "shaped for another batch"),
+    (_twice_in_one_step, {"b"}, "lists page"),
+])
+def test_any_wrong_group_metadata_leaves_the_one_pass_check_for_the_named_one(
+        tamper: Any, aborted: set[str], words: str) -> None:
+    """verify first checks every group's arrays in one pass over all of them together and
+    only on a mismatch runs the per-group check that names what broke: each kind of damage,
+    in any one group, must fail the one pass (a mutant that lets it through would run the
+    step) and abort exactly the requests it breaks."""
+    m = two_running()
+    assert decode(m, ["a", "b"]).ok
+    step = m.reserve(["a", "b"], 1)
+    tamper(step)
+    report = m.verify(["a", "b"], step)
+    assert set(report.aborted) == aborted
+    assert all(words in why for why in report.aborted.values()), report.aborted
+    m.check()
 
 
 def test_check_finds_a_leaked_and_a_stale_page() -> None:

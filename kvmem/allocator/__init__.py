@@ -42,6 +42,7 @@ from kvmem.allocator._group_table import (
     HybridRequest,
     HybridStep,
     StateRows,
+    TokenKernels,
     TokenRows,
     ragged,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "StepHandle",
     "StepMetadata",
     "StepRecord",
+    "TokenKernels",
     "TokenRows",
     "WindowRow",
     "batch_tokens",

@@ -17,7 +17,9 @@ lifetime tag at the time it was mapped: the expectations the batched check compa
 the tokens the state has absorbed.
 
 Numpy arrays, one writer (:class:`TokenRows`, :class:`StateRows`); a batch's operations are a
-constant number of numpy calls whatever its size. Pages are allocated and freed by the
+constant number of numpy calls whatever its size. The token groups' rows are slices of one
+``[G, max_seqs, max_pages]`` pair of arrays (pages, tags), so a step's pages in every token
+group are one gather (:class:`TokenKernels`), which the batched check compares in one pass. Pages are allocated and freed by the
 caller (the hybrid manager, through its :class:`~kvmem.allocator.GroupAllocator`): this table
 says which it needs and which it drops.
 """
@@ -39,7 +41,7 @@ from kvmem.allocator._groups import (
 )
 
 __all__ = ["RELEASED", "GroupPages", "GroupTable", "HybridRequest", "HybridStep", "StateRows",
-           "TokenRows", "ragged"]
+           "TokenKernels", "TokenRows", "ragged"]
 
 RELEASED = -1
 TokenSpec = FullAttentionSpec | SlidingWindowSpec | IndexerSpec
@@ -60,14 +62,18 @@ class TokenRows:
     not held), ``tags`` the same shape int64 (each page's tag when mapped), ``num_pages``
     ``[max_seqs]`` row lengths, ``released`` ``[max_seqs]`` row indices before it released."""
 
-    def __init__(self, spec: TokenSpec, max_seqs: int, max_pages: int) -> None:
+    def __init__(self, spec: TokenSpec, pages: npt.NDArray[np.int32],
+                 tags: npt.NDArray[np.int64]) -> None:
+        """``pages`` and ``tags``: ``[max_seqs, max_pages]`` arrays this object alone writes
+        (slices of :class:`GroupTable`'s arrays of every token group), ``pages`` all
+        ``RELEASED``."""
         self.spec = spec
         self.page_size = spec.page_size
         self.window = spec.window if isinstance(spec, SlidingWindowSpec) else 0
-        self.pages = np.full((max_seqs, max_pages), RELEASED, dtype=np.int32)
-        self.tags = np.zeros((max_seqs, max_pages), dtype=np.int64)
-        self.num_pages = np.zeros(max_seqs, dtype=np.int64)
-        self.released = np.zeros(max_seqs, dtype=np.int64)
+        self.pages = pages
+        self.tags = tags
+        self.num_pages = np.zeros(pages.shape[0], dtype=np.int64)
+        self.released = np.zeros(pages.shape[0], dtype=np.int64)
         self.version = 0  # moves with every write: a kernel computed at one version holds
 
     def first_page(self, positions: Any) -> Any:
@@ -142,30 +148,6 @@ class TokenRows:
         if tail is not None:
             self.pages[dst, n - 1], self.tags[dst, n - 1] = tail
 
-    # -- the step --------------------------------------------------------------------------
-
-    def kernel(self, rows: npt.NDArray[np.intp], starts: I64, ends: I64
-               ) -> tuple[I64, npt.NDArray[np.int32], I64, I64, I64]:
-        """What a step computing tokens ``starts:ends`` of ``rows`` reads and writes here:
-        ``(indptr [B+1], indices [nnz] (the rows' pages, RELEASED where not held), recorded
-        tags [nnz], first [B], slot_mapping [N])``."""
-        P = self.page_size
-        first = self.first_page(starts)
-        indptr, seg, off = ragged(-(-ends // P) - first)
-        flat = (rows * self.pages.shape[1] + first)[seg] + off  # (row, column), flattened
-        indices = self.pages.ravel().take(flat)
-        tags = self.tags.ravel().take(flat)
-        new = ends - starts
-        if new.size and (new == 1).all():  # the decode step: one token each
-            positions = starts
-            token_rows = rows
-        else:
-            _, tseg, toff = ragged(new)
-            positions = starts[tseg] + toff
-            token_rows = rows[tseg]
-        slots = self.pages[token_rows, positions // P].astype(np.int64) * P + positions % P
-        return indptr, indices, tags, first, slots
-
 
 class StateRows:
     """One state group's rows: ``slot`` ``[max_seqs]`` int32, ``tag`` its tag when taken,
@@ -235,19 +217,55 @@ class HybridStep:
     state_slots: dict[str, npt.NDArray[np.int32]]
 
 
+@dataclass(frozen=True)
+class TokenKernels:
+    """What a step's ``B`` requests read and write in the ``G`` token groups (in table
+    order), as the rows list them, in one set of arrays (``N`` new tokens).
+
+    indptr: ``[G*B+1]`` int64; group g's request b lists ``indices[indptr[g*B+b] :
+        indptr[g*B+b+1]]``
+    indices: ``[nnz]`` int32 pages (``RELEASED`` where not held)
+    tags: ``[nnz]`` int64 each page's tag when its row mapped it
+    first: ``[G, B]`` int64 row index of each request's first listed page
+    slots: ``[G, N]`` int64 each new token's ``page * page_size + offset``
+    """
+
+    indptr: I64
+    indices: npt.NDArray[np.int32]
+    tags: I64
+    first: I64
+    slots: I64
+
+    def group(self, g: int) -> tuple[I64, npt.NDArray[np.int32], I64, I64, I64]:
+        """Group ``g``'s part: ``(indptr [B+1] from 0, indices, tags, first [B], slots [N])``."""
+        B = self.first.shape[1]
+        indptr = self.indptr[g * B : (g + 1) * B + 1]
+        lo, hi = int(indptr[0]), int(indptr[-1])
+        return (indptr - lo, self.indices[lo:hi], self.tags[lo:hi], self.first[g],
+                self.slots[g])
+
+
 class GroupTable:
     """The running requests of a hybrid manager: rows in every group, token counts."""
 
     def __init__(self, groups: tuple[GroupSpec, ...], max_seqs: int, max_tokens: int) -> None:
         self.groups = groups
-        self.tokens = {g.name: TokenRows(g, max_seqs, -(-max_tokens // g.page_size))
-                       for g in groups if not isinstance(g, StateSpec)}
+        specs = [g for g in groups if not isinstance(g, StateSpec)]
+        # Every token group's rows in one array (a step's kernel is one gather for them all).
+        width = max((-(-max_tokens // g.page_size) for g in specs), default=0)
+        self.pages = np.full((len(specs), max_seqs, width), RELEASED, dtype=np.int32)
+        self.tags = np.zeros((len(specs), max_seqs, width), dtype=np.int64)
+        self.tokens = {g.name: TokenRows(g, self.pages[i], self.tags[i])
+                       for i, g in enumerate(specs)}
+        self._group_index = np.arange(len(specs), dtype=np.int64)[:, None]  # [G, 1]
+        self._page_size = np.array([[g.page_size] for g in specs], dtype=np.int64)
+        self._window = np.array([[t.window] for t in self.tokens.values()], dtype=np.int64)
         self.states = {g.name: StateRows(g, max_seqs) for g in groups if isinstance(g, StateSpec)}
         self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.num_committed = np.zeros(max_seqs, dtype=np.int64)
         self.prompt_len = np.zeros(max_seqs, dtype=np.int64)  # tokens known at admission
         self.requests: dict[Any, HybridRequest] = {}
-        self._kernels: dict[str, tuple[int, Any, I64, I64, Any]] = {}
+        self._kernels: tuple[int, Any, I64, I64, TokenKernels] | None = None
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     @property
@@ -287,28 +305,55 @@ class GroupTable:
     def set_committed(self, rows: npt.NDArray[np.intp], num_committed: I64) -> None:
         self.num_committed[rows] = num_committed
 
-    def kernel(self, name: str, rows: npt.NDArray[np.intp], starts: I64, ends: I64
-               ) -> tuple[I64, npt.NDArray[np.int32], I64, I64, I64]:
-        """``TokenRows.kernel`` of group ``name``: the one the latest :meth:`step` computed
-        when nothing changed since (same rows array, tokens and row version), else anew."""
-        t = self.tokens[name]
-        last = self._kernels.get(name)
-        if (last is not None and last[0] == t.version and last[1] is rows
+    @property
+    def version(self) -> int:
+        """Moves with every write to a token group's rows."""
+        return sum(t.version for t in self.tokens.values())
+
+    def kernels(self, rows: npt.NDArray[np.intp], starts: I64, ends: I64) -> TokenKernels:
+        """What a step computing tokens ``starts:ends`` of ``rows`` reads and writes in every
+        token group, computed together (one gather for all groups): the one the latest
+        :meth:`step` computed when nothing changed since (same rows array, tokens, version)."""
+        last = self._kernels
+        if (last is not None and last[0] == self.version and last[1] is rows
                 and np.array_equal(last[2], starts) and np.array_equal(last[3], ends)):
             return last[4]
-        return t.kernel(rows, starts, ends)
+        P = self._page_size
+        if self._window.any():
+            first = np.where(self._window > 0,
+                             np.maximum(starts - self._window + 1, 0) // P, 0)
+        else:
+            first = np.zeros((P.shape[0], rows.size), dtype=np.int64)
+        indptr, seg, off = ragged((-(-ends // P) - first).ravel())
+        _, S, M = self.pages.shape
+        flat = ((self._group_index * S + rows) * M + first).ravel()[seg] + off
+        new = ends - starts
+        if new.size and (new == 1).all():  # the decode step: one token each
+            positions, token_rows = starts, rows
+        else:
+            _, tseg, toff = ragged(new)
+            positions, token_rows = starts[tseg] + toff, rows[tseg]
+        cols = positions // P
+        slots = self.pages[self._group_index, token_rows, cols].astype(np.int64) * P \
+            + (positions - cols * P)
+        return TokenKernels(indptr, self.pages.ravel().take(flat),
+                            self.tags.ravel().take(flat), first, slots)
 
     def step(self, ids: tuple[Any, ...], rows: npt.NDArray[np.intp], starts: I64, ends: I64
              ) -> HybridStep:
         """The kernel metadata of a step in which ``rows`` compute tokens ``starts:ends``
-        (the engine gets copies; the table keeps what it computed, for :meth:`kernel`)."""
+        (the engine gets copies; the table keeps what it computed, for :meth:`kernels`)."""
+        self._kernels = None
+        k = self.kernels(rows, starts, ends)
+        self._kernels = (self.version, rows, starts, ends, k)
+        B = rows.size
+        indptr, indices = k.indptr.astype(np.int32), k.indices.copy()
+        first, slots = k.first.astype(np.int32), k.slots.copy()
         groups = {}
-        for name, t in self.tokens.items():
-            out = t.kernel(rows, starts, ends)
-            self._kernels[name] = (t.version, rows, starts, ends, out)
-            indptr, indices, _, first, slots = out
-            groups[name] = GroupPages(indptr.astype(np.int32), indices.copy(),
-                                      first.astype(np.int32), slots.copy())
+        for g, name in enumerate(self.tokens):
+            lo, hi = int(indptr[g * B]), int(indptr[(g + 1) * B])
+            groups[name] = GroupPages(indptr[g * B : (g + 1) * B + 1] - lo, indices[lo:hi],
+                                      first[g], slots[g])
         states = {name: s.slot[rows].copy() for name, s in self.states.items()}
         end = ends.astype(np.int32)
         return HybridStep(ids, end - starts.astype(np.int32), end, groups, states)

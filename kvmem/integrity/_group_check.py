@@ -20,7 +20,7 @@ failure.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,6 @@ import numpy.typing as npt
 __all__ = ["check_hybrid_step"]
 
 I64 = npt.NDArray[np.int64]
-Kernel = Callable[[I64, I64], tuple[I64, npt.NDArray[np.int32], I64, I64, I64]]
 
 
 def _mark(bad: npt.NDArray[np.bool_], why: dict[int, str], hit: npt.NDArray[np.bool_],
@@ -42,16 +41,18 @@ def _mark(bad: npt.NDArray[np.bool_], why: dict[int, str], hit: npt.NDArray[np.b
 
 
 def check_hybrid_step(step: Any, known: npt.NDArray[np.bool_], num_tokens: I64,
-                      kernels: Mapping[str, Kernel], tags: Mapping[str, I64],
+                      expected: Callable[[I64, I64], Any], token_groups: Sequence[str],
+                      tags: Mapping[str, I64],
                       states: Mapping[str, tuple[Any, Any, Any, Any]]) -> dict[int, str]:
     """``{batch index: reason}`` for each request of ``step`` (a ``HybridStep``) whose
     metadata is wrong in some group (module doc).
 
     known: ``[B]`` bool, the request is running
     num_tokens: ``[B]`` its reserved tokens
-    kernels: per token group, ``fn(starts, ends)`` -> what the batch's own rows list for
-        those tokens: ``(indptr, indices (RELEASED -1 where not held), recorded tags, first,
-        slot_mapping)`` (``TokenRows.kernel``)
+    expected: ``fn(starts, ends)`` -> what the batch's own rows list for those tokens in the
+        ``token_groups`` (in that order), a ``kvmem.allocator.TokenKernels``: ``.indptr``
+        ``[G*B+1]``, ``.indices`` (RELEASED -1 where not held), ``.tags`` (recorded),
+        ``.first`` ``[G, B]``, ``.slots`` ``[G, N]``, ``.group(g)``
     tags: each group's lifetime tags now, ``[num_pages]`` int64
     states: per state group, ``(slot, recorded tag, tokens absorbed, running requests that
         record the slot)``, each ``[B]``
@@ -70,13 +71,65 @@ def check_hybrid_step(step: Any, known: npt.NDArray[np.bool_], num_tokens: I64,
     sized = ~bad  # the requests whose tokens are their own: their slots are compared
     ends = np.where(bad, 0, seq)
     starts = np.where(bad, 0, seq - new)
-    for name, kernel in kernels.items():
-        _check_group(name, step.groups[name], kernel(starts, ends), tags[name], new, sized,
-                     bad, why)
+    rows = expected(starts, ends)
+    if bad.any() or not _all_good(step, token_groups, rows, tags, B, int(new.sum())):
+        for g, name in enumerate(token_groups):
+            meta = step.groups.get(name) if isinstance(step.groups, Mapping) else None
+            if meta is None:
+                for b in np.flatnonzero(~bad).tolist():
+                    why[b] = f"group {name!r}: the step lists no metadata"
+                bad[:] = True
+                continue
+            _check_group(name, meta, rows.group(g), tags[name], new, sized, bad, why)
     for name, (slot, tag, absorbed, holders) in states.items():
         _check_state(name, np.asarray(step.state_slots[name], dtype=np.int64), slot, tag,
                      absorbed, holders, tags[name], starts, known, bad, why)
     return dict(sorted(why.items()))
+
+
+def _all_good(step: Any, names: Sequence[str], rows: Any, tags: Mapping[str, I64], B: int,
+              N: int) -> bool:
+    """Whether every token group's metadata is exactly what the rows list, every page in the
+    lifetime its row recorded, no slot written twice in a group: the usual step, checked in
+    one pass over all groups' arrays together. Any doubt answers False (the per-group check
+    then says what broke)."""
+    groups = step.groups
+    if not isinstance(groups, Mapping):
+        return False
+    ends, listed, firsts, slots, now = [], [], [], [], []
+    nnz = 0
+    for name in names:
+        meta = groups.get(name)
+        if meta is None:
+            return False
+        indptr, indices = np.asarray(meta.indptr), np.asarray(meta.indices)
+        first, slot = np.asarray(meta.first), np.asarray(meta.slot_mapping)
+        if (indptr.shape != (B + 1,) or indices.ndim != 1 or first.shape != (B,)
+                or slot.shape != (N,) or indptr[0] != 0 or indptr[-1] != indices.size):
+            return False
+        ends.append(indptr[1:] + nnz)
+        lo, nnz = nnz, nnz + indices.size
+        if nnz > rows.indices.size:
+            return False
+        try:  # (the pages the rows list, their lifetimes now)
+            now.append(tags[name].take(rows.indices[lo:nnz]))
+        except IndexError:
+            return False
+        listed.append(indices)
+        firsts.append(first)
+        slots.append(slot)
+    if not names:
+        return True
+    if nnz != rows.indices.size:
+        return False
+    ordered = np.sort(rows.slots, axis=1)
+    return not ((np.concatenate(ends) != rows.indptr[1:]).any()
+                or (np.concatenate(firsts) != rows.first.ravel()).any()
+                or (np.concatenate(listed) != rows.indices).any()
+                or (rows.indices < 0).any()
+                or (np.concatenate(now) != rows.tags).any()
+                or (np.concatenate(slots) != rows.slots.ravel()).any()
+                or (ordered[:, 1:] == ordered[:, :-1]).any())
 
 
 def _check_state(name: str, listed: I64, slot: Any, tag: Any, absorbed: Any, holders: Any,
@@ -113,7 +166,8 @@ def _check_group(name: str, meta: Any, expected: tuple[I64, npt.NDArray[np.int32
     first = np.asarray(meta.first, dtype=np.int64)
     slots = np.asarray(meta.slot_mapping, dtype=np.int64)
     counts = indptr[1:] - indptr[:-1]
-    if (indptr.shape != (B + 1,) or first.shape != (B,) or slots.size != new.sum()
+    if (indptr.shape != (B + 1,) or indices.ndim != 1 or first.shape != (B,)
+            or slots.shape != (int(new.sum()),)
             or indptr[0] != 0 or indptr[-1] != indices.size or (counts < 0).any()):
         _mark(bad, why, np.ones(B, dtype=bool),
               lambda b: f"group {name!r}: metadata shaped for another batch")
