@@ -541,6 +541,8 @@ class HybridManager:
     def _make_room(self, needs: Mapping[str, int], keep: set[bytes] | None = None) -> None:
         """Evict cached prefixes (least recently used first, never ``keep``) until ``needs``
         fits; raises OutOfPagesError, evicting nothing, when even all of them would not do."""
+        if self.allocator.fit(needs).fits:
+            return
         if not self._fits(needs, keep):
             fit = self.allocator.fit(needs)
             raise OutOfPagesError(sum(fit.num_chunks), fit.num_free_chunks,

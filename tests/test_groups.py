@@ -228,10 +228,39 @@ def test_a_chunk_returns_when_its_last_page_is_freed_and_serves_another_group() 
     ga.free({"full": full})  # page 0 keeps its second holder
     assert ga.stats().num_free_chunks == 0
     ga.free({"full": full[:1]})
-    assert ga.stats().num_free_chunks == 1 and ga.arena.owners.tolist() == [-1]
+    assert ga.stats().num_free_chunks == 1 and ga.can_allocate({"state": 1})
+    ga.check()
     state = ga.allocate({"state": 1})["state"]
     assert ga.arena.owners.tolist() == [1] and ga.byte_offsets("state", state).tolist() == [0]
     ga.check()
+
+
+def test_a_chunk_emptied_and_refilled_by_its_group_skips_the_arena() -> None:
+    """A sliding window frees a step's pages and takes as many at the next: the emptied
+    chunks stay with the group until its next allocate, which refills them (fresh tags), or
+    gives back those it does not need; to every query they are the arena's meanwhile."""
+    ga = GroupAllocator([FULL, STATE], budget_bytes=4 * 65_536, chunk_bytes=65_536)
+    ppc = ga.pages_per_chunk[0]
+    pages = ga.allocate({"full": 2 * ppc})["full"]
+    ga.free({"full": pages})
+    s = ga.stats()
+    assert s.num_free_chunks == 4 and s.groups[0].num_chunks == 0
+    assert s.groups[0].num_free_pages == 0 and ga.fit({"state": 4}).fits
+    ga.check()
+    tags = ga.tags("full")[pages].copy()
+    again = ga.allocate({"full": ppc + 1})["full"]  # two chunks' worth refilled: no lending
+    assert set(again.tolist()) <= set(pages.tolist())
+    assert (ga.tags("full")[again] > tags.max()).all()
+    assert ga.stats().num_free_chunks == 2
+    ga.check()
+    ga.free({"full": again})
+    ga.allocate({"state": 3})  # another group's need returns the emptied chunks first
+    assert ga.stats().num_free_chunks == 1 and ga.arena.owners.tolist().count(0) == 0
+    ga.check()
+    held = ga.allocate({"full": 1})["full"]
+    ga._emptied[0] = np.array([held[0] // ppc], dtype=np.int32)  # the bug: a used chunk
+    with pytest.raises(IntegrityError, match="held-page counts"):
+        ga.check()
 
 
 def test_tags_change_whenever_a_page_is_reused_even_through_another_group() -> None:

@@ -24,7 +24,9 @@ What the unpadded layout costs (all of it visible in :meth:`GroupAllocator.stats
 - the budget past the last whole chunk, less than one chunk (``unused_bytes``);
 - free pages in a group's chunks serve only that group until the chunk empties
   (``stranded_bytes``); a group asks the arena for a chunk only when its own free pages are
-  used up, and a chunk returns to the arena as soon as all its pages are free.
+  used up, and a chunk returns to the arena once all its pages are free (at the next
+  allocate: one that refills it for the same group skips the round trip; every query counts
+  it as the arena's from the free on).
 
 Chunks a few times the largest page keep the first two small; the third is what makes a
 chunk larger than it must be a cost.
@@ -177,6 +179,10 @@ class GroupAllocator:
             alloc.allocate(alloc.num_pages)  # the arena holds every page of every chunk
         # Pages requests hold in each chunk, per group (0 for chunks the group does not hold).
         self._used = tuple(np.zeros(self.arena.num_chunks, dtype=np.int64) for _ in self.groups)
+        # Chunks emptied by a free that each group still holds until its next allocate (which
+        # refills them or returns them): counted as the arena's everywhere (fit, stats), so a
+        # window's pages freed at one step and taken at the next cost no chunk round trip.
+        self._emptied = [np.empty(0, dtype=np.int32) for _ in self.groups]
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -198,8 +204,9 @@ class GroupAllocator:
         ``k`` times loses ``k``; e.g. a prefix cache's references): the answer is then the one
         :meth:`free` of them followed by this fit would give. Changes nothing."""
         wanted = self._counts(needs)
-        free = [a.num_free for a in self._allocators]
-        arena_free = self.arena.num_free
+        free = [a.num_free - e.size * ppc
+                for a, e, ppc in zip(self._allocators, self._emptied, self.pages_per_chunk)]
+        arena_free = self.arena.num_free + sum(e.size for e in self._emptied)
         for name, listed in (freeing or {}).items():
             g = self._group(name)
             ids = as_page_ids(listed)
@@ -244,14 +251,15 @@ class GroupAllocator:
             budget_bytes=self.arena.budget_bytes,
             chunk_bytes=self.chunk_bytes,
             num_chunks=self.arena.num_chunks,
-            num_free_chunks=self.arena.num_free,
+            num_free_chunks=self.arena.num_free + sum(e.size for e in self._emptied),
             unused_bytes=self.arena.unused_bytes,
             groups=tuple(
                 GroupUsage(name=name, page_bytes=self.page_bytes[g],
                            pages_per_chunk=self.pages_per_chunk[g],
-                           num_chunks=int(np.count_nonzero(owners == g)),
+                           num_chunks=int(np.count_nonzero(owners == g)) - self._emptied[g].size,
                            num_used_pages=int(self._used[g].sum()),
-                           num_free_pages=self._allocators[g].num_free)
+                           num_free_pages=self._allocators[g].num_free
+                           - self._emptied[g].size * self.pages_per_chunk[g])
                 for g, name in enumerate(self.names)),
         )
 
@@ -270,17 +278,26 @@ class GroupAllocator:
             raise OutOfPagesError(sum(plan.num_chunks), plan.num_free_chunks,
                                   f"Chunks per group: {short}. Free pages in any group first, "
                                   "or check can_allocate() before allocating.", unit="chunks")
+        # A group refills the chunks it emptied (as many as it would borrow); the rest go back.
+        kept = [min(e.size, plan.num_chunks[g]) if self.names[g] in needs else 0
+                for g, e in enumerate(self._emptied)]
+        for g, e in enumerate(self._emptied):
+            if e.size > kept[g]:
+                self._return(g, e[kept[g] :])
+            self._emptied[g] = e[: kept[g]]
         out = {}
         for g, name in enumerate(self.names):
             if name not in needs:
                 continue
             alloc, num = self._allocators[g], plan.num_pages[g]
-            mine = alloc.allocate(min(num, plan.num_free_pages[g]))  # stranded pages first
-            if plan.num_chunks[g]:
-                chunks = self.arena.lend(g, plan.num_chunks[g])
+            mine = alloc.allocate(min(num, plan.num_free_pages[g]
+                                      + kept[g] * self.pages_per_chunk[g]))  # its own first
+            if plan.num_chunks[g] > kept[g]:
+                chunks = self.arena.lend(g, plan.num_chunks[g] - kept[g])
                 alloc.free(self._pages_of(g, chunks))  # the arena lets go of them
                 mine = np.concatenate([mine, alloc.allocate(num - mine.size)])
             np.add.at(self._used[g], mine // self.pages_per_chunk[g], 1)
+            self._emptied[g] = self._emptied[g][:0]  # (refilled: fewer than a chunk is free)
             out[name] = mine
         return out
 
@@ -297,12 +314,19 @@ class GroupAllocator:
 
         Returns ``{group: released}``: the pages that lost their last holder, ascending.
         """
+        if not isinstance(pages, Mapping):
+            raise ArgumentTypeError(f"pages={show(pages)}: expected a dict of group name -> "
+                                    "page ids.")
         plans = {}
-        for g, ids in self._checked(pages, "free").items():
-            try:
-                plans[g] = self._allocators[g].plan_free(ids)
+        for name, listed in pages.items():
+            g = self._group(name)
+            try:  # (in range, held, listed no more times than held)
+                plan = self._allocators[g].plan_free(as_page_ids(listed, f"pages[{name!r}]"))
             except InvalidFreeError as e:
-                raise InvalidFreeError(f"group {self.names[g]!r}: {e}") from None
+                raise InvalidFreeError(f"group {name!r}: {e}") from None
+            if plan[0].size:
+                self._require_own(g, plan[0], "free")
+                plans[g] = plan
         out = {}
         for g, plan in plans.items():
             released = self._allocators[g].drop_holders(*plan)
@@ -310,11 +334,11 @@ class GroupAllocator:
                 touched = released // self.pages_per_chunk[g]
                 used = self._used[g]
                 np.subtract.at(used, touched, 1)
-                empty = touched[used[touched] == 0]
-                if empty.size:
-                    empty = np.unique(empty)
-                    self._allocators[g].take(self._pages_of(g, empty))  # the arena's again
-                    self.arena.give_back(g, empty)
+                empty = touched[used[touched] == 0]  # (ascending, a chunk once per page)
+                if empty.size:  # (back to the arena at the group's next allocate)
+                    first = np.ones(empty.size, dtype=bool)
+                    np.not_equal(empty[1:], empty[:-1], out=first[1:])
+                    self._emptied[g] = np.concatenate([self._emptied[g], empty[first]])
             out[self.names[g]] = released
         return out
 
@@ -355,11 +379,25 @@ class GroupAllocator:
                                    f"{self.names[g]!r} outside 0..{num - 1}; nothing changed.")
         return ids
 
+    def _return(self, g: int, chunks: npt.NDArray[np.int32]) -> None:
+        """Give group ``g``'s empty ``chunks`` back to the arena (it holds their pages again)."""
+        self._allocators[g].take(self._pages_of(g, chunks))
+        self.arena.give_back(g, chunks)
+
+    def _require_own(self, g: int, ids: npt.NDArray[np.integer], action: str) -> None:
+        """Raise InvalidFreeError unless every page (in range) is in a chunk group ``g``
+        holds (elsewhere the arena is the one holder)."""
+        outside = ids[self.arena.owners[ids // self.pages_per_chunk[g]] != g]
+        if outside.size:
+            raise InvalidFreeError(
+                f"{action}() got pages {outside.tolist()[:16]} of group {self.names[g]!r} in "
+                "chunks the group does not hold (no request holds them); nothing changed. "
+                "This is a use after free.")
+
     def _checked(self, pages: Mapping[str, npt.ArrayLike], action: str
                  ) -> dict[int, PageIds]:
-        """``{group index: ids}``, every listed page in range and in a chunk its group holds
-        (and, to share, held); raises InvalidFreeError, changing nothing. (A free's holder
-        counts are checked by :meth:`PageAllocator.plan_free`.)"""
+        """``{group index: ids}``, every listed page in range, in a chunk its group holds
+        and held; raises InvalidFreeError, changing nothing."""
         if not isinstance(pages, Mapping):
             raise ArgumentTypeError(f"pages={show(pages)}: expected a dict of group name -> "
                                     "page ids.")
@@ -369,17 +407,11 @@ class GroupAllocator:
             ids = self._ids(g, listed, action)
             if ids.size == 0:
                 continue
-            outside = ids[self.arena.owners[ids // self.pages_per_chunk[g]] != g]
-            if outside.size:
-                raise InvalidFreeError(
-                    f"{action}() got pages {outside.tolist()[:16]} of group {name!r} in chunks "
-                    "the group does not hold (no request holds them); nothing changed. This "
-                    "is a use after free.")
-            if action == "share":
-                try:
-                    self._allocators[g].require_live(ids, action)
-                except InvalidFreeError as e:
-                    raise InvalidFreeError(f"group {name!r}: {e}") from None
+            self._require_own(g, ids, action)
+            try:
+                self._allocators[g].require_live(ids, action)
+            except InvalidFreeError as e:
+                raise InvalidFreeError(f"group {name!r}: {e}") from None
             checked[g] = ids
         return checked
 
@@ -389,7 +421,8 @@ class GroupAllocator:
         The arena's free list holds exactly the unowned chunks; every group's allocator is
         sound; in a chunk a group does not hold, each of its pages has exactly the arena as
         holder; in a chunk it holds, the pages requests hold are the ones counted, and at
-        least one (an empty chunk goes back); the chunks held fit the budget.
+        least one unless the chunk is one it emptied and returns at its next allocate; the
+        chunks held fit the budget.
         """
         problems = self.arena.check()
         for g, (name, alloc) in enumerate(zip(self.names, self._allocators)):
@@ -404,8 +437,11 @@ class GroupAllocator:
             if bad.size:
                 problems.append(f"group {name!r}: chunks {bad.tolist()[:16]} are not its own "
                                 "but hold pages with other than the arena as their one holder")
-            bad = np.flatnonzero(held & ((live != self._used[g]) | (self._used[g] == 0)))
-            bad = np.union1d(bad, np.flatnonzero(~held & (self._used[g] != 0)))
+            emptied = np.zeros(self.arena.num_chunks, dtype=bool)
+            emptied[self._emptied[g]] = True
+            bad = np.flatnonzero(held & ((live != self._used[g])
+                                         | ((self._used[g] == 0) != emptied)))
+            bad = np.union1d(bad, np.flatnonzero(~held & ((self._used[g] != 0) | emptied)))
             if bad.size:
                 problems.append(f"group {name!r}: chunks {bad.tolist()[:16]} have held-page "
                                 f"counts {self._used[g][bad].tolist()[:16]}, pages live "

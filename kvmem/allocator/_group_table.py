@@ -19,9 +19,9 @@ the tokens the state has absorbed.
 Numpy arrays, one writer (:class:`TokenRows`, :class:`StateRows`); a batch's operations are a
 constant number of numpy calls whatever its size. The token groups' rows are slices of one
 ``[G, max_seqs, max_pages]`` pair of arrays (pages, tags), so a step's pages in every token
-group are one gather (:class:`TokenKernels`), which the batched check compares in one pass. Pages are allocated and freed by the
-caller (the hybrid manager, through its :class:`~kvmem.allocator.GroupAllocator`): this table
-says which it needs and which it drops.
+group are one gather (:class:`TokenKernels`), which the batched check compares in one pass.
+Pages are allocated and freed by the caller (the hybrid manager, through its
+:class:`~kvmem.allocator.GroupAllocator`): this table says which it needs and which it drops.
 """
 
 from __future__ import annotations
@@ -120,21 +120,24 @@ class TokenRows:
 
     def release_before(self, rows: npt.NDArray[np.intp], stop: I64) -> npt.NDArray[np.int32]:
         """Mark each row's indices before ``stop`` released; returns the pages they held."""
-        stop = np.minimum(stop, self.num_pages[rows])
-        gain = np.maximum(stop - self.released[rows], 0)
-        if not gain.any():
+        released = self.released[rows]
+        gain = np.minimum(stop, self.num_pages[rows]) - released
+        most = gain.max() if gain.size else 0
+        if most <= 0:
             return np.empty(0, dtype=np.int32)
         self.version += 1
-        if gain.max() <= 1:  # (a decode step: a page at most each)
-            r = rows[gain > 0]
-            cols = self.released[r]
+        if most == 1:  # (a decode step: a page at most each)
+            moved = gain > 0
+            r, cols = rows[moved], released[moved]
+            self.released[r] = cols + 1
         else:
+            gain = np.maximum(gain, 0)
             _, seg, off = ragged(gain)
             r = rows[seg]
-            cols = self.released[r] + off
+            cols = released[seg] + off
+            self.released[rows] = released + gain
         gone = self.pages[r, cols]
         self.pages[r, cols] = RELEASED
-        self.released[rows] += gain
         return gone[gone != RELEASED]
 
     def fork(self, src: int, dst: int, tail: tuple[int, int] | None) -> None:
@@ -259,7 +262,8 @@ class GroupTable:
                        for i, g in enumerate(specs)}
         self._group_index = np.arange(len(specs), dtype=np.int64)[:, None]  # [G, 1]
         self._page_size = np.array([[g.page_size] for g in specs], dtype=np.int64)
-        self._window = np.array([[t.window] for t in self.tokens.values()], dtype=np.int64)
+        self._windowed = [g for g, t in enumerate(self.tokens.values()) if t.window]
+        self._windows = [t for t in self.tokens.values() if t.window]
         self.states = {g.name: StateRows(g, max_seqs) for g in groups if isinstance(g, StateSpec)}
         self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.num_committed = np.zeros(max_seqs, dtype=np.int64)
@@ -319,11 +323,9 @@ class GroupTable:
                 and np.array_equal(last[2], starts) and np.array_equal(last[3], ends)):
             return last[4]
         P = self._page_size
-        if self._window.any():
-            first = np.where(self._window > 0,
-                             np.maximum(starts - self._window + 1, 0) // P, 0)
-        else:
-            first = np.zeros((P.shape[0], rows.size), dtype=np.int64)
+        first = np.zeros((P.shape[0], rows.size), dtype=np.int64)
+        for g, t in zip(self._windowed, self._windows):
+            first[g] = t.first_page(starts)
         indptr, seg, off = ragged((-(-ends // P) - first).ravel())
         _, S, M = self.pages.shape
         flat = ((self._group_index * S + rows) * M + first).ravel()[seg] + off
