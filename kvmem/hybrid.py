@@ -125,6 +125,8 @@ class HybridManager:
                  checkpoint_tokens: int | None = None, seed: int = 0) -> None:
         self.groups = check_groups(groups)
         self.allocator = GroupAllocator(self.groups, budget_bytes, chunk_bytes)
+        # Each group's lifetime tags now (read-only views of the allocators', live)
+        self._tags = {g.name: self.allocator.tags(g.name) for g in self.groups}
         self.max_tokens_per_seq = integer(max_tokens_per_seq, "max_tokens_per_seq", minimum=1)
         self.table = GroupTable(self.groups, integer(max_seqs, "max_seqs", minimum=1),
                                 self.max_tokens_per_seq)
@@ -215,7 +217,7 @@ class HybridManager:
             else:
                 pages = [p for e in chain for p in e.pages[name]]
             held = pages[released:]
-            t.restore(req.row, pages, [0] * released + self.allocator.tags(name)[held].tolist(),
+            t.restore(req.row, pages, [0] * released + self._tags[name][held].tolist(),
                       released)
             if held:
                 shared[name] = held
@@ -224,7 +226,7 @@ class HybridManager:
         slots = self.allocator.allocate(needs) if needs else {}
         for name, slot in slots.items():
             s = int(slot[0])
-            self.table.states[name].take(req.row, s, int(self.allocator.tags(name)[s]), end)
+            self.table.states[name].take(req.row, s, int(self._tags[name][s]), end)
             if chain:
                 self._copy(name, chain[-1].states[name], s)
         if self.cache is not None and keys:
@@ -258,7 +260,7 @@ class HybridManager:
         new = self.allocator.allocate({k: v for k, v in needs.items() if v})
         for name, pages in new.items():
             self.table.tokens[name].append(rows, growth[name], pages,
-                                           self.allocator.tags(name)[pages])
+                                           self._tags[name][pages])
         self.table.set_tokens(rows, ends)
         if self._held_for_copies:  # the engine made the listed copies before this step
             held, self._held_for_copies = self._held_for_copies, {}
@@ -294,7 +296,7 @@ class HybridManager:
         bad = check_hybrid_step(step, known, num_tokens,
                                 lambda starts, ends: table.kernels(rows, starts, ends),
                                 tuple(table.tokens),
-                                {g.name: self.allocator.tags(g.name) for g in self.groups},
+                                self._tags,
                                 states)
         aborted = {ids[b]: why for b, why in bad.items()}
         for rid, why in aborted.items():
@@ -358,12 +360,7 @@ class HybridManager:
             C = self.checkpoint_tokens
             for i in np.flatnonzero(after // C > before // C).tolist():
                 self._checkpoint(reqs[i])
-        gone = {}
-        for name, t in self.table.tokens.items():
-            if t.window:
-                pages = t.release_before(rows, t.first_page(after))
-                if pages.size:
-                    gone[name] = pages
+        gone = self.table.release_windows(rows, after)
         if gone:
             self.allocator.free(gone)
 
@@ -401,7 +398,7 @@ class HybridManager:
             if name in tails:
                 src, dst = int(t.pages[p, t.num_pages[p] - 1]), int(new[name][0])
                 copies.append(self._copy(name, src, dst))
-                tail = (dst, int(self.allocator.tags(name)[dst]))
+                tail = (dst, int(self._tags[name][dst]))
                 held = held[:-1]
             t.fork(p, child.row, tail)
             if held.size:
@@ -411,7 +408,7 @@ class HybridManager:
         for name, s in self.table.states.items():
             dst = int(new[name][0])
             copies.append(self._copy(name, int(s.slot[p]), dst))
-            s.take(child.row, dst, int(self.allocator.tags(name)[dst]), int(s.tokens[p]))
+            s.take(child.row, dst, int(self._tags[name][dst]), int(s.tokens[p]))
         child.keys = list(parent.keys)
         return copies
 

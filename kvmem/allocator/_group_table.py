@@ -263,7 +263,7 @@ class GroupTable:
         self._group_index = np.arange(len(specs), dtype=np.int64)[:, None]  # [G, 1]
         self._page_size = np.array([[g.page_size] for g in specs], dtype=np.int64)
         self._windowed = [g for g, t in enumerate(self.tokens.values()) if t.window]
-        self._windows = [t for t in self.tokens.values() if t.window]
+        self._windows = {name: t for name, t in self.tokens.items() if t.window}
         self.states = {g.name: StateRows(g, max_seqs) for g in groups if isinstance(g, StateSpec)}
         self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.num_committed = np.zeros(max_seqs, dtype=np.int64)
@@ -303,6 +303,17 @@ class GroupTable:
         return {name: np.maximum(-(-ends // t.page_size) - t.num_pages[rows], 0)
                 for name, t in self.tokens.items()}
 
+    def release_windows(self, rows: npt.NDArray[np.intp], committed: I64
+                        ) -> dict[str, npt.NDArray[np.int32]]:
+        """In each sliding-window group, release the pages of ``rows`` wholly before the
+        window of their next query (after ``committed`` tokens); returns them per group."""
+        gone = {}
+        for name, t in self._windows.items():
+            pages = t.release_before(rows, t.first_page(committed))
+            if pages.size:
+                gone[name] = pages
+        return gone
+
     def set_tokens(self, rows: npt.NDArray[np.intp], num_tokens: I64) -> None:
         self.num_tokens[rows] = num_tokens
 
@@ -324,7 +335,7 @@ class GroupTable:
             return last[4]
         P = self._page_size
         first = np.zeros((P.shape[0], rows.size), dtype=np.int64)
-        for g, t in zip(self._windowed, self._windows):
+        for g, t in zip(self._windowed, self._windows.values()):
             first[g] = t.first_page(starts)
         indptr, seg, off = ragged((-(-ends // P) - first).ravel())
         _, S, M = self.pages.shape
