@@ -653,3 +653,33 @@ def test_a_bad_take_changes_nothing(pages: list[int], words: str) -> None:
     with pytest.raises(ArgumentError, match=words):
         alloc.take(pages)
     assert allocator_state(alloc) == before
+
+
+def test_a_planned_free_frees_what_free_would_and_only_while_nothing_changed() -> None:
+    """plan_free validates without changing anything; apply_free carries the plan out on
+    the allocator that made it, unchanged since (a group allocator plans every group's free
+    before applying any): another allocator's plan, a stale one, or no plan is refused."""
+    alloc, twin = PageAllocator(8), PageAllocator(8)
+    pages = alloc.allocate(4)
+    twin.allocate(4)
+    alloc.share(pages[:1])
+    before = allocator_state(alloc)
+    plan = alloc.plan_free([pages[0], pages[0], pages[1]])
+    assert allocator_state(alloc) == before
+    with pytest.raises(InvalidFreeError, match="more times"):
+        alloc.plan_free([pages[1], pages[1]])
+    for bad, words in ((twin.plan_free(pages[:1]), "of this allocator"),
+                       ((plan.pages, plan.remaining), "of this allocator")):
+        with pytest.raises(ArgumentError, match=words):
+            alloc.apply_free(bad)  # type: ignore[arg-type]
+        assert allocator_state(alloc) == before
+    assert alloc.apply_free(plan).tolist() == sorted(pages[:2].tolist())
+    after = allocator_state(alloc)
+    with pytest.raises(ArgumentError, match="before this allocator last changed"):
+        alloc.apply_free(plan)  # (applied once already: stale)
+    stale = alloc.plan_free(pages[2:3])
+    alloc.allocate(1)
+    with pytest.raises(ArgumentError, match="before this allocator last changed"):
+        alloc.apply_free(stale)
+    assert alloc.refcounts[pages[2]] == 1 and allocator_state(alloc) != after
+    alloc.check()

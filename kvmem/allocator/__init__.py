@@ -57,7 +57,7 @@ from kvmem.allocator._groups import (
 )
 from kvmem.allocator._hashed_prefix_cache import HashedPrefixCache
 from kvmem.allocator._invariants import page_classes, problems
-from kvmem.allocator._page_allocator import AllocatorStats, PageAllocator
+from kvmem.allocator._page_allocator import AllocatorStats, FreePlan, PageAllocator
 from kvmem.allocator._page_table import CSRMetadata, GrowResult, PageTable
 from kvmem.allocator._pages import FaultHooks, Pages
 from kvmem.allocator._prefix_cache import PrefixCache, PrefixMatch
@@ -80,6 +80,7 @@ __all__ = [
     "Committer",
     "FaultHooks",
     "Forks",
+    "FreePlan",
     "FullAttentionSpec",
     "GroupAllocator",
     "GroupFit",

@@ -324,12 +324,12 @@ class GroupAllocator:
                 plan = self._allocators[g].plan_free(as_page_ids(listed, f"pages[{name!r}]"))
             except InvalidFreeError as e:
                 raise InvalidFreeError(f"group {name!r}: {e}") from None
-            if plan[0].size:
-                self._require_own(g, plan[0], "free")
+            if plan.pages.size:
+                self._require_own(g, plan.pages, "free")
                 plans[g] = plan
         out = {}
         for g, plan in plans.items():
-            released = self._allocators[g].drop_holders(*plan)
+            released = self._allocators[g].apply_free(plan)
             if released.size:
                 touched = released // self.pages_per_chunk[g]
                 used = self._used[g]
@@ -408,10 +408,11 @@ class GroupAllocator:
             if ids.size == 0:
                 continue
             self._require_own(g, ids, action)
-            try:
-                self._allocators[g].require_live(ids, action)
-            except InvalidFreeError as e:
-                raise InvalidFreeError(f"group {name!r}: {e}") from None
+            free = ids[self._allocators[g].refcounts[ids] == 0]
+            if free.size:
+                raise InvalidFreeError(
+                    f"{action}() got pages {free.tolist()[:16]} of group {name!r} that are free "
+                    "(no holder); nothing changed. This is a use after free.")
             checked[g] = ids
         return checked
 

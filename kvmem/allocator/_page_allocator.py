@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvmem._validate import INT32_MAX as _INT32_MAX
-from kvmem._validate import integer
+from kvmem._validate import integer, show
 from kvmem.allocator._change_log import ChangeLog
 from kvmem.errors import (
     ArgumentError,
@@ -29,7 +29,7 @@ from kvmem.errors import (
     OutOfPagesError,
 )
 
-__all__ = ["AllocatorStats", "PageAllocator"]
+__all__ = ["AllocatorStats", "FreePlan", "PageAllocator"]
 
 PageIds = npt.NDArray[np.int32]
 
@@ -83,6 +83,17 @@ def as_page_ids(pages: npt.ArrayLike, name: str = "pages") -> PageIds:
     return arr.astype(np.int32)
 
 
+@dataclass(frozen=True, slots=True)
+class FreePlan:
+    """:meth:`PageAllocator.plan_free`'s answer: the distinct pages to free (``[k]`` intp,
+    ascending) and the holders each keeps (``[k]`` int32), for ``allocator`` at ``version``."""
+
+    allocator: PageAllocator
+    version: int
+    pages: npt.NDArray[np.intp]
+    remaining: npt.NDArray[np.int32]
+
+
 class PageAllocator:
     """Reference-counted pages ``0 .. num_pages-1`` with a fresh tag for every lifetime.
 
@@ -110,6 +121,7 @@ class PageAllocator:
         self._refcounts = np.zeros(self.num_pages, dtype=np.int32)
         self._tags = np.zeros(self.num_pages, dtype=np.int64)
         self._last_tag = 0
+        self._version = 0  # moves with every change (a FreePlan holds for one version)
         self._num_frees = 0
         self.changes = ChangeLog()
         self._popped = self.changes.reader()  # pop_changed_pages()'s own cursor
@@ -162,6 +174,7 @@ class PageAllocator:
         pages = self._free_stack[start : self._num_free][::-1].copy()
         self._num_free = start
         idx = pages.astype(np.intp)  # numpy indexes with intp arrays several times faster
+        self._version += 1
         self._refcounts[idx] = 1
         self._tags[idx] = np.arange(self._last_tag + 1, self._last_tag + 1 + num, dtype=np.int64)
         self._last_tag += num
@@ -194,6 +207,7 @@ class PageAllocator:
         kept = stack[~np.isin(stack, pages)]
         self._free_stack[: kept.size] = kept
         self._num_free = kept.size
+        self._version += 1
         self._refcounts[idx] = 1
         self._tags[idx] = np.arange(self._last_tag + 1, self._last_tag + 1 + idx.size,
                                     dtype=np.int64)
@@ -203,7 +217,8 @@ class PageAllocator:
     def share(self, pages: npt.ArrayLike) -> None:
         """Add one holder to each listed live page (a page listed twice gains two)."""
         pages = as_page_ids(pages)
-        self.require_live(pages, "share")
+        self._require_live(pages, "share")
+        self._version += 1
         np.add.at(self._refcounts, pages, _ONE)
 
     def share_distinct(self, pages: npt.NDArray[np.integer]) -> None:
@@ -213,11 +228,12 @@ class PageAllocator:
             return
         idx = pages if pages.dtype == np.intp else pages.astype(np.intp)
         if _min(idx) < 0 or _max(idx) >= self.num_pages:
-            self.require_live(idx, "share")  # raises, naming the bad ids
+            self._require_live(idx, "share")  # raises, naming the bad ids
         held = self._refcounts[idx]
         if np.count_nonzero(held) != held.size:
-            self.require_live(idx, "share")
+            self._require_live(idx, "share")
         held += 1
+        self._version += 1
         self._refcounts[idx] = held
 
     def free(self, pages: npt.ArrayLike) -> PageIds:
@@ -238,17 +254,17 @@ class PageAllocator:
         pages = as_page_ids(pages)
         if pages.size == 0:
             return pages.copy()
-        return self.drop_holders(*self.plan_free(pages))
+        return self.apply_free(self.plan_free(pages))
 
-    def plan_free(self, pages: npt.ArrayLike
-                  ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]:
-        """What :meth:`free` of ``pages`` would do, validated, changing nothing: ``(distinct
-        pages ascending [k] intp, the holders each keeps [k] int32)``, for
-        :meth:`drop_holders` (a caller freeing in several allocators at once validates all of
-        them first). Raises InvalidFreeError as :meth:`free`."""
+    def plan_free(self, pages: npt.ArrayLike) -> FreePlan:
+        """What :meth:`free` of ``pages`` would do, validated, changing nothing; apply it with
+        :meth:`apply_free` before anything else changes this allocator (a caller freeing in
+        several allocators at once validates all of them first). Raises InvalidFreeError as
+        :meth:`free`."""
         pages = as_page_ids(pages)
         if pages.size == 0:
-            return np.empty(0, dtype=np.intp), np.empty(0, dtype=np.int32)
+            return FreePlan(self, self._version, np.empty(0, dtype=np.intp),
+                            np.empty(0, dtype=np.int32))
         uniq, held = self._sorted_live(pages)
         if uniq.size > 1 and np.count_nonzero(uniq[1:] == uniq[:-1]):
             # A page listed k times loses k holders: group the repeats first.
@@ -262,9 +278,21 @@ class PageAllocator:
                     "release paths are probably freeing the same page: free each holder's "
                     "reference once."
                 )
-            return uniq, remaining.astype(np.int32)
+            return FreePlan(self, self._version, uniq, remaining.astype(np.int32))
         held -= 1  # live pages have >= 1 holder: never negative
-        return uniq, held
+        return FreePlan(self, self._version, uniq, held)
+
+    def apply_free(self, plan: FreePlan) -> PageIds:
+        """Carry out a :meth:`plan_free` of this allocator, made since its last change;
+        returns the pages left with no holder (free now, tag 0), ascending, int32. Raises
+        ArgumentError (nothing changed) for another allocator's plan or a stale one."""
+        if not isinstance(plan, FreePlan) or plan.allocator is not self:
+            raise ArgumentError(f"apply_free() got {show(plan)}: pass a plan_free() of this "
+                                "allocator; nothing changed.")
+        if plan.version != self._version:
+            raise ArgumentError("apply_free() got a plan made before this allocator last "
+                                "changed; plan the free again; nothing changed.")
+        return self._drop_holders(plan.pages, plan.remaining)
 
     def free_distinct(self, pages: npt.NDArray[np.integer]) -> PageIds:
         """:meth:`free` for pages (int32 or intp) listed at most once each (no duplicate check).
@@ -276,7 +304,7 @@ class PageAllocator:
             return np.empty(0, dtype=np.int32)
         uniq, held = self._sorted_live(pages)
         held -= 1
-        return self.drop_holders(uniq, held)
+        return self._drop_holders(uniq, held)
 
     def _sorted_live(self, pages: npt.NDArray[np.integer]
                      ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.int32]]:
@@ -285,16 +313,17 @@ class PageAllocator:
         uniq = pages.astype(np.intp)
         uniq.sort()
         if uniq[0] < 0 or uniq[-1] >= self.num_pages:
-            self.require_live(uniq, "free")  # raises: out of range
+            self._require_live(uniq, "free")  # raises: out of range
         held = self._refcounts[uniq]
         if np.count_nonzero(held) != held.size:
-            self.require_live(uniq, "free")  # raises: a free page
+            self._require_live(uniq, "free")  # raises: a free page
         return uniq, held
 
-    def drop_holders(self, uniq: npt.NDArray[np.intp], remaining: npt.NDArray[np.int32]
-                     ) -> PageIds:
-        """Apply a :meth:`plan_free`: set distinct, ascending pages' holders to
-        ``remaining``; free those left with none (returned, int32, ascending)."""
+    def _drop_holders(self, uniq: npt.NDArray[np.intp], remaining: npt.NDArray[np.int32]
+                      ) -> PageIds:
+        """Set distinct, ascending pages' holders to ``remaining``; free those left with
+        none (returned, int32, ascending)."""
+        self._version += 1
         self._refcounts[uniq] = remaining
         released = uniq[remaining == 0] if np.count_nonzero(remaining) else uniq
         self._tags[released] = 0
@@ -317,8 +346,7 @@ class PageAllocator:
 
     # -- validation ---------------------------------------------------------------------------
 
-    def require_live(self, pages: npt.NDArray[np.integer], action: str) -> None:
-        """Raise InvalidFreeError naming ``action`` unless every page is in range and held."""
+    def _require_live(self, pages: npt.NDArray[np.integer], action: str) -> None:
         out_of_range = (pages < 0) | (pages >= self.num_pages)
         if np.count_nonzero(out_of_range):
             raise InvalidFreeError(
