@@ -240,7 +240,7 @@ class HybridManager:
         """Whether ``reserve(request_ids, num_tokens)`` would find its pages now."""
         _, rows, counts = self._batch(request_ids, num_tokens)
         growth = self.table.growth(rows, self.table.num_tokens[rows] + counts)
-        return self._fits({name: int(g.sum()) for name, g in growth.items()})
+        return self._fits(dict(zip(self.table.tokens, growth.sum(axis=1).tolist())))
 
     def reserve(self, request_ids: Sequence[Any], num_tokens: int | Sequence[int]
                 ) -> HybridStep:
@@ -255,12 +255,12 @@ class HybridManager:
         starts = self.table.num_tokens[rows]
         ends = starts + counts
         growth = self.table.growth(rows, ends)
-        needs = {name: int(g.sum()) for name, g in growth.items()}
+        needs = dict(zip(self.table.tokens, growth.sum(axis=1).tolist()))
         self._make_room(needs)
         new = self.allocator.allocate({k: v for k, v in needs.items() if v})
-        for name, pages in new.items():
-            self.table.tokens[name].append(rows, growth[name], pages,
-                                           self._tags[name][pages])
+        for g, (name, t) in enumerate(self.table.tokens.items()):
+            if name in new:
+                t.append(rows, growth[g], new[name], self._tags[name][new[name]])
         self.table.set_tokens(rows, ends)
         if self._held_for_copies:  # the engine made the listed copies before this step
             held, self._held_for_copies = self._held_for_copies, {}

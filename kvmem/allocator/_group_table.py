@@ -63,16 +63,16 @@ class TokenRows:
     ``[max_seqs]`` row lengths, ``released`` ``[max_seqs]`` row indices before it released."""
 
     def __init__(self, spec: TokenSpec, pages: npt.NDArray[np.int32],
-                 tags: npt.NDArray[np.int64]) -> None:
-        """``pages`` and ``tags``: ``[max_seqs, max_pages]`` arrays this object alone writes
-        (slices of :class:`GroupTable`'s arrays of every token group), ``pages`` all
-        ``RELEASED``."""
+                 tags: npt.NDArray[np.int64], num_pages: I64) -> None:
+        """``pages`` and ``tags`` (``[max_seqs, max_pages]``, ``pages`` all ``RELEASED``) and
+        ``num_pages`` (``[max_seqs]`` zeros): arrays this object alone writes, slices of
+        :class:`GroupTable`'s arrays of every token group."""
         self.spec = spec
         self.page_size = spec.page_size
         self.window = spec.window if isinstance(spec, SlidingWindowSpec) else 0
         self.pages = pages
         self.tags = tags
-        self.num_pages = np.zeros(pages.shape[0], dtype=np.int64)
+        self.num_pages = num_pages
         self.released = np.zeros(pages.shape[0], dtype=np.int64)
         self.version = 0  # moves with every write: a kernel computed at one version holds
 
@@ -258,7 +258,8 @@ class GroupTable:
         width = max((-(-max_tokens // g.page_size) for g in specs), default=0)
         self.pages = np.full((len(specs), max_seqs, width), RELEASED, dtype=np.int32)
         self.tags = np.zeros((len(specs), max_seqs, width), dtype=np.int64)
-        self.tokens = {g.name: TokenRows(g, self.pages[i], self.tags[i])
+        self.num_pages = np.zeros((len(specs), max_seqs), dtype=np.int64)
+        self.tokens = {g.name: TokenRows(g, self.pages[i], self.tags[i], self.num_pages[i])
                        for i, g in enumerate(specs)}
         self._group_index = np.arange(len(specs), dtype=np.int64)[:, None]  # [G, 1]
         self._page_size = np.array([[g.page_size] for g in specs], dtype=np.int64)
@@ -298,10 +299,11 @@ class GroupTable:
         self._free_rows.append(row)
         return {k: v for k, v in held.items() if v.size}
 
-    def growth(self, rows: npt.NDArray[np.intp], ends: I64) -> dict[str, I64]:
-        """Pages each token group must add to ``rows`` for them to hold tokens to ``ends``."""
-        return {name: np.maximum(-(-ends // t.page_size) - t.num_pages[rows], 0)
-                for name, t in self.tokens.items()}
+    def growth(self, rows: npt.NDArray[np.intp], ends: I64) -> I64:
+        """``[G, B]``: pages each token group (in table order) must add to ``rows`` for them
+        to hold tokens to ``ends``."""
+        out: I64 = np.maximum(-(-ends // self._page_size) - self.num_pages[:, rows], 0)
+        return out
 
     def release_windows(self, rows: npt.NDArray[np.intp], committed: I64
                         ) -> dict[str, npt.NDArray[np.int32]]:
