@@ -96,6 +96,18 @@ def test_a_sliding_groups_kernel_lists_only_its_window_and_released_pages_are_fr
     assert {g.name: g.num_used_pages for g in m.stats().groups}["swa"] == 9 - first
 
 
+def test_a_model_of_states_alone_steps_with_no_token_group() -> None:
+    """A pure recurrent model (every layer a state, no attention): steps list no token
+    group, only the slot each request reads and writes."""
+    m = manager(groups=(STATE,))
+    prefill(m, "a", list(range(40)))
+    step = m.reserve(["a"], 1)
+    assert step.groups == {} and step.state_slots["gdn"].tolist() == m.pages_of("a", "gdn")
+    assert m.verify(["a"], step).ok
+    m.commit("a", [1])
+    m.check()
+
+
 def test_release_and_clear_return_every_chunk_to_the_budget() -> None:
     m = manager()
     for i in range(4):

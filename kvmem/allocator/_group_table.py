@@ -262,7 +262,7 @@ class GroupTable:
         self.tokens = {g.name: TokenRows(g, self.pages[i], self.tags[i], self.num_pages[i])
                        for i, g in enumerate(specs)}
         self._group_index = np.arange(len(specs), dtype=np.int64)[:, None]  # [G, 1]
-        self._page_size = np.array([[g.page_size] for g in specs], dtype=np.int64)
+        self._page_size = np.array([g.page_size for g in specs], dtype=np.int64)[:, None]
         self._windowed = [g for g, t in enumerate(self.tokens.values()) if t.window]
         self._windows = {name: t for name, t in self.tokens.items() if t.window}
         self.states = {g.name: StateRows(g, max_seqs) for g in groups if isinstance(g, StateSpec)}
