@@ -255,9 +255,12 @@ class HybridManager:
         starts = self.table.num_tokens[rows]
         ends = starts + counts
         growth = self.table.growth(rows, ends)
-        needs = dict(zip(self.table.tokens, growth.sum(axis=1).tolist()))
-        self._make_room(needs)
-        new = self.allocator.allocate({k: v for k, v in needs.items() if v})
+        needs = {k: v for k, v in zip(self.table.tokens, growth.sum(axis=1).tolist()) if v}
+        try:  # (a step usually fits: room is made, evicting cached prefixes, only if not)
+            new = self.allocator.allocate(needs)
+        except OutOfPagesError:
+            self._make_room(needs)
+            new = self.allocator.allocate(needs)
         for g, (name, t) in enumerate(self.table.tokens.items()):
             if name in new:
                 t.append(rows, growth[g], new[name], self._tags[name][new[name]])
