@@ -13,6 +13,7 @@ import numpy as np
 from kvmem.allocator import PAD
 from kvmem.errors import KVMemError
 from kvmem.integrations.vllm._blocks import KVMemBlocks, RequestState
+from kvmem.integrations.vllm._keys import namespace_of
 from kvmem.manager import KVCacheManager
 
 __all__ = ["FlushQueue"]
@@ -21,7 +22,9 @@ __all__ = ["FlushQueue"]
 # entries (the first also for (batch index, pages, out) results) and for requests.
 _REQUEST, _STATE, _NUM, _QUEUED_AT = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(4)
 _RID = attrgetter("rid")
-_TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
+# What kvmem keys a request's pages by (set when the adapter admits it, see _keys.py): the
+# list behind vLLM's Request.all_token_ids, or a view of it with multimodal blocks folded.
+_TOKENS = attrgetter("_kvmem_keys")
 _COMPUTED = attrgetter("num_computed_tokens")
 _COMMITTED = attrgetter("committed")
 
@@ -145,10 +148,10 @@ class FlushQueue:
             fills = fills + [(st.committed, upto, request) for request, st, upto in self.commits]
         head = None
         for first, last, request in fills:
-            if first < end <= last and (request.cache_salt or None) == namespace:
+            if first < end <= last and namespace_of(request) == namespace:
                 if head is None:
                     head = tokens[:end]
-                if request._all_token_ids[:end] == head:
+                if request._kvmem_keys[:end] == head:
                     return True
         return False
 
@@ -429,9 +432,9 @@ class FlushQueue:
             return
         ids = [e[1].rid for e in entries]
         if all(e[3] - e[2] == 1 for e in entries):  # one token each (the async decode step)
-            tokens: Any = np.array([e[0]._all_token_ids[e[2]] for e in entries], dtype=np.int64)
+            tokens: Any = np.array([e[0]._kvmem_keys[e[2]] for e in entries], dtype=np.int64)
         else:
-            tokens = [e[0]._all_token_ids[e[2] : e[3]] for e in entries]
+            tokens = [e[0]._kvmem_keys[e[2] : e[3]] for e in entries]
         self.manager.commit_batch(ids, tokens)
         for e in entries:
             e[1].committed = e[3]
