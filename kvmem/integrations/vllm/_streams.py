@@ -89,6 +89,10 @@ class SchedulerSpec:
     spec_method: SpecMethod | None = None  # speculative decoding
     num_spec_tokens: int = 0  # drafts per step (at least 1 with a spec_method)
     draft_acceptance: float = 0.7  # the synthetic verifier accepts a draft this often
+    # The scheduler's encoder budget and cache, in tokens (0: none; requests with multimodal
+    # inputs need one at least as long as their longest input)
+    encoder_cache_size: int = 0
+    max_loras: int = 0  # vLLM's lora_config.max_loras (0: no lora_config)
 
     def __post_init__(self) -> None:
         _check("SchedulerSpec", [
@@ -110,6 +114,8 @@ class SchedulerSpec:
                 "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid")),
             self._check_spec,
             lambda: real(self.draft_acceptance, "draft_acceptance", minimum=0.0, maximum=1.0),
+            lambda: integer(self.encoder_cache_size, "encoder_cache_size", minimum=0),
+            lambda: integer(self.max_loras, "max_loras", minimum=0, maximum=1 << 16),
         ])
 
     def _check_spec(self) -> None:
@@ -129,7 +135,9 @@ class SchedulerSpec:
 @dataclass(frozen=True)
 class StreamRequest:
     """One request: arrives before step ``arrival`` is scheduled, aborted before step
-    ``abort_at`` (if given and it is still unfinished)."""
+    ``abort_at`` (if given and it is still unfinished). ``lora``: the name of its LoRA adapter
+    (path ``/loras/NAME``); ``mm``: its multimodal inputs, ``(identifier, offset, length)``
+    each, sorted by offset, within the prompt and not overlapping."""
 
     rid: str
     prompt: tuple[int, ...]
@@ -138,6 +146,8 @@ class StreamRequest:
     salt: str | None = None
     abort_at: int | None = None
     priority: int = 0
+    lora: str | None = None
+    mm: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):  # a replay typed by hand: the tuple it stands for
@@ -150,7 +160,26 @@ class StreamRequest:
             lambda: _of_type(self.salt, "salt", (str, type(None)), "None or a str"),
             self._check_abort_at,
             lambda: integer(self.priority, "priority"),
+            lambda: _of_type(self.lora, "lora", (str, type(None)), "None or a str"),
+            self._check_mm,
         ])
+
+    def _check_mm(self) -> None:
+        mm = self.mm
+        if not isinstance(mm, tuple) or not all(
+                isinstance(m, tuple) and len(m) == 3 and isinstance(m[0], str)
+                and is_integer_like(m[1]) and is_integer_like(m[2]) for m in mm):
+            raise ArgumentTypeError(f"mm={show(mm)}: expected a tuple of (identifier: str, "
+                                    "offset: int, length: int).")
+        end = 0
+        for _, offset, length in mm:
+            if offset < end or length < 1:
+                raise ArgumentError(f"mm={show(mm)}: expected inputs of length >= 1, sorted by "
+                                    "offset and not overlapping (as vLLM assumes).")
+            end = offset + length
+        if isinstance(self.prompt, tuple) and end > len(self.prompt):
+            raise ArgumentError(f"mm={show(mm)}: an input ends past the prompt "
+                                f"({len(self.prompt)} tokens).")
 
     def _check_abort_at(self) -> None:
         if self.abort_at is not None:  # an abort before the arrival would never happen
@@ -203,6 +232,12 @@ class StreamSpec:
                 raise ArgumentError(
                     f"requests {long[:4]}: a prompt longer than max_model_len="
                     f"{self.sched.max_model_len} (vLLM's engine refuses it before its scheduler)")
+            budget = self.sched.encoder_cache_size
+            wide = [r.rid for r in reqs if any(length > budget for _, _, length in r.mm)]
+            if wide:
+                raise ArgumentError(
+                    f"requests {wide[:4]}: a multimodal input longer than encoder_cache_size="
+                    f"{budget} (vLLM's scheduler would never schedule it)")
 
 
 def _of_type(value: Any, name: str, kind: type | tuple[type, ...], want: str) -> None:
