@@ -248,8 +248,10 @@ class _KVMemMixin(_SchedulerBase):
             try:
                 self.kvmem.namespaces.id_of(namespace, register=True)
             except KVMemError as e:
-                raise KVMemError(f"request {rid!r}: namespace {namespace!r} (its cache_salt and "
-                                 f"LoRA adapter) is refused: {e}; nothing was added") from e
+                lora = request.lora_request
+                adapter_name = "" if lora is None else f" with LoRA adapter {lora.lora_name!r}"
+                raise KVMemError(f"request {rid!r}: cache_salt={request.cache_salt!r}"
+                                 f"{adapter_name} is refused: {e}; nothing was added") from e
         # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
         # (kvmem keys its pages itself, when they fill): stop hashing every output token.
         request._block_hasher = None
