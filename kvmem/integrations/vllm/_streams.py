@@ -304,19 +304,23 @@ def draft_at(rid: str, position: int, seed: int, acceptance: float) -> int:
 
 def random_stream(rng: random.Random, *, max_requests: int = 10,
                   speculative: bool | None = None,
-                  spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS) -> StreamSpec:
+                  spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS,
+                  keys: bool | None = None) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
-    prefill, aborts, (often) a pool small enough to preempt, and (in 40% of the streams, or
+    prefill, aborts, (often) a pool small enough to preempt, (in 40% of the streams, or
     every one with ``speculative=True``, none with False) speculative decoding by one of
     ``spec_methods``: 1-4 or ``block_size + 1`` drafts a step, accepted at a random rate
-    (0, 0.5, 0.8 or 1). Same rng state, same stream. ``rng``: a ``random.Random``;
-    ``max_requests``: at least 1."""
+    (0, 0.5, 0.8 or 1), and (in 30%, or every one with ``keys=True``, none with False)
+    requests with LoRA adapters and images, which change block keys. Same rng state, same
+    stream. ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
                                 "random.Random(seed)).")
     integer(max_requests, "max_requests", minimum=1)
     if speculative is not None:
         flag(speculative, "speculative")
+    if keys is not None:
+        flag(keys, "keys")
     if (not isinstance(spec_methods, tuple) or not spec_methods
             or not set(spec_methods) <= set(SPEC_METHODS)):
         raise ArgumentError(f"spec_methods={show(spec_methods)}: expected a non-empty tuple of "
@@ -379,4 +383,39 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
             # A synchronous engine hands the drafts of a step over with its output: it never
             # has a step in flight when it asks the scheduler for the next one.
             pipeline = 1
+    # LoRA adapters and images, drawn after everything above (which then makes the same
+    # streams as before).
+    if (rng.random() < 0.3) if keys is None else keys:
+        requests, sched = _with_keys(rng, requests, sched)
     return StreamSpec(sched, tuple(requests), max_steps=400, seed=seed, pipeline=pipeline)
+
+
+def _with_keys(rng: random.Random, requests: list[StreamRequest], sched: SchedulerSpec
+               ) -> tuple[list[StreamRequest], SchedulerSpec]:
+    """The requests with LoRA adapters (two, or none) and images (three, each of one length,
+    as vLLM requires of an identifier) drawn in, and a scheduler with an encoder budget and
+    (sometimes) a LoRA limit. Prompts that start alike (one root) mostly get the root's
+    images, so that they share them; the others get images of their own. KV events are off
+    when there are images (kvmem refuses the two together)."""
+    p = sched.block_size
+    lengths = {f"img{k}": rng.randint(1, 2 * p + 1) for k in range(3)}
+
+    def layout() -> list[tuple[str, int, int]]:
+        mm, at = [], rng.choice((0, 1, p - 1, p))
+        for ident in rng.sample(sorted(lengths), rng.choice((0, 1, 1, 2))):
+            mm.append((ident, at, lengths[ident]))
+            at += lengths[ident] + rng.choice((0, 1, p))
+        return mm
+
+    of_root: dict[int, list[tuple[str, int, int]]] = {}
+    out = []
+    for r in requests:
+        lora = rng.choice((None, None, "x", "y"))
+        drawn = (of_root.setdefault(r.prompt[0], layout()) if rng.random() < 0.7
+                 else layout())
+        mm = tuple(m for m in drawn if m[1] + m[2] <= len(r.prompt))
+        out.append(replace(r, lora=lora, mm=mm))
+    widest = max(lengths.values())
+    return out, replace(sched, encoder_cache_size=2 * widest, max_loras=rng.choice((0, 1, 2)),
+                        max_num_batched_tokens=max(sched.max_num_batched_tokens, widest),
+                        kv_events=sched.kv_events and not any(r.mm for r in out))
