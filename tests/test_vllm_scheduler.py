@@ -221,12 +221,15 @@ def test_lora_requests_report_their_adapter_in_kv_events() -> None:
     assert stored[0].extra_keys[0] == ("x", "t")
 
 
-def _session_run(kvmem: bool, async_scheduling: bool) -> list[object]:
-    """A resumable (streaming input) session under vLLM's scheduler: its first chunk runs to
-    max_tokens, waits for input, gets a second chunk (vLLM drops the last sampled token and
-    appends the chunk, keeping the session's blocks), runs, then ends; meanwhile a request
-    whose prompt is the session's tokens arrives. Returns each step's canonical output and
-    the requests' tokens."""
+def _session_run(kvmem: bool, async_scheduling: bool, in_flight: int = 1,
+                 max_tokens: int = 3) -> list[object]:
+    """A resumable (streaming input) session under vLLM's scheduler: each chunk runs to
+    ``max_tokens`` and the session waits for input; it gets two more chunks (vLLM drops the
+    last sampled token and appends the chunk, keeping the session's blocks) and then ends;
+    with each chunk a request whose prompt is the session's tokens arrives. ``in_flight``:
+    steps scheduled before the oldest one's output is handed back (an async engine's
+    pipeline: a session then stops with steps in flight, which vLLM rolls back). Returns
+    each step's canonical output and the session's and the first other request's tokens."""
     from vllm.v1.request import RequestStatus
 
     from kvmem.integrations.vllm._vllm_objects import model_output
@@ -234,47 +237,59 @@ def _session_run(kvmem: bool, async_scheduling: bool) -> list[object]:
 
     spec = dataclasses.replace(SPEC, async_scheduling=async_scheduling)
     sched = make_scheduler(spec, kvmem)
-    session = make_request(StreamRequest("s", tuple(range(10, 23)), 3), 4)
+    session = make_request(StreamRequest("s", tuple(range(10, 23)), max_tokens), 4)
     session.resumable = True
     sched.add_request(session)
     records: list[object] = []
-    chunks = [tuple(range(40, 47)), None]
-    other = None
-    for _ in range(60):
+    chunks = [tuple(range(40, 47)), tuple(range(60, 65)), None]
+    others: list[object] = []
+    pending: list[tuple[object, object]] = []
+    for _ in range(80):
         if session.status == RequestStatus.WAITING_FOR_STREAMING_REQ and chunks:
             chunk = chunks.pop(0)
-            update = make_request(StreamRequest("s", chunk or (1,), 3), 4)
+            update = make_request(StreamRequest("s", chunk or (1,), max_tokens), 4)
             update.resumable = chunk is not None
             sched.add_request(update)
             if chunk is not None:
-                other = make_request(StreamRequest("o", tuple(session.all_token_ids), 2), 4)
+                other = make_request(StreamRequest(f"o{len(others)}",
+                                                   tuple(session.all_token_ids), 2), 4)
+                others.append(other)
                 sched.add_request(other)
-        if not sched.has_requests():
+        if not sched.has_requests() and not pending:
             break
-        out = sched.schedule()
-        records.append(_canonical(sched, out))
-        sched.update_from_output(out, model_output(sched, out))
-    records.append([list(session.all_token_ids), other and list(other.all_token_ids)])
+        if sched.has_requests():
+            out = sched.schedule()
+            records.append(_canonical(sched, out))
+            pending.append((out, model_output(sched, out)))
+        if len(pending) >= in_flight or not sched.has_requests():
+            sched.update_from_output(*pending.pop(0))
+    records.append([list(session.all_token_ids), others and list(others[0].all_token_ids)])
     if kvmem:
         assert sched.kv_cache_manager.num_integrity_aborts == 0
         sched.kv_cache_manager.check()
     return records
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_resumable_session_schedules_exactly_as_vllm(async_scheduling: bool) -> None:
-    """Every step's output (the resumed session's kept blocks, the other request's hit on
-    them) agrees with vLLM's manager, and the session got its second chunk."""
-    vllm_records = _session_run(False, async_scheduling)
-    kvmem_records = _session_run(True, async_scheduling)
+@pytest.mark.parametrize(("async_scheduling", "in_flight"), [(False, 1), (True, 1), (True, 2),
+                                                              (True, 3)])
+@pytest.mark.parametrize("max_tokens", [1, 3, 4])
+def test_a_resumable_session_schedules_exactly_as_vllm(async_scheduling: bool, in_flight: int,
+                                                        max_tokens: int) -> None:
+    """Every step's output (the resumed session's kept blocks, the other requests' hits on
+    them, usage) agrees with vLLM's manager, also when the session stops with steps in
+    flight (vLLM rolls its computed tokens back and keeps its blocks: kvmem gives the slots
+    back and keeps the pages), and the session got its chunks."""
+    vllm_records = _session_run(False, async_scheduling, in_flight, max_tokens)
+    kvmem_records = _session_run(True, async_scheduling, in_flight, max_tokens)
     assert len(kvmem_records) == len(vllm_records)
     for t, (a, b) in enumerate(zip(vllm_records, kvmem_records)):
         assert a == b, f"step {t}"
     tokens, other = vllm_records[-1]
-    # 13 prompt tokens, 2 of its 3 outputs kept (vLLM drops the last), the chunk, outputs
-    assert tokens[15:22] == list(range(40, 47)) and other[:22] == tokens[:22]
-    hit = [n for r in vllm_records[:-1] for (rid, n, _) in r["new"] if rid == "o"]
-    assert hit == [20]  # the other request hit the session's 5 full blocks
+    kept = max_tokens - 1  # (vLLM drops each chunk's last sampled token)
+    assert tokens[13 + kept : 20 + kept] == list(range(40, 47))
+    assert other[: 20 + kept] == tokens[: 20 + kept]
+    hit = [n for r in vllm_records[:-1] for (rid, n, _) in r["new"] if rid == "o0"]
+    assert hit == [(19 + kept) // 4 * 4]  # the first other request hit the session's blocks
 
 
 def _request_with(rid: str, **fields: object) -> object:

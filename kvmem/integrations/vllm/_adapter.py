@@ -416,6 +416,8 @@ class VllmKVCacheAdapter:
         # The flush commits the request's tokens from its key tokens (the same list, unless
         # it has multimodal inputs).
         request._kvmem_keys = tokens
+        if request.resumable:
+            self._queue.resumable = True
         if request.lora_request is not None and self.enable_kv_cache_events:
             self._lora_ids[self.namespace_of(request)] = request.lora_request.adapter_id
         st = RequestState(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)

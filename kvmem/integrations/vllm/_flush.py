@@ -69,6 +69,9 @@ class FlushQueue:
         self.manager = manager
         self.async_outputs = async_outputs
         self.speculative = speculative
+        # A resumable request was admitted: its computed tokens may be rolled back when it
+        # stops with steps in flight (set by the adapter).
+        self.resumable = False
         self.worker_block_table = worker_block_table
         self._reqs = requests
         self._aborted = on_aborted
@@ -193,6 +196,10 @@ class FlushQueue:
             return
         if self.speculative:
             self._give_back_rejected(q)
+        elif self.resumable:
+            # A resumable session that stopped with steps in flight: vLLM rolled its computed
+            # tokens back to what it had sampled, keeping the blocks (as for rejected drafts).
+            self._give_back_rejected([e for e in q if e[0].resumable])
         outs, first_admit, lookahead = self.new_blocks, self.first_admit, self.lookahead
         self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
         self.commits, self.lookahead = [], []
