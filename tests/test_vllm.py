@@ -392,6 +392,26 @@ def test_key_tokens_fold_exactly_the_blocks_with_images() -> None:
         keys[::2]
 
 
+def test_a_lora_namespace_is_the_adapters_name_and_path_with_the_salt() -> None:
+    """vLLM keys every block of a LoRA request with the adapter's name and path (not its id):
+    re-pointing a name at another path must not reuse KV, and the salt still separates."""
+    from vllm.lora.request import LoRARequest
+
+    from kvmem.integrations.vllm._keys import namespace_of
+    from kvmem.integrations.vllm.conformance import make_request
+
+    def ns(lora: Any, salt: str | None = None) -> Any:
+        req = make_request(StreamRequest("q", (11, 12, 13), 2, salt=salt), 4)
+        req.lora_request = lora
+        return namespace_of(req)
+
+    a = LoRARequest("a", 1, "/p")
+    assert ns(a) == ns(LoRARequest("a", 2, "/p"))  # (the id is not in vLLM's key)
+    assert len({ns(a), ns(LoRARequest("a", 1, "/q")), ns(LoRARequest("b", 1, "/p")),
+                ns(a, "t"), ns(None), ns(None, "t")}) == 6
+    assert ns(None, "") is None and ns(None, "t") == "t"
+
+
 def test_plain_requests_key_by_their_own_token_list() -> None:
     """Without multimodal inputs the key tokens are the request's token list itself (no copy
     on the decode path)."""

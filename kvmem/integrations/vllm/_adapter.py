@@ -524,8 +524,8 @@ class VllmKVCacheAdapter:
 
     def take_events(self) -> list[Any]:
         """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
-        (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
-        ``cache_salt``: in the extra keys of a prompt's first block)."""
+        (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports its
+        ``cache_salt`` and LoRA adapter: ``_blocks.vllm_events``)."""
         self._flush_pending()
         if not self.enable_kv_cache_events:
             return []
