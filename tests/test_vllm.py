@@ -584,10 +584,18 @@ def test_the_harness_functions_refuse_what_is_not_theirs() -> None:
         random_stream(random.Random(0), speculative=1)  # type: ignore[arg-type]
     with pytest.raises(KVMemError, match="spec_methods="):
         random_stream(random.Random(0), spec_methods=("medusa",))  # type: ignore[arg-type]
-    # Streams drawn before speculative decoding joined are the same streams.
-    plain = random_stream(random.Random(3), speculative=False)
+    with pytest.raises(KVMemError, match="keys="):
+        random_stream(random.Random(0), keys=1)  # type: ignore[arg-type]
+    # Streams drawn before speculative decoding (and then adapters and images) joined are the
+    # same streams.
+    plain = random_stream(random.Random(3), speculative=False, keys=False)
     assert plain.sched.spec_method is None
-    assert random_stream(random.Random(3), speculative=True).requests == plain.requests
+    assert random_stream(random.Random(3), speculative=True, keys=False).requests == (
+        plain.requests)
+    keyed = random_stream(random.Random(3), speculative=False, keys=True)
+    assert [(r.rid, r.prompt) for r in keyed.requests] == [
+        (r.rid, r.prompt) for r in plain.requests]
+    assert keyed.sched.encoder_cache_size > 0 and plain.sched.encoder_cache_size == 0
     with pytest.raises(KVMemError, match="stream="):
         compare(SPEC)  # type: ignore[arg-type]
     with pytest.raises(KVMemError, match="kvmem="):
