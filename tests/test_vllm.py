@@ -559,9 +559,23 @@ def test_a_bad_option_is_one_line_and_status_2_before_any_work(
     (lambda: SchedulerSpec(num_spec_tokens=2), "num_spec_tokens=2", ValueError),
     (lambda: SchedulerSpec(spec_method="ngram", num_spec_tokens=2, draft_acceptance=1.5),
      "draft_acceptance=1.5", ValueError),
+    (lambda: SchedulerSpec(encoder_cache_size=-1), "encoder_cache_size=-1", ValueError),
+    (lambda: SchedulerSpec(max_loras=-1), "max_loras=-1", ValueError),
+    (lambda: StreamRequest("a", (1, 2), 3, lora=5), "lora=5", TypeError),  # type: ignore[arg-type]
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 1),)), "mm=", TypeError),  # type: ignore[arg-type]
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 4, 2), ("j", 1, 2))), "sorted",
+     ValueError),
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 4, 0),)), "length >= 1", ValueError),
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 4, 5),)), "past the prompt",
+     ValueError),
+    (lambda: StreamSpec(SchedulerSpec(encoder_cache_size=2),
+                        (StreamRequest("a", (1,) * 8, 1, mm=(("i", 0, 3),)),)),
+     "encoder_cache_size=2", ValueError),
 ], ids=["blocks", "block_size", "batched<seqs", "watermark", "policy", "flag", "empty-prompt",
         "max_tokens", "abort-before-arrival", "float-token", "duplicate-ids", "too-long",
-        "pipeline", "spec-method", "no-drafts", "drafts-without-method", "acceptance"])
+        "pipeline", "spec-method", "no-drafts", "drafts-without-method", "acceptance",
+        "encoder-budget", "max-loras", "lora-type", "mm-type", "mm-unsorted", "mm-empty",
+        "mm-past-prompt", "mm-wider-than-budget"])
 def test_a_bad_stream_spec_is_refused_when_built(build: Any, named: str, kind: type) -> None:
     """They were unchecked: vLLM's pydantic ValidationError, its ``assert`` on a duplicate
     request id, an IndexError inside vLLM's block pool (a prompt past max_model_len), or
