@@ -282,13 +282,11 @@ def test_a_refused_model_is_told_to_use_vllms_own_scheduler_not_to_unset_itself(
 
 @pytest.mark.parametrize(("mutate", "named"), [
     (_ec, "ec_transfer_config"),
-    (_lora, "lora_config"),
     (_metrics, "kv_cache_metrics"),
     (_aux, "aux_output_config"),
     (lambda vc: _with_model(vc, is_encoder_decoder=True), "encoder-decoder"),
-    (lambda vc: _with_model(vc, supports_multimodal_inputs=True), "multimodal"),
     (lambda vc: _with_parallel(vc, prefill_context_parallel_size=2), "prefill_context_parallel"),
-], ids=["ec", "lora", "kv_cache_metrics", "aux", "encoder-decoder", "multimodal", "pcp"])
+], ids=["ec", "kv_cache_metrics", "aux", "encoder-decoder", "pcp"])
 def test_each_engine_option_in_the_refused_column_is_named(mutate: Any, named: str) -> None:
     vc, kc = make_vllm_config(SPEC)
     mutate(vc)
@@ -314,16 +312,114 @@ def test_mla_is_supported() -> None:
     assert _build(vc, kc).kvmem.num_pages == SPEC.num_blocks - 1
 
 
-@pytest.mark.parametrize("what", ["mm_features", "resumable"])
-def test_multimodal_and_resumable_requests_are_refused_and_change_nothing(what: str) -> None:
+def test_a_lora_config_is_supported() -> None:
+    """LoRA adapters only change block keys, which kvmem computes as vLLM does (the adapter
+    in the namespace)."""
+    vc, kc = make_vllm_config(SPEC)
+    _lora(vc)
+    assert _build(vc, kc).kvmem.num_pages == SPEC.num_blocks - 1
+
+
+def _features(layout: list[tuple[int, int]], names: list[str]) -> list[Any]:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality="image", identifier=name,
+                                  mm_position=PlaceholderRange(offset=o, length=n))
+            for (o, n), name in zip(layout, names)]
+
+
+def test_multimodal_extra_keys_are_vllms_block_by_block() -> None:
+    """kvmem's per-block multimodal keys are exactly what vLLM's own
+    ``generate_block_hash_extra_keys`` gives each block of a request, over random layouts of
+    inputs (adjacent, several in a block, one spanning blocks, at the prompt's end) and block
+    sizes."""
+    import random
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    from vllm.v1.request import Request
+
+    from kvmem.integrations.vllm._keys import mm_extra_keys
+
+    rng = random.Random(0)
+    for _ in range(300):
+        block_size = rng.choice((1, 2, 3, 4, 16))
+        layout, at = [], rng.randrange(0, 6)
+        for _ in range(rng.randint(1, 4)):
+            length = rng.randint(1, 9)
+            layout.append((at, length))
+            at += length + rng.choice((0, 0, 1, 5))
+        num_tokens = at + rng.randint(0, 2 * block_size)
+        names = [f"img{rng.randrange(3)}" for _ in layout]
+        req = Request(request_id="r", prompt_token_ids=[5] * num_tokens,
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                      mm_features=_features(layout, names))
+        vllm_keys, mm_idx = {}, 0
+        for j in range(num_tokens // block_size):
+            keys, mm_idx = generate_block_hash_extra_keys(
+                req, j * block_size, (j + 1) * block_size, mm_idx)
+            if keys:
+                vllm_keys[j] = keys
+        ours = {j: keys for j, keys in mm_extra_keys(req.mm_features, block_size)
+                if j < num_tokens // block_size}
+        assert ours == vllm_keys, (layout, block_size)
+
+
+def test_key_tokens_fold_exactly_the_blocks_with_images() -> None:
+    """A multimodal request's key tokens: its own ids in blocks without an image, ids at
+    2**30 and above in blocks with one; slices and indexing agree with each other, follow
+    the live token list (outputs appended), and two images' folds differ."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvmem.integrations.vllm._keys import KEY_TOKEN_BASE, key_tokens
+
+    def request(name: str) -> Any:
+        return Request(request_id=name, prompt_token_ids=list(range(10, 30)),
+                       sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                       mm_features=_features([(5, 4)], [name]))
+
+    req = request("img")
+    keys = key_tokens(req, 4)  # the image at 5-8: blocks 1 and 2
+    whole = keys[:]
+    assert whole[:4] == list(range(10, 14)) and whole[12:] == list(range(22, 30))
+    assert all(t >= KEY_TOKEN_BASE for t in whole[4:12])
+    assert [keys[i] for i in range(len(keys))] == whole and keys[3:9] == whole[3:9]
+    req.append_output_token_ids(77)
+    assert len(keys) == 21 and keys[20] == 77 and keys[-1] == 77
+    assert key_tokens(request("other"), 4)[4:12] != whole[4:12]
+    with pytest.raises(ValueError, match="step 1"):
+        keys[::2]
+
+
+def test_a_lora_namespace_is_the_adapters_name_and_path_with_the_salt() -> None:
+    """vLLM keys every block of a LoRA request with the adapter's name and path (not its id):
+    re-pointing a name at another path must not reuse KV, and the salt still separates."""
+    from vllm.lora.request import LoRARequest
+
+    from kvmem.integrations.vllm._keys import namespace_of
     from kvmem.integrations.vllm.conformance import make_request
 
-    d = Driver(SPEC, kvmem=True)
+    def ns(lora: Any, salt: str | None = None) -> Any:
+        req = make_request(StreamRequest("q", (11, 12, 13), 2, salt=salt), 4)
+        req.lora_request = lora
+        return namespace_of(req)
+
+    a = LoRARequest("a", 1, "/p")
+    assert ns(a) == ns(LoRARequest("a", 2, "/p"))  # (the id is not in vLLM's key)
+    assert len({ns(a), ns(LoRARequest("a", 1, "/q")), ns(LoRARequest("b", 1, "/p")),
+                ns(a, "t"), ns(None), ns(None, "t")}) == 6
+    assert ns(None, "") is None and ns(None, "t") == "t"
+
+
+def test_plain_requests_key_by_their_own_token_list() -> None:
+    """Without multimodal inputs the key tokens are the request's token list itself (no copy
+    on the decode path)."""
+    from kvmem.integrations.vllm._keys import key_tokens
+    from kvmem.integrations.vllm.conformance import make_request
+
     req = make_request(StreamRequest("q", (11, 12, 13), 2), 4)
-    setattr(req, what, [object()] if what == "mm_features" else True)
-    with pytest.raises(KVMemError, match="'q'"):
-        d.sched.add_request(req)
-    assert not d.sched.requests and not d.sched.has_requests()
+    assert key_tokens(req, 4) is req._all_token_ids
 
 
 def test_an_empty_cache_salt_is_no_salt_as_in_vllm() -> None:
@@ -463,9 +559,23 @@ def test_a_bad_option_is_one_line_and_status_2_before_any_work(
     (lambda: SchedulerSpec(num_spec_tokens=2), "num_spec_tokens=2", ValueError),
     (lambda: SchedulerSpec(spec_method="ngram", num_spec_tokens=2, draft_acceptance=1.5),
      "draft_acceptance=1.5", ValueError),
+    (lambda: SchedulerSpec(encoder_cache_size=-1), "encoder_cache_size=-1", ValueError),
+    (lambda: SchedulerSpec(max_loras=-1), "max_loras=-1", ValueError),
+    (lambda: StreamRequest("a", (1, 2), 3, lora=5), "lora=5", TypeError),  # type: ignore[arg-type]
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 1),)), "mm=", TypeError),  # type: ignore[arg-type]
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 4, 2), ("j", 1, 2))), "sorted",
+     ValueError),
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 4, 0),)), "length >= 1", ValueError),
+    (lambda: StreamRequest("a", (1,) * 8, 3, mm=(("i", 4, 5),)), "past the prompt",
+     ValueError),
+    (lambda: StreamSpec(SchedulerSpec(encoder_cache_size=2),
+                        (StreamRequest("a", (1,) * 8, 1, mm=(("i", 0, 3),)),)),
+     "encoder_cache_size=2", ValueError),
 ], ids=["blocks", "block_size", "batched<seqs", "watermark", "policy", "flag", "empty-prompt",
         "max_tokens", "abort-before-arrival", "float-token", "duplicate-ids", "too-long",
-        "pipeline", "spec-method", "no-drafts", "drafts-without-method", "acceptance"])
+        "pipeline", "spec-method", "no-drafts", "drafts-without-method", "acceptance",
+        "encoder-budget", "max-loras", "lora-type", "mm-type", "mm-unsorted", "mm-empty",
+        "mm-past-prompt", "mm-wider-than-budget"])
 def test_a_bad_stream_spec_is_refused_when_built(build: Any, named: str, kind: type) -> None:
     """They were unchecked: vLLM's pydantic ValidationError, its ``assert`` on a duplicate
     request id, an IndexError inside vLLM's block pool (a prompt past max_model_len), or
@@ -488,10 +598,18 @@ def test_the_harness_functions_refuse_what_is_not_theirs() -> None:
         random_stream(random.Random(0), speculative=1)  # type: ignore[arg-type]
     with pytest.raises(KVMemError, match="spec_methods="):
         random_stream(random.Random(0), spec_methods=("medusa",))  # type: ignore[arg-type]
-    # Streams drawn before speculative decoding joined are the same streams.
-    plain = random_stream(random.Random(3), speculative=False)
+    with pytest.raises(KVMemError, match="keys="):
+        random_stream(random.Random(0), keys=1)  # type: ignore[arg-type]
+    # Streams drawn before speculative decoding (and then adapters and images) joined are the
+    # same streams.
+    plain = random_stream(random.Random(3), speculative=False, keys=False)
     assert plain.sched.spec_method is None
-    assert random_stream(random.Random(3), speculative=True).requests == plain.requests
+    assert random_stream(random.Random(3), speculative=True, keys=False).requests == (
+        plain.requests)
+    keyed = random_stream(random.Random(3), speculative=False, keys=True)
+    assert [(r.rid, r.prompt) for r in keyed.requests] == [
+        (r.rid, r.prompt) for r in plain.requests]
+    assert keyed.sched.encoder_cache_size > 0 and plain.sched.encoder_cache_size == 0
     with pytest.raises(KVMemError, match="stream="):
         compare(SPEC)  # type: ignore[arg-type]
     with pytest.raises(KVMemError, match="kvmem="):

@@ -8,7 +8,8 @@ request's final tokens):
 - hypothesis streams (``KVMEM_VLLM_STREAMS``, 200 by default: the CI profile), each
   :func:`~kvmem.integrations.vllm.conformance.random_stream` of a hypothesis-controlled
   ``Random``, so a failing stream shrinks and prints as a replayable test; and a quarter as
-  many per speculative method, every stream speculating (drafts with random acceptance);
+  many per speculative method, every stream speculating (drafts with random acceptance), and
+  as many with LoRA adapters and images in every stream;
 - the scenarios of vLLM's own scheduler and prefix-caching tests (``tests/v1/core/``) that fall
   inside the supported set, re-created here (docs/vllm.md lists them and how they compare).
 
@@ -69,6 +70,21 @@ def test_speculative_streams_schedule_exactly_as_vllm(method: SpecMethod,
                   f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
                   f"Replay it:\n\n{c.replay()}")
     assert c.stream.sched.spec_method == method
+
+
+@settings(max_examples=max(STREAMS // 4, 1), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(rng=st.randoms(use_true_random=False))
+def test_streams_with_lora_adapters_and_images_schedule_exactly_as_vllm(
+        rng: random.Random) -> None:
+    """Streams whose requests carry LoRA adapters and images (prompts of one root mostly
+    sharing the root's images, others with images of their own; an encoder budget; a LoRA
+    limit or none): the same step-by-step equality, so every prefix hit and miss is vLLM's."""
+    c = compare(random_stream(rng, keys=True))
+    assert c.ok, (f"{c.first_difference}; outputs differ: {c.outputs_differ}; verify "
+                  f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
+                  f"Replay it:\n\n{c.replay()}")
+    assert c.stream.sched.encoder_cache_size > 0  # (the keys were drawn)
 
 
 # -- vLLM's scenarios ----------------------------------------------------------------------------

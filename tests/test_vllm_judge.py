@@ -144,7 +144,7 @@ def test_the_refusal_pattern_reads_the_schedulers_own_refusals() -> None:
     from kvmem.integrations.vllm import _scheduler
 
     for option, found in (("kv_transfer_config (KV connectors)", "KVTransferConfig"),
-                          ("multimodal inputs", "request 'r' has them")):
+                          ("prompt embeddings (prompt_embeds)", "request 'r' has them")):
         error = _error(_scheduler._refuse(option, found), "kvmem.integrations.vllm._scheduler")
         assert jd.classify(error) == f"refused: {option}"
 
@@ -258,7 +258,7 @@ def test_builds():
 
 
 def test_refused():
-    _build(lora_config=object())
+    _build(ec_transfer_config=object())
 
 
 def test_reads_block_pool():
@@ -319,7 +319,8 @@ def test_the_plugin_swaps_kvmems_schedulers_in_and_records_each_test(tmp_path: P
     assert tests["test_classes"]["schedulers"] == []
     # A refused scheduler counts as built: it entered kvmem's __init__.
     assert tests["test_refused"]["schedulers"] == ["KVMemScheduler"]
-    assert jd.classify(tests["test_refused"]["error"]) == "refused: lora_config (LoRA adapters)"
+    assert jd.classify(tests["test_refused"]["error"]) == (
+        "refused: ec_transfer_config (encoder cache connectors)")
     assert jd.classify(tests["test_reads_block_pool"]["error"]) == (
         "the test reads kv_cache_manager.block_pool")
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from kvmem import KVMemError
+from kvmem.errors import ArgumentError
 from kvmem.integrations.vllm import vllm_import_error
 from kvmem.integrations.vllm.conformance import (
     Driver,
@@ -123,16 +124,246 @@ def test_partial_prefix_hits_are_refused() -> None:
                        hash_block_size=2)
 
 
-def test_a_lora_request_is_refused() -> None:
-    from vllm.lora.request import LoRARequest
+# -- keys: LoRA adapters, multimodal inputs, resumable requests ----------------------------------
+
+_MM = dataclasses.replace(SPEC, encoder_cache_size=64, max_loras=2, kv_events=False)
+
+
+def _hits(stream: object) -> dict[str, int]:
+    """Each request's prefix-hit tokens when it was first scheduled, on kvmem's manager, after
+    checking that every step agrees with vLLM's manager."""
+    from kvmem.integrations.vllm.conformance import compare, run_stream
+
+    c = compare(stream)
+    assert c.ok, c.first_difference
+    hits: dict[str, int] = {}
+    for step in run_stream(stream, kvmem=True).steps:
+        for rid, computed in step.new:
+            hits.setdefault(rid, computed)
+    return hits
+
+
+def test_multimodal_inputs_hit_exactly_where_vllm_hits() -> None:
+    """vLLM keys each block that overlaps an image with the image's hash and its offset from
+    the block's start: the same image at the same offsets hits, another hash or offset misses
+    from the first block it overlaps, and the text blocks before an image are shared with a
+    text-only prompt. Every step agrees with vLLM's manager."""
+    from kvmem.integrations.vllm.conformance import StreamSpec
+
+    prompt = tuple(range(10, 30))  # 5 blocks of 4
+    at = 3  # (a second wave arrives once the first is cached)
+    stream = StreamSpec(_MM, (
+        StreamRequest("a", prompt, 2, mm=(("img1", 2, 8),)),  # blocks 0-2 overlap it
+        StreamRequest("late", prompt, 2, mm=(("img3", 9, 6),)),  # blocks 2-3
+        StreamRequest("b", prompt, 2, arrival=at, mm=(("img1", 2, 8),)),
+        StreamRequest("other-hash", prompt, 2, arrival=at, mm=(("img2", 2, 8),)),
+        StreamRequest("other-offset", prompt, 2, arrival=at, mm=(("img1", 3, 8),)),
+        StreamRequest("text", prompt, 2, arrival=at),
+        StreamRequest("late-b", prompt, 2, arrival=at + 3, mm=(("img3", 9, 6),)),
+    ))
+    hits = _hits(stream)
+    assert hits["b"] == 16 and hits["late-b"] == 16  # (at most (20 - 1) // 4 blocks)
+    assert hits["other-hash"] == hits["other-offset"] == 0
+    assert hits["text"] == 8  # blocks 0-1, before "late"'s image
+
+
+def test_a_block_partly_covering_an_image_keys_its_text_tokens_too() -> None:
+    """The block where an image ends also holds text: a prompt with the same image that
+    differs in that text misses from that block on (and hits the blocks before); the same
+    prompt and image hits through it, as in vLLM."""
+    from kvmem.integrations.vllm.conformance import StreamSpec
+
+    prompt = tuple(range(10, 30))
+    changed = (*prompt[:10], 999, *prompt[11:])  # position 10: block 2, past the image
+    image = (("img1", 2, 7),)  # positions 2-8: blocks 0-1 and the start of block 2
+    stream = StreamSpec(_MM, (
+        StreamRequest("a", prompt, 2, mm=image),
+        StreamRequest("b", changed, 2, arrival=3, mm=image),
+        StreamRequest("c", prompt, 2, arrival=3, mm=image),
+    ))
+    hits = _hits(stream)
+    assert hits["b"] == 8 and hits["c"] == 16
+
+
+def test_the_same_prompt_under_two_lora_adapters_never_shares() -> None:
+    """vLLM keys every block with the adapter's name and path: the same prompt hits under its
+    own adapter only, and not without one; with cache_salt both must agree."""
+    from kvmem.integrations.vllm.conformance import StreamSpec
+
+    prompt = tuple(range(10, 30))
+    stream = StreamSpec(_MM, (
+        StreamRequest("x1", prompt, 2, lora="x"),
+        StreamRequest("x-salted", prompt, 2, lora="x", salt="t"),
+        StreamRequest("x2", prompt, 2, arrival=4, lora="x"),
+        StreamRequest("y", prompt, 2, arrival=4, lora="y"),
+        StreamRequest("base", prompt, 2, arrival=4),
+        StreamRequest("x-salted-2", prompt, 2, arrival=8, lora="x", salt="t"),
+        StreamRequest("y-salted", prompt, 2, arrival=8, lora="y", salt="t"),
+    ))
+    hits = _hits(stream)
+    assert hits["x2"] == hits["x-salted-2"] == 16
+    assert hits["y"] == hits["base"] == hits["y-salted"] == 0
+
+
+def test_lora_requests_report_their_adapter_in_kv_events() -> None:
+    """A LoRA adapter's blocks are stored in the KV events under its name (vLLM's lora_name,
+    lora_id and the name in the first block's extra keys, with the salt)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    from kvmem.integrations.vllm._vllm_objects import lora_id, model_output
+
+    d = Driver(dataclasses.replace(_MM, kv_events=True), kvmem=True)
+    d.add(StreamRequest("x1", tuple(range(10, 20)), 1, lora="x", salt="t"))
+    out = d.sched.schedule()
+    d.sched.update_from_output(out, model_output(d.sched, out))
+    stored = [ev for ev in d.sched.kv_event_publisher.events if isinstance(ev, BlockStored)]
+    assert stored and all(ev.lora_name == "x" and ev.lora_id == lora_id("x") for ev in stored)
+    assert stored[0].extra_keys[0] == ("x", "t")
+
+
+def _session_run(kvmem: bool, async_scheduling: bool, in_flight: int = 1,
+                 max_tokens: int = 3) -> list[object]:
+    """A resumable (streaming input) session under vLLM's scheduler: each chunk runs to
+    ``max_tokens`` and the session waits for input; it gets two more chunks (vLLM drops the
+    last sampled token and appends the chunk, keeping the session's blocks) and then ends;
+    with each chunk a request whose prompt is the session's tokens arrives. ``in_flight``:
+    steps scheduled before the oldest one's output is handed back (an async engine's
+    pipeline: a session then stops with steps in flight, which vLLM rolls back). Returns
+    each step's canonical output and the session's and the first other request's tokens."""
+    from vllm.v1.request import RequestStatus
+
+    from kvmem.integrations.vllm._vllm_objects import model_output
+    from kvmem.integrations.vllm.conformance import make_request, make_scheduler
+
+    spec = dataclasses.replace(SPEC, async_scheduling=async_scheduling)
+    sched = make_scheduler(spec, kvmem)
+    session = make_request(StreamRequest("s", tuple(range(10, 23)), max_tokens), 4)
+    session.resumable = True
+    sched.add_request(session)
+    records: list[object] = []
+    chunks = [tuple(range(40, 47)), tuple(range(60, 65)), None]
+    others: list[object] = []
+    pending: list[tuple[object, object]] = []
+    for _ in range(80):
+        if session.status == RequestStatus.WAITING_FOR_STREAMING_REQ and chunks:
+            chunk = chunks.pop(0)
+            update = make_request(StreamRequest("s", chunk or (1,), max_tokens), 4)
+            update.resumable = chunk is not None
+            sched.add_request(update)
+            if chunk is not None:
+                other = make_request(StreamRequest(f"o{len(others)}",
+                                                   tuple(session.all_token_ids), 2), 4)
+                others.append(other)
+                sched.add_request(other)
+        if not sched.has_requests() and not pending:
+            break
+        if sched.has_requests():
+            out = sched.schedule()
+            records.append(_canonical(sched, out))
+            pending.append((out, model_output(sched, out)))
+        if len(pending) >= in_flight or not sched.has_requests():
+            sched.update_from_output(*pending.pop(0))
+    records.append([list(session.all_token_ids), others and list(others[0].all_token_ids)])
+    if kvmem:
+        assert sched.kv_cache_manager.num_integrity_aborts == 0
+        sched.kv_cache_manager.check()
+    return records
+
+
+@pytest.mark.parametrize(("async_scheduling", "in_flight"), [(False, 1), (True, 1), (True, 2),
+                                                              (True, 3)])
+@pytest.mark.parametrize("max_tokens", [1, 3, 4])
+def test_a_resumable_session_schedules_exactly_as_vllm(async_scheduling: bool, in_flight: int,
+                                                        max_tokens: int) -> None:
+    """Every step's output (the resumed session's kept blocks, the other requests' hits on
+    them, usage) agrees with vLLM's manager, also when the session stops with steps in
+    flight (vLLM rolls its computed tokens back and keeps its blocks: kvmem gives the slots
+    back and keeps the pages), and the session got its chunks."""
+    vllm_records = _session_run(False, async_scheduling, in_flight, max_tokens)
+    kvmem_records = _session_run(True, async_scheduling, in_flight, max_tokens)
+    assert len(kvmem_records) == len(vllm_records)
+    for t, (a, b) in enumerate(zip(vllm_records, kvmem_records)):
+        assert a == b, f"step {t}"
+    tokens, other = vllm_records[-1]
+    kept = max_tokens - 1  # (vLLM drops each chunk's last sampled token)
+    assert tokens[13 + kept : 20 + kept] == list(range(40, 47))
+    assert other[: 20 + kept] == tokens[: 20 + kept]
+    hit = [n for r in vllm_records[:-1] for (rid, n, _) in r["new"] if rid == "o0"]
+    assert hit == [(19 + kept) // 4 * 4]  # the first other request hit the session's blocks
+
+
+def _request_with(rid: str, **fields: object) -> object:
+    from kvmem.integrations.vllm.conformance import make_request
+
+    req = make_request(StreamRequest(rid, tuple(range(10, 30)), 2, mm=(("img", 2, 4),)), 4)
+    for name, value in fields.items():
+        setattr(req, name, value)
+    return req
+
+
+def _mm(offset: int, length: int, ident: object = "img") -> object:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy(), modality="image",
+                                 identifier=ident,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+@pytest.mark.parametrize(("features", "error", "match"), [
+    ([(8, 4), (2, 4)], ArgumentError, "not sorted"),
+    ([(2, 6), (6, 4)], ArgumentError, "not sorted"),
+    ([(2, 4, None)], ArgumentError, "identifier"),
+], ids=["unsorted", "overlapping", "no-identifier"])
+def test_bad_multimodal_inputs_are_refused_and_change_nothing(features: list[tuple[object, ...]],
+                                                              error: type, match: str) -> None:
+    d = Driver(_MM, kvmem=True)
+    req = _request_with("q", mm_features=[_mm(*f) for f in features])
+    with pytest.raises(error, match=match):
+        d.sched.add_request(req)
+    assert not d.sched.requests and not d.sched.has_requests()
+    assert not d.sched.kvmem.running
+
+
+def test_a_token_id_past_the_fold_range_in_an_image_block_is_refused() -> None:
+    """Key tokens of image blocks live at 2**30 and above: a prompt id there in such a block
+    cannot be folded one to one; refused naming the range, nothing added."""
+    d = Driver(_MM, kvmem=True)
+    req = _request_with("q")
+    req._all_token_ids[1] = 1 << 30
+    with pytest.raises(KVMemError, match="vocabulary ids below"):
+        d.sched.add_request(req)
+    assert not d.sched.requests
+
+
+def test_multimodal_inputs_with_kv_events_are_refused_naming_why() -> None:
+    d = Driver(dataclasses.replace(_MM, kv_events=True), kvmem=True)
+    with pytest.raises(KVMemError, match="KV events"):
+        d.sched.add_request(_request_with("q"))
+    assert not d.sched.requests
+
+
+def test_a_streaming_update_with_multimodal_inputs_is_refused_and_changes_nothing() -> None:
+    """A session's later chunk may bring an image that starts inside a block kvmem keyed
+    already; refused, naming the fix, and the session is left as it was."""
+    from vllm.v1.request import RequestStatus
 
     from kvmem.integrations.vllm.conformance import make_request
 
-    d = Driver(SPEC, kvmem=True)
-    req = make_request(StreamRequest("a", (1, 2, 3), 2), 4)
-    req.lora_request = LoRARequest("adapter", 1, "/nowhere")
-    with pytest.raises(KVMemError, match="LoRA"):
-        d.sched.add_request(req)
+    d = Driver(_MM, kvmem=True)
+    session = make_request(StreamRequest("s", tuple(range(10, 23)), 1), 4)
+    session.resumable = True
+    d.sched.add_request(session)
+    for _ in range(5):
+        if session.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            break
+        d.step()
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    before = list(session.all_token_ids)
+    update = _request_with("s", resumable=True)
+    with pytest.raises(KVMemError, match="first chunk"):
+        d.sched.add_request(update)
+    assert list(session.all_token_ids) == before
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
 
 
 # -- the integrity check in the loop ---------------------------------------------------------------

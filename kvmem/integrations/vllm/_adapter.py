@@ -71,6 +71,7 @@ from kvmem.allocator import PAD
 from kvmem.errors import ArgumentError, KVMemError
 from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState, vllm_events
 from kvmem.integrations.vllm._flush import FlushQueue
+from kvmem.integrations.vllm._keys import KeyTokens, key_tokens, namespace_of
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
 from kvmem.manager import KVCacheManager
 
@@ -204,6 +205,8 @@ class VllmKVCacheAdapter:
         # pool reports AllBlocksCleared whether or not prefix caching is on; kvmem's manager
         # has no cache to clear then, and no event).
         self._uncached_resets = 0
+        # The id of each LoRA adapter's namespace, for its KV events (vLLM's lora_id).
+        self._lora_ids: dict[Any, int] = {}
 
     # -- the queue ------------------------------------------------------------------------------
 
@@ -257,9 +260,14 @@ class VllmKVCacheAdapter:
 
     @staticmethod
     def namespace_of(request: Any) -> Any:
-        """vLLM's ``cache_salt`` is kvmem's namespace (an empty salt is none: vLLM adds a salt
-        to a block's keys only when it is non-empty)."""
-        return request.cache_salt or None
+        """kvmem's namespace for the request: its ``cache_salt`` and LoRA adapter
+        (:func:`~kvmem.integrations.vllm._keys.namespace_of`)."""
+        return namespace_of(request)
+
+    def key_tokens(self, request: Any) -> Any:
+        """What kvmem keys the request's pages by: its token list, or a view of it with the
+        blocks that cover multimodal inputs folded (:mod:`~kvmem.integrations.vllm._keys`)."""
+        return key_tokens(request, self.block_size)
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None
                             ) -> tuple[KVMemBlocks, int, int]:
@@ -270,8 +278,11 @@ class VllmKVCacheAdapter:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        # The list behind all_token_ids, as it is: match_prefix checks and converts it once.
-        tokens = request._all_token_ids
+        # The list behind all_token_ids, as it is: match_prefix checks and converts it once
+        # (a multimodal request's key tokens as a list).
+        tokens = self.key_tokens(request)
+        if isinstance(tokens, KeyTokens):
+            tokens = tokens[:]
         namespace = self.namespace_of(request)
         max_pages = max_cache_hit_length // self.block_size
         match = self.manager.match_prefix(tokens, namespace, max_pages)
@@ -390,7 +401,7 @@ class VllmKVCacheAdapter:
         if need + evictable + watermark > free - reserved_blocks:
             return None
         rid = request.request_id
-        tokens = request._all_token_ids
+        tokens = self.key_tokens(request)
         # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens
         # its prefix match can find at most the hit (nothing changed since the lookup), and a
         # request that must not read the cache (num_hit_tokens == 0) finds nothing.
@@ -402,6 +413,13 @@ class VllmKVCacheAdapter:
                 f"request {rid!r}: the prefix lookup found {num_hit_tokens} cached tokens but "
                 f"admission then found {res.num_cached_tokens}; nothing may change between "
                 "get_computed_blocks() and allocate_slots() (the request was not admitted)")
+        # The flush commits the request's tokens from its key tokens (the same list, unless
+        # it has multimodal inputs).
+        request._kvmem_keys = tokens
+        if request.resumable:
+            self._queue.resumable = True
+        if request.lora_request is not None and self.enable_kv_cache_events:
+            self._lora_ids[self.namespace_of(request)] = request.lora_request.adapter_id
         st = RequestState(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
         self._reqs[rid] = st
         upto = min(num_hit_tokens + num_new_tokens, len(tokens))
@@ -506,12 +524,12 @@ class VllmKVCacheAdapter:
 
     def take_events(self) -> list[Any]:
         """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
-        (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
-        ``cache_salt``: in the extra keys of a prompt's first block)."""
+        (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports its
+        ``cache_salt`` and LoRA adapter: ``_blocks.vllm_events``)."""
         self._flush_pending()
         if not self.enable_kv_cache_events:
             return []
-        out = vllm_events(self.manager.take_events())
+        out = vllm_events(self.manager.take_events(), self._lora_ids)
         if self._uncached_resets:
             from vllm.distributed.kv_events import AllBlocksCleared
 

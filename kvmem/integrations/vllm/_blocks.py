@@ -70,10 +70,12 @@ class RequestState:
         self.row = -1  # its kvmem row (kept for the paranoid check's worker block table)
 
 
-def vllm_events(events: list[Any]) -> list[Any]:
+def vllm_events(events: list[Any], lora_ids: dict[Any, int] | None = None) -> list[Any]:
     """kvmem's KV events as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
-    (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports a
-    ``cache_salt``: in the extra keys of a prompt's first block). Imports vLLM."""
+    (hashes: kvmem's 128-bit chained keys; a namespace is reported as vLLM reports its parts:
+    the ``cache_salt`` in the extra keys of a prompt's first block, a LoRA adapter's name in
+    every block's and as ``lora_name``, ``lora_id`` from ``lora_ids``: namespace -> the
+    adapter's id). Imports vLLM."""
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
     from kvmem.manager import AllPagesCleared, PagesRemoved, PagesStored
@@ -81,13 +83,20 @@ def vllm_events(events: list[Any]) -> list[Any]:
     out: list[Any] = []
     for ev in events:
         if isinstance(ev, PagesStored):
-            extra: list[Any] = [None] * len(ev.page_hashes)
-            if ev.parent_page_hash is None and ev.namespace is not None:
-                extra[0] = (ev.namespace,)
+            ns = ev.namespace
+            lora_name = lora_id = None
+            salt = ns
+            if isinstance(ns, tuple):  # ("lora", name, path, salt): _keys.namespace_of's
+                lora_name, salt = ns[1], ns[3]
+                lora_id = (lora_ids or {}).get(ns)
+            extra: list[Any] = [None if lora_name is None else (lora_name,)
+                                for _ in ev.page_hashes]
+            if ev.parent_page_hash is None and salt is not None and extra:
+                extra[0] = (salt,) if lora_name is None else (lora_name, salt)
             out.append(BlockStored(
                 block_hashes=list(ev.page_hashes), parent_block_hash=ev.parent_page_hash,
-                token_ids=list(ev.token_ids), block_size=ev.page_size, lora_id=None,
-                medium=ev.medium, lora_name=None,
+                token_ids=list(ev.token_ids), block_size=ev.page_size, lora_id=lora_id,
+                medium=ev.medium, lora_name=lora_name,
                 extra_keys=extra if any(e is not None for e in extra) else None,
                 group_idx=0, kv_cache_spec_kind="full_attention"))
         elif isinstance(ev, PagesRemoved):

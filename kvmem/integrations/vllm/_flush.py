@@ -13,6 +13,7 @@ import numpy as np
 from kvmem.allocator import PAD
 from kvmem.errors import KVMemError
 from kvmem.integrations.vllm._blocks import KVMemBlocks, RequestState
+from kvmem.integrations.vllm._keys import namespace_of
 from kvmem.manager import KVCacheManager
 
 __all__ = ["FlushQueue"]
@@ -21,7 +22,9 @@ __all__ = ["FlushQueue"]
 # entries (the first also for (batch index, pages, out) results) and for requests.
 _REQUEST, _STATE, _NUM, _QUEUED_AT = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(4)
 _RID = attrgetter("rid")
-_TOKENS = attrgetter("_all_token_ids")  # the list behind vLLM's Request.all_token_ids
+# What kvmem keys a request's pages by (set when the adapter admits it, see _keys.py): the
+# list behind vLLM's Request.all_token_ids, or a view of it with multimodal blocks folded.
+_TOKENS = attrgetter("_kvmem_keys")
 _COMPUTED = attrgetter("num_computed_tokens")
 _COMMITTED = attrgetter("committed")
 
@@ -66,6 +69,9 @@ class FlushQueue:
         self.manager = manager
         self.async_outputs = async_outputs
         self.speculative = speculative
+        # A resumable request was admitted: its computed tokens may be rolled back when it
+        # stops with steps in flight (set by the adapter).
+        self.resumable = False
         self.worker_block_table = worker_block_table
         self._reqs = requests
         self._aborted = on_aborted
@@ -145,10 +151,10 @@ class FlushQueue:
             fills = fills + [(st.committed, upto, request) for request, st, upto in self.commits]
         head = None
         for first, last, request in fills:
-            if first < end <= last and (request.cache_salt or None) == namespace:
+            if first < end <= last and namespace_of(request) == namespace:
                 if head is None:
                     head = tokens[:end]
-                if request._all_token_ids[:end] == head:
+                if request._kvmem_keys[:end] == head:
                     return True
         return False
 
@@ -190,6 +196,10 @@ class FlushQueue:
             return
         if self.speculative:
             self._give_back_rejected(q)
+        elif self.resumable:
+            # A resumable session that stopped with steps in flight: vLLM rolled its computed
+            # tokens back to what it had sampled, keeping the blocks (as for rejected drafts).
+            self._give_back_rejected([e for e in q if e[0].resumable])
         outs, first_admit, lookahead = self.new_blocks, self.first_admit, self.lookahead
         self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
         self.commits, self.lookahead = [], []
@@ -429,9 +439,9 @@ class FlushQueue:
             return
         ids = [e[1].rid for e in entries]
         if all(e[3] - e[2] == 1 for e in entries):  # one token each (the async decode step)
-            tokens: Any = np.array([e[0]._all_token_ids[e[2]] for e in entries], dtype=np.int64)
+            tokens: Any = np.array([e[0]._kvmem_keys[e[2]] for e in entries], dtype=np.int64)
         else:
-            tokens = [e[0]._all_token_ids[e[2] : e[3]] for e in entries]
+            tokens = [e[0]._kvmem_keys[e[2] : e[3]] for e in entries]
         self.manager.commit_batch(ids, tokens)
         for e in entries:
             e[1].committed = e[3]

@@ -50,7 +50,8 @@ def _env_verify_block_tables() -> bool:
 
 _SUPPORTED = ("one full-attention KV cache group, prefix caching on or off, chunked prefill, "
               "preemption by recompute, aborts, cache_salt, KV events, speculative decoding "
-              "(n-gram, draft models, EAGLE/MTP with vLLM's last-block drop)")
+              "(n-gram, draft models, EAGLE/MTP with vLLM's last-block drop), LoRA adapters, "
+              "multimodal inputs, resumable (streaming input) requests")
 _OWN_SCHEDULER = "vLLM's own Scheduler (drop --scheduler-cls)"
 
 
@@ -77,7 +78,6 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     checks = (
         ("kv_transfer_config (KV connectors)", vllm_config.kv_transfer_config),
         ("ec_transfer_config (encoder cache connectors)", vllm_config.ec_transfer_config),
-        ("lora_config (LoRA adapters)", vllm_config.lora_config),
     )
     for option, value in checks:
         if value is not None:
@@ -91,8 +91,6 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     mc = vllm_config.model_config
     if mc.is_encoder_decoder:
         raise _refuse_model("encoder-decoder models (cross-attention)", repr(mc.model))
-    if mc.supports_multimodal_inputs:
-        raise _refuse_model("multimodal models (image hashes in block keys)", repr(mc.model))
     if getattr(mc, "enable_prompt_embeds", False):
         raise _refuse("model_config.enable_prompt_embeds (prompt embeddings: their hashes are "
                       "in vLLM's block keys, not in kvmem's page keys)", "True",
@@ -212,28 +210,48 @@ class _KVMemMixin(_SchedulerBase):
     def _check_request(self, request: Request) -> None:
         """Refuse (before the scheduler sees it) a request whose KV this scheduler cannot key."""
         rid = request.request_id
-        for what, has in (
-                ("multimodal inputs", bool(request.mm_features)),
-                ("LoRA requests", request.lora_request is not None),
-                ("resumable (streaming input) requests", bool(request.resumable)),
-                ("prompt embeddings (prompt_embeds)", request.prompt_embeds is not None)):
-            if has:
-                raise _refuse(what, f"request {rid!r} has them",
-                              f"Send request {rid!r} without them, or use {_OWN_SCHEDULER}.")
+        if request.prompt_embeds is not None:
+            raise _refuse("prompt embeddings (prompt_embeds)", f"request {rid!r} has them",
+                          f"Send request {rid!r} without them, or use {_OWN_SCHEDULER}.")
+        sched: Any = self
+        adapter = self.kv_cache_manager
+        if rid in sched.requests:
+            # A resumable request's next input chunk (or its end): vLLM appends it to the
+            # session, which keeps its blocks.
+            if request.mm_features:
+                raise _refuse(
+                    "multimodal inputs in a streaming-input update (they may start inside a "
+                    "block kvmem has keyed already, whose key vLLM then recomputes; kvmem keys "
+                    "a page once)", f"an update of request {rid!r} has them",
+                    f"Send the session's multimodal inputs with its first chunk, or use "
+                    f"{_OWN_SCHEDULER}.")
+            request._block_hasher = None
+            return
+        if request.mm_features:
+            if adapter.enable_kv_cache_events:
+                raise _refuse(
+                    "multimodal inputs with KV events (vLLM's BlockStored of a block that "
+                    "covers an mm input carries its identifier and token ids; kvmem's pages "
+                    "hold folded key tokens)", f"request {rid!r} has them",
+                    f"Turn KV events off, send request {rid!r} without multimodal inputs, or "
+                    f"use {_OWN_SCHEDULER}.")
+            adapter.key_tokens(request)  # checks the inputs (ArgumentError, nothing added)
         if not request.num_prompt_tokens:
             # vLLM's engine refuses it before the scheduler; admitted, every schedule() failed.
             raise ArgumentError(f"request {rid!r} has an empty prompt (0 tokens): a request "
                                 "needs at least one prompt token; nothing was added")
-        namespace = self.kv_cache_manager.namespace_of(request)
+        namespace = adapter.namespace_of(request)
         if namespace is not None:
-            # A new salt is registered now: past the manager's namespace limit the request is
-            # refused here, not in the admission inside schedule() (which then failed every
-            # step, the request staying at the head of the queue).
+            # A new salt or adapter is registered now: past the manager's namespace limit the
+            # request is refused here, not in the admission inside schedule() (which then
+            # failed every step, the request staying at the head of the queue).
             try:
                 self.kvmem.namespaces.id_of(namespace, register=True)
             except KVMemError as e:
-                raise KVMemError(f"request {rid!r}: cache_salt={namespace!r} is refused: {e}; "
-                                 "nothing was added") from e
+                lora = request.lora_request
+                adapter_name = "" if lora is None else f" with LoRA adapter {lora.lora_name!r}"
+                raise KVMemError(f"request {rid!r}: cache_salt={request.cache_salt!r}"
+                                 f"{adapter_name} is refused: {e}; nothing was added") from e
         # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
         # (kvmem keys its pages itself, when they fill): stop hashing every output token.
         request._block_hasher = None

@@ -89,6 +89,10 @@ class SchedulerSpec:
     spec_method: SpecMethod | None = None  # speculative decoding
     num_spec_tokens: int = 0  # drafts per step (at least 1 with a spec_method)
     draft_acceptance: float = 0.7  # the synthetic verifier accepts a draft this often
+    # The scheduler's encoder budget and cache, in tokens (0: none; requests with multimodal
+    # inputs need one at least as long as their longest input)
+    encoder_cache_size: int = 0
+    max_loras: int = 0  # vLLM's lora_config.max_loras (0: no lora_config)
 
     def __post_init__(self) -> None:
         _check("SchedulerSpec", [
@@ -110,6 +114,8 @@ class SchedulerSpec:
                 "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid")),
             self._check_spec,
             lambda: real(self.draft_acceptance, "draft_acceptance", minimum=0.0, maximum=1.0),
+            lambda: integer(self.encoder_cache_size, "encoder_cache_size", minimum=0),
+            lambda: integer(self.max_loras, "max_loras", minimum=0, maximum=1 << 16),
         ])
 
     def _check_spec(self) -> None:
@@ -129,7 +135,9 @@ class SchedulerSpec:
 @dataclass(frozen=True)
 class StreamRequest:
     """One request: arrives before step ``arrival`` is scheduled, aborted before step
-    ``abort_at`` (if given and it is still unfinished)."""
+    ``abort_at`` (if given and it is still unfinished). ``lora``: the name of its LoRA adapter
+    (path ``/loras/NAME``); ``mm``: its multimodal inputs, ``(identifier, offset, length)``
+    each, sorted by offset, within the prompt and not overlapping."""
 
     rid: str
     prompt: tuple[int, ...]
@@ -138,6 +146,8 @@ class StreamRequest:
     salt: str | None = None
     abort_at: int | None = None
     priority: int = 0
+    lora: str | None = None
+    mm: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):  # a replay typed by hand: the tuple it stands for
@@ -150,7 +160,26 @@ class StreamRequest:
             lambda: _of_type(self.salt, "salt", (str, type(None)), "None or a str"),
             self._check_abort_at,
             lambda: integer(self.priority, "priority"),
+            lambda: _of_type(self.lora, "lora", (str, type(None)), "None or a str"),
+            self._check_mm,
         ])
+
+    def _check_mm(self) -> None:
+        mm = self.mm
+        if not isinstance(mm, tuple) or not all(
+                isinstance(m, tuple) and len(m) == 3 and isinstance(m[0], str)
+                and is_integer_like(m[1]) and is_integer_like(m[2]) for m in mm):
+            raise ArgumentTypeError(f"mm={show(mm)}: expected a tuple of (identifier: str, "
+                                    "offset: int, length: int).")
+        end = 0
+        for _, offset, length in mm:
+            if offset < end or length < 1:
+                raise ArgumentError(f"mm={show(mm)}: expected inputs of length >= 1, sorted by "
+                                    "offset and not overlapping (as vLLM assumes).")
+            end = offset + length
+        if isinstance(self.prompt, tuple) and end > len(self.prompt):
+            raise ArgumentError(f"mm={show(mm)}: an input ends past the prompt "
+                                f"({len(self.prompt)} tokens).")
 
     def _check_abort_at(self) -> None:
         if self.abort_at is not None:  # an abort before the arrival would never happen
@@ -203,6 +232,12 @@ class StreamSpec:
                 raise ArgumentError(
                     f"requests {long[:4]}: a prompt longer than max_model_len="
                     f"{self.sched.max_model_len} (vLLM's engine refuses it before its scheduler)")
+            budget = self.sched.encoder_cache_size
+            wide = [r.rid for r in reqs if any(length > budget for _, _, length in r.mm)]
+            if wide:
+                raise ArgumentError(
+                    f"requests {wide[:4]}: a multimodal input longer than encoder_cache_size="
+                    f"{budget} (vLLM's scheduler would never schedule it)")
 
 
 def _of_type(value: Any, name: str, kind: type | tuple[type, ...], want: str) -> None:
@@ -269,19 +304,23 @@ def draft_at(rid: str, position: int, seed: int, acceptance: float) -> int:
 
 def random_stream(rng: random.Random, *, max_requests: int = 10,
                   speculative: bool | None = None,
-                  spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS) -> StreamSpec:
+                  spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS,
+                  keys: bool | None = None) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
-    prefill, aborts, (often) a pool small enough to preempt, and (in 40% of the streams, or
+    prefill, aborts, (often) a pool small enough to preempt, (in 40% of the streams, or
     every one with ``speculative=True``, none with False) speculative decoding by one of
     ``spec_methods``: 1-4 or ``block_size + 1`` drafts a step, accepted at a random rate
-    (0, 0.5, 0.8 or 1). Same rng state, same stream. ``rng``: a ``random.Random``;
-    ``max_requests``: at least 1."""
+    (0, 0.5, 0.8 or 1), and (in 30%, or every one with ``keys=True``, none with False)
+    requests with LoRA adapters and images, which change block keys. Same rng state, same
+    stream. ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
                                 "random.Random(seed)).")
     integer(max_requests, "max_requests", minimum=1)
     if speculative is not None:
         flag(speculative, "speculative")
+    if keys is not None:
+        flag(keys, "keys")
     if (not isinstance(spec_methods, tuple) or not spec_methods
             or not set(spec_methods) <= set(SPEC_METHODS)):
         raise ArgumentError(f"spec_methods={show(spec_methods)}: expected a non-empty tuple of "
@@ -344,4 +383,39 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
             # A synchronous engine hands the drafts of a step over with its output: it never
             # has a step in flight when it asks the scheduler for the next one.
             pipeline = 1
+    # LoRA adapters and images, drawn after everything above (which then makes the same
+    # streams as before).
+    if (rng.random() < 0.3) if keys is None else keys:
+        requests, sched = _with_keys(rng, requests, sched)
     return StreamSpec(sched, tuple(requests), max_steps=400, seed=seed, pipeline=pipeline)
+
+
+def _with_keys(rng: random.Random, requests: list[StreamRequest], sched: SchedulerSpec
+               ) -> tuple[list[StreamRequest], SchedulerSpec]:
+    """The requests with LoRA adapters (two, or none) and images (three, each of one length,
+    as vLLM requires of an identifier) drawn in, and a scheduler with an encoder budget and
+    (sometimes) a LoRA limit. Prompts that start alike (one root) mostly get the root's
+    images, so that they share them; the others get images of their own. KV events are off
+    when there are images (kvmem refuses the two together)."""
+    p = sched.block_size
+    lengths = {f"img{k}": rng.randint(1, 2 * p + 1) for k in range(3)}
+
+    def layout() -> list[tuple[str, int, int]]:
+        mm, at = [], rng.choice((0, 1, p - 1, p))
+        for ident in rng.sample(sorted(lengths), rng.choice((0, 1, 1, 2))):
+            mm.append((ident, at, lengths[ident]))
+            at += lengths[ident] + rng.choice((0, 1, p))
+        return mm
+
+    of_root: dict[int, list[tuple[str, int, int]]] = {}
+    out = []
+    for r in requests:
+        lora = rng.choice((None, None, "x", "y"))
+        drawn = (of_root.setdefault(r.prompt[0], layout()) if rng.random() < 0.7
+                 else layout())
+        mm = tuple(m for m in drawn if m[1] + m[2] <= len(r.prompt))
+        out.append(replace(r, lora=lora, mm=mm))
+    widest = max(lengths.values())
+    return out, replace(sched, encoder_cache_size=2 * widest, max_loras=rng.choice((0, 1, 2)),
+                        max_num_batched_tokens=max(sched.max_num_batched_tokens, widest),
+                        kv_events=sched.kv_events and not any(r.mm for r in out))

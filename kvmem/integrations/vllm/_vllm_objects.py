@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import tempfile
+import zlib
 from typing import Any
 
 from kvmem.integrations.vllm._streams import (
@@ -86,6 +87,12 @@ def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
     vc = VllmConfig(scheduler_config=sc, model_config=_model_config(spec.max_model_len),
                     cache_config=cc, device_config=DeviceConfig(device="cpu"),
                     kv_events_config=events, speculative_config=make_speculative_config(spec))
+    if spec.max_loras:
+        from vllm.config import LoRAConfig
+
+        # (set after the config is built: VllmConfig checks a LoRA config against the
+        # model's weights, which the tiny model has none of; the scheduler reads max_loras)
+        object.__setattr__(vc, "lora_config", LoRAConfig(max_loras=spec.max_loras))
     kc = KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1,
                                                       head_size=1, dtype=torch.float32))])
@@ -126,6 +133,13 @@ def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False) ->
                 structured_output_manager=StructuredOutputManager(vc),
                 block_size=spec.block_size, log_stats=log_stats)
     sched.kv_event_publisher = EventRecorder()
+    if spec.encoder_cache_size:
+        # The tiny model takes no multimodal inputs, so vLLM gave it no encoder budget: the
+        # scheduler gets one as a multimodal model's would be (vLLM's own tests do the same).
+        from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+        sched.max_num_encoder_input_tokens = spec.encoder_cache_size
+        sched.encoder_cache_manager = EncoderCacheManager(cache_size=spec.encoder_cache_size)
     return sched
 
 
@@ -144,9 +158,33 @@ def make_request(r: StreamRequest, block_size: int) -> Any:
 
     params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=[STOP_TOKEN],
                             ignore_eos=True)
+    lora = None
+    if r.lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(r.lora, lora_id(r.lora), f"/loras/{r.lora}")
+    mm = None
+    if r.mm:
+        from vllm.multimodal.inputs import (
+            MultiModalFeatureSpec,
+            MultiModalKwargsItem,
+            PlaceholderRange,
+        )
+
+        mm = [MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy(), modality="image",
+                                    identifier=ident,
+                                    mm_position=PlaceholderRange(offset=offset, length=length))
+              for ident, offset, length in r.mm]
     return Request(request_id=r.rid, prompt_token_ids=list(r.prompt), sampling_params=params,
                    pooling_params=None, arrival_time=float(r.arrival), cache_salt=r.salt,
-                   priority=r.priority, block_hasher=make_block_hasher(block_size))
+                   priority=r.priority, block_hasher=make_block_hasher(block_size),
+                   lora_request=lora, mm_features=mm)
+
+
+def lora_id(name: str) -> int:
+    """A stream's LoRA adapter id for ``name`` (vLLM's ``lora_int_id``: positive, one per
+    name)."""
+    return 1 + zlib.crc32(name.encode()) % (1 << 30)
 
 
 def model_output(sched: Any, out: Any, seed: int = 0, acceptance: float = 0.0) -> Any:
