@@ -2,7 +2,8 @@
 
 One request's admission reuses the ``match_prefix`` lookup right before it
 (``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one`` (a
-decode step that requests join by ``Reserver.reserve_mixed``),
+decode step that requests join by ``Reserver.reserve_mixed``, its decodes committed by
+``Committer.commit_head``),
 verified by the verifier's one-row checks and committed by ``Committer.commit_one``
 (``per_request``): sized for one row. A manager with those
 switches off takes the batched paths for everything. Two managers, one of each, run the same
@@ -80,6 +81,7 @@ class Workload:
         self.next_id = 0
         self.prompts: dict[str, list[int]] = {}
         self.families = [[self.rng.randrange(50) for _ in range(6 * P)] for _ in range(3)]
+        self.joined: list[Any] = []  # the decode rows of the latest reserve_join
 
     def prompt(self) -> list[int]:
         r = self.rng
@@ -96,8 +98,11 @@ class Workload:
             some = r.choice(known) if known and r.random() < 0.95 else "nobody"
         kind = r.choices(["admit", "lookup_admit", "reserve", "reserve_batch", "commit",
                           "commit_batch", "verify", "release", "preempt", "resume", "fork",
-                          "fence", "retire", "can_admit", "take_events", "reserve_join"],
-                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3])[0]
+                          "fence", "retire", "can_admit", "take_events", "reserve_join",
+                          "commit_join"],
+                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 1])[0]
+        if self.joined and r.random() < 0.5:  # (often right after the step it commits)
+            kind = "commit_join"
         ns = r.choice([None, None, "t"])
         if kind in ("admit", "lookup_admit", "fork"):
             rid = f"r{self.next_id}" if r.random() < 0.95 else some
@@ -120,9 +125,14 @@ class Workload:
         if kind == "reserve_join":  # a decode step that requests join: k each, then chunks
             ids = r.sample(running, len(running)) or ["nobody"]
             head = r.randrange(1, len(ids) + 1)
-            k = r.choice([0, 1, 1, 2, P])
+            k = r.choice([0, 1, 1, 1, 2, P])
             tail = [r.choice([0, 1, P + 1, 3 * P, 5 * P + 2, 40 * P]) for _ in ids[head:]]
+            self.joined = ids[:head]
             return ("reserve", ids, [k] * head + tail)
+        if kind == "commit_join":  # the decodes of the step just reserved
+            ids = self.joined[: r.randrange(len(self.joined)) + 1] if self.joined else ["nobody"]
+            self.joined = []
+            return ("commit_batch", ids, [r.randrange(50) for _ in ids])
         if kind in ("commit", "commit_batch"):
             done = mgr.num_committed(some) if some in running else 0
             room = mgr.num_tokens(some) - done if some in running else 3

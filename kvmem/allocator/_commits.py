@@ -68,7 +68,8 @@ class Committer:
         self._ones = np.ones(table.max_seqs, dtype=np.int64)
         self._ones.flags.writeable = False
         self._arange = np.arange(table.max_seqs + 1, dtype=np.int64)
-        # One row's commit takes commit_one (False: the batch path, for a differential test).
+        # One row's commit takes commit_one, the leading decode rows of a step that requests
+        # joined commit_head (False: the batch path, for a differential test).
         self.per_request = True
 
     def commit_batch(self, ids: tuple[Any, ...], rows: IntpArray, counts: Int64Array | int,
@@ -79,6 +80,11 @@ class Committer:
             b = self.steps.uncommitted(ids, self.table.num_committed[rows])
             if b is not None:
                 self.commit_decode(b, flat)
+                return
+            b = (self.steps.uncommitted_head(ids, self.table.num_committed[rows])
+                 if self.per_request else None)
+            if b is not None:
+                self.commit_head(b, flat)
                 return
         self.commit(rows, counts, flat, ids)
 
@@ -111,8 +117,9 @@ class Committer:
             first = start // t.page_size
             full = end // t.page_size - first  # pages that just became full
             some = full.nonzero()[0]
-            if some.size:
-                self.offer(rows[some], first[some], full[some])
+            if some.size:  # (one token a row fills at most one page: offer's one-page path)
+                self.offer(rows[some], first[some],
+                           None if isinstance(counts, int) and counts == 1 else full[some])
 
     def commit_one(self, row: int, count: int, flat: npt.NDArray[np.integer],
                    request_id: Any) -> None:
@@ -175,6 +182,23 @@ class Committer:
             full = (d.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
             if full.size:
                 self.offer(b.rows[full], d.cols[full], None, d.token_pages[full])
+
+    def commit_head(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
+        """:meth:`commit` of one token per row into the leading rows of ``b``, the latest
+        reserve's batch (a decode step that requests joined), each reserved one token there
+        and nothing committed since (:meth:`StepBuilder.uncommitted_head`): the tokens land
+        in the first slots it handed out."""
+        t = self.table
+        P = t.page_size
+        m = tokens.size
+        rows, start, slots = b.rows[:m], b.start[:m], b.slots[:m]
+        self.pages.write_tokens(slots, tokens)
+        t.set_committed(rows, b.end[:m])
+        if self.pages.cache is not None:
+            full = (start % P == P - 1).nonzero()[0]  # pages that just filled
+            if full.size:
+                self.offer(rows[full], start[full] // P, None,
+                           (slots[full] // P).astype(np.int32))
 
     def offer(self, rows: IntpArray, first: Int64Array, counts: Int64Array | None,
               pages: Int32Array | None = None) -> None:
