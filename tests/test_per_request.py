@@ -3,7 +3,7 @@
 One request's admission reuses the ``match_prefix`` lookup right before it
 (``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one`` (a
 decode step that requests join by ``Reserver.reserve_mixed``, its decodes committed by
-``Committer.commit_head``),
+``Committer.commit_head``, its writes checked by the verifier's ``_mixed_writes_ok``),
 verified by the verifier's one-row checks and committed by ``Committer.commit_one``
 (``per_request``): sized for one row. A manager with those
 switches off takes the batched paths for everything. Two managers, one of each, run the same
@@ -60,6 +60,10 @@ def call(mgr: KVCacheManager, op: tuple[Any, ...]) -> Any:
     """Run one workload step on ``mgr``: (``"ok"``, result) or (``"error"``, type, message)."""
     name, *args = op
     try:
+        if name == "reserve_verify":  # an engine's step: its reserve, then its check
+            ids, counts = args
+            step = mgr.reserve(ids, counts)
+            return "ok", (outcome(step), outcome(mgr.verify(ids, step)))
         if name == "lookup_admit":  # an engine that looks the prefix up first (vLLM's)
             rid, tokens, ns, cut = args
             match = mgr.match_prefix(tokens, ns)
@@ -82,6 +86,7 @@ class Workload:
         self.prompts: dict[str, list[int]] = {}
         self.families = [[self.rng.randrange(50) for _ in range(6 * P)] for _ in range(3)]
         self.joined: list[Any] = []  # the decode rows of the latest reserve_join
+        self.join_ids: list[Any] = []  # and all its rows
 
     def prompt(self) -> list[int]:
         r = self.rng
@@ -101,8 +106,8 @@ class Workload:
                           "fence", "retire", "can_admit", "take_events", "reserve_join",
                           "commit_join"],
                          [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 1])[0]
-        if self.joined and r.random() < 0.5:  # (often right after the step it commits)
-            kind = "commit_join"
+        if self.joined and r.random() < 0.5:  # (often right after the step they check)
+            kind = r.choice(["commit_join", "verify_join"])
         ns = r.choice([None, None, "t"])
         if kind in ("admit", "lookup_admit", "fork"):
             rid = f"r{self.next_id}" if r.random() < 0.95 else some
@@ -127,8 +132,10 @@ class Workload:
             head = r.randrange(1, len(ids) + 1)
             k = r.choice([0, 1, 1, 1, 2, P])
             tail = [r.choice([0, 1, P + 1, 3 * P, 5 * P + 2, 40 * P]) for _ in ids[head:]]
-            self.joined = ids[:head]
-            return ("reserve", ids, [k] * head + tail)
+            self.joined, self.join_ids = ids[:head], ids
+            return (r.choice(["reserve", "reserve_verify"]), ids, [k] * head + tail)
+        if kind == "verify_join":  # the step just reserved, with its metadata
+            return ("verify", self.join_ids)
         if kind == "commit_join":  # the decodes of the step just reserved
             ids = self.joined[: r.randrange(len(self.joined)) + 1] if self.joined else ["nobody"]
             self.joined = []
