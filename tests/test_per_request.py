@@ -4,8 +4,8 @@ One request's admission reuses the ``match_prefix`` lookup right before it
 (``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one`` (a
 decode step that requests join by ``Reserver.reserve_mixed``, its decodes committed by
 ``Committer.commit_head``, its writes checked by the verifier's ``_mixed_writes_ok``),
-verified by the verifier's one-row checks and committed by ``Committer.commit_one``
-(``per_request``): sized for one row. A manager with those
+verified by the verifier's one-row checks and committed by ``Committer.commit_one`` (a few
+rows' chunks by ``Committer.commit_few``) (``per_request``): sized for one row. A manager with those
 switches off takes the batched paths for everything. Two managers, one of each, run the same
 seeded random workload (admissions with shared prefixes and namespaces, chunks, commits,
 verifies, forks, preemptions, fences, releases, and calls that must fail); after every call
@@ -104,8 +104,8 @@ class Workload:
         kind = r.choices(["admit", "lookup_admit", "reserve", "reserve_batch", "commit",
                           "commit_batch", "verify", "release", "preempt", "resume", "fork",
                           "fence", "retire", "can_admit", "take_events", "reserve_join",
-                          "commit_join"],
-                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 1])[0]
+                          "commit_join", "commit_rows"],
+                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 1, 3])[0]
         if self.joined and r.random() < 0.5:  # (often right after the step they check)
             kind = r.choice(["commit_join", "verify_join"])
         ns = r.choice([None, None, "t"])
@@ -140,6 +140,16 @@ class Workload:
             ids = self.joined[: r.randrange(len(self.joined)) + 1] if self.joined else ["nobody"]
             self.joined = []
             return ("commit_batch", ids, [r.randrange(50) for _ in ids])
+        if kind == "commit_rows":  # a few requests' chunks in one call
+            ids = r.sample(running, min(len(running), r.randrange(2, 5))) or ["nobody"]
+            tokens = []
+            for rid in ids:
+                done = mgr.num_committed(rid) if rid in running else 0
+                room = mgr.num_tokens(rid) - done if rid in running else 3
+                count = r.randrange(room + 1) if r.random() < 0.95 else room + 1
+                own = self.prompts.get(rid, [])[done : done + count]
+                tokens.append(own + [r.randrange(50) for _ in range(count - len(own))])
+            return ("commit_batch", ids, tokens)
         if kind in ("commit", "commit_batch"):
             done = mgr.num_committed(some) if some in running else 0
             room = mgr.num_tokens(some) - done if some in running else 3

@@ -5,8 +5,9 @@ here) and every page that a commit fills is offered to the prefix cache, chained
 row's last offered page (``PageTable.prefix_keys``). A page is never offered before all its
 tokens are committed, so a same-step prefix hit can never map a page whose K/V is not written
 yet (BUGS 6). One request's commit (a prefill chunk) takes :meth:`Committer.commit_one`, sized
-for one row (Python ints, slices of the row), a batch :meth:`Committer.commit`; both give the
-same state and raise the same errors (``Committer.per_request`` switches the first off)::
+for one row (Python ints, slices of the row), a few rows :meth:`Committer.commit_few` (a slice
+of each row, one offer), a batch :meth:`Committer.commit`; all give the same state and raise
+the same errors (``Committer.per_request`` switches the first two off)::
 
     row    | full p0 | full p1 | p2 (5/16) |        commit 11 more tokens
     row    | full p0 | full p1 | full p2 | p3 (0/16) ...   -> p2 offered: key(p2) = f(key(p1), p2)
@@ -28,6 +29,10 @@ from kvmem.allocator._step_metadata import StepBuilder, StepRecord
 from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Committer", "batch_tokens", "keys_as_ints"]
+
+# The most rows of a commit that commit_few writes row by row (numpy's fixed cost per call is
+# what a few requests' prefill chunks pay); more take the batch's vectorized commit.
+FEW_ROWS = 4
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -95,6 +100,9 @@ class Committer:
         if rows.size == 1 and self.per_request:
             self.commit_one(int(rows[0]), flat.size, flat, ids[0])
             return
+        if rows.size <= FEW_ROWS and self.per_request:
+            self.commit_few(rows, counts, flat, ids)
+            return
         t = self.table
         start = t.num_committed[rows]
         end = start + counts
@@ -146,6 +154,41 @@ class Committer:
                            np.array([full], dtype=np.int64))
                 return
             self.offer_run(row, first, full)
+
+    def commit_few(self, rows: IntpArray, counts: Int64Array | int,
+                   flat: npt.NDArray[np.integer], ids: Sequence[Any]) -> None:
+        """:meth:`commit` of a few rows (the prefill chunks of requests that joined a step):
+        the same checks, writes and offers, each row's slots one slice of its row."""
+        t = self.table
+        P = t.page_size
+        nums = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
+        rows_l = rows.tolist()
+        starts = []
+        for i, (row, num) in enumerate(zip(rows_l, nums)):
+            start, reserved = int(t.num_committed[row]), int(t.num_tokens[row])
+            if start + num > reserved:
+                raise ArgumentError(
+                    f"request {ids[i]!r} commits {num} tokens after {start} but only "
+                    f"{reserved} slots are reserved; reserve() them first (nothing was "
+                    "committed)")
+            starts.append(start)
+        # Every row's tokens are written before any page is offered (a page two rows share
+        # gets its last writer's tokens, as the batch's one write leaves it).
+        at = 0
+        filled = []
+        for b, (row, num, start) in enumerate(zip(rows_l, nums, starts)):
+            if num:
+                self.pages.write_tokens(t.row_slots(row, start, num), flat[at : at + num])
+                at += num
+            t.set_committed(row, start + num)
+            if (start + num) // P > start // P:
+                filled.append(b)
+        if filled and self.pages.cache is not None:
+            some = np.array(filled, dtype=np.intp)
+            first = np.array([starts[b] // P for b in filled], dtype=np.int64)
+            full = np.array([(starts[b] + nums[b]) // P for b in filled], dtype=np.int64) - first
+            self.offer(rows[some], first,
+                       None if isinstance(counts, int) and counts == 1 else full)
 
     def _reserved_slots(self, row: int, start: int, end: int) -> Int64Array:
         """The slots of a row's tokens ``start .. end-1``: those the latest reserve handed out
