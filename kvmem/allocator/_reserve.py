@@ -253,8 +253,7 @@ class Reserver:
                 firsts = np.cumsum(counts) - counts
                 cols = np.repeat(mapped[grow] - firsts, counts) + np.arange(total)
                 at = grow_rows * t.max_pages_per_seq + cols
-                t.pages.reshape(-1)[at] = new
-                t.num_pages[rows[grow]] += counts
+                t.append_runs(rows[grow], counts, at, new)
             self._record_new(grow_rows, cols, at, new, t.namespace_ids[grow_rows])
             self.on_allocate(new)
         k = int(n[0])
