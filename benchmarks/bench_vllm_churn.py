@@ -15,6 +15,8 @@ manager and kvmem's run the same stream in lockstep; ``mismatched_steps`` counts
   ``bench_vllm_scheduler.py`` times them; the timers run in this same pass, so the step
   figures include their cost, a fraction of a microsecond a call, on both sides);
 * ``kvmem_flush_us_median``: the adapter's flush (reserve, verify, commit), per call;
+  ``kvmem_flush_join_us_median`` / ``kvmem_flush_decode_us_median``: per flush with work, those
+  that admitted a request (its step's decodes and its prefill) and those that did not;
 * ``kvmem_flushes_per_step``: the adapter's flushes that had work (``num_flushes``) per step:
   1 when the decodes and the requests joining go out together;
 * ``verify_paths``: which path of kvmem's verifier answered (``VerifierStats``): a decode step
@@ -175,12 +177,18 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
     kv: dict[str, list[int]] = {w: [] for w in scheds}
     adapter = scheds["kvmem"].kv_cache_manager
     flushes: list[float] = []
+    by_join: dict[bool, list[float]] = {True: [], False: []}  # flushes with work, by admission
     flush = adapter.flush
 
     def timed_flush() -> None:
+        queue = adapter._queue
+        work = bool(queue.entries)
+        joined = queue.first_admit >= 0
         t = time.perf_counter()
         flush()
         flushes.append(time.perf_counter() - t)
+        if work:
+            by_join[joined].append(flushes[-1])
 
     adapter.flush = timed_flush
     step_times: dict[str, list[float]] = {w: [] for w in scheds}
@@ -195,6 +203,8 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
             flushes_before = adapter.num_flushes
             added_before = added["kvmem"]
             flushes.clear()
+            by_join[True].clear()
+            by_join[False].clear()
             for v in (*step_times.values(), *kv.values()):
                 v.clear()
             for timer in timers.values():
@@ -234,6 +244,8 @@ def _lockstep(spec: Any, arrivals: list[tuple[str, list[int], int]], n: int,
         "kv_speedup": round(vllm_kv / kvmem_kv, 3),
         "paired_kv_speedup": round(med(v / k for v, k in zip(kv["vllm"], kv["kvmem"])), 3),
         "kvmem_flush_us_median": round(med(flushes) * 1e6, 1),
+        **{f"kvmem_flush_{name}_us_median": round(med(by_join[joined]) * 1e6, 1)
+           for name, joined in (("join", True), ("decode", False)) if by_join[joined]},
         "kvmem_flushes_per_step": round((adapter.num_flushes - flushes_before) / steps, 3),
         "verify_paths": {k: getattr(after, k) - getattr(before, k) for k in after._fields},
         **extra,

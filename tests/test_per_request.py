@@ -1,9 +1,11 @@
 """The per-request paths against the batched ones: the same calls, the same state.
 
 One request's admission reuses the ``match_prefix`` lookup right before it
-(``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one``,
-verified by the verifier's one-row checks and committed by ``Committer.commit_one``
-(``per_request``): sized for one row. A manager with those
+(``Admission.reuse_lookups``), its prefill chunk is reserved by ``Reserver.reserve_one`` (a
+decode step that requests join by ``Reserver.reserve_mixed``, its decodes committed by
+``Committer.commit_head``, its writes checked by the verifier's ``_mixed_writes_ok``),
+verified by the verifier's one-row checks and committed by ``Committer.commit_one`` (a few
+rows' chunks by ``Committer.commit_few``) (``per_request``): sized for one row. A manager with those
 switches off takes the batched paths for everything. Two managers, one of each, run the same
 seeded random workload (admissions with shared prefixes and namespaces, chunks, commits,
 verifies, forks, preemptions, fences, releases, and calls that must fail); after every call
@@ -58,6 +60,10 @@ def call(mgr: KVCacheManager, op: tuple[Any, ...]) -> Any:
     """Run one workload step on ``mgr``: (``"ok"``, result) or (``"error"``, type, message)."""
     name, *args = op
     try:
+        if name == "reserve_verify":  # an engine's step: its reserve, then its check
+            ids, counts = args
+            step = mgr.reserve(ids, counts)
+            return "ok", (outcome(step), outcome(mgr.verify(ids, step)))
         if name == "lookup_admit":  # an engine that looks the prefix up first (vLLM's)
             rid, tokens, ns, cut = args
             match = mgr.match_prefix(tokens, ns)
@@ -79,6 +85,8 @@ class Workload:
         self.next_id = 0
         self.prompts: dict[str, list[int]] = {}
         self.families = [[self.rng.randrange(50) for _ in range(6 * P)] for _ in range(3)]
+        self.joined: list[Any] = []  # the decode rows of the latest reserve_join
+        self.join_ids: list[Any] = []  # and all its rows
 
     def prompt(self) -> list[int]:
         r = self.rng
@@ -95,8 +103,11 @@ class Workload:
             some = r.choice(known) if known and r.random() < 0.95 else "nobody"
         kind = r.choices(["admit", "lookup_admit", "reserve", "reserve_batch", "commit",
                           "commit_batch", "verify", "release", "preempt", "resume", "fork",
-                          "fence", "retire", "can_admit", "take_events"],
-                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1])[0]
+                          "fence", "retire", "can_admit", "take_events", "reserve_join",
+                          "commit_join", "commit_rows"],
+                         [3, 4, 8, 2, 8, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 1, 3])[0]
+        if self.joined and r.random() < 0.5:  # (often right after the step they check)
+            kind = r.choice(["commit_join", "verify_join"])
         ns = r.choice([None, None, "t"])
         if kind in ("admit", "lookup_admit", "fork"):
             rid = f"r{self.next_id}" if r.random() < 0.95 else some
@@ -116,6 +127,29 @@ class Workload:
         if kind == "reserve_batch":
             ids = r.sample(running, min(len(running), 3)) or ["nobody"]
             return ("reserve", ids, [r.randrange(3 * P) for _ in ids])
+        if kind == "reserve_join":  # a decode step that requests join: k each, then chunks
+            ids = r.sample(running, len(running)) or ["nobody"]
+            head = r.randrange(1, len(ids) + 1)
+            k = r.choice([0, 1, 1, 1, 2, P])
+            tail = [r.choice([0, 1, P + 1, 3 * P, 5 * P + 2, 40 * P]) for _ in ids[head:]]
+            self.joined, self.join_ids = ids[:head], ids
+            return (r.choice(["reserve", "reserve_verify"]), ids, [k] * head + tail)
+        if kind == "verify_join":  # the step just reserved, with its metadata
+            return ("verify", self.join_ids)
+        if kind == "commit_join":  # the decodes of the step just reserved
+            ids = self.joined[: r.randrange(len(self.joined)) + 1] if self.joined else ["nobody"]
+            self.joined = []
+            return ("commit_batch", ids, [r.randrange(50) for _ in ids])
+        if kind == "commit_rows":  # a few requests' chunks in one call
+            ids = r.sample(running, min(len(running), r.randrange(2, 5))) or ["nobody"]
+            tokens = []
+            for rid in ids:
+                done = mgr.num_committed(rid) if rid in running else 0
+                room = mgr.num_tokens(rid) - done if rid in running else 3
+                count = r.randrange(room + 1) if r.random() < 0.95 else room + 1
+                own = self.prompts.get(rid, [])[done : done + count]
+                tokens.append(own + [r.randrange(50) for _ in range(count - len(own))])
+            return ("commit_batch", ids, tokens)
         if kind in ("commit", "commit_batch"):
             done = mgr.num_committed(some) if some in running else 0
             room = mgr.num_tokens(some) - done if some in running else 3
@@ -199,6 +233,29 @@ def test_reserve_one_and_commit_one_take_one_request(make_manager: Any) -> None:
     mgr.reserve(["a"], 2 * P)
     mgr.commit("a", list(range(2 * P)))
     assert taken == ["reserve_any"]
+
+
+def test_a_decode_step_that_requests_join_takes_reserve_mixed(make_manager: Any) -> None:
+    """A batch whose leading rows gain one count of at most a page and whose last few gain
+    others (a decode step that requests join) takes ``reserve_mixed``; more joining rows, or
+    rows of the head's count after them, take ``reserve_any`` (a regression that sent every
+    such step to one path would leave the differential test above comparing a path with
+    itself)."""
+    mgr = make_manager(64, page_size=P, max_seqs=16)
+    taken: list[str] = []
+    reserver = mgr._reserver
+    mixed, any_ = reserver.reserve_mixed, reserver.reserve_any
+    reserver.reserve_mixed = lambda *a: taken.append("mixed") or mixed(*a)
+    reserver.reserve_any = lambda *a: taken.append("any") or any_(*a)
+    for i in range(12):
+        mgr.admit(i, list(range(10 * i, 10 * i + 3)))
+    step = mgr.reserve([0, 1, 2, 3], [1, 1, 3, 2 * P])
+    assert taken == ["mixed"]
+    assert step.num_new_tokens.tolist() == [1, 1, 3, 2 * P]
+    mgr.reserve([0, 1, 2, 3], [1, 2 * P, 1, 1])  # the head's count after the joining row
+    mgr.reserve(list(range(12)), [1, 1] + [2] * 10)  # more joining rows than MIXED_TAIL
+    assert taken == ["mixed", "any", "any"]
+    mgr.check()
 
 
 def test_admit_reuses_the_lookup_right_before_it_only(make_manager: Any) -> None:

@@ -1485,3 +1485,31 @@ def test_num_new_tokens_alone_wrong_on_a_decode_step_is_caught(make_manager: Any
     step.num_new_tokens[ids.index("c")] += 1
     report = mgr.verify(ids, step)
     assert list(report.aborted) == ["c"] and "lengths" in report.aborted["c"]
+
+
+@pytest.mark.parametrize("joining", [True, False])
+def test_a_joining_step_whose_written_page_has_another_holder_is_aborted(
+        make_manager: Any, joining: bool) -> None:
+    """The verifier's check of a decode step that a request joined (``_mixed_writes_ok``: the
+    one-token rows vectorized, the joining row by its slice) finds a page that the step
+    writes and that another holder shares, in a one-token row's page or in the joining
+    row's, and the full check then aborts that request alone (the paranoid tracker would
+    raise had the fast check proved the batch)."""
+    mgr = make_manager(num_pages=64, max_seqs=8, tracker="paranoid")
+    P = mgr.page_size
+    for i in range(4):
+        mgr.admit(i, list(range(10 * i, 10 * i + 2 * P)))
+    mgr.reserve([0, 1, 2, 3], [2 * P] * 4)
+    mgr.commit_batch([0, 1, 2, 3], [list(range(10 * i, 10 * i + 2 * P)) for i in range(4)])
+    mgr.admit(4, list(range(100, 100 + 3 * P)))
+    ids = [0, 1, 2, 3, 4]
+    step = mgr.reserve(ids, [1, 1, 1, 1, 3 * P])
+    taken: list[Any] = []
+    mixed = mgr.verifier._mixed_writes_ok
+    mgr.verifier._mixed_writes_ok = lambda b: taken.append(mixed(b)) or taken[-1]
+    victim = 4 if joining else 1
+    written = int(mgr.pages_of(victim)[-1])  # (the one-token rows write their third page)
+    mgr.allocator.share_distinct(np.array([written], dtype=np.int32))  # behind kvmem's back
+    report = mgr.verify(ids, step)
+    assert taken and taken[0] is False
+    assert list(report.aborted) == [victim]

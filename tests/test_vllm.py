@@ -948,6 +948,11 @@ def test_the_churn_sweep_prints_one_cell_per_rate_and_length_at_its_exact_rate(
         # one per join, as when every join's lookup and block ids flushed.
         rate, flushes = c["churn_per_step"], c["kvmem_flushes_per_step"]
         assert flushes == 1 if rate == 0 else 1 <= flushes <= (1 + rate if rate < 2 else rate), c
+        # The flushes that admitted a request are timed apart: every step's at a rate, none
+        # in a steady batch.
+        assert ("kvmem_flush_join_us_median" in c) == (rate > 0), c
+        assert c.get("kvmem_flush_join_us_median", 1) > 0
+        assert rate > 0 or c["kvmem_flush_decode_us_median"] > 0, c
     # Rate 0 never replaces a request; rate r adds r a step through the fill and the steps.
     assert {c["requests_added"] for c in cells if c["churn_per_step"] == 0} == {8}
     assert {c["requests_added"] for c in cells if c["churn_per_step"] == 2} == {8 + 2 * 2}

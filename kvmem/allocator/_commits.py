@@ -5,8 +5,9 @@ here) and every page that a commit fills is offered to the prefix cache, chained
 row's last offered page (``PageTable.prefix_keys``). A page is never offered before all its
 tokens are committed, so a same-step prefix hit can never map a page whose K/V is not written
 yet (BUGS 6). One request's commit (a prefill chunk) takes :meth:`Committer.commit_one`, sized
-for one row (Python ints, slices of the row), a batch :meth:`Committer.commit`; both give the
-same state and raise the same errors (``Committer.per_request`` switches the first off)::
+for one row (Python ints, slices of the row), a few rows :meth:`Committer.commit_few` (a slice
+of each row, one offer), a batch :meth:`Committer.commit`; all give the same state and raise
+the same errors (``Committer.per_request`` switches the first two off)::
 
     row    | full p0 | full p1 | p2 (5/16) |        commit 11 more tokens
     row    | full p0 | full p1 | full p2 | p3 (0/16) ...   -> p2 offered: key(p2) = f(key(p1), p2)
@@ -28,6 +29,10 @@ from kvmem.allocator._step_metadata import StepBuilder, StepRecord
 from kvmem.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Committer", "batch_tokens", "keys_as_ints"]
+
+# The most rows of a commit that commit_few writes row by row (numpy's fixed cost per call is
+# what a few requests' prefill chunks pay); more take the batch's vectorized commit.
+FEW_ROWS = 4
 
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
@@ -68,7 +73,8 @@ class Committer:
         self._ones = np.ones(table.max_seqs, dtype=np.int64)
         self._ones.flags.writeable = False
         self._arange = np.arange(table.max_seqs + 1, dtype=np.int64)
-        # One row's commit takes commit_one (False: the batch path, for a differential test).
+        # One row's commit takes commit_one, the leading decode rows of a step that requests
+        # joined commit_head (False: the batch path, for a differential test).
         self.per_request = True
 
     def commit_batch(self, ids: tuple[Any, ...], rows: IntpArray, counts: Int64Array | int,
@@ -80,6 +86,11 @@ class Committer:
             if b is not None:
                 self.commit_decode(b, flat)
                 return
+            b = (self.steps.uncommitted_head(ids, self.table.num_committed[rows])
+                 if self.per_request else None)
+            if b is not None:
+                self.commit_head(b, flat)
+                return
         self.commit(rows, counts, flat, ids)
 
     def commit(self, rows: IntpArray, counts: Int64Array | int, flat: npt.NDArray[np.integer],
@@ -88,6 +99,9 @@ class Committer:
         Raises, changing nothing, if a row commits more than it reserved."""
         if rows.size == 1 and self.per_request:
             self.commit_one(int(rows[0]), flat.size, flat, ids[0])
+            return
+        if rows.size <= FEW_ROWS and self.per_request:
+            self.commit_few(rows, counts, flat, ids)
             return
         t = self.table
         start = t.num_committed[rows]
@@ -111,8 +125,9 @@ class Committer:
             first = start // t.page_size
             full = end // t.page_size - first  # pages that just became full
             some = full.nonzero()[0]
-            if some.size:
-                self.offer(rows[some], first[some], full[some])
+            if some.size:  # (one token a row fills at most one page: offer's one-page path)
+                self.offer(rows[some], first[some],
+                           None if isinstance(counts, int) and counts == 1 else full[some])
 
     def commit_one(self, row: int, count: int, flat: npt.NDArray[np.integer],
                    request_id: Any) -> None:
@@ -139,6 +154,41 @@ class Committer:
                            np.array([full], dtype=np.int64))
                 return
             self.offer_run(row, first, full)
+
+    def commit_few(self, rows: IntpArray, counts: Int64Array | int,
+                   flat: npt.NDArray[np.integer], ids: Sequence[Any]) -> None:
+        """:meth:`commit` of a few rows (the prefill chunks of requests that joined a step):
+        the same checks, writes and offers, each row's slots one slice of its row."""
+        t = self.table
+        P = t.page_size
+        nums = [counts] * rows.size if isinstance(counts, int) else counts.tolist()
+        rows_l = rows.tolist()
+        starts = []
+        for i, (row, num) in enumerate(zip(rows_l, nums)):
+            start, reserved = int(t.num_committed[row]), int(t.num_tokens[row])
+            if start + num > reserved:
+                raise ArgumentError(
+                    f"request {ids[i]!r} commits {num} tokens after {start} but only "
+                    f"{reserved} slots are reserved; reserve() them first (nothing was "
+                    "committed)")
+            starts.append(start)
+        # Every row's tokens are written before any page is offered (a page two rows share
+        # gets its last writer's tokens, as the batch's one write leaves it).
+        at = 0
+        filled = []
+        for b, (row, num, start) in enumerate(zip(rows_l, nums, starts)):
+            if num:
+                self.pages.write_tokens(t.row_slots(row, start, num), flat[at : at + num])
+                at += num
+            t.set_committed(row, start + num)
+            if (start + num) // P > start // P:
+                filled.append(b)
+        if filled and self.pages.cache is not None:
+            some = np.array(filled, dtype=np.intp)
+            first = np.array([starts[b] // P for b in filled], dtype=np.int64)
+            full = np.array([(starts[b] + nums[b]) // P for b in filled], dtype=np.int64) - first
+            self.offer(rows[some], first,
+                       None if isinstance(counts, int) and counts == 1 else full)
 
     def _reserved_slots(self, row: int, start: int, end: int) -> Int64Array:
         """The slots of a row's tokens ``start .. end-1``: those the latest reserve handed out
@@ -175,6 +225,23 @@ class Committer:
             full = (d.offsets == self.table.page_size - 1).nonzero()[0]  # pages that just filled
             if full.size:
                 self.offer(b.rows[full], d.cols[full], None, d.token_pages[full])
+
+    def commit_head(self, b: StepRecord, tokens: npt.NDArray[np.integer]) -> None:
+        """:meth:`commit` of one token per row into the leading rows of ``b``, the latest
+        reserve's batch (a decode step that requests joined), each reserved one token there
+        and nothing committed since (:meth:`StepBuilder.uncommitted_head`): the tokens land
+        in the first slots it handed out."""
+        t = self.table
+        P = t.page_size
+        m = tokens.size
+        rows, start, slots = b.rows[:m], b.start[:m], b.slots[:m]
+        self.pages.write_tokens(slots, tokens)
+        t.set_committed(rows, b.end[:m])
+        if self.pages.cache is not None:
+            full = (start % P == P - 1).nonzero()[0]  # pages that just filled
+            if full.size:
+                self.offer(rows[full], start[full] // P, None,
+                           (slots[full] // P).astype(np.int32))
 
     def offer(self, rows: IntpArray, first: Int64Array, counts: Int64Array | None,
               pages: Int32Array | None = None) -> None:

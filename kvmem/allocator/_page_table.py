@@ -259,6 +259,14 @@ class PageTable:
         self._flat_pages[flat_at] = pages
         self.num_pages[rows] = cols + 1
 
+    def append_runs(self, rows: IntpArray, counts: Int64Array, flat_at: Int64Array,
+                    pages: Int32Array) -> None:
+        """Map ``pages`` (held by the caller), ``counts[i]`` of them at row ``rows[i]``'s next
+        columns (``flat_at``: each page's ``row * max_pages_per_seq + col``, which the caller
+        has at hand): a step's growth where rows gain several pages. Rows distinct."""
+        self._flat_pages[flat_at] = pages
+        self.num_pages[rows] += counts
+
     def append_run(self, row: int, pages: Int32Array) -> None:
         """Map ``pages`` (held by the caller) at one row's next columns: a prefill chunk's
         growth."""

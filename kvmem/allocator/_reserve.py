@@ -9,12 +9,13 @@ about to write into a partly filled page it shares with a fork first gets a copy
     after    | p0 | p1' (copy, 9/16) | p2 |      reserve(ids, 20): p1 copied, p2 allocated
 
 All or nothing: everything that can fail (a request too long, too few pages) is checked
-before the first change. Three paths, one result: :meth:`Reserver.reserve_small` is the decode
+before the first change. Four paths, one result: :meth:`Reserver.reserve_small` is the decode
 step's (every row gains ``k <= page_size`` tokens, no fork to copy: a constant number of numpy
 calls), :meth:`Reserver.reserve_one` one request's prefill chunk (Python ints and slices of its
-row: numpy's fixed cost per call is what one request pays), :meth:`Reserver.reserve_any` the
-general one. ``Reserver.per_request = False`` sends one request to the general path (a
-differential test compares them).
+row: numpy's fixed cost per call is what one request pays), :meth:`Reserver.reserve_mixed` a
+decode step that a few requests join (the decode rows vectorized, each joining row as one
+slice), :meth:`Reserver.reserve_any` the general one. ``Reserver.per_request = False`` sends
+the second and third to the general path (a differential test compares them).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ Int64Array = npt.NDArray[np.int64]
 IntpArray = npt.NDArray[np.intp]
 _EMPTY_PAGES = np.empty(0, dtype=np.int32)
 _EMPTY_PAGES.flags.writeable = False
+# The most rows of a batch, past a leading run of decode rows, that reserve_mixed takes one by
+# one (a step that a few requests join); more take reserve_any.
+MIXED_TAIL = 8
 
 
 class Reserver:
@@ -66,7 +70,7 @@ class Reserver:
         self.copy_pages = copy_pages
         self.on_allocate = on_allocate
         self.num_cow_copies = 0
-        self.per_request = True  # one request's chunk takes reserve_one (False: reserve_any)
+        self.per_request = True  # reserve_one / reserve_mixed where they fit (False: reserve_any)
         self._arange = np.arange(max(table.max_pages_per_seq, table.max_seqs, table.page_size) + 1,
                                  dtype=np.int64)
 
@@ -121,7 +125,22 @@ class Reserver:
                 return self.reserve_small(ids, rows, n)
             if rows.size == 1 and self.per_request:
                 return self.reserve_one(ids, rows, n)
+            if self.per_request and not isinstance(n, int) and rows.size > 1:
+                head = self._decode_head(n)
+                if head:
+                    return self.reserve_mixed(ids, rows, n, head)
         return self.reserve_any(ids, rows, n)
+
+    def _decode_head(self, n: Int64Array) -> int:
+        """The rows of a decode step that a few requests join: how many leading rows gain one
+        count of at most a page when at most ``MIXED_TAIL`` rows follow them, else 0."""
+        k = int(n[0])
+        if k > self.table.page_size:
+            return 0
+        other = (n != k).nonzero()[0]
+        if other.size > MIXED_TAIL or (other.size and other.size != n.size - int(other[0])):
+            return 0  # (more rows join, or rows of the head's count follow them)
+        return n.size - other.size
 
     # -- the decode step ----------------------------------------------------------------------
 
@@ -195,6 +214,64 @@ class Reserver:
                             np.array([end], dtype=np.int64), n if isinstance(n, int) else -1,
                             slots, None, counts=np.array([used], dtype=np.int64),
                             last_len=np.array([(end - 1) % P + 1], dtype=np.int32))
+
+    # -- a decode step that requests join ---------------------------------------------------
+
+    def reserve_mixed(self, ids: tuple[Any, ...], rows: IntpArray, n: Int64Array, head: int
+                      ) -> StepMetadata:
+        """:meth:`reserve_any` of a decode step that a few requests join (``n`` ``[B]``: the
+        leading ``head`` rows gain one count of at most a page, the rest, at most
+        ``MIXED_TAIL``, any count; no fork to copy): the head's slots in a few vectorized
+        calls, each joining row's as one slice of its row (as :meth:`reserve_one`), the pages
+        allocated in one call in row order. The same checks, state and metadata."""
+        t = self.table
+        P = t.page_size
+        rows_w, rows32 = self.steps.row_arrays(rows)
+        mapped = t.num_pages[rows]
+        start = t.num_tokens[rows]
+        end = start + n
+        need = np.maximum((end + (P - 1)) // P - mapped, 0)
+        too_long = mapped + need > t.max_pages_per_seq
+        if np.count_nonzero(too_long):
+            self._too_long(ids, np.flatnonzero(too_long))
+        total = int(need.sum())
+        self.pages.require(total)
+        # Nothing can fail from here on.
+        if total:
+            grow = need.nonzero()[0]
+            grow_rows = rows[grow]
+            ns = t.namespace_ids[grow_rows]
+            if grow.size == total:  # one page each (the decode rows' growth)
+                new = self.pages.allocate(total, ns)
+                cols = mapped[grow]
+                at = rows_w[grow] + cols
+                t.append_pages(grow_rows, at, cols, new)
+            else:  # a joining row's run: rows and columns of every new page, in row order
+                counts = need[grow]
+                new = self.pages.allocate(total, np.repeat(ns, counts))
+                grow_rows = np.repeat(grow_rows, counts)
+                firsts = np.cumsum(counts) - counts
+                cols = np.repeat(mapped[grow] - firsts, counts) + np.arange(total)
+                at = grow_rows * t.max_pages_per_seq + cols
+                t.append_runs(rows[grow], counts, at, new)
+            self._record_new(grow_rows, cols, at, new, t.namespace_ids[grow_rows])
+            self.on_allocate(new)
+        k = int(n[0])
+        if k == 1:
+            hs = start[:head]
+            col = hs // P
+            head_slots = np.multiply(t.pages.reshape(-1)[rows_w[:head] + col], P,
+                                     dtype=np.int64)
+            head_slots += hs - col * P
+        else:
+            positions = (start[:head, None] + self._arange[:k]).reshape(-1)
+            head_slots = t._slots(np.repeat(rows[:head], k), positions)
+        tail = [t.row_slots(r, s, c) for r, s, c in zip(
+            rows[head:].tolist(), start[head:].tolist(), n[head:].tolist())]
+        slots = np.concatenate([head_slots, *tail]) if tail else head_slots
+        t.advance(rows, start, end)
+        return self._finish(ids, rows, rows_w, rows32, start, end, -1, slots,
+                            (_EMPTY_PAGES, _EMPTY_PAGES))
 
     # -- the general step ---------------------------------------------------------------------
 

@@ -209,6 +209,22 @@ class StepBuilder:
                 return b
         return None
 
+    def uncommitted_head(self, ids: tuple[Any, ...], committed: Int64Array
+                         ) -> StepRecord | None:
+        """The latest record when ``ids`` are the leading requests of its batch (a decode step
+        that requests joined), each reserved one token there, nothing committed into them
+        since (``committed``: their committed counts, in batch order) and no row changed
+        (the page table's epoch is the same); else None."""
+        b = self.latest
+        n = len(ids)
+        if (b is None or not 0 < n < len(b.ids) or b.epoch != self.table.epoch
+                or b.ids[:n] != ids):
+            return None
+        start = b.start[:n]
+        if np.count_nonzero(committed != start) or np.count_nonzero(b.end[:n] - start != 1):
+            return None
+        return b
+
     def row_arrays(self, rows: IntpArray) -> tuple[Int64Array, Int32Array]:
         """``rows * max_pages_per_seq`` and the rows as read-only int32 (``StepMetadata.rows``):
         the latest record's own when ``rows`` is its array (read-only, so the same values)."""

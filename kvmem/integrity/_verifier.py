@@ -56,6 +56,9 @@ _ONE = np.int32(1)  # np.add.at with a same-dtype one: numpy 2's fast path
 
 
 _PROVED = Verdict({})  # (never mutated)
+# The most rows of a step, besides its one-token rows, whose writes the spliced check looks at
+# one by one (a decode step that requests joined; as kvmem.allocator's reserve_mixed takes).
+MIXED_TAIL = 8
 
 
 class VerifierStats(NamedTuple):
@@ -257,8 +260,12 @@ class Verifier(FullCheck):
             return self._writes_ok(b.rows, fields, b.indptr, b.indices)
         # reserve's slots come from the page table and its CSR partly from the base step's: a
         # row entry changed behind the manager's back since would make them disagree.
-        if b.rows.size == 1 and self.per_request:
-            return self._one_row_writes_ok(b)
+        if self.per_request:
+            if b.rows.size == 1:
+                return self._one_row_writes_ok(b)
+            mixed = self._mixed_writes_ok(b)
+            if mixed is not None:
+                return mixed
         return not (b.slots.size and (np.count_nonzero(self.writers(b.slots // P) != 1)
                                       or slot_mismatches({"kv_indptr": b.indptr,
                                                           "kv_indices": b.indices,
@@ -279,6 +286,41 @@ class Verifier(FullCheck):
         want = (np.multiply(pages[:, None], P, dtype=np.int64) + self._offsets).reshape(-1)
         return (_equal(b.slots, want[skip : skip + end - start])
                 and not np.count_nonzero(self.writers(pages) != 1))
+
+    def _mixed_writes_ok(self, b: SplicedStep) -> bool | None:
+        """The last check of :meth:`_step_ok` for a decode step that a few requests joined
+        (every row one new token but at most ``MIXED_TAIL``): the one-token rows' slots are
+        the last pages of their CSR rows at the tokens' offsets (vectorized), each other
+        row's as :meth:`_one_row_writes_ok` finds them, and each page written has one writer.
+        The same answer as the batch's ``slot_mismatches`` and ``writers`` over every slot;
+        None when more rows are not of one token (the caller takes the batch's check)."""
+        P = self.page_size
+        new = b.end - b.start
+        other = (new != 1).nonzero()[0]
+        if other.size > MIXED_TAIL or b.slots.size != int(b.qo_indptr[-1]):
+            return None
+        one = (new == 1).nonzero()[0] if other.size else slice(None)
+        start = b.start[one]
+        at = b.indptr[:-1][one] + start // P  # (each one-token row's page in its CSR row)
+        if np.count_nonzero(at >= b.indptr[1:][one]):
+            return False
+        pages = [b.indices[at]]
+        want = np.multiply(pages[0], P, dtype=np.int64)
+        want += start % P
+        if not _equal(b.slots[b.qo_indptr[:-1][one]], want):
+            return False
+        for i, first_slot in zip(other.tolist(), b.qo_indptr[other].tolist()):
+            lo, hi = int(b.start[i]), int(b.end[i])
+            if hi == lo:
+                continue
+            first, skip = divmod(lo, P)
+            row = b.indices[int(b.indptr[i]) : int(b.indptr[i + 1])][first : -(-hi // P)]
+            slots = (np.multiply(row[:, None], P, dtype=np.int64) + self._offsets).reshape(-1)
+            if not _equal(b.slots[first_slot : first_slot + hi - lo], slots[skip : skip + hi - lo]):
+                return False
+            pages.append(row)
+        written = np.concatenate(pages) if len(pages) > 1 else pages[0]
+        return not np.count_nonzero(self.writers(written) != 1)
 
     # -- the incremental check ----------------------------------------------------------------
 
