@@ -74,6 +74,7 @@ class FlushQueue:
         self.num_pages = 0
         self.first_admit = -1
         self.lookahead: list[tuple[int, int]] = []
+        self.num_resync = 0  # queued entries of add_resync (their commit targets are explicit)
         self.commits: list[tuple[Any, RequestState, int]] = []
         self.num_flushes = 0
         self.num_verified_steps = 0
@@ -95,6 +96,18 @@ class FlushQueue:
         self.new_blocks.append((len(self.entries), need, out))
         self.entries.append((request, st, num_new_tokens, None, computed))
         self.num_pages += need
+
+    def add_resync(self, request: Any, st: RequestState, num_slots: int, upto: int,
+                   num_tokens: int, need: int, out: KVMemBlocks | None) -> None:
+        """Queue a running request whose kvmem slots are out of step with vLLM's computed
+        tokens (KV connectors: a load done or failed): ``num_slots`` slots after its
+        ``num_tokens`` reserved ones, ``need`` new pages (``out`` gets their block ids), commit
+        from its committed tokens up to ``upto``."""
+        if out is not None:
+            self.new_blocks.append((len(self.entries), need, out))
+        self.entries.append((request, st, num_slots, upto, num_tokens))
+        self.num_pages += need
+        self.num_resync += 1
 
     def add_admission(self, request: Any, st: RequestState, num_new_tokens: int, upto: int,
                       need: int, num_pages: int, out: KVMemBlocks, lookahead: int = 0) -> None:
@@ -191,6 +204,7 @@ class FlushQueue:
         if self.speculative:
             self._give_back_rejected(q)
         outs, first_admit, lookahead = self.new_blocks, self.first_admit, self.lookahead
+        resync, self.num_resync = self.num_resync, 0
         self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
         self.commits, self.lookahead = [], []
         self.num_flushes += 1
@@ -220,6 +234,9 @@ class FlushQueue:
             uniform = False  # the commit below takes the general path
             first_admit = 0 if first_admit >= 0 else -1
         if not q and not commits:
+            return
+        if resync:  # explicit commit targets: the general path
+            self._commit_general(q, commits)
             return
         if (first_admit > 0 and not commits and nums[:first_admit].count(1) == first_admit
                 and all(e[3] is not None for e in q[first_admit:])):
