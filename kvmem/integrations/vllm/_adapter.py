@@ -674,6 +674,12 @@ class VllmKVCacheAdapter:
 
     # -- KV connector paths -------------------------------------------------------------------
 
+    def num_blocks_to_hold(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the request needs beyond those it maps to hold ``num_tokens`` tokens."""
+        st = self._reqs.get(request_id)
+        have = st.cap // self.block_size if st is not None else 0
+        return max(_cdiv(num_tokens, self.block_size) - have, 0)
+
     def rolled_back(self, request_id: str, block_ids: list[int]) -> None:
         """vLLM rolled a request's computed tokens back to before ``block_ids`` (a failed
         load left them invalid): its next allocation reconciles it, and the blocks leave the

@@ -186,9 +186,14 @@ class _KVMemMixin(_SchedulerBase):
             self._report_aborted(outputs)
         return outputs
 
+    def _on_kvmem(self) -> bool:
+        """Whether the KV cache manager is kvmem's (a test may attach another one after
+        construction: then the scheduler is vLLM's own, unchanged)."""
+        return isinstance(self.kv_cache_manager, VllmKVCacheAdapter)
+
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         out = super()._free_request(request, delay_free_blocks)
-        if request.request_id in self.requests:
+        if request.request_id in self.requests and self._on_kvmem():
             # A KV connector still reads its blocks (or a load still writes them): vLLM frees
             # them on finished_sending / finished_recving; kvmem holds them until then.
             self.kv_cache_manager.hold(request)
@@ -205,6 +210,9 @@ class _KVMemMixin(_SchedulerBase):
         outputs). Returns the affected requests, the tokens they give up, and the blocks to
         evict (each affected request's blocks from its first invalid one, with
         ``evict_blocks``)."""
+        if not self._on_kvmem():
+            return super()._update_requests_with_invalid_blocks(
+                requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
         adapter = self.kv_cache_manager
         affected: set[str] = set()
         num_tokens = 0
@@ -226,6 +234,17 @@ class _KVMemMixin(_SchedulerBase):
             if evict_blocks:
                 to_evict.update(block_ids[first:])
         return affected, num_tokens, to_evict
+
+    def _request_remaining_blocks(self, request: Request) -> int:
+        """Blocks ``request`` still needs to hold its full sequence (an asynchronous load's
+        reservation), from kvmem's pages."""
+        if not self._on_kvmem():
+            return super()._request_remaining_blocks(request)
+        sched: Any = self
+        num_tokens = min(request.num_tokens, sched.max_model_len)
+        if sched.num_spec_tokens:
+            num_tokens += 1 + sched.num_spec_tokens + sched.num_lookahead_tokens
+        return self.kv_cache_manager.num_blocks_to_hold(request.request_id, num_tokens)
 
     def _install_kvmem(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
                        block_size: int, log_stats: bool, enable_kv_cache_events: bool) -> None:
@@ -255,6 +274,8 @@ class _KVMemMixin(_SchedulerBase):
 
     def _check_request(self, request: Request) -> None:
         """Refuse (before the scheduler sees it) a request whose KV this scheduler cannot key."""
+        if not self._on_kvmem():
+            return
         rid = request.request_id
         for what, has in (
                 ("multimodal inputs", bool(request.mm_features)),
@@ -285,6 +306,8 @@ class _KVMemMixin(_SchedulerBase):
             request._block_hasher = None
 
     def _after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        if not self._on_kvmem():
+            return out
         adapter = self.kv_cache_manager
         adapter.flush()
         failed = adapter.integrity_aborts
