@@ -520,3 +520,120 @@ def test_a_request_advanced_without_allocate_slots_is_refused_naming_it() -> Non
     assert adapter.allocate_slots(request, 1) is not None
     with pytest.raises(KVMemError, match="without allocate_slots"):
         adapter.flush()
+
+
+# -- KV connectors: vLLM's scheduler loop with a connector, on both managers ----------------------
+
+
+def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]],
+                   transfer: object, worker: object = None, arrivals: dict[str, int] | None = None,
+                   max_tokens: int = 6, on_step: object = None) -> tuple[list[object], object]:
+    """vLLM's scheduler loop with a KV connector (``transfer``: vLLM's ``KVTransferConfig``)
+    and a stand-in for the workers' side of its transfers (``worker``: a
+    ``WorkerStandIn``, by default one that reports loads and sends done 2 steps after they
+    began). Request ``rid`` arrives before step ``arrivals[rid]`` (0 by default).
+    ``on_step(t, sched, out)`` runs after each ``schedule()``. Returns each step's output in
+    the form both managers must agree on (with the connector's KV events), and the
+    scheduler."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn
+    from kvmem.integrations.vllm._vllm_objects import (
+        EventRecorder,
+        make_request,
+        make_vllm_config,
+        model_output,
+    )
+
+    worker = worker if worker is not None else WorkerStandIn()
+    vc, kc = make_vllm_config(spec)
+    vc.kv_transfer_config = transfer
+    if kvmem:
+        from kvmem.integrations.vllm import KVMemAsyncScheduler
+
+        cls: object = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
+    else:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        cls = AsyncScheduler if spec.async_scheduling else Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    sched = cls(vllm_config=vc, kv_cache_config=kc,
+                structured_output_manager=StructuredOutputManager(vc),
+                block_size=spec.block_size, log_stats=True)
+    sched.kv_event_publisher = EventRecorder()
+    arrivals = arrivals or {}
+    requests = {rid: make_request(StreamRequest(rid, p, max_tokens), spec.block_size)
+                for rid, p in prompts.items()}
+    records: list[object] = []
+    last = max(arrivals.values(), default=0)
+    for t in range(200):
+        for rid, req in requests.items():
+            if arrivals.get(rid, 0) == t:
+                sched.add_request(req)
+        if t > last and not sched.has_requests():
+            break
+        out = sched.schedule()
+        if on_step is not None:
+            on_step(t, sched, out)
+        record = _canonical(sched, out)
+        record["waiting_for_kv"] = sorted(
+            r.request_id for r in sched.requests.values()
+            if r.status.name == "WAITING_FOR_REMOTE_KVS")
+        mro = model_output(sched, out)
+        mro.kv_connector_output = worker.output(sched, out, t)
+        sched.update_from_output(out, mro)
+        record["events"] = [(type(e).__name__, getattr(e, "medium", None))
+                            for e in sched.kv_event_publisher.events]
+        sched.kv_event_publisher.events.clear()
+        records.append(record)
+    records.append([(rid, list(r.output_token_ids), r.status.name)
+                    for rid, r in requests.items()])
+    return records, sched
+
+
+def _same_run(spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]], transfer: object,
+              make_worker: object = None, **kw: object) -> tuple[list[object], object]:
+    """Both managers through :func:`_connector_run`; asserts every step agrees and kvmem's
+    integrity check ran silently; returns vLLM's records and kvmem's scheduler."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn
+
+    make = make_worker or WorkerStandIn
+    vllm_records, _ = _connector_run(False, spec, prompts, transfer, make(), **kw)
+    kvmem_records, sched = _connector_run(True, spec, prompts, transfer, make(), **kw)
+    assert len(kvmem_records) == len(vllm_records)
+    for t, (a, b) in enumerate(zip(vllm_records, kvmem_records)):
+        assert a == b, f"step {t}"
+    adapter = sched.kv_cache_manager
+    assert adapter.num_integrity_aborts == 0
+    assert adapter.num_verified_steps > 0
+    adapter.check()
+    sched.kvmem.check()
+    return vllm_records, sched
+
+
+_SHARED = tuple(range(10, 26))  # 4 blocks of 4
+_CONN_PROMPTS = {"a": _SHARED + (1, 2, 3), "b": _SHARED + (7, 8), "c": tuple(range(60, 71))}
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("caching", [True, False])
+def test_external_hits_schedule_exactly_as_vllm(is_async: bool, async_scheduling: bool,
+                                                caching: bool) -> None:
+    """External matched tokens (synchronous and asynchronous loads), local prefix hits
+    before them, delayed frees and the connector's KV events: every step's output, block
+    tables, usage, the requests waiting for their KV and the published events agree with
+    vLLM's manager; the connector was handed the blocks kvmem allocated."""
+    from kvmem.integrations.vllm._connector_script import connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=30, async_scheduling=async_scheduling,
+                               enable_prefix_caching=caching, kv_events=True)
+    transfer = connector_config(hits={"a": (12, is_async), "b": (18, is_async),
+                                      "c": (8, is_async)},
+                                delay_free=("a", "c"), events=True)
+    records, sched = _same_run(spec, _CONN_PROMPTS, transfer, arrivals={"b": 4})
+    assert any(r["waiting_for_kv"] for r in records[:-1]) == is_async
+    assert any(("BlockStored", "CPU") in r["events"] for r in records[:-1])
+    allocs = sched.connector.allocs
+    assert {rid for rid, _, n in allocs if n} == {"a", "b", "c"}
+    assert all(tokens and status.startswith("FINISHED") for _, tokens, status in records[-1])
