@@ -637,3 +637,36 @@ def test_external_hits_schedule_exactly_as_vllm(is_async: bool, async_scheduling
     allocs = sched.connector.allocs
     assert {rid for rid, _, n in allocs if n} == {"a", "b", "c"}
     assert all(tokens and status.startswith("FINISHED") for _, tokens, status in records[-1])
+
+
+def test_delayed_frees_are_never_reused_before_the_connector_releases_them() -> None:
+    """Guards the delayed free: a finished request whose blocks the connector still reads
+    (request_finished says delay_free_blocks) keeps them, in kvmem a lease, until
+    finished_sending; a request that needs every free block meanwhile waits instead of
+    getting them (were they freed at the finish, it would be scheduled at once, and its
+    blocks would include the held ones). Both managers agree step by step."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=11, max_model_len=64)  # 10 usable blocks
+    prompts = {"held": tuple(range(10, 29)), "big": tuple(range(100, 128))}
+    transfer = connector_config(delay_free=("held",))
+    seen: dict[str, object] = {}
+
+    def on_step(t: int, sched: object, out: object) -> None:
+        held = sched.requests.get("held")
+        if held is not None and held.is_finished():
+            ids = {b for rid, blocks in sched.connector.finished if rid == "held"
+                   for b in blocks}
+            assert ids
+            seen.setdefault("first_held", t)
+            for r in out.scheduled_new_reqs:
+                assert not ids & set(r.block_ids[0]), f"step {t}: held blocks reused"
+        if "big" in out.num_scheduled_tokens:
+            seen.setdefault("big", t)
+
+    records, sched = _same_run(spec, prompts, transfer,
+                               make_worker=lambda: WorkerStandIn(lag=3),
+                               arrivals={"big": 3}, max_tokens=4, on_step=on_step)
+    # "big" (7 blocks) waited for the held request's 5 blocks to come back.
+    assert seen["big"] >= seen["first_held"] + 3
+    assert sched.kvmem.check() is None
