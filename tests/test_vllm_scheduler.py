@@ -592,17 +592,29 @@ def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[in
 
 
 def _same_run(spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]], transfer: object,
-              make_worker: object = None, **kw: object) -> tuple[list[object], object]:
+              make_worker: object = None, extra_removed: int = 0, **kw: object
+              ) -> tuple[list[object], object]:
     """Both managers through :func:`_connector_run`; asserts every step agrees and kvmem's
-    integrity check ran silently; returns vLLM's records and kvmem's scheduler."""
+    integrity check ran silently; returns vLLM's records and kvmem's scheduler.
+    ``extra_removed``: BlockRemoved events kvmem publishes and vLLM does not (a failed load's
+    blocks under ``recompute``, which kvmem takes out of its prefix cache)."""
     from kvmem.integrations.vllm._connector_script import WorkerStandIn
 
     make = make_worker or WorkerStandIn
     vllm_records, _ = _connector_run(False, spec, prompts, transfer, make(), **kw)
     kvmem_records, sched = _connector_run(True, spec, prompts, transfer, make(), **kw)
     assert len(kvmem_records) == len(vllm_records)
+    removed = 0
     for t, (a, b) in enumerate(zip(vllm_records, kvmem_records)):
+        if extra_removed and isinstance(a, dict):
+            extra = list(b["events"])
+            for e in a["events"]:
+                extra.remove(e)
+            assert set(extra) <= {("BlockRemoved", "GPU")}, f"step {t}"
+            removed += len(extra)
+            a, b = {**a, "events": None}, {**b, "events": None}
         assert a == b, f"step {t}"
+    assert removed == extra_removed
     adapter = sched.kv_cache_manager
     assert adapter.num_integrity_aborts == 0
     assert adapter.num_verified_steps > 0
@@ -612,7 +624,7 @@ def _same_run(spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]], transfer
 
 
 _SHARED = tuple(range(10, 26))  # 4 blocks of 4
-_CONN_PROMPTS = {"a": _SHARED + (1, 2, 3), "b": _SHARED + (7, 8), "c": tuple(range(60, 71))}
+_CONN_PROMPTS = {"a": (*_SHARED, 1, 2, 3), "b": (*_SHARED, 7, 8), "c": tuple(range(60, 71))}
 
 
 @pytest.mark.parametrize("is_async", [False, True])
@@ -664,9 +676,92 @@ def test_delayed_frees_are_never_reused_before_the_connector_releases_them() -> 
         if "big" in out.num_scheduled_tokens:
             seen.setdefault("big", t)
 
-    records, sched = _same_run(spec, prompts, transfer,
+    _records, sched = _same_run(spec, prompts, transfer,
                                make_worker=lambda: WorkerStandIn(lag=3),
                                arrivals={"big": 3}, max_tokens=4, on_step=on_step)
     # "big" (7 blocks) waited for the held request's 5 blocks to come back.
     assert seen["big"] >= seen["first_held"] + 3
     assert sched.kvmem.check() is None
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("how", ["request", 1, 3])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_load_failures_follow_vllms_policy(policy: str, how: object,
+                                                 async_scheduling: bool) -> None:
+    """An asynchronous load that fails as a whole (failed_recving) or from one block on
+    (invalid_block_ids): with ``recompute`` the request recomputes from its last valid block
+    (kvmem gives back the failed tail's slots and commits only the valid prefix), with
+    ``fail`` it finishes with an error; the same steps as vLLM's manager either way."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=30, async_scheduling=async_scheduling)
+    transfer = connector_config(hits={"a": (16, True), "b": (12, True)}, policy=policy)
+    records, _sched = _same_run(spec, _CONN_PROMPTS, transfer,
+                               make_worker=lambda: WorkerStandIn(fail_loads={"a": how}),
+                               arrivals={"b": 1})
+    statuses = dict((rid, status) for rid, _, status in records[-1])
+    assert statuses["b"] == "FINISHED_LENGTH_CAPPED" or statuses["b"].startswith("FINISHED")
+    if policy == "fail":
+        assert statuses["a"] == "FINISHED_ERROR"
+    else:
+        assert statuses["a"] != "FINISHED_ERROR"
+        first = next(r for r in records[:-1] if "a" in r["num_scheduled"])
+        assert first["num_scheduled"]["a"] > 19 - 16  # it recomputed more than its last token
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_sync_load_failures_follow_vllms_policy(policy: str) -> None:
+    """A synchronous load whose block 2 fails (invalid_block_ids in the output of the step
+    that loaded it), no block shared: vLLM rolls the request back to block 2 (recompute)
+    or fails it and evicts the blocks (fail); kvmem agrees step by step, its slots past the
+    rollback committed already and recomputed in place. Under ``recompute`` kvmem also
+    takes the failed blocks out of its prefix cache (2 BlockRemoved events vLLM does not
+    publish: vLLM keeps them cached while they are recomputed)."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=30)
+    prompts = {"a": _CONN_PROMPTS["a"], "c": _CONN_PROMPTS["c"]}
+    transfer = connector_config(hits={"a": (16, False)}, policy=policy)
+    records, _sched = _same_run(spec, prompts, transfer,
+                               make_worker=lambda: WorkerStandIn(fail_loads={"a": 2}),
+                               extra_removed=2 if policy == "recompute" else 0)
+    statuses = dict((rid, status) for rid, _, status in records[-1])
+    assert (statuses["a"] == "FINISHED_ERROR") == (policy == "fail")
+
+
+def test_a_failed_block_shared_by_two_requests_is_recomputed_by_both() -> None:
+    """Guards vllm#49250: two requests share a block whose synchronous load failed. vLLM
+    rolls back only the first and lets the other go on as if the block were recomputed,
+    which it may not be yet (wrong outputs). kvmem's scheduler rolls back each to its own
+    first invalid block, and takes the failed blocks out of the prefix cache: a later
+    request with the same prefix finds none of them."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=40)
+    prompts = {"a": (*_SHARED, 1, 2, 3), "b": (*_SHARED, 7, 8), "late": (*_SHARED, 9)}
+    transfer = connector_config(hits={"a": (16, False)}, policy="recompute")
+    computed_after: dict[str, int] = {}
+
+    def on_step(t: int, sched: object, out: object) -> None:
+        if t == 1:
+            for rid in ("a", "b"):
+                computed_after[rid] = sched.requests[rid].num_computed_tokens
+        for r in out.scheduled_new_reqs:
+            if r.req_id == "late":
+                computed_after["late"] = r.num_computed_tokens  # its prefix hit
+
+    # a loads 16 tokens (4 blocks) and computes 3; b hits a's blocks in the same step.
+    # a's block 1 failed: both recompute from token 4.
+    records, sched = _connector_run(True, spec, prompts, transfer,
+                                    WorkerStandIn(fail_loads={"a": 1}),
+                                    arrivals={"late": 3}, on_step=on_step)
+    first = records[0]
+    assert first["num_scheduled"] == {"a": 3, "b": 2}
+    second = records[1]
+    assert second["num_scheduled"]["a"] == 19 - 4 and second["num_scheduled"]["b"] == 18 - 4
+    assert computed_after["late"] <= 4  # the failed blocks left the cache
+    adapter = sched.kv_cache_manager
+    assert adapter.num_integrity_aborts == 0
+    adapter.check()
+    sched.kvmem.check()
