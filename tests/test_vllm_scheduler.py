@@ -527,7 +527,8 @@ def test_a_request_advanced_without_allocate_slots_is_refused_naming_it() -> Non
 
 def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]],
                    transfer: object, worker: object = None, arrivals: dict[str, int] | None = None,
-                   max_tokens: int = 6, on_step: object = None) -> tuple[list[object], object]:
+                   max_tokens: int = 6, on_step: object = None, setup: object = None
+                   ) -> tuple[list[object], object]:
     """vLLM's scheduler loop with a KV connector (``transfer``: vLLM's ``KVTransferConfig``)
     and a stand-in for the workers' side of its transfers (``worker``: a
     ``WorkerStandIn``, by default one that reports loads and sends done 2 steps after they
@@ -561,6 +562,8 @@ def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[in
                 structured_output_manager=StructuredOutputManager(vc),
                 block_size=spec.block_size, log_stats=True)
     sched.kv_event_publisher = EventRecorder()
+    if setup is not None:
+        setup(sched)
     arrivals = arrivals or {}
     requests = {rid: make_request(StreamRequest(rid, p, max_tokens), spec.block_size)
                 for rid, p in prompts.items()}
@@ -765,3 +768,61 @@ def test_a_failed_block_shared_by_two_requests_is_recomputed_by_both() -> None:
     assert adapter.num_integrity_aborts == 0
     adapter.check()
     sched.kvmem.check()
+
+
+def _example_connector_stores(prompts: dict[str, tuple[int, ...]]) -> object:
+    """A setup that makes vLLM's ExampleConnector find these prompts in its storage (the
+    folder its worker side would have written, named by the connector itself)."""
+    import torch
+
+    def setup(sched: object) -> None:
+        conn = sched.connector
+        for prompt in prompts.values():
+            n = (len(prompt) - 1) // 4 * 4
+            conn._generate_foldername_debug(torch.tensor(prompt)[:n], [], create_folder=True)
+    return setup
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "DecodeBenchConnector",
+                                       "OffloadingConnector"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_vllms_own_connectors_schedule_exactly_as_on_vllms_manager(
+        connector: str, async_scheduling: bool, tmp_path: object) -> None:
+    """vLLM's own connectors, from the installed vLLM, scheduler side: ExampleConnector
+    (synchronous loads of prompts found in its storage), DecodeBenchConnector (fills every
+    prompt but its last token) and OffloadingConnector (stores to CPU, then a second wave of
+    the same prompts loads them back asynchronously, its worker side played by
+    ``OffloadingWorkerStandIn``): the same steps as vLLM's manager, the connector handed
+    kvmem's blocks, kvmem's integrity check silent."""
+    from vllm.config import KVTransferConfig
+
+    from kvmem.integrations.vllm._connector_script import OffloadingWorkerStandIn, WorkerStandIn
+
+    spec = dataclasses.replace(SPEC, num_blocks=40, async_scheduling=async_scheduling,
+                               kv_events=True)
+    prompts = dict(_CONN_PROMPTS)
+    arrivals: dict[str, int] = {"b": 2}
+    make_worker: object = WorkerStandIn
+    setup = None
+    extra: dict[str, object] = {}
+    if connector == "ExampleConnector":
+        extra = {"shared_storage_path": str(tmp_path)}
+        setup = _example_connector_stores({"a": prompts["a"], "c": prompts["c"]})
+    elif connector == "OffloadingConnector":
+        extra = {"cpu_bytes_to_use": 1 << 16}
+        make_worker = OffloadingWorkerStandIn
+        prompts.update({f"{rid}2": p for rid, p in prompts.items()})
+        arrivals.update({"a2": 12, "b2": 12, "c2": 14})
+    transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_both",
+                                kv_connector_extra_config=extra)
+
+    def on_step(t: int, sched: object, out: object) -> None:
+        if t == 10 and connector == "OffloadingConnector":  # the GPU cache forgets them
+            assert sched.kv_cache_manager.reset_prefix_cache()
+
+    records, sched = _same_run(spec, prompts, transfer, make_worker=make_worker,
+                               arrivals=arrivals, setup=setup, on_step=on_step)
+    hits = [r for r in records[:-1] for _, n, _ in r["new"] if n]
+    assert hits, "no request found anything outside the GPU cache"
+    if connector == "OffloadingConnector":
+        assert any(r["waiting_for_kv"] for r in records[:-1])  # the second wave loaded

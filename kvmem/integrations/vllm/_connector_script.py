@@ -166,3 +166,40 @@ class WorkerStandIn:
         return KVConnectorOutput(finished_sending=sending or None,
                                  finished_recving=recving or None, failed_recving=failed,
                                  invalid_block_ids=invalid)
+
+
+class OffloadingWorkerStandIn:
+    """The workers' side of vLLM's ``OffloadingConnector``: each transfer job of a step's
+    ``OffloadingConnectorMetadata`` is reported done (``kv_connector_worker_meta``) ``lag``
+    steps later; a request waiting for its loads gets ``finished_recving`` once they are
+    done, a finished request whose blocks the connector kept ``finished_sending`` once its
+    stores are."""
+
+    def __init__(self, lag: int = 1) -> None:
+        self.lag = lag
+        self._jobs: dict[int, tuple[str, int]] = {}  # job id -> (request id, step issued)
+
+    def output(self, sched: Any, scheduler_output: Any, step: int) -> KVConnectorOutput:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingWorkerMetadata,
+        )
+
+        meta = scheduler_output.kv_connector_metadata
+        for jobs in (meta.load_jobs, meta.store_jobs):
+            for job_id, job in jobs.items():
+                self._jobs[job_id] = (job.req_id, step)
+        done = {j: 1 for j, (_, t) in self._jobs.items() if step - t >= self.lag}
+        for j in done:
+            del self._jobs[j]
+        busy = {rid for rid, _ in self._jobs.values()}
+        recving, sending = set(), set()
+        for rid, req in sched.requests.items():
+            if rid in busy:
+                continue
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                recving.add(rid)
+            elif req.is_finished():
+                sending.add(rid)
+        return KVConnectorOutput(finished_sending=sending or None,
+                                 finished_recving=recving or None,
+                                 kv_connector_worker_meta=OffloadingWorkerMetadata(done))
