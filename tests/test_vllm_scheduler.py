@@ -70,13 +70,18 @@ def test_a_sliding_window_group_is_refused() -> None:
         _build(vc, kc)
 
 
-def test_a_kv_connector_is_refused() -> None:
+def test_a_kv_connector_is_bound_to_kvmems_adapter(tmp_path: object) -> None:
+    """vLLM's __init__ binds the connector to the manager it built; kvmem's scheduler binds
+    it to its adapter (connectors read the manager they were bound to)."""
     from vllm.config import KVTransferConfig
 
     vc, kc = make_vllm_config(SPEC)
-    vc.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    with pytest.raises(KVMemError, match="kv_transfer_config"):
-        _build(vc, kc)
+    vc.kv_transfer_config = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    sched = _build(vc, kc)
+    assert sched.connector._kv_cache_manager is sched.kv_cache_manager
+    assert sched.kv_cache_manager.connector
 
 
 @pytest.mark.parametrize(("attr", "option"), [
@@ -824,5 +829,105 @@ def test_vllms_own_connectors_schedule_exactly_as_on_vllms_manager(
                                arrivals=arrivals, setup=setup, on_step=on_step)
     hits = [r for r in records[:-1] for _, n, _ in r["new"] if n]
     assert hits, "no request found anything outside the GPU cache"
+    assert sched.connector._kv_cache_manager is sched.kv_cache_manager
     if connector == "OffloadingConnector":
         assert any(r["waiting_for_kv"] for r in records[:-1])  # the second wave loaded
+
+
+# -- KV connector calls with bad arguments: a clear error, nothing changed ------------------------
+
+
+def _connector_adapter(connector: bool = True) -> tuple[object, object]:
+    """An adapter serving a connector, with request "a" admitted (4 hit-less tokens) and
+    flushed; and a maker of requests."""
+    from kvmem.integrations.vllm import VllmKVCacheAdapter
+    from kvmem.integrations.vllm._vllm_objects import make_request
+
+    adapter = VllmKVCacheAdapter(num_blocks=12, block_size=4, max_model_len=64, max_num_seqs=4,
+                                 connector=connector)
+
+    def req(rid: str, n: int = 9) -> object:
+        return make_request(StreamRequest(rid, tuple(range(10, 10 + n)), 4), 4)
+
+    a = req("a")
+    assert adapter.allocate_slots(a, 9) is not None
+    adapter.flush()
+    return adapter, req
+
+
+def _state(adapter: object) -> tuple[object, ...]:
+    m = adapter.manager
+    return (sorted(m.running), m.allocator.num_free, m.num_tokens("a"), m.num_committed("a"),
+            dict(adapter._held), set(adapter._resync), adapter._num_free())
+
+
+def test_external_tokens_without_a_connector_are_refused_changing_nothing() -> None:
+    adapter, req = _connector_adapter(connector=False)
+    before = _state(adapter)
+    with pytest.raises(KVMemError, match="connector=True"):
+        adapter.allocate_slots(req("b"), 1, num_external_computed_tokens=4)
+    assert _state(adapter) == before
+
+
+@pytest.mark.parametrize("external", [-4, 2.5, 100])
+def test_bad_external_token_counts_are_refused_changing_nothing(external: object) -> None:
+    adapter, req = _connector_adapter()
+    before = _state(adapter)
+    with pytest.raises((ValueError, TypeError), match="external"):
+        adapter.allocate_slots(req("b"), 1, num_external_computed_tokens=external)
+    assert _state(adapter) == before
+
+
+@pytest.mark.parametrize("ids", [{0}, {12}, {-1}, {"3"}, {1, 99}])
+def test_evicting_bad_block_ids_is_refused_changing_nothing(ids: set[object]) -> None:
+    adapter, _ = _connector_adapter()
+    before = _state(adapter)
+    with pytest.raises(ValueError, match="block ids"):
+        adapter.evict_blocks(ids)
+    assert _state(adapter) == before
+
+
+def test_freeing_blocks_not_popped_is_refused_changing_nothing() -> None:
+    from kvmem.integrations.vllm._blocks import KVMemBlock
+
+    adapter, req = _connector_adapter()
+    assert adapter.allocate_slots(req("b", 5), 5) is not None
+    popped = adapter.pop_blocks_for_free(req("b", 5))
+    assert popped and all(b.hold is not None for b in popped)
+    before = _state(adapter)
+    with pytest.raises(ValueError, match="pop_blocks_for_free"):
+        adapter.block_pool.free_blocks([*popped, KVMemBlock(3)])
+    assert _state(adapter) == before
+    adapter.block_pool.free_blocks(reversed(popped))  # (vLLM frees them in reverse order)
+    assert not adapter._held
+    with pytest.raises(ValueError, match="pop_blocks_for_free"):
+        adapter.block_pool.free_blocks(popped)  # twice
+    adapter.check()
+
+
+def test_holding_a_request_twice_is_refused_changing_nothing() -> None:
+    adapter, req = _connector_adapter()
+    a = req("a")
+    adapter.hold(a)
+    assert "a" not in adapter.manager.running and "a" in adapter._held
+    before = (adapter.manager.allocator.num_free, dict(adapter._held))
+    with pytest.raises(ValueError, match="already held"):
+        adapter.hold(a)
+    assert (adapter.manager.allocator.num_free, dict(adapter._held)) == before
+    adapter.free(a)
+    assert not adapter._held
+    adapter.check()
+
+
+@pytest.mark.parametrize("tokens", [3, -4, 16])
+def test_bad_truncations_and_zeroing_starts_are_refused(tokens: int) -> None:
+    from kvmem.integrations.vllm._blocks import PrefixHit
+
+    adapter, _ = _connector_adapter()
+    hit = PrefixHit([1, 2], 0)
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        adapter.truncate_computed_blocks(hit, tokens)
+    assert hit.ids == [1, 2]
+    if tokens != 16:
+        with pytest.raises(ValueError, match="start_token"):
+            adapter.record_blocks_for_zeroing("a", tokens)
