@@ -71,6 +71,23 @@ def test_speculative_streams_schedule_exactly_as_vllm(method: SpecMethod,
     assert c.stream.sched.spec_method == method
 
 
+@settings(max_examples=max(STREAMS // 4, 1), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(rng=st.randoms(use_true_random=False))
+def test_connector_streams_schedule_exactly_as_vllm(rng: random.Random) -> None:
+    """Streams with a KV connector: requests find part or all of their prompt outside the
+    GPU cache (after a local prefix hit or not), loaded synchronously or asynchronously
+    (waiting for their KV meanwhile), keep their blocks with the connector after they finish
+    (delayed frees), and loads fail, whole or from one block on, under either of vLLM's
+    policies: the same step-by-step equality, with the requests waiting for their KV
+    compared too."""
+    c = compare(random_stream(rng, connector=True))
+    assert c.ok, (f"{c.first_difference}; outputs differ: {c.outputs_differ}; verify "
+                  f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
+                  f"Replay it:\n\n{c.replay()}")
+    assert c.stream.sched.connector
+
+
 # -- vLLM's scenarios ----------------------------------------------------------------------------
 
 

@@ -431,6 +431,8 @@ class VllmKVCacheAdapter:
         need = _cdiv(need_tokens, p) - num_hit
         if need + evictable + watermark > free - reserved_blocks:
             return None
+        if self.connector and len(self._reqs) >= self.manager.max_seqs:
+            return None  # every kvmem row is taken (loads in flight hold rows too)
         rid = request.request_id
         tokens = request._all_token_ids
         # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens

@@ -135,6 +135,7 @@ class WorkerStandIn:
         self.lag = lag
         self.fail_loads = dict(fail_loads or {})
         self._began: dict[tuple[str, str], int] = {}
+        self._reported: set[tuple[str, str]] = set()  # (a pipelined engine asks again)
 
     def output(self, sched: Any, scheduler_output: Any, step: int) -> KVConnectorOutput:
         """What the workers report after running ``scheduler_output`` (step ``step``)."""
@@ -146,8 +147,9 @@ class WorkerStandIn:
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished():
                 kind = "send" if req.is_finished() else "load"
                 began = self._began.setdefault((kind, rid), step)
-                if step - began < self.lag:
+                if step - began < self.lag or (kind, rid) in self._reported:
                     continue
+                self._reported.add((kind, rid))
                 if kind == "send":
                     sending.add(rid)
                     continue
@@ -156,16 +158,28 @@ class WorkerStandIn:
                 if how == "request":
                     failed.add(rid)
                 elif how is not None:
-                    invalid.add(sched.kv_cache_manager.get_block_ids(rid)[0][how])
+                    invalid.update(self._loaded_block(sched, rid, how, req.num_computed_tokens))
         for new in scheduler_output.scheduled_new_reqs:  # synchronous loads ran now
             rid = new.req_id
             how = self.fail_loads.get(rid)
             if how is not None and how != "request":
                 del self.fail_loads[rid]
-                invalid.add(sched.kv_cache_manager.get_block_ids(rid)[0][how])
+                invalid.update(self._loaded_block(sched, rid, how, new.num_computed_tokens))
         return KVConnectorOutput(finished_sending=sending or None,
                                  finished_recving=recving or None, failed_recving=failed,
                                  invalid_block_ids=invalid)
+
+    @staticmethod
+    def _loaded_block(sched: Any, rid: str, k: int, num_computed: int) -> list[int]:
+        """The id of the ``k``-th block the connector loaded for ``rid`` (after its local
+        prefix hit; ``num_computed``: hit + loaded tokens), if it loaded that many."""
+        loaded = next((n for r, _, n in reversed(sched.connector.allocs) if r == rid and n), 0)
+        size = sched.block_size
+        index = (num_computed - loaded) // size + k
+        ids = sched.kv_cache_manager.get_block_ids(rid)[0]
+        if loaded and index < min(len(ids), -(-num_computed // size)):
+            return [ids[index]]
+        return []
 
 
 class OffloadingWorkerStandIn:

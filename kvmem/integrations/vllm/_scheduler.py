@@ -250,6 +250,11 @@ class _KVMemMixin(_SchedulerBase):
                        block_size: int, log_stats: bool, enable_kv_cache_events: bool) -> None:
         sc = vllm_config.scheduler_config
         max_seqs = max(sc.max_num_seqs, sc.max_num_active_seqs or 0)
+        if self.connector is not None:
+            # Requests waiting for an asynchronous load hold blocks (a kvmem row each) but
+            # are not running: rows for as many of them as there are blocks, up to
+            # max(max_seqs, 256) more (past that, a load waits for a row).
+            max_seqs += min(kv_cache_config.num_blocks - 1, max(max_seqs, 256))
         self.kv_cache_manager = VllmKVCacheAdapter(
             num_blocks=kv_cache_config.num_blocks, block_size=block_size,
             max_model_len=vllm_config.model_config.max_model_len, max_num_seqs=max_seqs,

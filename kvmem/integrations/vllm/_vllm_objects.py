@@ -86,6 +86,10 @@ def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
     vc = VllmConfig(scheduler_config=sc, model_config=_model_config(spec.max_model_len),
                     cache_config=cc, device_config=DeviceConfig(device="cpu"),
                     kv_events_config=events, speculative_config=make_speculative_config(spec))
+    if spec.connector:
+        from kvmem.integrations.vllm._connector_script import connector_config
+
+        vc.kv_transfer_config = connector_config(policy=spec.load_failure_policy)
     kc = KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1,
                                                       head_size=1, dtype=torch.float32))])
