@@ -348,7 +348,8 @@ class VllmKVCacheAdapter:
         if st is not None and not num_new_computed_tokens and not num_external_computed_tokens:
             if self._resync and st.rid in self._resync:
                 return self._allocate_resync(request, st, num_new_tokens, num_lookahead_tokens,
-                                             reserved_blocks)
+                                             reserved_blocks, full_sequence_must_fit,
+                                             has_scheduled_reqs)
             computed = request.num_computed_tokens
             if num_new_tokens and computed + num_new_tokens + num_lookahead_tokens <= st.cap:
                 self._queue.entries.append((request, st, num_new_tokens, None, computed))
@@ -479,11 +480,13 @@ class VllmKVCacheAdapter:
         return mgr.num_tokens(rid)
 
     def _allocate_resync(self, request: Any, st: RequestState, num_new_tokens: int,
-                         num_lookahead_tokens: int, reserved_blocks: int
+                         num_lookahead_tokens: int, reserved_blocks: int,
+                         full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True
                          ) -> KVMemBlocks | None:
-        """``allocate_slots`` for a running request of ``_resync``: reconciled first, then
-        queued with an explicit commit target (its committed tokens are not its computed
-        ones)."""
+        """``allocate_slots`` for a request of ``_resync`` (a loaded request joining the
+        batch is still waiting: vLLM's watermark and full-sequence checks apply to it):
+        reconciled first, then queued with an explicit commit target (its committed tokens
+        are not its computed ones)."""
         if num_new_tokens == 0:
             raise ArgumentError(
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
@@ -492,7 +495,14 @@ class VllmKVCacheAdapter:
         computed = request.num_computed_tokens
         need_tokens = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = _cdiv(need_tokens, p) - st.cap // p
-        if need > self._num_free() - reserved_blocks:
+        free = self._num_free()
+        watermark = (self.watermark_blocks
+                     if has_scheduled_reqs and request.status in self._admitting else 0)
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            if _cdiv(full, p) - st.cap // p + watermark > free:
+                return None
+        if need + watermark > free - reserved_blocks:
             return None
         start = self._reconcile(request, st)  # kvmem's slots now
         upto = min(computed + num_new_tokens, len(request._all_token_ids))
