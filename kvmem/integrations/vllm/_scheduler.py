@@ -205,11 +205,11 @@ class _KVMemMixin(_SchedulerBase):
     ) -> tuple[set[str], int, set[int]]:
         """A failed load's invalid blocks under the ``recompute`` policy: every request that
         maps one among its computed blocks goes back to its own first invalid block and
-        recomputes from there, a request that shares the block with another one included (vLLM lets the sharer go on as if
-        the first one had recomputed the block, which it may not have yet: vllm#49250, wrong
-        outputs). Returns the affected requests, the tokens they give up, and the blocks to
-        evict (each affected request's blocks from its first invalid one, with
-        ``evict_blocks``)."""
+        recomputes from there, a request that shares the block with another one included
+        (vLLM lets the sharer go on as if the first one had recomputed the block, which it
+        may not have yet: vllm#49250, wrong outputs). Returns the affected requests, the
+        tokens they give up, and the blocks to evict (each affected request's blocks from its
+        first invalid one, with ``evict_blocks``)."""
         if not self._on_kvmem() or not self.recompute_kv_load_failures:
             # (under "fail" every affected request finishes: vLLM's own bookkeeping)
             return super()._update_requests_with_invalid_blocks(
