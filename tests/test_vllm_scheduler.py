@@ -556,6 +556,8 @@ def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[in
         from kvmem.integrations.vllm import KVMemAsyncScheduler
 
         cls: object = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
+        if spec.paranoid:
+            cls = type(f"Paranoid{cls.__name__}", (cls,), {"verify_block_tables": True})
     else:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -695,15 +697,23 @@ def test_delayed_frees_are_never_reused_before_the_connector_releases_them() -> 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("how", ["request", 1, 3])
 @pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("paranoid", [False, True])
 def test_async_load_failures_follow_vllms_policy(policy: str, how: object,
-                                                 async_scheduling: bool) -> None:
+                                                 async_scheduling: bool, paranoid: bool) -> None:
     """An asynchronous load that fails as a whole (failed_recving) or from one block on
     (invalid_block_ids): with ``recompute`` the request recomputes from its last valid block
     (kvmem gives back the failed tail's slots and commits only the valid prefix), with
-    ``fail`` it finishes with an error; the same steps as vLLM's manager either way."""
+    ``fail`` it finishes with an error; the same steps as vLLM's manager either way. With the
+    paranoid check, guards the worker block table of a request rolled back below pages it
+    keeps (it was rebuilt from the step's pages only: the kept page read as the null
+    block)."""
     from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
 
-    spec = dataclasses.replace(SPEC, num_blocks=30, async_scheduling=async_scheduling)
+    # (the paranoid runs in chunks of 8 tokens: a rolled-back request's step then covers
+    # fewer pages than it keeps)
+    spec = dataclasses.replace(SPEC, num_blocks=30, async_scheduling=async_scheduling,
+                               paranoid=paranoid,
+                               max_num_batched_tokens=8 if paranoid else 32)
     transfer = connector_config(hits={"a": (16, True), "b": (12, True)}, policy=policy)
     records, _sched = _same_run(spec, _CONN_PROMPTS, transfer,
                                make_worker=lambda: WorkerStandIn(fail_loads={"a": how}),

@@ -366,8 +366,17 @@ class FlushQueue:
         indptr = step.kv_indptr
         indices = step.kv_indices
         rows = step.rows.astype(np.intp)
+        resynced: set[int] = set()
         for b, e in enumerate(q):
-            if e[3] is not None:  # admitted in this flush: the row is its whole table
+            if e[3] is not None and e[1].row >= 0:
+                # (KV connectors: a request reconciled with vLLM's computed tokens, whose
+                # row may hold pages past the step's: the row is the pages it maps)
+                row = int(rows[b])
+                pages = self.manager.pages_of(e[1].rid)
+                wt[row] = PAD
+                wt[row, : pages.size] = pages
+                resynced.add(b)
+            elif e[3] is not None:  # admitted in this flush: the row is its whole table
                 row = int(rows[b])
                 e[1].row = row
                 lo, hi = int(indptr[b]), int(indptr[b + 1])
@@ -375,9 +384,12 @@ class FlushQueue:
                 wt[row, : hi - lo] = indices[lo:hi]
         for b, k, out in outs:
             row = int(rows[b])
-            n = int(indptr[b + 1] - indptr[b])
-            if q[b][3] is None:  # a running request appends its new blocks
-                wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
+            if b in resynced:
+                n = int(self.manager.pages_of(q[b][1].rid).size)
+            else:
+                n = int(indptr[b + 1] - indptr[b])
+                if q[b][3] is None:  # a running request appends its new blocks
+                    wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
             out.ids = (wt[row, n - k : n] + 1).tolist()
         table = wt[rows]
         # Speculative decoding: a row may hold pages past those the step's tokens fill (its
