@@ -298,16 +298,15 @@ def draft_at(rid: str, position: int, seed: int, acceptance: float) -> int:
 def random_stream(rng: random.Random, *, max_requests: int = 10,
                   speculative: bool | None = None,
                   spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS,
-                  connector: bool | None = None) -> StreamSpec:
+                  connector: bool = False) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
     prefill, aborts, (often) a pool small enough to preempt, and (in 40% of the streams, or
     every one with ``speculative=True``, none with False) speculative decoding by one of
     ``spec_methods``: 1-4 or ``block_size + 1`` drafts a step, accepted at a random rate
-    (0, 0.5, 0.8 or 1); and (in 30% of the streams without speculative decoding, or every
-    one with ``connector=True``, none with False) a KV connector: half the requests find part
-    or all of their prompt outside the GPU cache, loaded synchronously or asynchronously, some
-    keep their blocks with the connector after they finish, some loads fail (under either
-    of vLLM's policies). Same rng state, same stream. ``rng``: a ``random.Random``;
+    (0, 0.5, 0.8 or 1); and, with ``connector=True``, a KV connector instead of speculative
+    decoding: half the requests find part or all of their prompt outside the GPU cache,
+    loaded synchronously or asynchronously, some keep their blocks with the connector after
+    they finish, some loads fail (under either of vLLM's policies). Same rng state, same stream. ``rng``: a ``random.Random``;
     ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
@@ -315,8 +314,7 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
     integer(max_requests, "max_requests", minimum=1)
     if speculative is not None:
         flag(speculative, "speculative")
-    if connector is not None:
-        flag(connector, "connector")
+    flag(connector, "connector")
     if (not isinstance(spec_methods, tuple) or not spec_methods
             or not set(spec_methods) <= set(SPEC_METHODS)):
         raise ArgumentError(f"spec_methods={show(spec_methods)}: expected a non-empty tuple of "
@@ -380,8 +378,7 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
             # has a step in flight when it asks the scheduler for the next one.
             pipeline = 1
     # A KV connector, drawn after everything above (the same streams as before otherwise).
-    drawn = rng.random() < 0.3 and sched.spec_method is None
-    if drawn if connector is None else connector:
+    if connector:
         # (no drafts with a connector: vLLM's own scheduler trips on a synchronous load
         # that leaves a speculating request fewer tokens than its drafts)
         sched = replace(sched, connector=True, spec_method=None, num_spec_tokens=0,
