@@ -306,8 +306,8 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
     (0, 0.5, 0.8 or 1); and, with ``connector=True``, a KV connector instead of speculative
     decoding: half the requests find part or all of their prompt outside the GPU cache,
     loaded synchronously or asynchronously, some keep their blocks with the connector after
-    they finish, some loads fail (under either of vLLM's policies). Same rng state, same stream. ``rng``: a ``random.Random``;
-    ``max_requests``: at least 1."""
+    they finish, some loads fail (under either of vLLM's policies). Same rng state, same
+    stream. ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
                                 "random.Random(seed)).")
