@@ -8,7 +8,9 @@ request's final tokens):
 - hypothesis streams (``KVMEM_VLLM_STREAMS``, 200 by default: the CI profile), each
   :func:`~kvmem.integrations.vllm.conformance.random_stream` of a hypothesis-controlled
   ``Random``, so a failing stream shrinks and prints as a replayable test; and a quarter as
-  many per speculative method, every stream speculating (drafts with random acceptance);
+  many per speculative method, every stream speculating (drafts with random acceptance), and
+  a quarter as many with a KV connector (external hits, asynchronous loads, delayed frees,
+  load failures);
 - the scenarios of vLLM's own scheduler and prefix-caching tests (``tests/v1/core/``) that fall
   inside the supported set, re-created here (docs/vllm.md lists them and how they compare).
 

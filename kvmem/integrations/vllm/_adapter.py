@@ -52,6 +52,13 @@ computes it is scheduled (vLLM caches in ``allocate_slots``), so a request admit
 same step can hit it, as in vLLM; under async scheduling a decode token is committed when
 ``cache_blocks`` says its output arrived (queued, committed at the next flush).
 
+KV connectors (``connector=True``; docs/vllm.md, *KV connectors*): external tokens are
+reserved with the admission's step and committed with it, or, for an asynchronous load, when
+``cache_blocks`` says it is done; a request whose kvmem slots are out of step with vLLM's
+computed tokens (a load in flight, a failed load's rollback) is in ``_resync`` and reconciled
+at its next ``allocate_slots``; a finished request whose blocks the connector still reads is
+released and its pages leased until ``free`` (``hold``, ``pop_blocks_for_free``).
+
 The integrity check runs at every flush on the batch whose block ids are about to be handed out
 (the ids are sliced from the very CSR ``verify`` checked); with ``verify_block_tables`` (the
 paranoid check) the ids come from a block table kept as the workers build theirs, and that
