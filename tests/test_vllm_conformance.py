@@ -9,7 +9,8 @@ request's final tokens):
   :func:`~kvmem.integrations.vllm.conformance.random_stream` of a hypothesis-controlled
   ``Random``, so a failing stream shrinks and prints as a replayable test; and a quarter as
   many per speculative method, every stream speculating (drafts with random acceptance), and
-  as many with LoRA adapters and images in every stream;
+  as many with LoRA adapters and images in every stream, and a quarter as many with a KV
+  connector (external hits, asynchronous loads, delayed frees, load failures);
 - the scenarios of vLLM's own scheduler and prefix-caching tests (``tests/v1/core/``) that fall
   inside the supported set, re-created here (docs/vllm.md lists them and how they compare).
 
@@ -85,6 +86,23 @@ def test_streams_with_lora_adapters_and_images_schedule_exactly_as_vllm(
                   f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
                   f"Replay it:\n\n{c.replay()}")
     assert c.stream.sched.encoder_cache_size > 0  # (the keys were drawn)
+
+
+@settings(max_examples=max(STREAMS // 4, 1), deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(rng=st.randoms(use_true_random=False))
+def test_connector_streams_schedule_exactly_as_vllm(rng: random.Random) -> None:
+    """Streams with a KV connector: requests find part or all of their prompt outside the
+    GPU cache (after a local prefix hit or not), loaded synchronously or asynchronously
+    (waiting for their KV meanwhile), keep their blocks with the connector after they finish
+    (delayed frees), and loads fail, whole or from one block on, under either of vLLM's
+    policies: the same step-by-step equality, with the requests waiting for their KV
+    compared too."""
+    c = compare(random_stream(rng, connector=True))
+    assert c.ok, (f"{c.first_difference}; outputs differ: {c.outputs_differ}; verify "
+                  f"failures: {c.verify_failures}; table mismatches: {c.table_mismatches}\n"
+                  f"Replay it:\n\n{c.replay()}")
+    assert c.stream.sched.connector
 
 
 # -- vLLM's scenarios ----------------------------------------------------------------------------

@@ -71,13 +71,18 @@ def test_a_sliding_window_group_is_refused() -> None:
         _build(vc, kc)
 
 
-def test_a_kv_connector_is_refused() -> None:
+def test_a_kv_connector_is_bound_to_kvmems_adapter(tmp_path: object) -> None:
+    """vLLM's __init__ binds the connector to the manager it built; kvmem's scheduler binds
+    it to its adapter (connectors read the manager they were bound to)."""
     from vllm.config import KVTransferConfig
 
     vc, kc = make_vllm_config(SPEC)
-    vc.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    with pytest.raises(KVMemError, match="kv_transfer_config"):
-        _build(vc, kc)
+    vc.kv_transfer_config = KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    sched = _build(vc, kc)
+    assert sched.connector._kv_cache_manager is sched.kv_cache_manager
+    assert sched.kv_cache_manager.connector
 
 
 @pytest.mark.parametrize(("attr", "option"), [
@@ -751,3 +756,419 @@ def test_a_request_advanced_without_allocate_slots_is_refused_naming_it() -> Non
     assert adapter.allocate_slots(request, 1) is not None
     with pytest.raises(KVMemError, match="without allocate_slots"):
         adapter.flush()
+
+
+# -- KV connectors: vLLM's scheduler loop with a connector, on both managers ----------------------
+
+
+def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]],
+                   transfer: object, worker: object = None, arrivals: dict[str, int] | None = None,
+                   max_tokens: int = 6, on_step: object = None, setup: object = None
+                   ) -> tuple[list[object], object]:
+    """vLLM's scheduler loop with a KV connector (``transfer``: vLLM's ``KVTransferConfig``)
+    and a stand-in for the workers' side of its transfers (``worker``: a
+    ``WorkerStandIn``, by default one that reports loads and sends done 2 steps after they
+    began). Request ``rid`` arrives before step ``arrivals[rid]`` (0 by default).
+    ``on_step(t, sched, out)`` runs after each ``schedule()``. Returns each step's output in
+    the form both managers must agree on (with the connector's KV events), and the
+    scheduler."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn
+    from kvmem.integrations.vllm._vllm_objects import (
+        EventRecorder,
+        make_request,
+        make_vllm_config,
+        model_output,
+    )
+
+    worker = worker if worker is not None else WorkerStandIn()
+    vc, kc = make_vllm_config(spec)
+    vc.kv_transfer_config = transfer
+    if kvmem:
+        from kvmem.integrations.vllm import KVMemAsyncScheduler
+
+        cls: object = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
+        if spec.paranoid:
+            cls = type(f"Paranoid{cls.__name__}", (cls,), {"verify_block_tables": True})
+    else:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        cls = AsyncScheduler if spec.async_scheduling else Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    sched = cls(vllm_config=vc, kv_cache_config=kc,
+                structured_output_manager=StructuredOutputManager(vc),
+                block_size=spec.block_size, log_stats=True)
+    sched.kv_event_publisher = EventRecorder()
+    if setup is not None:
+        setup(sched)
+    arrivals = arrivals or {}
+    requests = {rid: make_request(StreamRequest(rid, p, max_tokens), spec.block_size)
+                for rid, p in prompts.items()}
+    records: list[object] = []
+    last = max(arrivals.values(), default=0)
+    for t in range(200):
+        for rid, req in requests.items():
+            if arrivals.get(rid, 0) == t:
+                sched.add_request(req)
+        if t > last and not sched.has_requests():
+            break
+        out = sched.schedule()
+        if on_step is not None:
+            on_step(t, sched, out)
+        record = _canonical(sched, out)
+        record["waiting_for_kv"] = sorted(
+            r.request_id for r in sched.requests.values()
+            if r.status.name == "WAITING_FOR_REMOTE_KVS")
+        mro = model_output(sched, out)
+        mro.kv_connector_output = worker.output(sched, out, t)
+        sched.update_from_output(out, mro)
+        record["events"] = [(type(e).__name__, getattr(e, "medium", None))
+                            for e in sched.kv_event_publisher.events]
+        sched.kv_event_publisher.events.clear()
+        records.append(record)
+    records.append([(rid, list(r.output_token_ids), r.status.name)
+                    for rid, r in requests.items()])
+    return records, sched
+
+
+def _same_run(spec: SchedulerSpec, prompts: dict[str, tuple[int, ...]], transfer: object,
+              make_worker: object = None, extra_removed: int = 0, **kw: object
+              ) -> tuple[list[object], object]:
+    """Both managers through :func:`_connector_run`; asserts every step agrees and kvmem's
+    integrity check ran silently; returns vLLM's records and kvmem's scheduler.
+    ``extra_removed``: BlockRemoved events kvmem publishes and vLLM does not (a failed load's
+    blocks under ``recompute``, which kvmem takes out of its prefix cache)."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn
+
+    make = make_worker or WorkerStandIn
+    vllm_records, _ = _connector_run(False, spec, prompts, transfer, make(), **kw)
+    kvmem_records, sched = _connector_run(True, spec, prompts, transfer, make(), **kw)
+    assert len(kvmem_records) == len(vllm_records)
+    removed = 0
+    for t, (a, b) in enumerate(zip(vllm_records, kvmem_records)):
+        if extra_removed and isinstance(a, dict):
+            extra = list(b["events"])
+            for e in a["events"]:
+                extra.remove(e)
+            assert set(extra) <= {("BlockRemoved", "GPU")}, f"step {t}"
+            removed += len(extra)
+            a, b = {**a, "events": None}, {**b, "events": None}
+        assert a == b, f"step {t}"
+    assert removed == extra_removed
+    adapter = sched.kv_cache_manager
+    assert adapter.num_integrity_aborts == 0
+    assert adapter.num_verified_steps > 0
+    adapter.check()
+    sched.kvmem.check()
+    return vllm_records, sched
+
+
+_SHARED = tuple(range(10, 26))  # 4 blocks of 4
+_CONN_PROMPTS = {"a": (*_SHARED, 1, 2, 3), "b": (*_SHARED, 7, 8), "c": tuple(range(60, 71))}
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("caching", [True, False])
+def test_external_hits_schedule_exactly_as_vllm(is_async: bool, async_scheduling: bool,
+                                                caching: bool) -> None:
+    """External matched tokens (synchronous and asynchronous loads), local prefix hits
+    before them, delayed frees and the connector's KV events: every step's output, block
+    tables, usage, the requests waiting for their KV and the published events agree with
+    vLLM's manager; the connector was handed the blocks kvmem allocated."""
+    from kvmem.integrations.vllm._connector_script import connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=30, async_scheduling=async_scheduling,
+                               enable_prefix_caching=caching, kv_events=True)
+    transfer = connector_config(hits={"a": (12, is_async), "b": (18, is_async),
+                                      "c": (8, is_async)},
+                                delay_free=("a", "c"), events=True)
+    records, sched = _same_run(spec, _CONN_PROMPTS, transfer, arrivals={"b": 4})
+    assert any(r["waiting_for_kv"] for r in records[:-1]) == is_async
+    assert any(("BlockStored", "CPU") in r["events"] for r in records[:-1])
+    allocs = sched.connector.allocs
+    assert {rid for rid, _, n in allocs if n} == {"a", "b", "c"}
+    assert all(tokens and status.startswith("FINISHED") for _, tokens, status in records[-1])
+
+
+def test_delayed_frees_are_never_reused_before_the_connector_releases_them() -> None:
+    """Guards the delayed free: a finished request whose blocks the connector still reads
+    (request_finished says delay_free_blocks) keeps them, in kvmem a lease, until
+    finished_sending; a request that needs every free block meanwhile waits instead of
+    getting them (were they freed at the finish, it would be scheduled at once, and its
+    blocks would include the held ones). Both managers agree step by step."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=11, max_model_len=64)  # 10 usable blocks
+    prompts = {"held": tuple(range(10, 29)), "big": tuple(range(100, 128))}
+    transfer = connector_config(delay_free=("held",))
+    seen: dict[str, object] = {}
+
+    def on_step(t: int, sched: object, out: object) -> None:
+        held = sched.requests.get("held")
+        if held is not None and held.is_finished():
+            ids = {b for rid, blocks in sched.connector.finished if rid == "held"
+                   for b in blocks}
+            assert ids
+            seen.setdefault("first_held", t)
+            for r in out.scheduled_new_reqs:
+                assert not ids & set(r.block_ids[0]), f"step {t}: held blocks reused"
+        if "big" in out.num_scheduled_tokens:
+            seen.setdefault("big", t)
+
+    _records, sched = _same_run(spec, prompts, transfer,
+                               make_worker=lambda: WorkerStandIn(lag=3),
+                               arrivals={"big": 3}, max_tokens=4, on_step=on_step)
+    # "big" (7 blocks) waited for the held request's 5 blocks to come back.
+    assert seen["big"] >= seen["first_held"] + 3
+    assert sched.kvmem.check() is None
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("how", ["request", 1, 3])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("paranoid", [False, True])
+def test_async_load_failures_follow_vllms_policy(policy: str, how: object,
+                                                 async_scheduling: bool, paranoid: bool) -> None:
+    """An asynchronous load that fails as a whole (failed_recving) or from one block on
+    (invalid_block_ids): with ``recompute`` the request recomputes from its last valid block
+    (kvmem gives back the failed tail's slots and commits only the valid prefix), with
+    ``fail`` it finishes with an error; the same steps as vLLM's manager either way. With the
+    paranoid check, guards the worker block table of a request rolled back below pages it
+    keeps (it was rebuilt from the step's pages only: the kept page read as the null
+    block)."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    # (the paranoid runs in chunks of 8 tokens: a rolled-back request's step then covers
+    # fewer pages than it keeps)
+    spec = dataclasses.replace(SPEC, num_blocks=30, async_scheduling=async_scheduling,
+                               paranoid=paranoid,
+                               max_num_batched_tokens=8 if paranoid else 32)
+    transfer = connector_config(hits={"a": (16, True), "b": (12, True)}, policy=policy)
+    records, _sched = _same_run(spec, _CONN_PROMPTS, transfer,
+                               make_worker=lambda: WorkerStandIn(fail_loads={"a": how}),
+                               arrivals={"b": 1})
+    statuses = dict((rid, status) for rid, _, status in records[-1])
+    assert statuses["b"] == "FINISHED_LENGTH_CAPPED" or statuses["b"].startswith("FINISHED")
+    if policy == "fail":
+        assert statuses["a"] == "FINISHED_ERROR"
+    else:
+        assert statuses["a"] != "FINISHED_ERROR"
+        first = next(r for r in records[:-1] if "a" in r["num_scheduled"])
+        assert first["num_scheduled"]["a"] > 19 - 16  # it recomputed more than its last token
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_sync_load_failures_follow_vllms_policy(policy: str) -> None:
+    """A synchronous load whose block 2 fails (invalid_block_ids in the output of the step
+    that loaded it), no block shared: vLLM rolls the request back to block 2 (recompute)
+    or fails it and evicts the blocks (fail); kvmem agrees step by step, its slots past the
+    rollback committed already and recomputed in place. Under ``recompute`` kvmem also
+    takes the failed blocks out of its prefix cache (2 BlockRemoved events vLLM does not
+    publish: vLLM keeps them cached while they are recomputed)."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=30)
+    prompts = {"a": _CONN_PROMPTS["a"], "c": _CONN_PROMPTS["c"]}
+    transfer = connector_config(hits={"a": (16, False)}, policy=policy)
+    records, _sched = _same_run(spec, prompts, transfer,
+                               make_worker=lambda: WorkerStandIn(fail_loads={"a": 2}),
+                               extra_removed=2 if policy == "recompute" else 0)
+    statuses = dict((rid, status) for rid, _, status in records[-1])
+    assert (statuses["a"] == "FINISHED_ERROR") == (policy == "fail")
+
+
+def test_a_failed_block_shared_by_two_requests_is_recomputed_by_both() -> None:
+    """Guards vllm#49250: two requests share a block whose synchronous load failed. vLLM
+    rolls back only the first and lets the other go on as if the block were recomputed,
+    which it may not be yet (wrong outputs). kvmem's scheduler rolls back each to its own
+    first invalid block, and takes the failed blocks out of the prefix cache: a later
+    request with the same prefix finds none of them."""
+    from kvmem.integrations.vllm._connector_script import WorkerStandIn, connector_config
+
+    spec = dataclasses.replace(SPEC, num_blocks=40)
+    prompts = {"a": (*_SHARED, 1, 2, 3), "b": (*_SHARED, 7, 8), "late": (*_SHARED, 9)}
+    transfer = connector_config(hits={"a": (16, False)}, policy="recompute")
+    computed_after: dict[str, int] = {}
+
+    def on_step(t: int, sched: object, out: object) -> None:
+        if t == 1:
+            for rid in ("a", "b"):
+                computed_after[rid] = sched.requests[rid].num_computed_tokens
+        for r in out.scheduled_new_reqs:
+            if r.req_id == "late":
+                computed_after["late"] = r.num_computed_tokens  # its prefix hit
+
+    # a loads 16 tokens (4 blocks) and computes 3; b hits a's blocks in the same step.
+    # a's block 1 failed: both recompute from token 4.
+    records, sched = _connector_run(True, spec, prompts, transfer,
+                                    WorkerStandIn(fail_loads={"a": 1}),
+                                    arrivals={"late": 3}, on_step=on_step)
+    first = records[0]
+    assert first["num_scheduled"] == {"a": 3, "b": 2}
+    second = records[1]
+    assert second["num_scheduled"]["a"] == 19 - 4 and second["num_scheduled"]["b"] == 18 - 4
+    assert computed_after["late"] <= 4  # the failed blocks left the cache
+    adapter = sched.kv_cache_manager
+    assert adapter.num_integrity_aborts == 0
+    adapter.check()
+    sched.kvmem.check()
+
+
+def _example_connector_stores(prompts: dict[str, tuple[int, ...]]) -> object:
+    """A setup that makes vLLM's ExampleConnector find these prompts in its storage (the
+    folder its worker side would have written, named by the connector itself)."""
+    import torch
+
+    def setup(sched: object) -> None:
+        conn = sched.connector
+        for prompt in prompts.values():
+            n = (len(prompt) - 1) // 4 * 4
+            conn._generate_foldername_debug(torch.tensor(prompt)[:n], [], create_folder=True)
+    return setup
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "DecodeBenchConnector",
+                                       "OffloadingConnector"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_vllms_own_connectors_schedule_exactly_as_on_vllms_manager(
+        connector: str, async_scheduling: bool, tmp_path: object) -> None:
+    """vLLM's own connectors, from the installed vLLM, scheduler side: ExampleConnector
+    (synchronous loads of prompts found in its storage), DecodeBenchConnector (fills every
+    prompt but its last token) and OffloadingConnector (stores to CPU, then a second wave of
+    the same prompts loads them back asynchronously, its worker side played by
+    ``OffloadingWorkerStandIn``): the same steps as vLLM's manager, the connector handed
+    kvmem's blocks, kvmem's integrity check silent."""
+    from vllm.config import KVTransferConfig
+
+    from kvmem.integrations.vllm._connector_script import OffloadingWorkerStandIn, WorkerStandIn
+
+    spec = dataclasses.replace(SPEC, num_blocks=40, async_scheduling=async_scheduling,
+                               kv_events=True)
+    prompts = dict(_CONN_PROMPTS)
+    arrivals: dict[str, int] = {"b": 2}
+    make_worker: object = WorkerStandIn
+    setup = None
+    extra: dict[str, object] = {}
+    if connector == "ExampleConnector":
+        extra = {"shared_storage_path": str(tmp_path)}
+        setup = _example_connector_stores({"a": prompts["a"], "c": prompts["c"]})
+    elif connector == "OffloadingConnector":
+        extra = {"cpu_bytes_to_use": 1 << 16}
+        make_worker = OffloadingWorkerStandIn
+        prompts.update({f"{rid}2": p for rid, p in prompts.items()})
+        arrivals.update({"a2": 12, "b2": 12, "c2": 14})
+    transfer = KVTransferConfig(kv_connector=connector, kv_role="kv_both",
+                                kv_connector_extra_config=extra)
+
+    def on_step(t: int, sched: object, out: object) -> None:
+        if t == 10 and connector == "OffloadingConnector":  # the GPU cache forgets them
+            assert sched.kv_cache_manager.reset_prefix_cache()
+
+    records, sched = _same_run(spec, prompts, transfer, make_worker=make_worker,
+                               arrivals=arrivals, setup=setup, on_step=on_step)
+    hits = [r for r in records[:-1] for _, n, _ in r["new"] if n]
+    assert hits, "no request found anything outside the GPU cache"
+    assert sched.connector._kv_cache_manager is sched.kv_cache_manager
+    if connector == "OffloadingConnector":
+        assert any(r["waiting_for_kv"] for r in records[:-1])  # the second wave loaded
+
+
+# -- KV connector calls with bad arguments: a clear error, nothing changed ------------------------
+
+
+def _connector_adapter(connector: bool = True) -> tuple[object, object]:
+    """An adapter serving a connector, with request "a" admitted (4 hit-less tokens) and
+    flushed; and a maker of requests."""
+    from kvmem.integrations.vllm import VllmKVCacheAdapter
+    from kvmem.integrations.vllm._vllm_objects import make_request
+
+    adapter = VllmKVCacheAdapter(num_blocks=12, block_size=4, max_model_len=64, max_num_seqs=4,
+                                 connector=connector)
+
+    def req(rid: str, n: int = 9) -> object:
+        return make_request(StreamRequest(rid, tuple(range(10, 10 + n)), 4), 4)
+
+    a = req("a")
+    assert adapter.allocate_slots(a, 9) is not None
+    adapter.flush()
+    return adapter, req
+
+
+def _state(adapter: object) -> tuple[object, ...]:
+    m = adapter.manager
+    return (sorted(m.running), m.allocator.num_free, m.num_tokens("a"), m.num_committed("a"),
+            dict(adapter._held), set(adapter._resync), adapter._num_free())
+
+
+def test_external_tokens_without_a_connector_are_refused_changing_nothing() -> None:
+    adapter, req = _connector_adapter(connector=False)
+    before = _state(adapter)
+    with pytest.raises(KVMemError, match="connector=True"):
+        adapter.allocate_slots(req("b"), 1, num_external_computed_tokens=4)
+    assert _state(adapter) == before
+
+
+@pytest.mark.parametrize("external", [-4, 2.5, 100])
+def test_bad_external_token_counts_are_refused_changing_nothing(external: object) -> None:
+    adapter, req = _connector_adapter()
+    before = _state(adapter)
+    with pytest.raises((ValueError, TypeError), match="external"):
+        adapter.allocate_slots(req("b"), 1, num_external_computed_tokens=external)
+    assert _state(adapter) == before
+
+
+@pytest.mark.parametrize("ids", [{0}, {12}, {-1}, {"3"}, {1, 99}])
+def test_evicting_bad_block_ids_is_refused_changing_nothing(ids: set[object]) -> None:
+    adapter, _ = _connector_adapter()
+    before = _state(adapter)
+    with pytest.raises(ValueError, match="block ids"):
+        adapter.evict_blocks(ids)
+    assert _state(adapter) == before
+
+
+def test_freeing_blocks_not_popped_is_refused_changing_nothing() -> None:
+    from kvmem.integrations.vllm._blocks import KVMemBlock
+
+    adapter, req = _connector_adapter()
+    assert adapter.allocate_slots(req("b", 5), 5) is not None
+    popped = adapter.pop_blocks_for_free(req("b", 5))
+    assert popped and all(b.hold is not None for b in popped)
+    before = _state(adapter)
+    with pytest.raises(ValueError, match="pop_blocks_for_free"):
+        adapter.block_pool.free_blocks([*popped, KVMemBlock(3)])
+    assert _state(adapter) == before
+    adapter.block_pool.free_blocks(reversed(popped))  # (vLLM frees them in reverse order)
+    assert not adapter._held
+    with pytest.raises(ValueError, match="pop_blocks_for_free"):
+        adapter.block_pool.free_blocks(popped)  # twice
+    adapter.check()
+
+
+def test_holding_a_request_twice_is_refused_changing_nothing() -> None:
+    adapter, req = _connector_adapter()
+    a = req("a")
+    adapter.hold(a)
+    assert "a" not in adapter.manager.running and "a" in adapter._held
+    before = (adapter.manager.allocator.num_free, dict(adapter._held))
+    with pytest.raises(ValueError, match="already held"):
+        adapter.hold(a)
+    assert (adapter.manager.allocator.num_free, dict(adapter._held)) == before
+    adapter.free(a)
+    assert not adapter._held
+    adapter.check()
+
+
+@pytest.mark.parametrize("tokens", [3, -4, 16])
+def test_bad_truncations_and_zeroing_starts_are_refused(tokens: int) -> None:
+    from kvmem.integrations.vllm._blocks import PrefixHit
+
+    adapter, _ = _connector_adapter()
+    hit = PrefixHit([1, 2], 0)
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        adapter.truncate_computed_blocks(hit, tokens)
+    assert hit.ids == [1, 2]
+    if tokens != 16:
+        with pytest.raises(ValueError, match="start_token"):
+            adapter.record_blocks_for_zeroing("a", tokens)

@@ -52,6 +52,13 @@ computes it is scheduled (vLLM caches in ``allocate_slots``), so a request admit
 same step can hit it, as in vLLM; under async scheduling a decode token is committed when
 ``cache_blocks`` says its output arrived (queued, committed at the next flush).
 
+KV connectors (``connector=True``; docs/vllm.md, *KV connectors*): external tokens are
+reserved with the admission's step and committed with it, or, for an asynchronous load, when
+``cache_blocks`` says it is done; a request whose kvmem slots are out of step with vLLM's
+computed tokens (a load in flight, a failed load's rollback) is in ``_resync`` and reconciled
+at its next ``allocate_slots``; a finished request whose blocks the connector still reads is
+released and its pages leased until ``free`` (``hold``, ``pop_blocks_for_free``).
+
 The integrity check runs at every flush on the batch whose block ids are about to be handed out
 (the ids are sliced from the very CSR ``verify`` checked); with ``verify_block_tables`` (the
 paranoid check) the ids come from a block table kept as the workers build theirs, and that
@@ -69,7 +76,13 @@ import numpy as np
 from kvmem._validate import INT32_MAX, flag, integer, is_integer_like, real
 from kvmem.allocator import PAD
 from kvmem.errors import ArgumentError, KVMemError
-from kvmem.integrations.vllm._blocks import KVMemBlocks, PrefixHit, RequestState, vllm_events
+from kvmem.integrations.vllm._blocks import (
+    KVMemBlock,
+    KVMemBlocks,
+    PrefixHit,
+    RequestState,
+    vllm_events,
+)
 from kvmem.integrations.vllm._flush import FlushQueue
 from kvmem.integrations.vllm._keys import KeyTokens, key_tokens, namespace_of
 from kvmem.integrations.vllm._prefix_cache import VllmOrderPrefixCache
@@ -138,6 +151,10 @@ class VllmKVCacheAdapter:
     verify_block_tables: the paranoid check: hand out block ids from a block table kept as the
         workers build theirs and verify that table every step (every entry; slower) instead of
         the step's CSR the ids are sliced from (kvmem's incremental check)
+    connector: vLLM's ``kv_transfer_config`` is set (a KV connector's scheduler side runs):
+        external tokens in ``allocate_slots``, delayed cache commits of asynchronous loads,
+        blocks held for the connector after their request finished (``hold`` /
+        ``pop_blocks_for_free``, kvmem leases), ``block_pool.free_blocks`` of held blocks
 
     The queued allocations and their flush are a :class:`~kvmem.integrations.vllm._flush.
     FlushQueue` the adapter holds; every flush goes through :meth:`flush`.
@@ -148,12 +165,13 @@ class VllmKVCacheAdapter:
                  enable_kv_cache_events: bool = False, watermark: float = 0.0,
                  tracker: Any = "checking", seed: int | None = None,
                  async_scheduling: bool = False, verify_block_tables: bool = False,
-                 speculative: bool = False, use_eagle: bool = False) -> None:
+                 speculative: bool = False, use_eagle: bool = False,
+                 connector: bool = False) -> None:
         _check_args(num_blocks, block_size, max_model_len, max_num_seqs, watermark, seed,
                     enable_caching=enable_caching, log_stats=log_stats,
                     enable_kv_cache_events=enable_kv_cache_events,
                     async_scheduling=async_scheduling, verify_block_tables=verify_block_tables,
-                    speculative=speculative, use_eagle=use_eagle)
+                    speculative=speculative, use_eagle=use_eagle, connector=connector)
         try:
             from vllm.v1.metrics.stats import PrefixCacheStats
             from vllm.v1.request import RequestStatus
@@ -207,6 +225,18 @@ class VllmKVCacheAdapter:
         self._uncached_resets = 0
         # The id of each LoRA adapter's namespace, for its KV events (vLLM's lora_id).
         self._lora_ids: dict[Any, int] = {}
+        # KV connectors. Requests whose kvmem slots may run ahead of (or uncommitted behind)
+        # vLLM's computed tokens: an asynchronous load (its tokens are committed when the load
+        # is done), a load failure (vLLM rolls the request back); their next allocation
+        # reconciles them first (see _reconcile).
+        self.connector = connector
+        self._resync: set[str] = set()
+        # Pages held for the connector after their request was released: key -> kvmem lease
+        # (a request id for a delayed free, an int for pop_blocks_for_free).
+        self._held: dict[Any, Any] = {}
+        self._num_pops = 0
+        if connector:
+            self.block_pool = HeldBlockPool(self)
 
     # -- the queue ------------------------------------------------------------------------------
 
@@ -333,26 +363,41 @@ class VllmKVCacheAdapter:
         A running request that needs no new page (the decode step's usual case) costs a dict
         lookup and an append: the slots are reserved at the flush, for the whole batch."""
         st = self._reqs.get(request.request_id)
-        if st is not None and not num_new_computed_tokens:
+        if st is not None and not num_new_computed_tokens and not num_external_computed_tokens:
+            if self._resync and st.rid in self._resync:
+                return self._allocate_resync(request, st, num_new_tokens, num_lookahead_tokens,
+                                             reserved_blocks, full_sequence_must_fit,
+                                             has_scheduled_reqs)
             computed = request.num_computed_tokens
             if num_new_tokens and computed + num_new_tokens + num_lookahead_tokens <= st.cap:
                 self._queue.entries.append((request, st, num_new_tokens, None, computed))
                 return self._empty
             return self._grow(request, st, num_new_tokens, num_lookahead_tokens,
                               reserved_blocks)
-        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
+        if num_encoder_tokens:
             raise KVMemError(
-                "allocate_slots() got external (KV connector) or encoder tokens; kvmem's vLLM "
-                "adapter supports neither (it refuses KV connectors and encoder-decoder models "
-                "at construction), so this scheduler path should not be reachable")
+                "allocate_slots() got encoder tokens; kvmem's vLLM adapter refuses "
+                "encoder-decoder models at construction, so this path should not be reachable")
+        if (num_external_computed_tokens or delay_cache_blocks) and not self.connector:
+            raise KVMemError(
+                "allocate_slots() got external (KV connector) tokens but the adapter was built "
+                "without connector=True (the scheduler sets it when kv_transfer_config is set)")
         if st is not None:
             raise KVMemError(
-                f"allocate_slots() got {num_new_computed_tokens} new prefix-hit tokens for "
-                f"request {request.request_id!r}, which already maps pages; a running request "
-                "has no new prefix hits")
+                f"allocate_slots() got {num_new_computed_tokens} new prefix-hit and "
+                f"{num_external_computed_tokens} external tokens for request "
+                f"{request.request_id!r}, which already maps pages; a running request has no "
+                "new prefix hits")
+        integer(num_external_computed_tokens, "num_external_computed_tokens", minimum=0)
+        if num_new_computed_tokens + num_external_computed_tokens > request.num_tokens:
+            raise ArgumentError(
+                f"request {request.request_id!r}: {num_new_computed_tokens} prefix-hit + "
+                f"{num_external_computed_tokens} external tokens exceed its "
+                f"{request.num_tokens} tokens; nothing was admitted")
         return self._admit(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                            num_lookahead_tokens, full_sequence_must_fit, reserved_blocks,
-                           has_scheduled_reqs)
+                           has_scheduled_reqs, num_external_computed_tokens,
+                           bool(delay_cache_blocks))
 
     def _grow(self, request: Any, st: RequestState, num_new_tokens: int, num_lookahead_tokens: int,
               reserved_blocks: int) -> KVMemBlocks | None:
@@ -379,14 +424,19 @@ class VllmKVCacheAdapter:
 
     def _admit(self, request: Any, num_new_tokens: int, num_hit_tokens: int, hit: Any,
                num_lookahead_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int,
-               has_scheduled_reqs: bool) -> KVMemBlocks | None:
-        if num_new_tokens == 0 and num_hit_tokens == 0:
+               has_scheduled_reqs: bool, num_external: int = 0, delay_cache: bool = False
+               ) -> KVMemBlocks | None:
+        """Admit a request with ``num_hit_tokens`` of kvmem's prefix hit and ``num_external``
+        tokens a KV connector supplies after them (their slots are reserved with the step's
+        ``num_new_tokens``; committed with them, or, ``delay_cache``, when ``cache_blocks``
+        says the asynchronous load is done)."""
+        if num_new_tokens == 0 and num_hit_tokens == 0 and num_external == 0:
             # vLLM's ValueError, as kvmem's (a ValueError too): nothing was admitted.
             raise ArgumentError(
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new and 0 prefix-hit tokens)")
         p = self.block_size
-        need_tokens = min(num_hit_tokens + num_new_tokens + num_lookahead_tokens,
+        need_tokens = min(num_hit_tokens + num_external + num_new_tokens + num_lookahead_tokens,
                           self.max_model_len)
         num_hit = num_hit_tokens // p
         evictable = hit.num_evictable if isinstance(hit, PrefixHit) else 0
@@ -400,6 +450,8 @@ class VllmKVCacheAdapter:
         need = _cdiv(need_tokens, p) - num_hit
         if need + evictable + watermark > free - reserved_blocks:
             return None
+        if self.connector and len(self._reqs) >= self.manager.max_seqs:
+            return None  # every kvmem row is taken (loads in flight hold rows too)
         rid = request.request_id
         tokens = self.key_tokens(request)
         # admit() maps the hit and one page for the next token: with num_hit_tokens + 1 tokens
@@ -422,12 +474,72 @@ class VllmKVCacheAdapter:
             self._lora_ids[self.namespace_of(request)] = request.lora_request.adapter_id
         st = RequestState(rid, _cdiv(need_tokens, p) * p, num_hit_tokens)
         self._reqs[rid] = st
-        upto = min(num_hit_tokens + num_new_tokens, len(tokens))
+        upto = (num_hit_tokens if delay_cache
+                else min(num_hit_tokens + num_external + num_new_tokens, len(tokens)))
+        if delay_cache:
+            self._resync.add(rid)
         out = KVMemBlocks(self, None)  # the pages past the hit (the scheduler asks get_blocks)
-        self._queue.add_admission(request, st, num_new_tokens, upto, need,
+        self._queue.add_admission(request, st, num_external + num_new_tokens, upto, need,
                                   need - res.num_pages + res.num_hit_pages, out,
-                                  need_tokens - num_hit_tokens - num_new_tokens)
+                                  need_tokens - num_hit_tokens - num_external - num_new_tokens)
         return out
+
+    # -- KV connectors: requests whose slots are out of step with vLLM's computed tokens ------
+
+    def _reconcile(self, request: Any, st: RequestState) -> int:
+        """Bring a request of ``_resync`` in line with vLLM's computed tokens ``c``: its
+        uncommitted slots past ``max(c, committed)`` go back to kvmem (its pages kept, as vLLM
+        keeps its blocks: a failed or partial load's tail, rolled back). Returns kvmem's slots
+        after it (more than ``c`` after a load failure's rollback: vLLM recomputes those
+        tokens into the same slots, which kvmem holds committed already)."""
+        self._flush_pending()
+        mgr, rid = self.manager, st.rid
+        computed = request.num_computed_tokens
+        total, committed = mgr.num_tokens(rid), mgr.num_committed(rid)
+        keep = max(computed, committed)
+        if total > keep:
+            mgr.reject(rid, total - keep, keep_pages=True)
+        st.committed = committed
+        if committed == computed:
+            self._resync.discard(rid)
+        return mgr.num_tokens(rid)
+
+    def _allocate_resync(self, request: Any, st: RequestState, num_new_tokens: int,
+                         num_lookahead_tokens: int, reserved_blocks: int,
+                         full_sequence_must_fit: bool = False, has_scheduled_reqs: bool = True
+                         ) -> KVMemBlocks | None:
+        """``allocate_slots`` for a request of ``_resync`` (a loaded request joining the
+        batch is still waiting: vLLM's watermark and full-sequence checks apply to it):
+        reconciled first, then queued with an explicit commit target (its committed tokens
+        are not its computed ones)."""
+        if num_new_tokens == 0:
+            raise ArgumentError(
+                f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
+                "there are no computed tokens to adopt (got 0 new tokens; nothing changed)")
+        p = self.block_size
+        computed = request.num_computed_tokens
+        need_tokens = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        need = _cdiv(need_tokens, p) - st.cap // p
+        free = self._num_free()
+        watermark = (self.watermark_blocks
+                     if has_scheduled_reqs and request.status in self._admitting else 0)
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            if _cdiv(full, p) - st.cap // p + watermark > free:
+                return None
+        if need + watermark > free - reserved_blocks:
+            return None
+        start = self._reconcile(request, st)  # kvmem's slots now
+        upto = min(computed + num_new_tokens, len(request._all_token_ids))
+        count = max((need_tokens if need > 0 else computed + num_new_tokens) - start, 0)
+        if need <= 0 and count == 0 and upto <= st.committed:
+            return self._empty
+        out = None
+        if need > 0:
+            st.cap += need * p
+            out = KVMemBlocks(self, None)
+        self._queue.add_resync(request, st, count, upto, start, max(need, 0), out)
+        return out if out is not None else self._empty
 
     def _aborted(self, aborted: dict[Any, str]) -> None:
         for rid, reason in aborted.items():
@@ -439,7 +551,13 @@ class VllmKVCacheAdapter:
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Commit the request's known tokens up to ``num_computed_tokens`` (async scheduling's
         tokens arrive after their step was scheduled); done at the next flush, which comes
-        before anything could observe the difference (a lookup, a free, the events)."""
+        before anything could observe the difference (a lookup, a free, the events). An
+        asynchronous load's tokens (KV connectors) are committed now, whether or not prefix
+        caching is on: kvmem holds them written from now on."""
+        rid = request.request_id
+        if self._resync and rid in self._resync:
+            self._commit_loaded(request, self._reqs[rid], num_computed_tokens)
+            return
         if not self.enable_caching:
             return
         st = self._reqs.get(request.request_id)
@@ -450,10 +568,49 @@ class VllmKVCacheAdapter:
         if upto > st.committed:  # (usually not: committed when their step was scheduled)
             self._queue.commits.append((request, st, upto))
 
+    def _commit_loaded(self, request: Any, st: RequestState, num_computed_tokens: int) -> None:
+        """Commit a loaded request's tokens up to ``num_computed_tokens`` (those a KV
+        connector loaded, or the valid prefix of a failed load)."""
+        integer(num_computed_tokens, "num_computed_tokens", minimum=0)
+        self._flush_pending()
+        rid = st.rid
+        committed = self.manager.num_committed(rid)
+        upto = min(num_computed_tokens, self.manager.num_tokens(rid),
+                   len(request._all_token_ids))
+        if upto > committed:
+            self.manager.commit(rid, request._all_token_ids[committed:upto])
+            st.committed = upto
+
     def free(self, request: Any) -> None:
         self._flush_pending()
-        if self._reqs.pop(request.request_id, None) is not None:
-            self.manager.release(request.request_id)
+        rid = request.request_id
+        lease = self._held.pop(rid, None)
+        if lease is not None:  # held for the connector since its request finished
+            self.manager.end_lease(lease)
+            return
+        self._resync.discard(rid)
+        if self._reqs.pop(rid, None) is not None:
+            self.manager.release(rid)
+
+    def hold(self, request: Any) -> None:
+        """A finished request whose blocks a KV connector still reads (or an asynchronous
+        load still writes): vLLM keeps them until ``free``. kvmem releases the request (its
+        row) and leases its pages: they stay live, keep their tags and are never reused
+        until ``free`` ends the lease (cached ones stay in the prefix cache)."""
+        rid = request.request_id
+        self._flush_pending()
+        if rid in self._held:
+            raise ArgumentError(f"request {rid!r}: its blocks are already held; nothing changed")
+        if rid not in self._reqs:
+            return
+        self._held[rid] = self._lease_and_release(rid)
+
+    def _lease_and_release(self, rid: str) -> Any:
+        lease = self.manager.lease(rid)
+        self._reqs.pop(rid)
+        self._resync.discard(rid)
+        self.manager.release(rid)
+        return lease
 
     # -- block ids -----------------------------------------------------------------------------
 
@@ -552,27 +709,109 @@ class VllmKVCacheAdapter:
             self.prefix_cache_stats.reset = True
         return True
 
-    # -- KV connector paths (refused at construction) ------------------------------------------
+    # -- KV connector paths -------------------------------------------------------------------
 
-    def _connector_only(self, name: str) -> KVMemError:
-        return KVMemError(f"{name}() serves KV connectors, which kvmem's vLLM adapter refuses; "
-                          "run without kv_transfer_config")
+    def num_blocks_to_hold(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the request needs beyond those it maps to hold ``num_tokens`` tokens."""
+        st = self._reqs.get(request_id)
+        have = st.cap // self.block_size if st is not None else 0
+        return max(_cdiv(num_tokens, self.block_size) - have, 0)
 
-    def pop_blocks_for_free(self, request: Any) -> Any:
-        raise self._connector_only("pop_blocks_for_free")
+    def rolled_back(self, request_id: str, block_ids: list[int]) -> None:
+        """vLLM rolled a request's computed tokens back to before ``block_ids`` (a failed
+        load left them invalid): its next allocation reconciles it, and the blocks leave the
+        prefix cache now, whatever the failure policy (vLLM keeps them cached under
+        ``recompute``, so a later request could read them before they are recomputed)."""
+        pages = self._pages_of_blocks(block_ids, "rolled_back()")
+        if request_id not in self._reqs:
+            raise ArgumentError(f"rolled_back(): request {request_id!r} maps no blocks here")
+        self._flush_pending()
+        self._resync.add(request_id)
+        mgr = self.manager
+        for keys in mgr.pages.uncache(pages):
+            mgr._removed(keys)
+
+    def cached_blocks(self, block_ids: list[int]) -> list[bool]:
+        """Whether each block is in kvmem's prefix cache (what vLLM's ``block_hash`` says)."""
+        cache = self.manager.cache
+        if cache is None or not block_ids:
+            return [False] * len(block_ids)
+        return cache.is_cached(np.array(block_ids, dtype=np.int32) - 1).tolist()
+
+    def pop_blocks_for_free(self, request: Any) -> list[KVMemBlock]:
+        """vLLM's deferred free: the request is forgotten now, its blocks returned for the
+        caller to give back later through ``block_pool.free_blocks`` (kvmem leases them
+        meanwhile: never reused before that)."""
+        self._flush_pending()
+        rid = request.request_id
+        if rid not in self._reqs:
+            return []
+        ids = self._block_ids(rid)
+        self._num_pops += 1
+        key = self._num_pops
+        self._held[key] = self._lease_and_release(rid)
+        return [KVMemBlock(i, None, key) for i in ids]
+
+    def end_holds(self, blocks: Any) -> None:
+        """``block_pool.free_blocks`` of blocks ``pop_blocks_for_free`` returned: their leases
+        end (checked first: on error nothing is released)."""
+        blocks = list(blocks)
+        keys = {getattr(b, "hold", None) for b in blocks}
+        bad = [b for b in blocks if not isinstance(b, KVMemBlock) or b.hold not in self._held]
+        if bad:
+            raise ArgumentError(f"free_blocks() got {bad[:4]!r}: not blocks that "
+                                "pop_blocks_for_free() returned and still holds; nothing freed")
+        for key in keys:
+            self.manager.end_lease(self._held.pop(key))
+
+    def _pages_of_blocks(self, block_ids: Any, what: str) -> Any:
+        ids = list(block_ids)
+        n = self.num_gpu_blocks
+        if not all(is_integer_like(i) and 0 < int(i) < n for i in ids):
+            raise ArgumentError(f"{what}: block ids must be ints in [1, {n}) (0 is the null "
+                                f"block); got {sorted(map(repr, ids))[:8]}; nothing changed")
+        return np.array(sorted(int(i) for i in ids), dtype=np.int32) - 1
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        raise self._connector_only("evict_blocks")
+        """Take the blocks out of the prefix cache (a failed load left them invalid): no later
+        lookup finds them; requests that map them keep them."""
+        pages = self._pages_of_blocks(block_ids, "evict_blocks()")
+        self._flush_pending()
+        mgr = self.manager
+        for keys in mgr.pages.uncache(pages):  # (as verify uncaches a broken request's pages)
+            mgr._removed(keys)
 
-    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
-        raise self._connector_only("truncate_computed_blocks")
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> KVMemBlocks:
+        """A prefix hit cut at ``num_computed_tokens`` (block-aligned): its first blocks, the
+        count of those only the cache holds recomputed."""
+        integer(num_computed_tokens, "num_computed_tokens", minimum=0)
+        ids = [] if blocks is None else blocks.get_block_ids()[0]
+        if num_computed_tokens % self.block_size or num_computed_tokens // self.block_size > len(
+                ids):
+            raise ArgumentError(
+                f"truncate_computed_blocks(): num_computed_tokens={num_computed_tokens} must be "
+                f"a multiple of block_size={self.block_size} within the hit's {len(ids)} blocks")
+        kept = ids[: num_computed_tokens // self.block_size]
+        if not kept:
+            return self.empty_kv_cache_blocks
+        cache = self.manager.cache
+        assert isinstance(cache, VllmOrderPrefixCache)
+        return PrefixHit(kept, sum(cache.is_evictable(i - 1) for i in kept))
 
     def get_computed_blocks_for_connector(self, request: Any,
-                                          max_cache_hit_length: int | None = None) -> Any:
-        raise self._connector_only("get_computed_blocks_for_connector")
+                                          max_cache_hit_length: int | None = None
+                                          ) -> tuple[KVMemBlocks, int, int, bool]:
+        """``get_computed_blocks`` (one full-attention group: hits never diverge)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        raise self._connector_only("record_blocks_for_zeroing")
+        """vLLM zeroes new blocks only for Mamba or mixed-precision caches, which kvmem's
+        adapter refuses: nothing to record (``take_new_block_ids`` is always empty). Checked
+        as vLLM checks it."""
+        integer(start_token, "start_token", minimum=0)
+        if start_token % self.block_size:
+            raise ArgumentError(f"record_blocks_for_zeroing(): start_token={start_token} must be "
+                                f"a multiple of block_size={self.block_size}")
 
     def check(self) -> None:
         """kvmem's full bookkeeping check, plus the adapter's: every running request's page
@@ -587,10 +826,29 @@ class VllmKVCacheAdapter:
                                  f"runs {sorted(running)[:8]}")
         for rid, s in self._reqs.items():
             n = int(self.manager.pages_of(rid).size)
-            # Synchronous scheduling commits every scheduled token when it is scheduled.
-            committed = s.committed if self.async_outputs else self.manager.num_tokens(rid)
+            # Synchronous scheduling commits every scheduled token when it is scheduled (not a
+            # connector's request being loaded or rolled back).
+            committed = (s.committed if self.async_outputs or rid in self._resync
+                         else self.manager.num_tokens(rid))
             if n != s.cap // self.block_size or self.manager.num_committed(rid) != committed:
                 raise IntegrityError(
                     f"request {rid!r}: the adapter expects {s.cap // self.block_size} pages and "
                     f"{committed} committed tokens, the manager has {n} and "
                     f"{self.manager.num_committed(rid)}")
+
+
+class HeldBlockPool:
+    """What vLLM's scheduler and connectors call of vLLM's ``BlockPool``: ``free_blocks`` of
+    the blocks ``pop_blocks_for_free`` returned (vLLM's deferred frees) and
+    ``get_num_free_blocks``. The adapter's ``block_pool`` when it serves a connector (its
+    other, private, state has no counterpart here)."""
+
+    def __init__(self, adapter: VllmKVCacheAdapter) -> None:
+        self._adapter = adapter
+
+    def free_blocks(self, blocks: Any) -> None:
+        self._adapter.end_holds(blocks)
+
+    def get_num_free_blocks(self) -> int:
+        """vLLM's free blocks: kvmem's free and evictable pages, less the queued ones."""
+        return self._adapter._num_free()

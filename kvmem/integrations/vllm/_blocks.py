@@ -9,7 +9,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvmem.integrations.vllm._adapter import VllmKVCacheAdapter
 
-__all__ = ["KVMemBlocks", "PrefixHit", "RequestState", "vllm_events"]
+__all__ = ["KVMemBlock", "KVMemBlocks", "PrefixHit", "RequestState", "vllm_events"]
+
+
+class KVMemBlock:
+    """What a KV connector reads of vLLM's ``KVCacheBlock``: its id, whether it is the null
+    block, and ``block_hash`` (not None when the block is full and cached: kvmem's page key is
+    not vLLM's hash, so connectors that need the hash read ``request.block_hashes``).
+    ``hold``: the adapter's key of the hold keeping it (``pop_blocks_for_free``), or None."""
+
+    __slots__ = ("block_hash", "block_id", "hold")
+
+    is_null = False
+
+    def __init__(self, block_id: int, block_hash: Any = None, hold: Any = None) -> None:
+        self.block_id = block_id
+        self.block_hash = block_hash
+        self.hold = hold
+
+    def __repr__(self) -> str:
+        return f"KVMemBlock({self.block_id!r})"
 
 
 class KVMemBlocks:
@@ -35,10 +54,15 @@ class KVMemBlocks:
         return None
 
     @property
-    def blocks(self) -> tuple[list[int], ...]:
+    def blocks(self) -> tuple[list[KVMemBlock], ...]:
+        """The blocks as KV connectors read them (one group); those in kvmem's prefix cache
+        carry a ``block_hash`` (True), as vLLM's cached blocks carry theirs."""
         b = self.get_block_ids()
         assert b is not None
-        return b
+        ids = b[0]
+        cached = (self._adapter.cached_blocks(ids) if self._adapter is not None
+                  else [True] * len(ids))  # (a prefix hit: cached blocks)
+        return ([KVMemBlock(i, True if c else None) for i, c in zip(ids, cached)],)
 
     def __repr__(self) -> str:
         return f"KVMemBlocks({self.ids!r})"

@@ -80,6 +80,7 @@ class FlushQueue:
         self.num_pages = 0
         self.first_admit = -1
         self.lookahead: list[tuple[int, int]] = []
+        self.num_resync = 0  # queued entries of add_resync (their commit targets are explicit)
         self.commits: list[tuple[Any, RequestState, int]] = []
         self.num_flushes = 0
         self.num_verified_steps = 0
@@ -101,6 +102,18 @@ class FlushQueue:
         self.new_blocks.append((len(self.entries), need, out))
         self.entries.append((request, st, num_new_tokens, None, computed))
         self.num_pages += need
+
+    def add_resync(self, request: Any, st: RequestState, num_slots: int, upto: int,
+                   num_tokens: int, need: int, out: KVMemBlocks | None) -> None:
+        """Queue a running request whose kvmem slots are out of step with vLLM's computed
+        tokens (KV connectors: a load done or failed): ``num_slots`` slots after its
+        ``num_tokens`` reserved ones, ``need`` new pages (``out`` gets their block ids), commit
+        from its committed tokens up to ``upto``."""
+        if out is not None:
+            self.new_blocks.append((len(self.entries), need, out))
+        self.entries.append((request, st, num_slots, upto, num_tokens))
+        self.num_pages += need
+        self.num_resync += 1
 
     def add_admission(self, request: Any, st: RequestState, num_new_tokens: int, upto: int,
                       need: int, num_pages: int, out: KVMemBlocks, lookahead: int = 0) -> None:
@@ -201,6 +214,7 @@ class FlushQueue:
             # tokens back to what it had sampled, keeping the blocks (as for rejected drafts).
             self._give_back_rejected([e for e in q if e[0].resumable])
         outs, first_admit, lookahead = self.new_blocks, self.first_admit, self.lookahead
+        resync, self.num_resync = self.num_resync, 0
         self.entries, self.new_blocks, self.num_pages, self.first_admit = [], [], 0, -1
         self.commits, self.lookahead = [], []
         self.num_flushes += 1
@@ -230,6 +244,9 @@ class FlushQueue:
             uniform = False  # the commit below takes the general path
             first_admit = 0 if first_admit >= 0 else -1
         if not q and not commits:
+            return
+        if resync:  # explicit commit targets: the general path
+            self._commit_general(q, commits)
             return
         if (first_admit > 0 and not commits and nums[:first_admit].count(1) == first_admit
                 and all(e[3] is not None for e in q[first_admit:])):
@@ -359,8 +376,17 @@ class FlushQueue:
         indptr = step.kv_indptr
         indices = step.kv_indices
         rows = step.rows.astype(np.intp)
+        resynced: set[int] = set()
         for b, e in enumerate(q):
-            if e[3] is not None:  # admitted in this flush: the row is its whole table
+            if e[3] is not None and e[1].row >= 0:
+                # (KV connectors: a request reconciled with vLLM's computed tokens, whose
+                # row may hold pages past the step's: the row is the pages it maps)
+                row = int(rows[b])
+                pages = self.manager.pages_of(e[1].rid)
+                wt[row] = PAD
+                wt[row, : pages.size] = pages
+                resynced.add(b)
+            elif e[3] is not None:  # admitted in this flush: the row is its whole table
                 row = int(rows[b])
                 e[1].row = row
                 lo, hi = int(indptr[b]), int(indptr[b + 1])
@@ -368,9 +394,12 @@ class FlushQueue:
                 wt[row, : hi - lo] = indices[lo:hi]
         for b, k, out in outs:
             row = int(rows[b])
-            n = int(indptr[b + 1] - indptr[b])
-            if q[b][3] is None:  # a running request appends its new blocks
-                wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
+            if b in resynced:
+                n = int(self.manager.pages_of(q[b][1].rid).size)
+            else:
+                n = int(indptr[b + 1] - indptr[b])
+                if q[b][3] is None:  # a running request appends its new blocks
+                    wt[row, n - k : n] = indices[int(indptr[b + 1]) - k : int(indptr[b + 1])]
             out.ids = (wt[row, n - k : n] + 1).tolist()
         table = wt[rows]
         # Speculative decoding: a row may hold pages past those the step's tokens fill (its

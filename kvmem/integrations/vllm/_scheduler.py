@@ -51,7 +51,8 @@ def _env_verify_block_tables() -> bool:
 _SUPPORTED = ("one full-attention KV cache group, prefix caching on or off, chunked prefill, "
               "preemption by recompute, aborts, cache_salt, KV events, speculative decoding "
               "(n-gram, draft models, EAGLE/MTP with vLLM's last-block drop), LoRA adapters, "
-              "multimodal inputs, resumable (streaming input) requests")
+              "multimodal inputs, resumable (streaming input) requests, KV connectors "
+              "(kv_transfer_config)")
 _OWN_SCHEDULER = "vLLM's own Scheduler (drop --scheduler-cls)"
 
 
@@ -76,7 +77,6 @@ def check_supported(vllm_config: Any, kv_cache_config: KVCacheConfig, block_size
     The engine's options come first (a DCP run also changes the scheduler's block size: the
     refusal names DCP, not the block size), then the model's KV cache groups and block sizes."""
     checks = (
-        ("kv_transfer_config (KV connectors)", vllm_config.kv_transfer_config),
         ("ec_transfer_config (encoder cache connectors)", vllm_config.ec_transfer_config),
     )
     for option, value in checks:
@@ -184,10 +184,76 @@ class _KVMemMixin(_SchedulerBase):
             self._report_aborted(outputs)
         return outputs
 
+    def _on_kvmem(self) -> bool:
+        """Whether the KV cache manager is kvmem's (a test may attach another one after
+        construction: then the scheduler is vLLM's own, unchanged)."""
+        return isinstance(self.kv_cache_manager, VllmKVCacheAdapter)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        out = super()._free_request(request, delay_free_blocks)
+        if request.request_id in self.requests and self._on_kvmem():
+            # A KV connector still reads its blocks (or a load still writes them): vLLM frees
+            # them on finished_sending / finished_recving; kvmem holds them until then.
+            self.kv_cache_manager.hold(request)
+        return out
+
+    def _update_requests_with_invalid_blocks(
+            self, requests: Any, invalid_block_ids: set[int],
+            num_scheduled_tokens: dict[str, int], evict_blocks: bool = True
+    ) -> tuple[set[str], int, set[int]]:
+        """A failed load's invalid blocks under the ``recompute`` policy: every request that
+        maps one among its computed blocks goes back to its own first invalid block and
+        recomputes from there, a request that shares the block with another one included
+        (vLLM lets the sharer go on as if the first one had recomputed the block, which it
+        may not have yet: vllm#49250, wrong outputs). Returns the affected requests, the
+        tokens they give up, and the blocks to evict (each affected request's blocks from its
+        first invalid one, with ``evict_blocks``)."""
+        if not self._on_kvmem() or not self.recompute_kv_load_failures:
+            # (under "fail" every affected request finishes: vLLM's own bookkeeping)
+            return super()._update_requests_with_invalid_blocks(
+                requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
+        adapter = self.kv_cache_manager
+        affected: set[str] = set()
+        num_tokens = 0
+        to_evict: set[int] = set()
+        size = self.block_size
+        for request in requests:
+            rid = request.request_id
+            (block_ids,) = adapter.get_block_ids(rid)
+            computed = request.num_computed_tokens - num_scheduled_tokens.get(rid, 0)
+            computed_blocks = block_ids[: -(-computed // size)]
+            first = next((i for i, b in enumerate(computed_blocks) if b in invalid_block_ids),
+                         None)
+            if first is None:
+                continue
+            request.num_computed_tokens = first * size
+            num_tokens += computed - first * size
+            affected.add(rid)
+            adapter.rolled_back(rid, block_ids[first:])
+            if evict_blocks:
+                to_evict.update(block_ids[first:])
+        return affected, num_tokens, to_evict
+
+    def _request_remaining_blocks(self, request: Request) -> int:
+        """Blocks ``request`` still needs to hold its full sequence (an asynchronous load's
+        reservation), from kvmem's pages."""
+        if not self._on_kvmem():
+            return super()._request_remaining_blocks(request)
+        sched: Any = self
+        num_tokens = min(request.num_tokens, sched.max_model_len)
+        if sched.num_spec_tokens:
+            num_tokens += 1 + sched.num_spec_tokens + sched.num_lookahead_tokens
+        return self.kv_cache_manager.num_blocks_to_hold(request.request_id, num_tokens)
+
     def _install_kvmem(self, vllm_config: Any, kv_cache_config: KVCacheConfig,
                        block_size: int, log_stats: bool, enable_kv_cache_events: bool) -> None:
         sc = vllm_config.scheduler_config
         max_seqs = max(sc.max_num_seqs, sc.max_num_active_seqs or 0)
+        if self.connector is not None:
+            # Requests waiting for an asynchronous load hold blocks (a kvmem row each) but
+            # are not running: rows for as many of them as there are blocks, up to
+            # max(max_seqs, 256) more (past that, a load waits for a row).
+            max_seqs += min(kv_cache_config.num_blocks - 1, max(max_seqs, 256))
         self.kv_cache_manager = VllmKVCacheAdapter(
             num_blocks=kv_cache_config.num_blocks, block_size=block_size,
             max_model_len=vllm_config.model_config.max_model_len, max_num_seqs=max_seqs,
@@ -197,7 +263,10 @@ class _KVMemMixin(_SchedulerBase):
             async_scheduling=isinstance(self, AsyncScheduler),
             verify_block_tables=self.verify_block_tables,
             speculative=vllm_config.speculative_config is not None,
-            use_eagle=self.use_eagle_block_drop)
+            use_eagle=self.use_eagle_block_drop, connector=self.connector is not None)
+        if self.connector is not None:
+            # vLLM's __init__ bound the connector to the manager it built; bind it to kvmem's.
+            self.connector.bind_kv_cache_manager(self.kv_cache_manager)
         # Requests aborted by the check, reported to their clients by the next
         # update_from_output: id -> (client index, reason).
         self._kvmem_aborted: dict[str, tuple[int, str]] = {}
@@ -209,6 +278,8 @@ class _KVMemMixin(_SchedulerBase):
 
     def _check_request(self, request: Request) -> None:
         """Refuse (before the scheduler sees it) a request whose KV this scheduler cannot key."""
+        if not self._on_kvmem():
+            return
         rid = request.request_id
         if request.prompt_embeds is not None:
             raise _refuse("prompt embeddings (prompt_embeds)", f"request {rid!r} has them",
@@ -254,9 +325,13 @@ class _KVMemMixin(_SchedulerBase):
                                  f"{adapter_name} is refused: {e}; nothing was added") from e
         # vLLM's block hashes serve vLLM's own prefix cache, which this scheduler does not use
         # (kvmem keys its pages itself, when they fill): stop hashing every output token.
-        request._block_hasher = None
+        # KV connectors key what they store and load by them: kept then.
+        if self.connector is None:
+            request._block_hasher = None
 
     def _after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        if not self._on_kvmem():
+            return out
         adapter = self.kv_cache_manager
         adapter.flush()
         failed = adapter.integrity_aborts

@@ -93,6 +93,10 @@ class SchedulerSpec:
     # inputs need one at least as long as their longest input)
     encoder_cache_size: int = 0
     max_loras: int = 0  # vLLM's lora_config.max_loras (0: no lora_config)
+    # A KV connector (kvmem.integrations.vllm._connector_script.ScriptedConnector): what each
+    # request finds outside the GPU cache is its StreamRequest's ``external``.
+    connector: bool = False
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"  # vLLM's policy
 
     def __post_init__(self) -> None:
         _check("SchedulerSpec", [
@@ -111,7 +115,10 @@ class SchedulerSpec:
             lambda: _below_one(self.watermark, "watermark"),
             lambda: choice(self.policy, "policy", ("fcfs", "priority")),
             *(lambda name=name: flag(getattr(self, name), name) for name in (
-                "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid")),
+                "enable_prefix_caching", "async_scheduling", "kv_events", "paranoid",
+                "connector")),
+            lambda: choice(self.load_failure_policy, "load_failure_policy",
+                           ("recompute", "fail")),
             self._check_spec,
             lambda: real(self.draft_acceptance, "draft_acceptance", minimum=0.0, maximum=1.0),
             lambda: integer(self.encoder_cache_size, "encoder_cache_size", minimum=0),
@@ -148,6 +155,14 @@ class StreamRequest:
     priority: int = 0
     lora: str | None = None
     mm: tuple[tuple[str, int, int], ...] = ()
+    # With a connector (SchedulerSpec.connector): the prompt tokens it finds outside the GPU
+    # cache, whether it loads them asynchronously, whether it keeps reading the request's
+    # blocks after it finished (a delayed free), and the load's failure (None: it succeeds;
+    # -1: the whole load; k: the load of the request's block k).
+    external: int = 0
+    load_async: bool = False
+    delay_free: bool = False
+    load_fails: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):  # a replay typed by hand: the tuple it stands for
@@ -162,6 +177,11 @@ class StreamRequest:
             lambda: integer(self.priority, "priority"),
             lambda: _of_type(self.lora, "lora", (str, type(None)), "None or a str"),
             self._check_mm,
+            lambda: integer(self.external, "external", minimum=0),
+            lambda: flag(self.load_async, "load_async"),
+            lambda: flag(self.delay_free, "delay_free"),
+            lambda: None if self.load_fails is None else integer(
+                self.load_fails, "load_fails", minimum=-1),
         ])
 
     def _check_mm(self) -> None:
@@ -227,6 +247,12 @@ class StreamSpec:
             raise ArgumentError(f"requests: ids {twice} are given twice; a request id names one "
                                 "request (vLLM refuses a duplicate)")
         if isinstance(self.sched, SchedulerSpec):
+            scripted = [r.rid for r in reqs if r.external or r.delay_free
+                        or r.load_fails is not None]
+            if scripted and not self.sched.connector:
+                raise ArgumentError(
+                    f"requests {scripted[:4]}: external tokens, delayed frees or load "
+                    "failures need a connector (SchedulerSpec(connector=True))")
             long = [r.rid for r in reqs if len(r.prompt) > self.sched.max_model_len]
             if long:
                 raise ArgumentError(
@@ -262,11 +288,13 @@ class StreamStep:
     # workers (after the previous step's rejected drafts were rolled back), in order
     computed: list[int] = field(default_factory=list)
     drafts: dict[str, int] = field(default_factory=dict)  # draft tokens scheduled per request
+    waiting_for_kv: list[str] = field(default_factory=list)  # asynchronous loads in flight
 
     def key(self) -> tuple[Any, ...]:
         return (self.new, self.cached, self.resumed, sorted(self.num_scheduled.items()),
                 self.preempted, self.finished, self.sharing, self.usage,
-                sorted(self.events.items()), self.computed, sorted(self.drafts.items()))
+                sorted(self.events.items()), self.computed, sorted(self.drafts.items()),
+                self.waiting_for_kv)
 
 
 @dataclass
@@ -305,13 +333,17 @@ def draft_at(rid: str, position: int, seed: int, acceptance: float) -> int:
 def random_stream(rng: random.Random, *, max_requests: int = 10,
                   speculative: bool | None = None,
                   spec_methods: tuple[SpecMethod, ...] = SPEC_METHODS,
-                  keys: bool | None = None) -> StreamSpec:
+                  keys: bool | None = None, connector: bool = False) -> StreamSpec:
     """A stream that exercises prefix sharing at several depths, several salts, chunked
     prefill, aborts, (often) a pool small enough to preempt, (in 40% of the streams, or
     every one with ``speculative=True``, none with False) speculative decoding by one of
     ``spec_methods``: 1-4 or ``block_size + 1`` drafts a step, accepted at a random rate
-    (0, 0.5, 0.8 or 1), and (in 30%, or every one with ``keys=True``, none with False)
-    requests with LoRA adapters and images, which change block keys. Same rng state, same
+    (0, 0.5, 0.8 or 1), and (in 30%, or every one with ``keys=True``, none with False or
+    with a connector unless ``keys=True``) requests with LoRA adapters and images, which
+    change block keys; and, with ``connector=True``, a KV connector instead of speculative
+    decoding: half the requests find part or all of their prompt outside the GPU cache,
+    loaded synchronously or asynchronously, some keep their blocks with the connector after
+    they finish, some loads fail (under either of vLLM's policies). Same rng state, same
     stream. ``rng``: a ``random.Random``; ``max_requests``: at least 1."""
     if not isinstance(rng, random.Random):
         raise ArgumentTypeError(f"rng={show(rng)}: expected a random.Random (e.g. "
@@ -321,6 +353,7 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
         flag(speculative, "speculative")
     if keys is not None:
         flag(keys, "keys")
+    flag(connector, "connector")
     if (not isinstance(spec_methods, tuple) or not spec_methods
             or not set(spec_methods) <= set(SPEC_METHODS)):
         raise ArgumentError(f"spec_methods={show(spec_methods)}: expected a non-empty tuple of "
@@ -385,8 +418,31 @@ def random_stream(rng: random.Random, *, max_requests: int = 10,
             pipeline = 1
     # LoRA adapters and images, drawn after everything above (which then makes the same
     # streams as before).
+    if keys is None and connector:
+        keys = False  # (a connector's streams draw no keys unless asked)
     if (rng.random() < 0.3) if keys is None else keys:
         requests, sched = _with_keys(rng, requests, sched)
+    # A KV connector, drawn after everything above (the same streams as before otherwise).
+    if connector:
+        # (no drafts with a connector: vLLM's own scheduler trips on a synchronous load
+        # that leaves a speculating request fewer tokens than its drafts)
+        sched = replace(sched, connector=True, spec_method=None, num_spec_tokens=0,
+                        load_failure_policy=rng.choice(("recompute", "fail")))
+        scripted = []
+        for r in requests:
+            if rng.random() < 0.5:
+                n = len(r.prompt)
+                external = min(n, rng.choice((block_size, 2 * block_size, n - 1, n)))
+                load_async = rng.random() < 0.5
+                # (a synchronous load's failed blocks under "recompute": kvmem takes them out
+                # of its prefix cache, vLLM keeps them cached; the streams differ by design,
+                # tests/test_vllm_scheduler.py compares those runs)
+                fails = ((None, None, None, -1, 0, 1)
+                         if load_async or sched.load_failure_policy == "fail" else (None,))
+                r = replace(r, external=max(external, 0), load_async=load_async,
+                            delay_free=rng.random() < 0.3, load_fails=rng.choice(fails))
+            scripted.append(r)
+        requests = scripted
     return StreamSpec(sched, tuple(requests), max_steps=400, seed=seed, pipeline=pipeline)
 
 

@@ -93,6 +93,10 @@ def make_vllm_config(spec: SchedulerSpec) -> tuple[Any, Any]:
         # (set after the config is built: VllmConfig checks a LoRA config against the
         # model's weights, which the tiny model has none of; the scheduler reads max_loras)
         object.__setattr__(vc, "lora_config", LoRAConfig(max_loras=spec.max_loras))
+    if spec.connector:
+        from kvmem.integrations.vllm._connector_script import connector_config
+
+        vc.kv_transfer_config = connector_config(policy=spec.load_failure_policy)
     kc = KVCacheConfig(num_blocks=spec.num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1,
                                                       head_size=1, dtype=torch.float32))])

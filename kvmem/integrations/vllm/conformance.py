@@ -171,10 +171,25 @@ class Driver:
         self.table_mismatches = 0
         self._record_of: dict[int, StreamStep] = {}
         self._output_of: dict[int, Any] = {}
+        # The workers' side of the connector's transfers (SchedulerSpec.connector).
+        self.transfers: Any = None
+        if spec.connector:
+            from kvmem.integrations.vllm._connector_script import WorkerStandIn
+
+            self.transfers = WorkerStandIn()
 
     def add(self, r: StreamRequest) -> None:
         req = make_request(r, self.spec.block_size)
         self.requests[r.rid] = req
+        if self.transfers is not None:  # what the connector will find for it
+            conn = self.sched.connector
+            if r.external:
+                conn.hits[r.rid] = (r.external, r.load_async)
+            if r.delay_free:
+                conn.delay_free.add(r.rid)
+            if r.load_fails is not None:
+                self.transfers.fail_loads[r.rid] = ("request" if r.load_fails < 0
+                                                    else r.load_fails)
         self.sched.add_request(req)
 
     def abort(self, rids: Sequence[str]) -> None:
@@ -195,12 +210,17 @@ class Driver:
             preempted=sorted(out.preempted_req_ids), finished=sorted(out.finished_req_ids),
             sharing=self.worker.sharing(), usage=self.sched.get_kv_cache_usage(),
             computed=list(c.num_computed_tokens),
-            drafts={rid: len(t) for rid, t in out.scheduled_spec_decode_tokens.items()})
+            drafts={rid: len(t) for rid, t in out.scheduled_spec_decode_tokens.items()},
+            waiting_for_kv=sorted(rid for rid, r in self.sched.requests.items()
+                                  if r.status.name == "WAITING_FOR_REMOTE_KVS"))
         self.records.append(rec)
         self._record_of[id(out)] = rec
         # The model runs the step as scheduled, whenever its output is handed back.
         self._output_of[id(out)] = model_output(self.sched, out, self.seed,
                                                 self.spec.draft_acceptance)
+        if self.transfers is not None:  # what the workers' transfers report with it
+            self._output_of[id(out)].kv_connector_output = self.transfers.output(
+                self.sched, out, len(self.records))
         if self.kvmem and self.check_tables:
             self.table_mismatches += _table_mismatches(self.sched, self.worker)
         return out
