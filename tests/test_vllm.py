@@ -984,8 +984,9 @@ def test_the_floor_benchmark_prints_the_documented_keys_and_its_bound(
     assert floor.main(["--requests", "8", "--decode-steps", "20"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["batch"] == 8 and r["decode_steps"] == 20 and r["mismatched_steps"] == 0
-    assert 0 < r["kvmem_flush_us"] < r["kvmem_kv_us"]
-    assert 0 < r["kvmem_per_request_us"] < r["kvmem_kv_us"]  # (a median of the differences)
+    # (the KV times less an estimate of the timers' own cost: on a busy machine a step's
+    # estimate may exceed its per-request calls, so only the flush is surely positive)
+    assert r["kvmem_flush_us"] > 0 and r["kvmem_per_request_us"] < r["kvmem_kv_us"]
     assert r["kv_speedup_bound"] == pytest.approx(
         r["vllm_kv_us"] / (r["floor_step_us"] + r["kvmem_per_request_us"]), rel=0.01)
     assert r["floor_step_us"] > 0 and r["floor_step_warm_us"] > 0

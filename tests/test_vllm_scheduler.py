@@ -773,33 +773,10 @@ def _connector_run(kvmem: bool, spec: SchedulerSpec, prompts: dict[str, tuple[in
     the form both managers must agree on (with the connector's KV events), and the
     scheduler."""
     from kvmem.integrations.vllm._connector_script import WorkerStandIn
-    from kvmem.integrations.vllm._vllm_objects import (
-        EventRecorder,
-        make_request,
-        make_vllm_config,
-        model_output,
-    )
+    from kvmem.integrations.vllm._vllm_objects import make_request, make_scheduler, model_output
 
     worker = worker if worker is not None else WorkerStandIn()
-    vc, kc = make_vllm_config(spec)
-    vc.kv_transfer_config = transfer
-    if kvmem:
-        from kvmem.integrations.vllm import KVMemAsyncScheduler
-
-        cls: object = KVMemAsyncScheduler if spec.async_scheduling else KVMemScheduler
-        if spec.paranoid:
-            cls = type(f"Paranoid{cls.__name__}", (cls,), {"verify_block_tables": True})
-    else:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        cls = AsyncScheduler if spec.async_scheduling else Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    sched = cls(vllm_config=vc, kv_cache_config=kc,
-                structured_output_manager=StructuredOutputManager(vc),
-                block_size=spec.block_size, log_stats=True)
-    sched.kv_event_publisher = EventRecorder()
+    sched = make_scheduler(spec, kvmem, log_stats=True, kv_transfer_config=transfer)
     if setup is not None:
         setup(sched)
     arrivals = arrivals or {}

@@ -399,17 +399,26 @@ class VllmKVCacheAdapter:
                            has_scheduled_reqs, num_external_computed_tokens,
                            bool(delay_cache_blocks))
 
-    def _grow(self, request: Any, st: RequestState, num_new_tokens: int, num_lookahead_tokens: int,
-              reserved_blocks: int) -> KVMemBlocks | None:
-        """A running request that needs new pages: decided now, allocated at the flush."""
-        if num_new_tokens == 0:  # vLLM's ValueError, as kvmem's (a ValueError too)
+    def _growth(self, request: Any, st: RequestState, num_new_tokens: int,
+                num_lookahead_tokens: int) -> tuple[int, int, int]:
+        """A running request's step: ``(its computed tokens, the tokens its pages must hold,
+        the pages it needs beyond its reservation)``; vLLM's ValueError (kvmem's
+        ArgumentError, a ValueError too) for a step of no new tokens."""
+        if num_new_tokens == 0:
             raise ArgumentError(
                 f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
                 "there are no computed tokens to adopt (got 0 new tokens; nothing changed)")
-        p = self.block_size
         computed = request.num_computed_tokens
         need_tokens = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        need = _cdiv(need_tokens, p) - st.cap // p
+        p = self.block_size
+        return computed, need_tokens, _cdiv(need_tokens, p) - st.cap // p
+
+    def _grow(self, request: Any, st: RequestState, num_new_tokens: int, num_lookahead_tokens: int,
+              reserved_blocks: int) -> KVMemBlocks | None:
+        """A running request that needs new pages: decided now, allocated at the flush."""
+        computed, need_tokens, need = self._growth(request, st, num_new_tokens,
+                                                   num_lookahead_tokens)
+        p = self.block_size
         if need > self._num_free() - reserved_blocks:
             return None
         if need <= 0:
@@ -512,14 +521,9 @@ class VllmKVCacheAdapter:
         batch is still waiting: vLLM's watermark and full-sequence checks apply to it):
         reconciled first, then queued with an explicit commit target (its committed tokens
         are not its computed ones)."""
-        if num_new_tokens == 0:
-            raise ArgumentError(
-                f"request {request.request_id!r}: num_new_tokens must be greater than 0 when "
-                "there are no computed tokens to adopt (got 0 new tokens; nothing changed)")
+        computed, need_tokens, need = self._growth(request, st, num_new_tokens,
+                                                   num_lookahead_tokens)
         p = self.block_size
-        computed = request.num_computed_tokens
-        need_tokens = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        need = _cdiv(need_tokens, p) - st.cap // p
         free = self._num_free()
         watermark = (self.watermark_blocks
                      if has_scheduled_reqs and request.status in self._admitting else 0)

@@ -116,9 +116,11 @@ class EventRecorder:
         pass
 
 
-def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False) -> Any:
+def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False,
+                   kv_transfer_config: Any = None) -> Any:
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``), on vLLM's own manager
-    or (``kvmem=True``) kvmem's."""
+    or (``kvmem=True``) kvmem's; ``kv_transfer_config``: a KV connector's config (vLLM's
+    ``KVTransferConfig``) in place of the spec's own."""
     from vllm.v1.structured_output import StructuredOutputManager
 
     if kvmem:
@@ -133,6 +135,8 @@ def make_scheduler(spec: SchedulerSpec, kvmem: bool, log_stats: bool = False) ->
 
         cls = AsyncScheduler if spec.async_scheduling else Scheduler
     vc, kc = make_vllm_config(spec)
+    if kv_transfer_config is not None:
+        vc.kv_transfer_config = kv_transfer_config
     sched = cls(vllm_config=vc, kv_cache_config=kc,
                 structured_output_manager=StructuredOutputManager(vc),
                 block_size=spec.block_size, log_stats=log_stats)
